@@ -1,0 +1,24 @@
+# Two commands on a fresh clone: `make train` and `make test`. Both create .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: train test install clean
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,plot]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) train.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) out

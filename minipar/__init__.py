@@ -1,0 +1,53 @@
+"""minipar: a minimal, readable 4D-parallel trainer for Llama-style models.
+
+    import minipar
+    pgm = minipar.init(minipar.ParallelismConfig(tp_size=2))   # under torchrun, or on one process
+    pgm.tp.rank, pgm.dp_shard_cp.group, pgm.cp.next_rank, ...
+
+The pieces, one idea per file: config (the four sizes), mesh (the grid and its groups), comm (the
+collectives and their ledger), tensor_parallel, data_parallel, zero3, context_parallel,
+checkpoint, data, optim. models/llama.py composes them into the reference decoder.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from .config import ParallelismConfig
+from .mesh import ProcessGroupManager
+
+__all__ = ["ParallelismConfig", "ProcessGroupManager", "init", "default_device"]
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init(config: ParallelismConfig = None, timeout_s: float = 1800) -> ProcessGroupManager:
+    """Set up the default process group if needed and return this rank's ProcessGroupManager.
+
+    Under torchrun the world comes from its environment (RANK, WORLD_SIZE, MASTER_ADDR, ...);
+    without it, one process forms a world of one. NCCL when CUDA is there, gloo otherwise. The
+    config is resolved (an unset dp_shard_size takes the remainder) and checked against the world
+    size on every rank before any group is created, so a bad config raises instead of hanging.
+    """
+    config = config if config is not None else ParallelismConfig.from_env()
+    if not dist.is_initialized():
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        config.resolve(world_size)          # fail before any rendezvous
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(default_device())
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            if world_size != 1:
+                raise ValueError(f"WORLD_SIZE={world_size} but no RANK/MASTER_ADDR: launch with torchrun")
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return ProcessGroupManager(config)

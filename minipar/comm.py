@@ -1,0 +1,232 @@
+"""The collectives every parallel piece uses, and the communication ledger that counts them.
+
+Each function takes a `MeshDim` (pgm.tp, pgm.dp_shard_cp, ...) instead of a raw process group,
+so that a size-1 dimension returns at once without communicating, and so that the ledger can say
+which group a call went over.
+
+    collective          buffer (n = group size)               bytes each rank sends (ring algorithm)
+    all_reduce          x: [N]                 -> [N] summed    2 (n-1)/n * bytes(x)
+    all_gather          x: [N/n] per rank      -> [N]           (n-1)/n * bytes(out)
+    reduce_scatter      x: [N]                 -> [N/n] summed  (n-1)/n * bytes(in)
+    all_to_all          x: [N] in n slices     -> [N]           (n-1)/n * bytes(x)
+    ring send/recv      x -> next rank, y <- previous rank      bytes(x)
+
+torch 2.13 deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` in favour of
+`all_gather_single` / `reduce_scatter_single`; older releases (2.4 ...) only have the first pair.
+We pick whichever exists, so no deprecation warning is raised on any supported release.
+
+The ledger: `with comm.ledger() as led: ...` records every call made inside (op, group name,
+group size, element count, bytes of the full buffer, and the bytes this rank puts on the wire by
+the table above). Tests and benchmarks compare it against theory. It is an opt-in recorder, not a
+setting: nothing in the model reads it. `comm.mark("label")` adds a marker to the record, so an
+order of events (a prefetch issued before a forward ends, say) can be checked.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---------------------------------------------------------------------------------------- ledger
+@dataclass
+class Record:
+    op: str
+    group: str
+    group_size: int
+    numel: int
+    bytes: int
+    wire_bytes: float
+    dtype: str = ""
+
+
+@dataclass
+class Ledger:
+    events: list = field(default_factory=list)   # Records and str markers, in call order
+
+    @property
+    def records(self) -> List[Record]:
+        return [e for e in self.events if isinstance(e, Record)]
+
+    def filter(self, op: Optional[str] = None, group: Optional[str] = None) -> List[Record]:
+        return [r for r in self.records if (op is None or r.op == op) and (group is None or r.group == group)]
+
+    def total_bytes(self, op: Optional[str] = None, group: Optional[str] = None) -> int:
+        return sum(r.bytes for r in self.filter(op, group))
+
+    def wire_bytes(self, op: Optional[str] = None, group: Optional[str] = None) -> float:
+        return sum(r.wire_bytes for r in self.filter(op, group))
+
+    def count(self, op: Optional[str] = None, group: Optional[str] = None) -> int:
+        return len(self.filter(op, group))
+
+    def summary(self) -> dict:
+        """{(op, group): (calls, bytes)}"""
+        out: dict = {}
+        for r in self.records:
+            calls, nbytes = out.get((r.op, r.group), (0, 0))
+            out[(r.op, r.group)] = (calls + 1, nbytes + r.bytes)
+        return out
+
+
+# The active ledgers. A list, not thread-local: backward hooks may run on autograd's device
+# threads and must still be counted.
+_ACTIVE: List[Ledger] = []
+
+
+@contextlib.contextmanager
+def ledger():
+    led = Ledger()
+    _ACTIVE.append(led)
+    try:
+        yield led
+    finally:
+        _ACTIVE.remove(led)
+
+
+def mark(label: str) -> None:
+    for led in _ACTIVE:
+        led.events.append(label)
+
+
+def _record(op: str, dim, tensor: torch.Tensor, wire_factor: float) -> None:
+    if not _ACTIVE:
+        return
+    nbytes = tensor.numel() * tensor.element_size()
+    rec = Record(op, dim.name, dim.size, tensor.numel(), nbytes, wire_factor * nbytes, str(tensor.dtype))
+    for led in _ACTIVE:
+        led.events.append(rec)
+
+
+class _Done:
+    """What an async call on a size-1 group returns: already complete."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _reduce_op(op):
+    if isinstance(op, str):
+        return {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "avg": "avg"}[op]
+    return op
+
+
+# ----------------------------------------------------------------------------------- collectives
+def all_reduce(tensor: torch.Tensor, dim, op="sum", async_op: bool = False):
+    """In place. op "avg" is a sum then a division (gloo has no AVG)."""
+    if dim.size == 1:
+        return _Done() if async_op else tensor
+    n = dim.size
+    _record("all_reduce", dim, tensor, 2 * (n - 1) / n)
+    op = _reduce_op(op)
+    if op == "avg":
+        if async_op:
+            raise ValueError("all_reduce(op='avg') cannot be async; sum asynchronously and divide after wait()")
+        dist.all_reduce(tensor, op=ReduceOp.SUM, group=dim.group)
+        return tensor.div_(n)
+    work = dist.all_reduce(tensor, op=op, group=dim.group, async_op=async_op)
+    return work if async_op else tensor
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, dim, async_op: bool = False):
+    """output (n * len, ...) <- the inputs (len, ...) of all ranks, concatenated along dim 0."""
+    if output.shape[0] != input.shape[0] * dim.size:
+        raise ValueError(f"all_gather_into: output has {output.shape[0]} rows, expected "
+                         f"{dim.size} x {input.shape[0]} over {dim.name}")
+    if dim.size == 1:
+        output.copy_(input)
+        return _Done() if async_op else output
+    _record("all_gather", dim, output, (dim.size - 1) / dim.size)
+    work = _all_gather_single(output, input.contiguous(), group=dim.group, async_op=async_op)
+    return work if async_op else output
+
+
+def all_gather(tensor: torch.Tensor, dim, gather_dim: int = 0) -> torch.Tensor:
+    """The tensors of all ranks concatenated along `gather_dim` (a new tensor)."""
+    if dim.size == 1:
+        return tensor
+    moved = tensor.movedim(gather_dim, 0).contiguous()
+    out = moved.new_empty((dim.size * moved.shape[0],) + tuple(moved.shape[1:]))
+    all_gather_into(out, moved, dim)
+    return out.movedim(0, gather_dim)
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, dim, op="sum", async_op: bool = False):
+    """output (len, ...) <- this rank's slice of the sum over ranks of input (n * len, ...)."""
+    if input.shape[0] != output.shape[0] * dim.size:
+        raise ValueError(f"reduce_scatter_into: input has {input.shape[0]} rows, expected "
+                         f"{dim.size} x {output.shape[0]} over {dim.name}")
+    if dim.size == 1:
+        output.copy_(input)
+        return _Done() if async_op else output
+    _record("reduce_scatter", dim, input, (dim.size - 1) / dim.size)
+    op = _reduce_op(op)
+    if op == "avg":
+        raise ValueError("reduce_scatter: use op='sum' and scale; gloo has no AVG")
+    work = _reduce_scatter_single(output, input.contiguous(), op=op, group=dim.group, async_op=async_op)
+    return work if async_op else output
+
+
+def reduce_scatter(tensor: torch.Tensor, dim, scatter_dim: int = 0) -> torch.Tensor:
+    """This rank's chunk (along `scatter_dim`) of the sum of `tensor` over the group."""
+    if dim.size == 1:
+        return tensor
+    if tensor.shape[scatter_dim] % dim.size:
+        raise ValueError(f"reduce_scatter: size {tensor.shape[scatter_dim]} of dim {scatter_dim} is not "
+                         f"divisible by the {dim.name} group size {dim.size}")
+    moved = tensor.movedim(scatter_dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // dim.size,) + tuple(moved.shape[1:]))
+    reduce_scatter_into(out, moved, dim)
+    return out.movedim(0, scatter_dim)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, dim, async_op: bool = False):
+    """Slice i of dim 0 of `input` goes to rank i; slice j of `output` comes from rank j."""
+    if dim.size == 1:
+        output.copy_(input)
+        return _Done() if async_op else output
+    _record("all_to_all", dim, input, (dim.size - 1) / dim.size)
+    work = dist.all_to_all_single(output, input.contiguous(), group=dim.group, async_op=async_op)
+    return work if async_op else output
+
+
+def broadcast(tensor: torch.Tensor, dim, src_group_rank: int = 0):
+    """In place, from the member with group rank `src_group_rank`."""
+    if dim.size == 1:
+        return tensor
+    _record("broadcast", dim, tensor, 1.0 if dim.rank == src_group_rank else 0.0)
+    dist.broadcast(tensor, src=dim.ranks[src_group_rank], group=dim.group)
+    return tensor
+
+
+def ring_shift(send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], dim) -> list:
+    """Start sending each tensor of `send` to the next rank of the ring and receiving each of
+    `recv` from the previous one; returns the works to wait on. On a size-1 ring it copies."""
+    if len(send) != len(recv):
+        raise ValueError("ring_shift: as many receive buffers as tensors sent")
+    if dim.size == 1:
+        for s, r in zip(send, recv):
+            r.copy_(s)
+        return []
+    ops = []
+    for s, r in zip(send, recv):
+        _record("send_recv", dim, s, 1.0)
+        ops.append(dist.P2POp(dist.isend, s.contiguous(), dim.next_rank, group=dim.group))
+        ops.append(dist.P2POp(dist.irecv, r, dim.prev_rank, group=dim.group))
+    return dist.batch_isend_irecv(ops)
+
+
+def wait_all(works) -> None:
+    for w in works:
+        w.wait()

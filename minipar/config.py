@@ -1,0 +1,157 @@
+"""ParallelismConfig: how many ranks each of the four dimensions gets.
+
+The world is a 4D grid of ranks (see mesh.py for the layout):
+
+    world_size = dp_replicate_size x dp_shard_size x cp_size x tp_size
+
+    dp_replicate_size   copies of the model; gradients all-reduced            (DDP, HSDP's outer dim)
+    dp_shard_size       ZeRO-3 shards; params/grads/optimizer states split    (FSDP, HSDP's inner dim)
+    cp_size             the sequence split; attention as ring attention       (context parallel)
+    tp_size             weight matrices and heads split; activations reduced  (tensor parallel)
+
+The names are HF accelerate's `ParallelismConfig`; sizes may also come from accelerate's
+environment variables PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,CP,TP}_SIZE. A dp_shard_size left
+unset (None) takes whatever is left of the world after the other three, as Axolotl does, so
+`torchrun --nproc-per-node 8 train.py --tensor_parallel_size 2` shards over the remaining 4.
+
+Nothing here communicates: every check runs on every rank before the first collective, so a
+config that cannot work raises the same ValueError everywhere instead of hanging the job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+ENV_PREFIX = "PARALLELISM_CONFIG_"
+SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate_size: Optional[int] = None
+    dp_shard_size: Optional[int] = None
+    cp_size: Optional[int] = None
+    tp_size: Optional[int] = None
+    # Megatron sequence parallelism inside the tp group (activations split along the sequence
+    # between the tensor-parallel regions); only meaningful when tp_size > 1.
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelismConfig.{name} must be a positive integer or None, got {value!r}")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_env(cls, **overrides) -> "ParallelismConfig":
+        """Sizes from accelerate's environment variables; explicit (non-None) overrides win."""
+        values = {}
+        for name in SIZE_FIELDS:
+            raw = os.environ.get(ENV_PREFIX + name.upper())
+            if raw is not None and raw.strip() != "":
+                try:
+                    values[name] = int(raw)
+                except ValueError:
+                    raise ValueError(f"environment variable {ENV_PREFIX + name.upper()}={raw!r} is not an integer")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def sizes(self) -> dict:
+        return {name: getattr(self, name) for name in SIZE_FIELDS}
+
+    @property
+    def total_size(self) -> int:
+        """Product of the four sizes, unset ones counted as 1."""
+        total = 1
+        for value in self.sizes.values():
+            total *= value or 1
+        return total
+
+    def _describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.sizes.items())
+
+    def resolve(self, world_size: int) -> "ParallelismConfig":
+        """A copy with every size set, checked against the world size.
+
+        Unset dp_replicate/cp/tp become 1; an unset dp_shard takes the remainder of the world.
+        """
+        if world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {world_size}")
+        fixed = {k: (v if v is not None else 1) for k, v in self.sizes.items() if k != "dp_shard_size"}
+        others = fixed["dp_replicate_size"] * fixed["cp_size"] * fixed["tp_size"]
+        shard = self.dp_shard_size
+        if shard is None:
+            if world_size % others != 0:
+                raise ValueError(
+                    f"cannot fit the parallel sizes ({self._describe()}) to world size {world_size}: "
+                    f"dp_replicate_size x cp_size x tp_size = {others} does not divide {world_size}, so "
+                    f"dp_shard_size cannot take the remainder. Launch a multiple of {others} processes "
+                    f"or change the sizes.")
+            shard = world_size // others
+        resolved = dataclasses.replace(self, dp_shard_size=shard, **fixed)
+        if resolved.total_size != world_size:
+            raise ValueError(
+                f"parallel sizes do not multiply to the world size: {resolved._describe()} multiply to "
+                f"{resolved.total_size}, but the world size is {world_size}. Change the sizes so that "
+                f"dp_replicate_size x dp_shard_size x cp_size x tp_size = {world_size}, leave "
+                f"dp_shard_size unset to take the remainder, or launch {resolved.total_size} processes.")
+        if resolved.sequence_parallel and resolved.tp_size == 1:
+            resolved = dataclasses.replace(resolved, sequence_parallel=False)
+        return resolved
+
+    # ------------------------------------------------------------------ model checks
+    def validate_model(self, model_config, sequence_len: Optional[int] = None) -> None:
+        """Check that the model and sequence can be split this way; raise a ValueError that says
+        which value to change. `model_config` needs HF-style fields (num_attention_heads, ...)."""
+        tp = self.tp_size or 1
+        cp = self.cp_size or 1
+        problems = []
+        heads = model_config.num_attention_heads
+        kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+        vocab = model_config.vocab_size
+        if heads % tp:
+            problems.append(f"num_attention_heads={heads} is not divisible by tp_size={tp}: choose a tp_size that "
+                            f"divides {heads} (one of {_divisors(heads)}) or change num_attention_heads")
+        if kv_heads % tp:
+            problems.append(f"num_key_value_heads={kv_heads} is not divisible by tp_size={tp}: choose a tp_size "
+                            f"that divides {kv_heads} (one of {_divisors(kv_heads)}) or change num_key_value_heads")
+        if vocab % tp:
+            nearest = (vocab + tp - 1) // tp * tp
+            problems.append(f"vocab_size={vocab} is not divisible by tp_size={tp}: pad vocab_size to {nearest} "
+                            f"or choose a tp_size that divides {vocab}")
+        if model_config.intermediate_size % tp:
+            problems.append(f"intermediate_size={model_config.intermediate_size} is not divisible by tp_size={tp}: "
+                            f"change intermediate_size to a multiple of {tp}")
+        if sequence_len is not None:
+            check_sequence_len(sequence_len, cp, problems)
+            if self.sequence_parallel and tp > 1 and (sequence_len // cp) % tp:
+                problems.append(f"sequence_parallel needs the local sequence length (sequence_len / cp_size = "
+                                f"{sequence_len // cp}) divisible by tp_size={tp}: change sequence_len")
+        if problems:
+            raise ValueError("the model cannot be split with " + self._describe() + ":\n  - " + "\n  - ".join(problems))
+
+
+def check_sequence_len(sequence_len: int, cp: int, problems: Optional[list] = None) -> None:
+    """Zigzag context parallelism cuts each sequence into 2*cp equal chunks."""
+    if sequence_len % (2 * cp) == 0:
+        return
+    lower = sequence_len // (2 * cp) * (2 * cp)
+    upper = lower + 2 * cp
+    nearest = [n for n in (lower, upper) if n > 0]
+    msg = (f"sequence length {sequence_len} is not divisible by 2 * cp_size = {2 * cp} (zigzag context "
+           f"parallelism cuts it into {2 * cp} equal chunks): use sequence_len "
+           f"{' or '.join(map(str, nearest))}, or another cp_size")
+    if problems is None:
+        raise ValueError(msg)
+    problems.append(msg)
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]

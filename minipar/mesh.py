@@ -1,0 +1,202 @@
+"""The process-group manager: the 4D grid of ranks and its groups, built by hand.
+
+Every rank has four coordinates (r, s, c, t) = (dp_replicate, dp_shard, cp, tp) and sits at
+
+    global_rank = ((r * S + s) * C + c) * T + t
+
+so tp varies fastest (neighbouring ranks, the same node, the fastest links: TP talks every layer)
+and dp_replicate slowest (across nodes: it talks once per step). For R=S=C=T=2 on 16 ranks:
+
+    rank:  0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
+    r:     0  0  0  0  0  0  0  0  1  1  1  1  1  1  1  1
+    s:     0  0  0  0  1  1  1  1  0  0  0  0  1  1  1  1
+    c:     0  0  1  1  0  0  1  1  0  0  1  1  0  0  1  1
+    t:     0  1  0  1  0  1  0  1  0  1  0  1  0  1  0  1
+
+A group of a dimension holds the ranks that differ only in that coordinate (tp group of rank 5:
+[4, 5]; cp group: [5, 7]). Three flattened groups let several coordinates vary at once:
+
+    dp           (r, s)      which samples of the global batch a rank reads
+    dp_shard_cp  (s, c)      the ZeRO-3 shard group: params are replicated over cp, so shard over it too
+    dp_cp        (r, s, c)   averaging the loss over every token of the global batch
+
+`torch.distributed.new_group` is collective over the whole world: every rank must call it for
+every group, members or not, in the same order. So each rank walks all groups of all dimensions
+in one fixed order, creates each, and keeps the ones that contain it. Groups with the same members
+(dp_shard_cp and dp_shard when cp = 1, say) are created once and shared.
+
+    python -m minipar.mesh --dp-replicate 2 --dp-shard 2 --cp 2 --tp 2
+
+prints the whole grid and every group without launching anything.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+from typing import Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from .config import ParallelismConfig
+
+COORDS = ("dp_replicate", "dp_shard", "cp", "tp")
+# dimension name -> coordinates that vary inside one of its groups
+DIMENSIONS: Dict[str, Tuple[str, ...]] = {
+    "dp_replicate": ("dp_replicate",),
+    "dp_shard": ("dp_shard",),
+    "cp": ("cp",),
+    "tp": ("tp",),
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+def _shape(config: ParallelismConfig) -> Tuple[int, int, int, int]:
+    return (config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.tp_size)
+
+
+def rank_of(coords: Tuple[int, int, int, int], shape: Tuple[int, int, int, int]) -> int:
+    (r, s, c, t), (_, S, C, T) = coords, shape
+    return ((r * S + s) * C + c) * T + t
+
+
+def coords_of(rank: int, shape: Tuple[int, int, int, int]) -> Tuple[int, int, int, int]:
+    _, S, C, T = shape
+    t, rank = rank % T, rank // T
+    c, rank = rank % C, rank // C
+    s, r = rank % S, rank // S
+    return (r, s, c, t)
+
+
+def all_groups(config: ParallelismConfig) -> Dict[str, List[List[int]]]:
+    """Every group of every dimension as sorted lists of global ranks; pure arithmetic, no torch."""
+    shape = _shape(config)
+    out: Dict[str, List[List[int]]] = {}
+    for name, varying in DIMENSIONS.items():
+        vary = [COORDS.index(v) for v in varying]
+        fixed = [i for i in range(4) if i not in vary]
+        groups = []
+        for fixed_vals in itertools.product(*(range(shape[i]) for i in fixed)):
+            members = []
+            for vary_vals in itertools.product(*(range(shape[i]) for i in vary)):
+                coords = [0] * 4
+                for i, v in zip(fixed, fixed_vals):
+                    coords[i] = v
+                for i, v in zip(vary, vary_vals):
+                    coords[i] = v
+                members.append(rank_of(tuple(coords), shape))
+            groups.append(sorted(members))
+        out[name] = groups
+    return out
+
+
+class MeshDim:
+    """One dimension as seen by one rank: its group, its rank in it, the members' global ranks."""
+
+    def __init__(self, name: str, ranks: List[int], global_rank: int, group):
+        self.name = name
+        self.ranks = list(ranks)
+        self.size = len(ranks)
+        self.rank = self.ranks.index(global_rank)
+        self.global_rank = global_rank
+        self.group = group
+
+    # The ring neighbours; used by context parallelism (K/V travel rank -> next_rank).
+    @property
+    def next_rank(self) -> int:
+        return self.ranks[(self.rank + 1) % self.size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.ranks[(self.rank - 1) % self.size]
+
+    def __repr__(self) -> str:
+        return f"{self.name}(rank {self.rank}/{self.size}, ranks {self.ranks})"
+
+
+class ProcessGroupManager:
+    """All groups of this rank, as attributes: pgm.tp, pgm.cp, pgm.dp_shard_cp, ...
+
+    Needs an initialised default process group (see minipar.init). Pass it explicitly to every
+    parallel piece; there is no module-level singleton.
+    """
+
+    def __init__(self, config: ParallelismConfig, backend: Optional[str] = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ProcessGroupManager needs torch.distributed initialised first: call "
+                               "minipar.init(config), or torch.distributed.init_process_group()")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        self.config = config.resolve(world_size)
+        self.world_size, self.global_rank = world_size, rank
+        self.shape = _shape(self.config)
+        self.coords = dict(zip(COORDS, coords_of(rank, self.shape)))
+
+        created: Dict[Tuple[int, ...], object] = {}
+        mine: Dict[str, List[int]] = {}
+        for name, groups in all_groups(self.config).items():  # same order on every rank
+            for members in groups:
+                key = tuple(members)
+                if key not in created:
+                    created[key] = dist.new_group(ranks=members, backend=backend)
+                if rank in members:
+                    mine[name] = members
+        for name, members in mine.items():
+            setattr(self, name, MeshDim(name, members, rank, created[tuple(members)]))
+
+    @classmethod
+    def local(cls) -> "ProcessGroupManager":
+        """A world of one without torch.distributed: every dimension has size 1 and no group, so
+        the parallel layers run as their plain twins. What a model built with pgm=None uses."""
+        self = cls.__new__(cls)
+        self.config = ParallelismConfig().resolve(1)
+        self.world_size, self.global_rank = 1, 0
+        self.shape = (1, 1, 1, 1)
+        self.coords = dict.fromkeys(COORDS, 0)
+        for name in DIMENSIONS:
+            setattr(self, name, MeshDim(name, [0], 0, None))
+        return self
+
+    @property
+    def dims(self) -> Dict[str, MeshDim]:
+        return {name: getattr(self, name) for name in DIMENSIONS}
+
+    def __repr__(self) -> str:
+        coords = " ".join(f"{k}={v}" for k, v in self.coords.items())
+        shape = "x".join(map(str, self.shape))
+        lines = [f"ProcessGroupManager(rank {self.global_rank} of {self.world_size}, grid "
+                 f"dp_replicate x dp_shard x cp x tp = {shape}, coords {coords}"]
+        lines += [f"  {d!r}" for d in self.dims.values()]
+        return "\n".join(lines) + ")"
+
+
+def describe_grid(config: ParallelismConfig) -> str:
+    """The whole grid and every group, as text (what `python -m minipar.mesh` prints)."""
+    world = config.total_size
+    config = config.resolve(world)
+    shape = _shape(config)
+    lines = [f"grid dp_replicate x dp_shard x cp x tp = {'x'.join(map(str, shape))} = {world} ranks",
+             "global_rank = ((r * S + s) * C + c) * T + t", "",
+             "rank  " + "  ".join(f"{c:>12}" for c in COORDS)]
+    for rank in range(world):
+        lines.append(f"{rank:>4}  " + "  ".join(f"{v:>12}" for v in coords_of(rank, shape)))
+    for name, groups in all_groups(config).items():
+        varying = ", ".join(DIMENSIONS[name])
+        lines += ["", f"{name} groups (size {len(groups[0])}, varying {varying}):"]
+        lines += ["  " + " ".join(str(g) for g in groups)]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Print minipar's 4D rank grid and its groups.")
+    parser.add_argument("--dp-replicate", type=int, default=1)
+    parser.add_argument("--dp-shard", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    args = parser.parse_args(argv)
+    config = ParallelismConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp)
+    print(describe_grid(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# One thread in the test process too: ranks are forked from it, and a forked OpenMP pool is unsafe.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")

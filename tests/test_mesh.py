@@ -1,0 +1,102 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+import minipar
+from minipar import ParallelismConfig, comm
+from minipar.mesh import DIMENSIONS, coords_of, describe_grid, main, rank_of
+from harness import run_world
+
+LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 2), (2, 2, 2, 2), (1, 2, 1, 4), (1, 1, 8, 1),
+           (4, 1, 1, 2), (2, 2, 1, 2), (1, 2, 2, 2), (2, 1, 2, 1)]
+
+
+def _expected_members(rank, shape, name):
+    """Members of `rank`'s group of dimension `name`, straight from the grid formula."""
+    varying = DIMENSIONS[name]
+    mine = coords_of(rank, shape)
+    names = ("dp_replicate", "dp_shard", "cp", "tp")
+    members = []
+    for other in range(shape[0] * shape[1] * shape[2] * shape[3]):
+        oc = coords_of(other, shape)
+        if all(oc[i] == mine[i] for i in range(4) if names[i] not in varying):
+            members.append(other)
+    return members
+
+
+def _check_groups(shape):
+    pgm = minipar.init(ParallelismConfig(*shape))
+    rank = dist.get_rank()
+    out = {}
+    for name, d in pgm.dims.items():
+        assert d.ranks == _expected_members(rank, shape, name), name
+        assert d.size == len(d.ranks) and d.ranks[d.rank] == rank
+        # an all-reduce over the group sums exactly its members (2^rank makes each sum unique)
+        t = torch.tensor([2.0 ** rank], dtype=torch.float64)
+        with comm.ledger() as led:
+            comm.all_reduce(t, d)
+        assert t.item() == sum(2.0 ** m for m in d.ranks), name
+        if d.size == 1:
+            assert led.count() == 0, "a size-1 dim must not communicate"
+        out[name] = d.ranks
+    assert pgm.cp.next_rank == pgm.cp.ranks[(pgm.cp.rank + 1) % pgm.cp.size]
+    assert pgm.cp.prev_rank == pgm.cp.ranks[(pgm.cp.rank - 1) % pgm.cp.size]
+    assert "ProcessGroupManager(rank" in repr(pgm)
+    return out
+
+
+@pytest.mark.parametrize("shape", LAYOUTS, ids=lambda s: "x".join(map(str, s)))
+def test_groups_match_grid(shape):
+    world = shape[0] * shape[1] * shape[2] * shape[3]
+    results = run_world(_check_groups, world, shape, timeout=120)
+    assert len(results) == world
+
+
+def test_grid_formula_roundtrip():
+    shape = (2, 3, 2, 2)
+    for rank in range(24):
+        assert rank_of(coords_of(rank, shape), shape) == rank
+    assert coords_of(5, (2, 2, 2, 2)) == (0, 1, 0, 1)
+
+
+def test_describe_grid_cli(capsys):
+    main(["--dp-replicate", "2", "--dp-shard", "2", "--cp", "2", "--tp", "2"])
+    text = capsys.readouterr().out
+    assert "16 ranks" in text and "dp_shard_cp groups" in text and "[4, 5]" in text
+    assert describe_grid(ParallelismConfig(tp_size=2)).count("\n") > 5
+
+
+def test_pgm_needs_initialised_world():
+    if dist.is_initialized():
+        pytest.skip("a default group exists in this process")
+    with pytest.raises(RuntimeError, match="minipar.init"):
+        minipar.ProcessGroupManager(ParallelismConfig())
+
+
+def _collectives():
+    pgm = minipar.init(ParallelismConfig(dp_shard_size=4))
+    d, r = pgm.dp_shard, pgm.dp_shard.rank
+    with comm.ledger() as led:
+        x = torch.arange(8.0) + 10 * r
+        gathered = comm.all_gather(x.view(2, 4), d, gather_dim=1)       # (2, 16)
+        scattered = comm.reduce_scatter(torch.ones(8, 3) * (r + 1), d)   # (2, 3) of 1+2+3+4
+        out = torch.empty(8)
+        comm.all_to_all(out, torch.full((8,), float(r)), d)
+        recv = torch.empty(3)
+        comm.wait_all(comm.ring_shift([torch.full((3,), float(r))], [recv], d))
+        comm.mark("end")
+    assert gathered.shape == (2, 16) and gathered[0, 4:8].tolist() == [10.0, 11, 12, 13]
+    assert scattered.shape == (2, 3) and scattered.eq(10).all()
+    assert out.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert recv.eq((r - 1) % 4).all()
+    assert [e.op for e in led.records] == ["all_gather", "reduce_scatter", "all_to_all", "send_recv"]
+    assert led.events[-1] == "end"
+    assert led.records[0].bytes == 32 * 4 and led.records[0].wire_bytes == 32 * 4 * 3 / 4
+    return True
+
+
+def test_collectives_and_ledger():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(run_world(_collectives, 4))

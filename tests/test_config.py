@@ -52,7 +52,7 @@ def test_model_checks_name_the_value_to_change():
     with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tp_size=4"):
         cfg.validate_model(_model())
     with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by tp_size=4"):
-        cfg.validate_model(_model(num_attention_heads=6, num_key_value_heads=4))
+        cfg.validate_model(_model(hidden_size=96, num_attention_heads=6, num_key_value_heads=6))
     with pytest.raises(ValueError, match="vocab_size=258 is not divisible by tp_size=4: pad vocab_size to 260"):
         cfg.validate_model(_model(vocab_size=258, num_key_value_heads=4))
     with pytest.raises(ValueError, match="sequence length 60 is not divisible by 2 \\* cp_size = 8.*56 or 64"):

@@ -1,0 +1,343 @@
+"""Tensor parallelism: split the weight matrices of a block over the tp ranks (Megatron-LM).
+
+Shoeybi et al., "Megatron-LM" (2019): an MLP  Y = GeLU(X A) B  is split by columns of A and rows
+of B, so each rank computes its slice of the hidden layer without talking, and one all-reduce
+sums the partial outputs:
+
+         X (b, s, h) -- replicated on every tp rank
+         |  f: identity forward, all-reduce of dX backward
+         v
+    [ X A_1 | X A_2 ]      ColumnParallelLinear: A = [A_1 | A_2], A_i = A.chunk(tp, dim=out)[i]
+         |  act                                   (each rank: (b, s, 4h/tp); nothing sent)
+         v
+    [ Y_1 B_1 + Y_2 B_2 ]  RowParallelLinear: B = [B_1; B_2], B_i = B.chunk(tp, dim=in)[i]
+         |  g: all-reduce forward, identity backward
+         v
+         Z (b, s, h) -- replicated again
+
+f and g are conjugate: each is the other's backward. Attention splits the same way by heads (q, k,
+v column-parallel, each rank keeps heads/tp heads; o row-parallel). Per block: 2 all-reduces of
+b*s*h forward (after o_proj and down_proj), 2 backward (the f before q/k/v and before gate/up).
+
+Sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation", 2022): between
+the tensor-parallel regions the activations are replicated, so the norms and residuals repeat the
+same work on every rank. Split them along the sequence instead: g becomes a reduce-scatter along
+the sequence (b, s, h) -> (b, s/tp, h), and f becomes an all-gather (b, s/tp, h) -> (b, s, h). An
+all-reduce *is* a reduce-scatter plus an all-gather, so the bytes are the same; activations and
+norm work outside the matrix products shrink by tp. Weights used on a sequence shard (the norms)
+then see only part of the tokens: their gradients are summed over tp by passing the weight
+through f (identity forward, all-reduce backward).
+
+The vocabulary is split too: VocabParallelEmbedding keeps rows of the embedding table (ids outside
+the local range give zeros, the partial outputs are summed), the lm_head is column-parallel, and
+vocab_parallel_cross_entropy computes the loss from the local logits (b, s, V/tp) with three
+small all-reduces of b*s numbers: the max, the sum of exponentials, the target logit. The full
+(b, s, V) logits never exist on one rank.
+
+Shard layout (DESIGN.md): column-parallel weight = full.chunk(tp, dim=0)[rank], row-parallel
+weight = full.chunk(tp, dim=1)[rank], embedding = full.chunk(tp, dim=0)[rank]. Every parameter
+carries `tp_split_dim` (None when replicated) so checkpoints and clipping can find the layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm
+
+SEQ_DIM = 1   # activations are (batch, seq, hidden)
+
+
+# ------------------------------------------------------------------------- layout helpers
+def shard_tensor(full: torch.Tensor, split_dim, tp) -> torch.Tensor:
+    """This rank's slice of a full tensor: full.chunk(tp.size, dim=split_dim)[tp.rank]."""
+    if split_dim is None or tp.size == 1:
+        return full
+    if full.shape[split_dim] % tp.size:
+        raise ValueError(f"cannot split dim {split_dim} of size {full.shape[split_dim]} over tp_size={tp.size}")
+    return full.chunk(tp.size, dim=split_dim)[tp.rank].contiguous()
+
+
+def gather_tensor(local: torch.Tensor, split_dim, tp) -> torch.Tensor:
+    """The full tensor from the slices of all tp ranks (inverse of shard_tensor)."""
+    if split_dim is None or tp.size == 1:
+        return local
+    return comm.all_gather(local.contiguous(), tp, gather_dim=split_dim)
+
+
+def _split(x: torch.Tensor, dim: int, tp) -> torch.Tensor:
+    return x.chunk(tp.size, dim=dim)[tp.rank].contiguous()
+
+
+# -------------------------------------------------------------- the conjugate functions
+class CopyToTPRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.contiguous(), ctx.tp), None
+
+
+class ReduceFromTPRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        return comm.all_reduce(x.contiguous(), tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromTPRegion(torch.autograd.Function):
+    """All-gather along `dim` forward; keep this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp, dim=-1):
+        ctx.tp, ctx.dim = tp, dim
+        return comm.all_gather(x, tp, gather_dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.tp), None, None
+
+
+class ScatterToTPRegion(torch.autograd.Function):
+    """Keep this rank's slice along `dim` forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp, dim=-1):
+        ctx.tp, ctx.dim = tp, dim
+        return _split(x, dim, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad, ctx.tp, gather_dim=ctx.dim), None, None
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """SP's f: all-gather along the sequence forward, reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return comm.all_gather(x, tp, gather_dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.reduce_scatter(grad, ctx.tp, scatter_dim=SEQ_DIM), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """SP's g: reduce-scatter along the sequence forward, all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return comm.reduce_scatter(x, tp, scatter_dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad, ctx.tp, gather_dim=SEQ_DIM), None
+
+
+def copy_to_tp_region(x, tp):
+    return CopyToTPRegion.apply(x, tp) if tp.size > 1 else x
+
+
+def reduce_from_tp_region(x, tp):
+    return ReduceFromTPRegion.apply(x, tp) if tp.size > 1 else x
+
+
+def gather_from_tp_region(x, tp, dim=-1):
+    return GatherFromTPRegion.apply(x, tp, dim) if tp.size > 1 else x
+
+
+def scatter_to_tp_region(x, tp, dim=-1):
+    return ScatterToTPRegion.apply(x, tp, dim) if tp.size > 1 else x
+
+
+def gather_from_sequence_parallel_region(x, tp):
+    return GatherFromSequenceParallelRegion.apply(x, tp) if tp.size > 1 else x
+
+
+def reduce_scatter_to_sequence_parallel_region(x, tp):
+    return ReduceScatterToSequenceParallelRegion.apply(x, tp) if tp.size > 1 else x
+
+
+def scatter_to_sequence_parallel_region(x, tp):
+    """Split along the sequence (the gradient is all-gathered back): enters the SP region."""
+    return ScatterToTPRegion.apply(x, tp, SEQ_DIM) if tp.size > 1 else x
+
+
+def enter_tp_region(x, tp, sequence_parallel: bool):
+    """The input communication of column-parallel layers: f, or SP's all-gather. Done once by a
+    caller whose input feeds several column-parallel layers (q, k, v; gate, up), so a block costs
+    one collective here, not three; those layers then run with skip_input_comm=True."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, tp)
+    return copy_to_tp_region(x, tp)
+
+
+def sequence_parallel_weight(weight, tp, sequence_parallel: bool):
+    """A replicated weight used on a sequence shard sees only part of the tokens: pass it through
+    f so that its gradient is summed over tp and stays identical on every tp rank."""
+    return copy_to_tp_region(weight, tp) if sequence_parallel else weight
+
+
+# --------------------------------------------------------------------------------- layers
+def _check_divisible(what: str, value: int, tp) -> int:
+    if value % tp.size:
+        raise ValueError(f"{what}={value} is not divisible by tp_size={tp.size}: choose a tp_size that divides it")
+    return value // tp.size
+
+
+def _param(shape, split_dim, full_shape):
+    p = nn.Parameter(torch.empty(shape))
+    p.tp_split_dim, p.tp_full_shape = split_dim, tuple(full_shape)
+    return p
+
+
+class _TPLinear(nn.Module):
+    def reset_parameters(self, std: float = 0.02, generator=None):
+        """Draw the full weight (same on every rank for the same generator state), keep the slice."""
+        with torch.no_grad():
+            for p in self.parameters():
+                full = torch.empty(p.tp_full_shape)
+                if p.dim() == 1 and p is getattr(self, "bias", None):
+                    full.zero_()
+                else:
+                    full.normal_(0.0, std, generator=generator)
+                p.copy_(shard_tensor(full, p.tp_split_dim, self.tp))
+
+    def extra_repr(self):
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp.size}, "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+
+
+class ColumnParallelLinear(_TPLinear):
+    """Y_i = X A_i^T (+ b_i): the weight (out/tp, in) is full.chunk(tp, dim=0)[rank]."""
+
+    def __init__(self, in_features, out_features, tp, bias=False, gather_output=False, sequence_parallel=False):
+        super().__init__()
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel and tp.size > 1
+        local_out = _check_divisible("out_features", out_features, tp)
+        self.weight = _param((local_out, in_features), 0, (out_features, in_features))
+        self.bias = _param((local_out,), 0, (out_features,)) if bias else None
+        self.reset_parameters()
+
+    def forward(self, x, skip_input_comm: bool = False):
+        if not skip_input_comm:   # (b, s/tp, h) -> (b, s, h) under SP; f otherwise
+            x = enter_tp_region(x, self.tp, self.sequence_parallel)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.tp, dim=-1) if self.gather_output else y
+
+
+class RowParallelLinear(_TPLinear):
+    """Z = sum_i Y_i B_i^T (+ b): the weight (out, in/tp) is full.chunk(tp, dim=1)[rank]."""
+
+    def __init__(self, in_features, out_features, tp, bias=False, input_is_parallel=True, sequence_parallel=False):
+        super().__init__()
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel and tp.size > 1
+        local_in = _check_divisible("in_features", in_features, tp)
+        self.weight = _param((out_features, local_in), 1, (out_features, in_features))
+        self.bias = _param((out_features,), None, (out_features,)) if bias else None
+        self.reset_parameters()
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp, dim=-1)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(partial, self.tp)
+        else:
+            out = reduce_from_tp_region(partial, self.tp)
+        if self.bias is not None:   # added once, after the reduction
+            out = out + sequence_parallel_weight(self.bias, self.tp, self.sequence_parallel)
+        return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank * V/tp, (rank+1) * V/tp) of the table; the partial lookups are summed over tp."""
+
+    def __init__(self, num_embeddings, embedding_dim, tp, sequence_parallel=False):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.tp = num_embeddings, embedding_dim, tp
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        local = _check_divisible("num_embeddings (vocab_size)", num_embeddings, tp)
+        self.vocab_start, self.vocab_end = tp.rank * local, (tp.rank + 1) * local
+        self.weight = _param((local, embedding_dim), 0, (num_embeddings, embedding_dim))
+        with torch.no_grad():
+            self.weight.copy_(shard_tensor(torch.randn(num_embeddings, embedding_dim), 0, tp))
+
+    def forward(self, ids):
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.tp)
+        return reduce_from_tp_region(partial, self.tp)
+
+    def extra_repr(self):
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}, rows=[{self.vocab_start}, {self.vocab_end})"
+
+
+# ------------------------------------------------------------------- vocab-parallel loss
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss log(sum_v exp(z_v)) - z_target from logits split over the vocabulary."""
+
+    @staticmethod
+    def forward(ctx, local_logits, labels, tp, vocab_start, ignore_index):
+        z = local_logits.to(torch.promote_types(local_logits.dtype, torch.float32))   # fp32 at least
+        z_max = z.max(dim=-1).values
+        comm.all_reduce(z_max, tp, op="max")                 # (N,) numbers, not (N, V)
+        z = z - z_max.unsqueeze(-1)                          # stable: the global max is 0
+        exp = z.exp()
+        sum_exp = exp.sum(dim=-1)
+        local_v = z.shape[-1]
+        target = labels - vocab_start
+        inside = (target >= 0) & (target < local_v) & (labels != ignore_index)
+        target = target.masked_fill(~inside, 0)
+        z_target = z.gather(-1, target.unsqueeze(-1)).squeeze(-1) * inside
+        both = torch.stack([sum_exp, z_target])               # one all-reduce for the two sums
+        comm.all_reduce(both, tp)
+        sum_exp, z_target = both[0], both[1]
+        valid = labels != ignore_index
+        loss = (sum_exp.log() - z_target) * valid
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), target, inside, valid)
+        ctx.in_dtype = local_logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, target, inside, valid = ctx.saved_tensors
+        grad = softmax                                        # d loss / d z = softmax - onehot(target)
+        grad.scatter_add_(-1, target.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
+        grad.mul_((grad_loss * valid).unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits, labels, tp, ignore_index=-100, reduction="mean"):
+    """Cross-entropy of logits (..., V/tp) split over tp by vocabulary rows (rank r holds ids
+    [r*V/tp, (r+1)*V/tp)); labels (...). reduction "mean" (over non-ignored tokens), "sum" or "none"."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    vocab_start = tp.rank * local_logits.shape[-1]
+    flat = local_logits.reshape(-1, local_logits.shape[-1])
+    loss = _VocabParallelCrossEntropy.apply(flat, labels.reshape(-1), tp, vocab_start, ignore_index)
+    if reduction == "none":
+        return loss.view(labels.shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (labels != ignore_index).sum().clamp(min=1)

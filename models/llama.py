@@ -1,0 +1,316 @@
+"""The reference Llama decoder, built from minipar's parallel layers, with Hugging Face's names.
+
+    input_ids (b, s)
+      embed_tokens            VocabParallelEmbedding          -> h (b, s, d)   [(b, s/tp, d) under SP]
+      layers[i] x L           LlamaDecoderLayer, the unit that ZeRO-3 and activation checkpointing wrap:
+        h = h + o_proj(attn(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))   n = input_layernorm(h)
+        h = h + down_proj(silu(gate_proj(n)) * up_proj(n))                  n = post_attention_layernorm(h)
+      norm                    RMSNorm
+      lm_head                 ColumnParallelLinear (vocab rows) -> local logits (b, s, V/tp)
+      loss                    vocab_parallel_cross_entropy: sum over tokens / num_items_in_batch
+
+Where the parallelisms plug in (all through `pgm`, passed explicitly; pgm=None is one process):
+  tp  q/k/v and gate/up are column-parallel (each rank keeps heads/tp query heads, kv_heads/tp KV
+      heads, intermediate/tp MLP columns); o and down are row-parallel (one all-reduce each);
+      the vocabulary is split in the embedding and the lm_head. With sequence_parallel the
+      residual stream between them is split along the sequence instead of replicated.
+  cp  attention runs as ring attention over pgm.cp; the sequence arrives in the zigzag layout and
+      position_ids carry the true positions, so RoPE is right on every chunk.
+  dp / ZeRO-3 act on the parameters from outside (minipar.data_parallel, minipar.zero3).
+
+Initialisation is layout-independent: every full tensor is drawn from `seed` in parameter order
+(normal(0, initializer_range) as HF does, ones for the norms) and then sliced for this rank, so a
+1-rank and a 16-rank run start from the same weights. Labels arrive already shifted (label[t] is
+the token at t + 1), because under cp the next token of a chunk may live on another rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from minipar import tensor_parallel as tpl
+from minipar.mesh import ProcessGroupManager
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 256
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: Optional[int] = None
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    head_dim: Optional[int] = None
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                                 f"{self.num_attention_heads}: change one, or set head_dim")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LlamaConfig":
+        """From a Hugging Face config.json (transformers 4 writes rope_theta, 5 rope_parameters)."""
+        d = dict(d)
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if "rope_theta" not in d and isinstance(rope, dict) and "rope_theta" in rope:
+            d["rope_theta"] = rope["rope_theta"]
+        if isinstance(rope, dict) and rope.get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; only default RoPE")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+    def to_hf_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                 attention_bias=False, mlp_bias=False, torch_dtype="float32", rope_scaling=None,
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        return d
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, in fp32 (as HF). The weight is replicated over tp."""
+
+    def __init__(self, hidden_size, eps, tp, sequence_parallel=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight.tp_split_dim, self.weight.tp_full_shape = None, (hidden_size,)
+        self.eps, self.tp, self.sequence_parallel = eps, tp, sequence_parallel
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.promote_types(dtype, torch.float32))   # fp32 at least, as HF
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return tpl.sequence_parallel_weight(self.weight, self.tp, self.sequence_parallel) * x.to(dtype)
+
+
+def rotary_tables(position_ids, head_dim, theta, dtype):
+    """cos, sin of shape (b, s, head_dim) at the given (true) positions, HF's rotate-half layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    freqs = position_ids.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """x (b, heads, s, d); cos/sin (b, s, d)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+def causal_attention(q, k, v):
+    """Plain causal attention of one full (local) sequence, grouped-query: q (b, H, s, d), k/v
+    (b, Hkv, s, d). K/V are repeated to the query heads (enable_gqa needs torch >= 2.5)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
+        super().__init__()
+        tp, sp = pgm.tp, pgm.config.sequence_parallel
+        self.pgm, self.sp, self.head_dim = pgm, sp, config.head_dim
+        self.local_heads = config.num_attention_heads // tp.size
+        self.local_kv_heads = config.num_key_value_heads // tp.size
+        d, hd = config.hidden_size, config.head_dim
+        self.q_proj = tpl.ColumnParallelLinear(d, config.num_attention_heads * hd, tp, sequence_parallel=sp)
+        self.k_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, sequence_parallel=sp)
+        self.v_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, sequence_parallel=sp)
+        self.o_proj = tpl.RowParallelLinear(config.num_attention_heads * hd, d, tp, sequence_parallel=sp)
+
+    def forward(self, x, cos, sin):
+        x = tpl.enter_tp_region(x, self.pgm.tp, self.sp)        # one collective for q, k and v
+        b, s, _ = x.shape
+        q = self.q_proj(x, skip_input_comm=True).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x, skip_input_comm=True).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x, skip_input_comm=True).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.pgm.cp.size > 1:
+            from minipar.context_parallel import ring_attention
+            out = ring_attention(q, k, v, self.pgm.cp, causal=True)
+        else:
+            out = causal_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
+        super().__init__()
+        tp, sp = pgm.tp, pgm.config.sequence_parallel
+        self.tp, self.sp = tp, sp
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = tpl.ColumnParallelLinear(d, f, tp, sequence_parallel=sp)
+        self.up_proj = tpl.ColumnParallelLinear(d, f, tp, sequence_parallel=sp)
+        self.down_proj = tpl.RowParallelLinear(f, d, tp, sequence_parallel=sp)
+
+    def forward(self, x):
+        x = tpl.enter_tp_region(x, self.tp, self.sp)            # one collective for gate and up
+        return self.down_proj(F.silu(self.gate_proj(x, skip_input_comm=True)) * self.up_proj(x, skip_input_comm=True))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, layer_idx: int = 0):
+        super().__init__()
+        sp = pgm.config.sequence_parallel
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
+        self.self_attn = LlamaAttention(config, pgm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
+        self.mlp = LlamaMLP(config, pgm)
+
+    def forward(self, h, cos, sin):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
+        super().__init__()
+        sp = pgm.config.sequence_parallel
+        self.embed_tokens = tpl.VocabParallelEmbedding(config.vocab_size, config.hidden_size, pgm.tp, sp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, pgm, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig, pgm: Optional[ProcessGroupManager] = None, seed: int = 0):
+        super().__init__()
+        self.config = config
+        self.pgm = pgm if pgm is not None else ProcessGroupManager.local()
+        self.pgm.config.validate_model(config)
+        self.model = LlamaModel(config, self.pgm)
+        self.lm_head = tpl.ColumnParallelLinear(config.hidden_size, config.vocab_size, self.pgm.tp,
+                                                sequence_parallel=self.pgm.config.sequence_parallel)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight   # same (V/tp, d) rows on every layout
+        self.gradient_checkpointing = False
+        self.init_weights(seed)
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        for _, p in self.named_parameters():    # a fixed order, tied weights once
+            full = torch.empty(p.tp_full_shape)
+            if p.dim() == 1:
+                full.fill_(1.0)                  # the norms
+            else:
+                full.normal_(0.0, self.config.initializer_range, generator=gen)
+            p.copy_(tpl.shard_tensor(full, p.tp_split_dim, self.pgm.tp))
+
+    def gradient_checkpointing_enable(self):
+        self.gradient_checkpointing = True
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids, position_ids=None, labels=None, num_items_in_batch=None):
+        pgm, cfg = self.pgm, self.config
+        if position_ids is None:
+            if pgm.cp.size > 1:
+                from minipar.context_parallel import zigzag_positions
+                position_ids = zigzag_positions(input_ids.shape[1] * pgm.cp.size, pgm.cp, device=input_ids.device)
+            else:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        local_logits = self.lm_head(self.model.norm(h))          # (b, s, V/tp): never the full logits
+        if labels is None:
+            return tpl.gather_from_tp_region(local_logits, pgm.tp, dim=-1)
+        if num_items_in_batch is None:
+            return tpl.vocab_parallel_cross_entropy(local_logits, labels, pgm.tp, reduction="mean")
+        loss_sum = tpl.vocab_parallel_cross_entropy(local_logits, labels, pgm.tp, reduction="sum")
+        return loss_sum / num_items_in_batch
+
+    # ------------------------------------------------------------------ state dicts
+    def split_dims(self) -> dict:
+        """{HF name: tp_split_dim} for every distinct parameter."""
+        return {n: p.tp_split_dim for n, p in self.named_parameters()}
+
+    def full_state_dict(self) -> dict:
+        """{HF name: full tensor}, gathered over tp (and over the ZeRO-3 shards if sharded).
+        Collective: every rank must call it."""
+        if getattr(self, "zero3", None) is not None:
+            return self.zero3.full_state_dict()
+        return {n: tpl.gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp).clone()
+                for n, p in self.named_parameters()}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: dict, source: str = "state dict"):
+        """Slice full HF tensors into this rank's shards. Refuses missing keys and wrong shapes."""
+        if getattr(self, "zero3", None) is not None:
+            return self.zero3.load_full_state_dict(full)
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(full))
+        if missing:
+            raise ValueError(f"{source} lacks {len(missing)} parameters of this model, e.g. {missing[:3]}")
+        for name, p in params.items():
+            t = full[name]
+            if tuple(t.shape) != tuple(p.tp_full_shape):
+                raise ValueError(f"{source}: {name} has shape {tuple(t.shape)}, this model expects "
+                                 f"{tuple(p.tp_full_shape)}: the checkpoint is of another model shape")
+            p.copy_(tpl.shard_tensor(t.to(p.dtype), p.tp_split_dim, self.pgm.tp))
+
+    @classmethod
+    def from_pretrained(cls, directory: str, pgm: Optional[ProcessGroupManager] = None) -> "LlamaForCausalLM":
+        """Load a Hugging Face model directory (config.json + model.safetensors)."""
+        from safetensors.torch import load_file
+        cfg_path, weights = os.path.join(directory, "config.json"), os.path.join(directory, "model.safetensors")
+        for path in (cfg_path, weights):
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{path} not found: a Hugging Face directory needs config.json and "
+                                        f"model.safetensors (sharded safetensors are not supported)")
+        with open(cfg_path) as f:
+            config = LlamaConfig.from_dict(json.load(f))
+        model = cls(config, pgm)
+        full = load_file(weights)
+        if config.tie_word_embeddings:
+            full.pop("lm_head.weight", None)
+        model.load_full_state_dict(full, source=weights)
+        return model
+
+    def save_pretrained(self, directory: str):
+        """Write config.json + model.safetensors (global rank 0 writes; every rank must call)."""
+        from safetensors.torch import save_file
+        full = self.full_state_dict()
+        if self.pgm.global_rank != 0:
+            return
+        os.makedirs(directory, exist_ok=True)
+        if self.config.tie_word_embeddings:
+            full.pop("lm_head.weight", None)
+        tmp = os.path.join(directory, "model.safetensors.tmp")
+        save_file({k: v.contiguous().float() for k, v in full.items()}, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(directory, "model.safetensors"))
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(self.config.to_hf_dict(), f, indent=2)

@@ -1,0 +1,78 @@
+"""The reference decoder equals transformers.LlamaForCausalLM on the same weights."""
+import json
+
+import pytest
+import torch
+import transformers
+
+from models.llama import LlamaConfig, LlamaForCausalLM
+
+
+def _hf_model(tied: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+                                   attention_bias=False, mlp_bias=False)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():   # HF inits norms to ones; make them non-trivial so they are tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_hf_to_minipar_and_back(tmp_path, tied):
+    hf = _hf_model(tied)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert ours.config.tie_word_embeddings == tied and ours.config.num_key_value_heads == 2
+    ids = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        got = ours(ids)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        # loss: HF shifts labels inside; ours takes shifted targets
+        labels = ids.clone()
+        labels[0, :5] = -100
+        ref_loss = hf(input_ids=ids, labels=labels).loss
+        targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+        torch.testing.assert_close(ours(ids, labels=targets), ref_loss, atol=1e-5, rtol=1e-5)
+        # and back: minipar's save_pretrained loads into transformers with the same logits
+        ours.save_pretrained(str(tmp_path / "ours"))
+        back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "ours")).float().eval()
+        torch.testing.assert_close(back(input_ids=ids).logits, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_reads_rope_parameters_and_rope_theta():
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    assert LlamaConfig.from_dict({**base, "rope_theta": 500.0}).rope_theta == 500.0
+    cfg = LlamaConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 123.0}})
+    assert cfg.rope_theta == 123.0 and cfg.num_key_value_heads == 4
+    with pytest.raises(ValueError, match="rope_type"):
+        LlamaConfig.from_dict({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}})
+
+
+def test_init_is_seeded_and_hf_named():
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    a, b, c = LlamaForCausalLM(cfg, seed=1), LlamaForCausalLM(cfg, seed=1), LlamaForCausalLM(cfg, seed=2)
+    sa, sb, sc = a.full_state_dict(), b.full_state_dict(), c.full_state_dict()
+    assert "model.layers.1.self_attn.k_proj.weight" in sa and "lm_head.weight" in sa
+    assert sa["model.layers.1.self_attn.k_proj.weight"].shape == (32, 64)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["lm_head.weight"], sc["lm_head.weight"])
+    assert abs(sa["model.embed_tokens.weight"].std().item() - 0.02) < 0.002
+
+
+def test_missing_file_and_wrong_shape(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LlamaForCausalLM.from_pretrained(str(tmp_path))
+    hf = _hf_model(False)
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    model = LlamaForCausalLM(LlamaConfig.from_dict({**cfg, "intermediate_size": 128}))
+    from safetensors.torch import load_file
+    with pytest.raises(ValueError, match="another model shape"):
+        model.load_full_state_dict(load_file(str(tmp_path / "model.safetensors")))

@@ -33,15 +33,18 @@ class WorldTimeout(TimeoutError):
     pass
 
 
-def _worker(fn, rank, world_size, tmp, args, kwargs, timeout):
+def _worker(fn, rank, world_size, tmp, args, kwargs, timeout, init):
     code = 1
     try:
         torch.set_num_threads(1)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         os.environ.pop("MASTER_ADDR", None)   # minipar.init must find the group already set up
-        store = dist.FileStore(os.path.join(tmp, "store"), world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        if dist.is_initialized():              # a group inherited from the test process: not ours
+            dist.destroy_process_group()
+        if init:
+            store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout))
         result = fn(*args, **kwargs)
         torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
         code = 0
@@ -52,10 +55,11 @@ def _worker(fn, rank, world_size, tmp, args, kwargs, timeout):
         os._exit(code)
 
 
-def run_world(fn, world_size: int, *args, timeout: float = 120, **kwargs):
+def run_world(fn, world_size: int, *args, timeout: float = 120, init: bool = True, **kwargs):
+    """init=False forks the ranks without creating the default group (to test what happens then)."""
     tmp = tempfile.mkdtemp(prefix="minipar-world-")
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, tmp, args, kwargs, timeout), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, tmp, args, kwargs, timeout, init), daemon=True)
              for r in range(world_size)]
     try:
         for p in procs:

@@ -1,0 +1,198 @@
+"""The training program's settings: a YAML file (Axolotl-style keys) plus `--key value` overrides.
+
+    python train.py                                   configs/default.yaml
+    python train.py configs/fsdp.yaml --max_steps 20 --model.hidden_size 64 --fsdp.prefetch 2
+
+Every key has a typed default below; a YAML or command-line key that is not one of them is an
+error that lists the valid keys and suggests the nearest ("did you mean 'learning_rate'?"). Values
+from the command line are parsed as YAML scalars (20, 3e-4, true, null, [a, b]) and checked
+against the default's type. Nothing here touches torch.distributed, so a bad config fails on
+every rank before the first collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import yaml
+
+from models.llama import LlamaConfig
+
+
+@dataclass
+class FSDPConfig:
+    """Mirrors accelerate's FSDP plugin: what ZeRO-3 wraps as units and how."""
+    wrap: List[str] = field(default_factory=lambda: ["LlamaDecoderLayer"])
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    state_dict_type: str = "SHARDED_STATE_DICT"      # or FULL_STATE_DICT
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    dataset: str = "data/shakespeare.txt"
+    val_fraction: float = 0.05
+    sequence_len: int = 128
+    global_batch_size: int = 16           # samples per optimizer step, over all data-parallel ranks
+    micro_batch_size: Optional[int] = None  # per dp rank per forward; None = no accumulation
+    max_steps: int = 300
+    learning_rate: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    max_grad_norm: Optional[float] = 1.0  # None or 0 turns clipping off
+    dtype: str = "float32"                # or bfloat16: compute in bf16, fp32 master weights
+    gradient_checkpointing: bool = False
+    # the four parallel sizes (accelerate's names in brackets); dp_shard_size None = the remainder
+    dp_replicate_size: int = 1
+    dp_shard_size: Optional[int] = None
+    context_parallel_size: int = 1        # [cp_size]
+    tensor_parallel_size: int = 1         # [tp_size]
+    sequence_parallel: bool = False
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    output_dir: str = "out/default"
+    metrics_file: Optional[str] = None    # default: <output_dir>/metrics.jsonl
+    logging_steps: int = 10
+    eval_steps: int = 50
+    eval_batches: int = 4
+    save_steps: int = 0                   # 0 = only at the end (when save_final_checkpoint)
+    save_final_checkpoint: bool = True
+    save_total_limit: Optional[int] = 2
+    resume_from_checkpoint: Optional[str] = None   # a path, or "latest"
+    export_hf: bool = True                # write <output_dir>/hf at the end
+    progress_bar: bool = True
+    model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
+        hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024))
+
+    @property
+    def metrics_path(self) -> str:
+        return self.metrics_file or os.path.join(self.output_dir, "metrics.jsonl")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_NESTED = {"fsdp": FSDPConfig, "model": LlamaConfig}
+
+
+def _valid_keys(cls) -> List[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str, cls, prefix: str = "") -> ValueError:
+    valid = _valid_keys(cls)
+    near = difflib.get_close_matches(key, valid, n=1)
+    hint = f" Did you mean '{prefix}{near[0]}'?" if near else ""
+    return ValueError(f"unknown config key '{prefix}{key}'.{hint} Valid keys{' of ' + prefix[:-1] if prefix else ''}: "
+                      f"{', '.join(valid)}")
+
+
+def _coerce(key: str, value, default):
+    """Check a value against the type of its default (ints may stand for floats)."""
+    if default is None or value is None:
+        return value
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"config key '{key}' must be true or false, got {value!r}")
+        return value
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(default, (int, float, str, list)) and not isinstance(value, type(default)):
+        raise ValueError(f"config key '{key}' must be a {type(default).__name__}, got {value!r}")
+    return value
+
+
+def _apply(obj, updates: dict, prefix: str = ""):
+    for key, value in updates.items():
+        if key not in _valid_keys(type(obj)):
+            raise _unknown(key, type(obj), prefix)
+        current = getattr(obj, key)
+        if key in _NESTED and not prefix:
+            if not isinstance(value, dict):
+                raise ValueError(f"config key '{key}' must be a mapping of {', '.join(_valid_keys(_NESTED[key]))}")
+            _apply(current, value, prefix=key + ".")
+        else:
+            setattr(obj, key, _coerce(prefix + key, value, current))
+
+
+def parse_overrides(argv: List[str]) -> dict:
+    """['--max_steps', '20', '--model.hidden_size', '64'] -> {'max_steps': 20, 'model': {'hidden_size': 64}}"""
+    out: dict = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"expected --key value, got {arg!r}")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ValueError(f"--{key} needs a value (for example --{key} 20)")
+            value = argv[i + 1]
+            i += 1
+        key = key.replace("-", "_") if "." not in key else key
+        parsed = yaml.safe_load(value) if value != "" else None
+        target = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = parsed
+        i += 1
+    return out
+
+
+def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None) -> TrainConfig:
+    cfg = TrainConfig()
+    explicit_model_keys = set()
+    if path is not None:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"config file {path} not found")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a mapping of config keys")
+        _apply(cfg, data)
+        explicit_model_keys |= set(data.get("model") or {})
+    if argv:
+        overrides = parse_overrides(argv)
+        _apply(cfg, overrides)
+        explicit_model_keys |= set(overrides.get("model") or {})
+    # derived model fields (head_dim, kv heads) follow the final sizes unless set explicitly
+    model = dataclasses.asdict(cfg.model)
+    for derived in ("head_dim", "num_key_value_heads"):
+        if derived not in explicit_model_keys:
+            model.pop(derived)
+    cfg.model = LlamaConfig(**model)
+    check(cfg)
+    return cfg
+
+
+def check(cfg: TrainConfig) -> None:
+    """Value checks that need no world: every message names the key and a fix."""
+    positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
+                "dp_replicate_size", "context_parallel_size", "tensor_parallel_size"]
+    for key in positive:
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
+    if cfg.fsdp.state_dict_type not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        raise ValueError(f"fsdp.state_dict_type must be SHARDED_STATE_DICT or FULL_STATE_DICT, "
+                         f"got {cfg.fsdp.state_dict_type!r}")
+    if cfg.fsdp.wrap != ["LlamaDecoderLayer"]:
+        raise ValueError(f"fsdp.wrap: only [LlamaDecoderLayer] units are known, got {cfg.fsdp.wrap}")
+    if cfg.fsdp.prefetch < 0:
+        raise ValueError(f"fsdp.prefetch must be >= 0, got {cfg.fsdp.prefetch}")
+    if cfg.model.vocab_size < 256:
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's 256")
+    if cfg.micro_batch_size is not None and cfg.micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 or null, got {cfg.micro_batch_size}")
+    if not os.path.exists(cfg.dataset):
+        raise FileNotFoundError(f"dataset file {cfg.dataset!r} not found: set `dataset` to a text file "
+                                f"(the bundled corpus is data/shakespeare.txt)")

@@ -1,0 +1,320 @@
+"""The training loop behind train.py: set-up checks, the parallel model, the step, logs, checkpoints.
+
+One optimizer step on a rank (B = global_batch_size, M micro-batches, D = dp size, C = cp size):
+
+    global batch (B, T) = sampler.global_batch(step)          same on every rank, a pure function of step
+    N = non-ignored labels in it                              num_items_in_batch, no communication
+    for m in range(M):                                        gradient accumulation
+        local = local_batch(global, pgm, m, M)                (B/(D*M), T/C): dp samples, cp zigzag chunks
+        loss_m = model(local) = sum of token losses / N       so the losses of all ranks SUM to the mean
+        loss_m.backward()                                     ZeRO-3 reduce-scatters / DDP all-reduces (last m)
+    clip by the global norm (each element counted once), AdamW on the shards, lr schedule
+    logged loss = all-reduce over dp_cp of sum_m loss_m       identical on every layout
+
+Everything that can be checked without communicating is checked in `setup_run`, on every rank,
+before minipar.init creates a single group.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+import minipar
+from minipar import ParallelismConfig, comm
+from minipar import data as mdata
+from minipar import optim as moptim
+from minipar.config import check_sequence_len
+from minipar.mesh import MeshDim, describe_grid
+from minipar.train_config import TrainConfig, load_config, parse_overrides
+
+SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size")
+
+
+@dataclass
+class Run:
+    cfg: TrainConfig
+    pgm: object
+    num_micro_steps: int
+    train_tokens: torch.Tensor
+    val_tokens: torch.Tensor
+    notes: List[str] = field(default_factory=list)
+
+
+def _world_size() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def setup_run(argv: List[str]) -> Run:
+    """Parse and check everything, then create the process groups. Raises before any collective."""
+    path = "configs/default.yaml"
+    if argv and not argv[0].startswith("--"):
+        path, argv = argv[0], argv[1:]
+    cfg = load_config(path, argv)
+    world, notes = _world_size(), []
+    sizes = dict(dp_replicate_size=cfg.dp_replicate_size, dp_shard_size=cfg.dp_shard_size,
+                 cp_size=cfg.context_parallel_size, tp_size=cfg.tensor_parallel_size)
+    from_cli = set(parse_overrides(argv)) & set(SIZE_KEYS)
+    if world == 1 and not from_cli and any((v or 1) > 1 for v in sizes.values()):
+        # `python train.py` on a config written for a torchrun launch: run it on one process
+        notes.append(f"one process: the config's parallel sizes ({_fmt(sizes)}) apply to torchrun "
+                     f"launches; running with all sizes 1")
+        sizes = dict.fromkeys(sizes, 1)
+    pconf = ParallelismConfig(**sizes, sequence_parallel=cfg.sequence_parallel)
+    try:
+        pconf = pconf.resolve(world)
+    except ValueError as err:
+        raise ValueError(f"{err} (config {path}; launch e.g. `torchrun --nproc-per-node {pconf.total_size} "
+                         f"train.py {path}` or set the sizes with --tensor_parallel_size etc.)") from None
+    pconf.validate_model(cfg.model, cfg.sequence_len)
+    dp = pconf.dp_replicate_size * pconf.dp_shard_size
+    micro = cfg.micro_batch_size or (cfg.global_batch_size // dp if cfg.global_batch_size % dp == 0 else 0)
+    if micro == 0:
+        raise ValueError(f"global_batch_size {cfg.global_batch_size} is not divisible by the data-parallel "
+                         f"size dp_replicate x dp_shard = {dp}; use a multiple of {dp}")
+    num_micro = mdata.micro_steps_for(cfg.global_batch_size, micro, dp)
+    check_sequence_len(cfg.sequence_len, pconf.cp_size)
+    if cfg.sequence_len > cfg.model.max_position_embeddings:
+        raise ValueError(f"sequence_len {cfg.sequence_len} exceeds model.max_position_embeddings "
+                         f"{cfg.model.max_position_embeddings}")
+    train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction, sequence_len=cfg.sequence_len)
+    resume = cfg.resume_from_checkpoint
+    if resume and resume != "latest" and not os.path.isdir(resume):
+        raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")
+    pgm = minipar.init(pconf)
+    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes)
+
+
+def _fmt(sizes: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+class Trainer:
+    def __init__(self, run: Run):
+        from models.llama import LlamaDecoderLayer, LlamaForCausalLM
+        self.run, self.cfg, self.pgm = run, run.cfg, run.pgm
+        cfg, pgm = self.cfg, self.pgm
+        self.is_main = pgm.global_rank == 0
+        self.device = minipar.default_device()
+        self.bf16 = cfg.dtype == "bfloat16"
+        model = LlamaForCausalLM(cfg.model, pgm, seed=cfg.seed).to(self.device)
+        self.n_params = sum(math.prod(p.tp_full_shape) for p in model.parameters())
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.grad_sync = None
+        self.sharded = pgm.config.dp_shard_size > 1
+        if self.sharded:                          # ZeRO-3 over dp_shard_cp, HSDP over dp_replicate
+            from minipar.zero3 import fully_shard
+            fully_shard(model, pgm, unit_classes=(LlamaDecoderLayer,), prefetch=cfg.fsdp.prefetch,
+                        reshard_after_forward=cfg.fsdp.reshard_after_forward,
+                        param_dtype=torch.bfloat16 if self.bf16 else None,
+                        reduce_dtype=torch.float32 if self.bf16 else None)
+        elif pgm.dp_cp.size > 1:                  # replicas (and cp ranks) all-reduce gradients
+            from minipar.data_parallel import replicate
+            self.grad_sync = replicate(model, pgm.dp_cp)
+        self.model = model
+        self.optimizer = moptim.build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                                betas=(cfg.adam_beta1, cfg.adam_beta2))
+        self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size, cfg.seed)
+        self.start_step, self.history = 0, []
+        self.world = MeshDim("world", list(range(pgm.world_size)), pgm.global_rank, None)
+
+    # ------------------------------------------------------------------ helpers
+    def log(self, msg: str):
+        if self.is_main:
+            from tqdm import tqdm
+            tqdm.write(msg)
+
+    def _autocast(self):
+        if self.bf16 and not self.sharded:        # ZeRO-3 casts the gathered params itself
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward(self, batch, n_items):
+        with self._autocast():
+            return self.model(batch["input_ids"], position_ids=batch["position_ids"],
+                              labels=batch["labels"], num_items_in_batch=n_items)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, step: int) -> dict:
+        ids, labels = self.sampler.global_batch(self.run.train_tokens, step)
+        n_items = mdata.count_label_tokens(labels)
+        M = self.run.num_micro_steps
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for m in range(M):
+            batch = mdata.local_batch(ids, labels, self.pgm, m, M, device=self.device)
+            last = m == M - 1
+            no_sync = self.grad_sync.no_sync() if (self.grad_sync and not last) else contextlib.nullcontext()
+            with no_sync:
+                loss = self._forward(batch, n_items)
+                loss.backward()
+            loss_sum += loss.detach().double()
+        comm.all_reduce(loss_sum, self.pgm.dp_cp)
+        grad_norm = moptim.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, self.pgm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return dict(loss=loss_sum.item(), grad_norm=float(grad_norm), lr=lr)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        for ids, labels in mdata.eval_batches(self.run.val_tokens, self.cfg.sequence_len,
+                                              self.cfg.global_batch_size, self.cfg.eval_batches):
+            n_items = mdata.count_label_tokens(labels)
+            batch = mdata.local_batch(ids, labels, self.pgm, 0, 1, device=self.device)
+            total += self._forward(batch, n_items).double()
+            count += 1
+        comm.all_reduce(total, self.pgm.dp_cp)
+        self.model.train()
+        return total.item() / max(count, 1)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int):
+        from minipar import checkpoint as ckpt
+        path = os.path.join(self.cfg.output_dir, f"step-{step}")
+        ckpt.save_checkpoint(path, self.model, self.optimizer, self.pgm, step=step, scheduler=self.scheduler,
+                             extra=dict(step=step, sampler=self.sampler.state_dict(), config=self.cfg.to_dict()),
+                             state_dict_type=self.cfg.fsdp.state_dict_type,
+                             keep_last=self.cfg.save_total_limit)
+        self.log(f"saved checkpoint {path}")
+
+    def maybe_resume(self):
+        resume = self.cfg.resume_from_checkpoint
+        if not resume:
+            return
+        from minipar import checkpoint as ckpt
+        path = ckpt.find_latest_checkpoint(self.cfg.output_dir) if resume == "latest" else resume
+        if path is None:
+            self.log(f"resume_from_checkpoint=latest: no checkpoint in {self.cfg.output_dir}, starting fresh")
+            return
+        extra = ckpt.load_checkpoint(path, self.model, self.optimizer, self.pgm, scheduler=self.scheduler)
+        self.sampler.load_state_dict(extra["sampler"])
+        self.start_step = int(extra["step"])
+        self.log(f"resumed from {path} at step {self.start_step}")
+
+    # ------------------------------------------------------------------ the run
+    def _open_metrics(self):
+        if not self.is_main:
+            return None
+        path = self.cfg.metrics_path
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        kept = []
+        if self.start_step > 0 and os.path.exists(path):    # keep the lines of the steps before the resume
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= self.start_step]
+            self.history = [json.loads(line) for line in kept]
+        f = open(path, "w")
+        f.writelines(kept)
+        f.flush()
+        return f
+
+    def train(self):
+        cfg, pgm = self.cfg, self.pgm
+        for note in self.run.notes:
+            self.log(note)
+        self.log(describe_grid(pgm.config))
+        self.log(f"model: {self.n_params / 1e6:.2f} M parameters, {cfg.model.num_hidden_layers} layers, hidden "
+                 f"{cfg.model.hidden_size}; {cfg.global_batch_size} x {cfg.sequence_len} tokens per step in "
+                 f"{self.run.num_micro_steps} micro-batch(es) per rank; {cfg.dtype}")
+        self.maybe_resume()
+        metrics = self._open_metrics()
+        tokens_per_step = cfg.global_batch_size * cfg.sequence_len
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True,
+                   disable=not (self.is_main and cfg.progress_bar))
+        start, last_val = time.time(), None
+        for step in range(self.start_step, cfg.max_steps):
+            t0 = time.time()
+            out = self.train_step(step)
+            dt = time.time() - t0
+            record = dict(step=step + 1, loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"],
+                          tokens_per_s=tokens_per_step / dt, elapsed_s=time.time() - start)
+            done = step + 1
+            if cfg.eval_steps and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
+                last_val = record["val_loss"] = self.evaluate()
+            if not math.isfinite(out["loss"]):
+                raise FloatingPointError(f"loss is {out['loss']} at step {done}: lower learning_rate "
+                                         f"or enable max_grad_norm")
+            if metrics:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            self.history.append(record)
+            bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+            if done % cfg.logging_steps == 0 or done == cfg.max_steps:
+                val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+                self.log(f"step {done:>5}/{cfg.max_steps}  loss {out['loss']:.4f}{val}  lr {out['lr']:.2e}  "
+                         f"grad_norm {out['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
+            if cfg.save_steps and done % cfg.save_steps == 0 and done != cfg.max_steps:
+                self.save(done)
+        bar.close()
+        if metrics:
+            metrics.close()
+        if cfg.save_final_checkpoint and cfg.max_steps > self.start_step:
+            self.save(cfg.max_steps)
+        if cfg.export_hf:
+            hf_dir = os.path.join(cfg.output_dir, "hf")
+            self.model.save_pretrained(hf_dir)
+            self.log(f"exported Hugging Face model to {hf_dir}")
+        self.summary(time.time() - start, last_val)
+        return self.history
+
+    def summary(self, elapsed: float, last_val: Optional[float]):
+        if torch.cuda.is_available():
+            peak = torch.cuda.max_memory_allocated() / 2 ** 20
+            what = "peak CUDA memory allocated"
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB -> MiB on Linux
+            what = "peak resident memory"
+        peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=self.device), self.world)
+        if not self.is_main:
+            return
+        png = self.plot()
+        first = self.history[0]["loss"] if self.history else float("nan")
+        final = self.history[-1]["loss"] if self.history else float("nan")
+        lines = [f"done: {len(self.history)} steps in {elapsed:.1f} s, loss {first:.4f} -> {final:.4f}"
+                 + (f", val_loss {last_val:.4f}" if last_val is not None else ""),
+                 f"metrics: {self.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),
+                 f"{what} per rank (MiB): " + " ".join(f"r{i}={p:.0f}" for i, p in enumerate(peaks.tolist()))]
+        self.log("\n".join(lines))
+
+    def plot(self) -> Optional[str]:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            self.log("matplotlib is not installed: no loss-curve PNG (pip install -e '.[plot]')")
+            return None
+        if not self.history:
+            return None
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["step"] for r in self.history], [r["loss"] for r in self.history], label="train")
+        val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
+        if val:
+            ax.plot(*zip(*val), "o-", label="validation")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_title(f"minipar {'x'.join(map(str, self.pgm.shape))} (dp_rep x dp_shard x cp x tp)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = os.path.join(self.cfg.output_dir, "loss_curve.png")
+        os.makedirs(self.cfg.output_dir, exist_ok=True)
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        return path

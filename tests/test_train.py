@@ -1,0 +1,125 @@
+"""train.py end to end: every layout of configs/ has the loss curve of one process."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from harness import run_world
+from minipar.trainer import Trainer, setup_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the tiny test model: every code path, a fraction of the default's cost
+TINY = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_hidden_layers", "2",
+        "--model.num_attention_heads", "4", "--model.num_key_value_heads", "2", "--sequence_len", "32",
+        "--global_batch_size", "8", "--max_steps", "20", "--warmup_steps", "5", "--eval_steps", "10",
+        "--eval_batches", "1", "--logging_steps", "100", "--progress_bar", "false", "--save_steps", "0",
+        "--save_final_checkpoint", "false", "--export_hf", "false"]
+
+
+def _train(argv):
+    torch.set_num_threads(1)
+    history = Trainer(setup_run(argv)).train()
+    return [(r["step"], r["loss"], r.get("val_loss"), r["grad_norm"]) for r in history]
+
+
+def _argv(config, out, *extra):
+    return [os.path.join(ROOT, "configs", config), *TINY, "--output_dir", str(out),
+            "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"), *extra]
+
+
+def _world_of(config):
+    import yaml
+    with open(os.path.join(ROOT, "configs", config)) as f:
+        d = yaml.safe_load(f)
+    n = 1
+    for k in ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size"):
+        n *= d.get(k) or 1
+    return n
+
+
+def _single(tmp_path, *extra):
+    # the reference: one process, every size 1 (the config's sizes fall back on a world of one)
+    # (forked, so that this test process never holds a default group)
+    return run_world(_train, 1, _argv("ddp.yaml", tmp_path / "single", "--dp_replicate_size", "1", *extra),
+                     timeout=300)[0]
+
+
+def _assert_same_curve(ref, got, rel=1e-4):
+    assert len(got) == len(ref) == 20
+    for (s, a, va, ga), (_, b, vb, gb) in zip(ref, got):
+        assert abs(a - b) <= rel * abs(a), f"step {s}: loss {b} vs single-process {a}"
+        assert abs(ga - gb) <= 1e-3 * abs(ga) + 1e-6, f"step {s}: grad_norm {gb} vs {ga}"
+        if va is not None:
+            assert abs(va - vb) <= rel * abs(va)
+
+
+CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
+                 if not p.endswith("default.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_config_matches_single_process(tmp_path, config):
+    ref = _single(tmp_path)
+    world = _world_of(config)
+    results = run_world(_train, world, _argv(config, tmp_path / "run"), timeout=600)
+    for got in results:                     # every rank saw the same loss
+        _assert_same_curve(ref, got)
+    assert ref[-1][1] < ref[0][1]           # and it learns
+
+
+@pytest.mark.parametrize("extra", [
+    ["--max_grad_norm", "0.05"],                       # clipping active on every step
+    ["--micro_batch_size", "1"],                       # gradient accumulation
+    ["--gradient_checkpointing", "true"],              # activation checkpointing
+], ids=["clipping", "accumulation", "checkpointing"])
+def test_options_match_single_process_on_4d_layouts(tmp_path, extra):
+    ref = _single(tmp_path, *extra)
+    if "--max_grad_norm" in extra:
+        assert all(g > 0.05 for _, _, _, g in ref)       # the clip really engages
+    got = run_world(_train, 8, _argv("hsdp_tp.yaml", tmp_path / "run", *extra), timeout=600)
+    _assert_same_curve(ref, got[0])
+    got = run_world(_train, 8, _argv("cp_tp.yaml", tmp_path / "run2", "--dp_shard_size", "2", *extra), timeout=600)
+    _assert_same_curve(ref, got[0])
+
+
+def test_single_process_run_writes_metrics_and_plot(tmp_path):
+    hist = run_world(_train, 1, _argv("default.yaml", tmp_path / "d"), timeout=300)[0]
+    lines = [json.loads(x) for x in open(tmp_path / "d" / "metrics.jsonl")]
+    assert [x["step"] for x in lines] == list(range(1, 21))
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"} <= set(lines[0])
+    assert "val_loss" in lines[9] and "val_loss" in lines[19]
+    assert os.path.exists(tmp_path / "d" / "loss_curve.png")
+    assert hist[-1][1] < hist[0][1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--learning_rat", "0.1"], "Did you mean 'learning_rate'"),
+    (["--model.hidden_siz", "64"], "Did you mean 'model.hidden_size'"),
+    (["--dataset", "/nonexistent/file.txt"], "dataset file"),
+    (["--tensor_parallel_size", "3"], "to world size 1"),
+])
+def test_bad_input_is_a_clear_error(tmp_path, argv, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        setup_run([os.path.join(ROOT, "configs", "default.yaml"), *argv, "--output_dir", str(tmp_path)])
+
+
+def _bad_world(argv):
+    try:
+        setup_run(argv)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_world_that_does_not_fit_fails_on_every_rank(tmp_path):
+    # 6 ranks cannot hold cp 2 x tp 2: every rank raises the same error before any collective
+    out = run_world(_bad_world, 6, [os.path.join(ROOT, "configs", "default.yaml"), "--output_dir", str(tmp_path)],
+                    timeout=60)
+    assert all("world size 6" in o and "tp_size=2" in o for o in out), out[0]
+    out = run_world(_bad_world, 2, _argv("ddp.yaml", tmp_path, "--dp_replicate_size", "2",
+                                         "--context_parallel_size", "1", "--sequence_len", "30",
+                                         "--model.num_attention_heads", "3", "--tensor_parallel_size", "2",
+                                         "--dp_replicate_size", "1"), timeout=60)
+    assert all("num_attention_heads" in o for o in out), out[0]

@@ -1,0 +1,47 @@
+"""minipar's training program: one straight path from the config to the loss curve.
+
+    python train.py                                       one process, configs/default.yaml
+    torchrun --nproc-per-node 8 train.py                  dp_shard 2 x cp 2 x tp 2
+    torchrun --nproc-per-node 4 train.py configs/hsdp.yaml --max_steps 20
+
+The order of a run (torchtitan's: parallelisms applied to a plain model in a clear order):
+  1. config: YAML + `--key value` overrides; every check that needs no communication (sizes
+     against the world, the model against tp/cp, the batch against dp, the dataset file) runs on
+     every rank before the first collective, so a mistake is a clear error, never a hang;
+  2. the grid: minipar.init builds the process groups by hand (mesh.py);
+  3. the model: the Llama decoder with TP and CP inside it (models/llama.py), its full weights
+     drawn from the seed and sliced, so every layout starts from the same weights;
+  4. data parallelism from outside: ZeRO-3 over dp_shard_cp with the decoder layers as units
+     (HSDP over dp_replicate) when dp_shard_size > 1, else gradient all-reduce over dp_cp;
+  5. AdamW on the local shards, warmup + cosine, global-norm clipping;
+  6. the loop: each step reads its global batch (a pure function of seed and step), keeps this
+     rank's share (dp samples, micro-batch, cp zigzag chunks), accumulates gradients, clips,
+     steps; logs, evaluates and checkpoints (atomically) on schedule; resumes exactly.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.distributed as dist
+
+from minipar.trainer import Trainer, setup_run
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run = setup_run(argv)           # raises ValueError/FileNotFoundError on every rank, before any collective
+    try:
+        Trainer(run).train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as err:
+        rank = os.environ.get("RANK", "0")
+        print(f"[rank {rank}] error: {err}", file=sys.stderr)
+        sys.exit(2)

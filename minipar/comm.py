@@ -228,5 +228,8 @@ def ring_shift(send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], dim) 
 
 
 def wait_all(works) -> None:
+    """Wait for every work and empty the list: on gloo, waiting twice on a send blocks forever."""
     for w in works:
         w.wait()
+    if isinstance(works, list):
+        works.clear()

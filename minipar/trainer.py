@@ -268,8 +268,9 @@ class Trainer:
         if cfg.save_final_checkpoint and cfg.max_steps > self.start_step:
             self.save(cfg.max_steps)
         if cfg.export_hf:
+            from minipar import checkpoint as ckpt
             hf_dir = os.path.join(cfg.output_dir, "hf")
-            self.model.save_pretrained(hf_dir)
+            ckpt.export_hf(hf_dir, self.model)
             self.log(f"exported Hugging Face model to {hf_dir}")
         self.summary(time.time() - start, last_val)
         return self.history

@@ -120,7 +120,7 @@ def _rotate_half(x):
 def apply_rotary(x, cos, sin):
     """x (b, heads, s, d); cos/sin (b, s, d)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+    return (x * cos + _rotate_half(x) * sin).to(x.dtype)   # keep bf16 under autocast
 
 
 def causal_attention(q, k, v):

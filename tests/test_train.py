@@ -123,3 +123,98 @@ def test_world_that_does_not_fit_fails_on_every_rank(tmp_path):
                                          "--model.num_attention_heads", "3", "--tensor_parallel_size", "2",
                                          "--dp_replicate_size", "1"), timeout=60)
     assert all("num_attention_heads" in o for o in out), out[0]
+
+
+# ------------------------------------------------------------------------ kill and resume
+def _train_until_crash(argv, crash_at):
+    """Train, but die with an exception at step `crash_at` (after `crash_at` completed steps)."""
+    original = Trainer.train_step
+
+    def train_step(self, step):
+        if step == crash_at:
+            raise RuntimeError("injected crash")
+        return original(self, step)
+
+    Trainer.train_step = train_step
+    try:
+        _train(argv)
+    except RuntimeError as err:
+        return str(err)
+    return "no crash"
+
+
+def _curve_after(history, step):
+    return [h for h in history if h[0] > step]
+
+
+def test_kill_and_resume_same_and_other_layouts(tmp_path):
+    out = tmp_path / "run"
+    save = ["--save_steps", "5", "--save_total_limit", "5"]
+    # uninterrupted, on dp_shard 2 x cp 2 x tp 2 (8 ranks)
+    full = run_world(_train, 8, _argv("default.yaml", tmp_path / "full", "--dp_shard_size", "2"), timeout=600)[0]
+    # the same run killed at step 12: checkpoints step-5 and step-10 exist
+    crashed = run_world(_train_until_crash, 8, _argv("default.yaml", out, "--dp_shard_size", "2", *save), 12,
+                        timeout=600)
+    assert crashed == ["injected crash"] * 8
+    assert {"step-5", "step-10"} <= set(os.listdir(out))
+    resume = ["--resume_from_checkpoint", "latest"]
+    # resumed on the same layout: the same curve, step for step
+    same = run_world(_train, 8, _argv("default.yaml", out, "--dp_shard_size", "2", *resume), timeout=600)[0]
+    assert [h[0] for h in _curve_after(same, 10)] == list(range(11, 21))
+    for a, b in zip(_curve_after(full, 10), _curve_after(same, 10)):
+        assert abs(a[1] - b[1]) <= 1e-6 * abs(a[1]), (a, b)
+    # resumed from step-10 on another layout (4 shards x tp 2) and on one process
+    step10 = str(out / "step-10")
+    other = run_world(_train, 8, _argv("default.yaml", tmp_path / "other", "--dp_shard_size", "4",
+                                       "--context_parallel_size", "1", "--resume_from_checkpoint", step10),
+                      timeout=600)[0]
+    single = run_world(_train, 1, _argv("default.yaml", tmp_path / "single1", "--resume_from_checkpoint", step10),
+                       timeout=600)[0]
+    for resumed in (other, single):
+        got = _curve_after(resumed, 10)
+        assert [h[0] for h in got] == list(range(11, 21))
+        for a, b in zip(_curve_after(full, 10), got):
+            assert abs(a[1] - b[1]) <= 1e-4 * abs(a[1]), (a, b)
+
+
+def _resume_error(argv):
+    try:
+        _train(argv)
+    except (ValueError, FileNotFoundError) as err:
+        return str(err)
+    return "no error"
+
+
+def test_damaged_checkpoint_is_refused_on_every_rank(tmp_path):
+    out = tmp_path / "run"
+    run_world(_train, 4, _argv("fsdp_tp.yaml", out, "--max_steps", "4", "--save_steps", "2"), timeout=300)
+    step2 = out / "step-2"
+    victim = max((p for p in step2.rglob("*") if p.is_file() and p.name != "manifest.json"),
+                 key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    errors = run_world(_resume_error, 4, _argv("fsdp_tp.yaml", tmp_path / "again",
+                                               "--resume_from_checkpoint", str(step2)), timeout=120)
+    assert all(victim.name in e for e in errors), errors[0]
+
+
+@pytest.mark.parametrize("config", ["fsdp_tp.yaml", "cp_tp.yaml"])
+def test_bf16_stays_within_bf16_tolerance_of_fp32(tmp_path, config):
+    ref = _single(tmp_path)
+    got = run_world(_train, 4, _argv(config, tmp_path / "bf16", "--dtype", "bfloat16"), timeout=300)[0]
+    for (s, a, _, _), (_, b, _, _) in zip(ref, got):
+        assert abs(a - b) <= 2e-2 * abs(a), f"step {s}: bf16 loss {b} vs fp32 {a}"
+    assert got[-1][1] < got[0][1] - 1.0
+
+
+def test_exported_hf_directory_loads_in_transformers(tmp_path):
+    import transformers
+    from models.llama import LlamaForCausalLM
+    out = tmp_path / "run"
+    run_world(_train, 4, _argv("fsdp_tp.yaml", out, "--max_steps", "3", "--export_hf", "true"), timeout=300)
+    ours = LlamaForCausalLM.from_pretrained(str(out / "hf")).eval()
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(out / "hf")).float().eval()
+    ids = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(input_ids=ids).logits, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,327 @@
+"""Checkpoints: save a 4D-parallel run, resume it exactly, on the same layout or on another one.
+
+What a rank holds is a list of SEGMENTS: contiguous runs of the TP-local flat view of a named (HF)
+parameter. A plain or TP parameter is one segment covering it; a ZeRO-3 flat shard (this rank's
+[start, stop) of a unit's padded flat buffer, see flat_param.py) is one segment per tensor it overlaps:
+
+    unit flat buffer   [ q (tp-local, 32) | norm (8) | k (16) | pad 4 ]   offsets 0, 32, 40, 56
+    shard of rank 1          [15 ............. 30)                       (dp_shard_cp = 4: 15 each)
+    its segment        q[15:30] -> shard[0:15]            (+ tp rank, tp size, tp_split_dim, shapes)
+
+The same segments place the parameter and every optimizer state shaped like it (AdamW's exp_avg
+and exp_avg_sq; `step` is a scalar), so one mechanism moves all of them:
+
+    SHARDED_STATE_DICT  each rank writes shards/rank-R.pt: its segments and local tensors. One copy
+                        of each distinct shard: dp_cp rank 0 for plain/TP models (replicated over
+                        dp and cp), dp_replicate rank 0 under ZeRO-3 (distinct over dp_shard_cp).
+    FULL_STATE_DICT     the full model (HF names) and optimizer states are gathered as the model
+                        gathers its weights; rank 0 writes model.safetensors + optimizer.pt.
+    loading (either)    every rank reads the files, rebuilds FULL tensors by name (concatenated
+                        over tp along tp_split_dim), and cuts its own layout with local_from_full():
+                        saved on 2x2x2, resumed on 4x1x2 or on one process, with or without ZeRO-3.
+
+    step-N/  manifest.json   trainer_state.pt (step, scheduler, extra, optimizer hyper-parameters)
+             rng/rank-R.pt (every rank)   shards/rank-R.pt  or  model.safetensors + optimizer.pt
+
+Communication: a save costs a broadcast of the temporary directory's name and two status
+all-reduces (barriers that also tell every rank whether any rank failed); FULL_STATE_DICT adds the
+gathers of the model and of each optimizer state (an all-gather of the model's size per tensor
+kind). A load costs one status all-reduce: every rank checks the files itself first, so all refuse
+a damaged checkpoint together and none is left waiting in a collective. Atomicity, the manifest
+and the checksums are checkpoint_io.py. The scheme is torch.distributed.checkpoint's (save local
+shards with their global placement, reshard at load) in miniature; ZeRO-3 is Rajbhandari et al.
+(2020). Each loading rank holds the full model and optimizer in CPU memory for a moment: simple and
+fine at minipar's sizes, where DCP would read only the overlapping pieces.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import checkpoint_io as cio
+from .checkpoint_io import find_latest_checkpoint, list_checkpoints, rotate_checkpoints  # noqa: F401
+from .tensor_parallel import gather_tensor, shard_tensor
+
+STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+TRAINER_STATE, FULL_MODEL, FULL_OPTIM = "trainer_state.pt", "model.safetensors", "optimizer.pt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Elements [start, stop) of the TP-local flat view of `name` sit at [offset, offset + stop -
+    start) of the flat view of a rank's local tensor."""
+    name: str
+    tp_rank: int
+    tp_size: int
+    split_dim: Optional[int]
+    local_shape: Tuple[int, ...]
+    full_shape: Tuple[int, ...]
+    start: int
+    stop: int
+    offset: int
+
+
+# ------------------------------------------------------------------------------ the layout
+def _tensors(model, pgm):
+    """(local tensor, its segments, [(name, full shape)] of the tensors whose states it carries)
+    for every tensor the optimizer sees. A ZeRO-3 shard is stepped as a whole, so it carries every
+    tensor of its unit; its segments come from the manager's sharded_state_dict(): each tensor's
+    offset in the padded flat buffer, intersected with this rank's [start, stop)."""
+    manager = getattr(model, "zero3", None)
+    if manager is None:
+        for name, p in model.named_parameters():
+            full = tuple(getattr(p, "tp_full_shape", None) or p.shape)
+            seg = Segment(name, pgm.tp.rank, pgm.tp.size, getattr(p, "tp_split_dim", None), tuple(p.shape),
+                          full, 0, p.numel(), 0)
+            yield p, [seg], [(name, full)]
+        return
+    sd = manager.sharded_state_dict()
+    for shard, unit in zip(manager.shards, sd["units"].values()):   # both: the non-empty units, in order
+        start, stop, segments = unit["start"], unit["stop"], []
+        for t in unit["params"]:
+            a, b = max(t["offset"], start), min(t["offset"] + t["numel"], stop)
+            if b > a:
+                segments.append(Segment(t["name"], sd["tp_rank"], sd["tp_size"], t["tp_split_dim"],
+                                        tuple(t["local_shape"]), tuple(t["full_shape"]),
+                                        a - t["offset"], b - t["offset"], a - start))
+        yield shard, segments, [(t["name"], tuple(t["full_shape"])) for t in unit["params"]]
+
+
+def layout(model, pgm) -> List[Tuple[torch.nn.Parameter, List[Segment]]]:
+    """(local tensor, its segments) for every tensor the optimizer sees."""
+    return [(p, segments) for p, segments, _ in _tensors(model, pgm)]
+
+
+def _param_shapes(model, pgm) -> Dict[str, list]:
+    """{name: full shape} of every parameter, not only of those this rank's shards touch."""
+    return {n: list(shape) for _, _, carried in _tensors(model, pgm) for n, shape in carried}
+
+
+def _device(model) -> torch.device:
+    return next(iter(model.parameters())).device
+
+
+def _writes_shards(model, pgm) -> bool:
+    """One copy of each distinct shard: coordinate 0 of the dims the shards are replicated over."""
+    return (pgm.dp_replicate if getattr(model, "zero3", None) is not None else pgm.dp_cp).rank == 0
+
+
+# ----------------------------------------------------------------------- full <-> local tensors
+def local_from_full(model, pgm, full: Dict[str, torch.Tensor], source: str = "checkpoint") -> dict:
+    """{local tensor: values shaped like it} cut from full tensors by HF name for this rank's layout
+    (plain, TP and ZeRO-3 flat shards alike; padding is zero). No communication."""
+    out = {}
+    for p, segments in layout(model, pgm):
+        flat = torch.zeros(p.numel(), dtype=p.dtype)
+        for s in segments:
+            if s.name not in full:
+                raise ValueError(f"{source} has no tensor {s.name!r}, which this model needs")
+            t = full[s.name]
+            if tuple(t.shape) != s.full_shape:
+                raise ValueError(f"{source}: {s.name} has shape {tuple(t.shape)}, this model expects "
+                                 f"{s.full_shape}: the checkpoint is of another model shape")
+            local = shard_tensor(t, s.split_dim, pgm.tp).reshape(-1)
+            flat[s.offset:s.offset + s.stop - s.start] = local[s.start:s.stop]
+        out[p] = flat.view(p.shape)
+    return out
+
+
+def _elementwise(v, p) -> bool:
+    return torch.is_tensor(v) and v.dim() > 0 and v.numel() == p.numel()
+
+
+def _local_records(model, optimizer, pgm) -> list:
+    """Per local tensor: its segments, the CPU tensors shaped like it (param, optimizer states)
+    and the scalar states."""
+    state, records = optimizer.state if optimizer is not None else {}, []
+    for p, segments in layout(model, pgm):
+        st = state.get(p, {})
+        tensors = {"param": p.detach().cpu().clone()}
+        tensors.update({k: v.detach().cpu().clone().view(p.shape)
+                        for k, v in st.items() if _elementwise(v, p)})
+        scalars = {k: float(v) for k, v in st.items() if not _elementwise(v, p)}
+        segments = [dataclasses.asdict(s) for s in segments]
+        records.append(dict(segments=segments, tensors=tensors, scalars=scalars))
+    return records
+
+
+def merge_records(records: list, source: str) -> Tuple[Dict[str, dict], Dict[str, dict]]:
+    """({kind: {name: full tensor}}, {name: scalars}) from the records of all shard files; refuses
+    files that do not cover every element (a rank's file missing)."""
+    bufs: Dict[tuple, list] = {}      # (kind, name, tp_rank) -> [TP-local flat tensor, covered mask]
+    meta: Dict[str, Segment] = {}
+    scalars: Dict[str, dict] = {}
+    for rec in records:
+        for d in rec["segments"]:
+            s = Segment(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+            if s.split_dim is None and s.tp_rank != 0:
+                continue              # replicated over tp: tp rank 0's copy is the one
+            meta.setdefault(s.name, s)
+            if rec["scalars"]:
+                scalars.setdefault(s.name, rec["scalars"])
+            for kind, t in rec["tensors"].items():
+                key = (kind, s.name, s.tp_rank)
+                if key not in bufs:
+                    n = int(torch.Size(s.local_shape).numel())
+                    bufs[key] = [torch.zeros(n, dtype=t.dtype), torch.zeros(n, dtype=torch.bool)]
+                bufs[key][0][s.start:s.stop] = t.reshape(-1)[s.offset:s.offset + s.stop - s.start]
+                bufs[key][1][s.start:s.stop] = True
+    full: Dict[str, Dict[str, torch.Tensor]] = {}
+    for kind in sorted({k for k, _, _ in bufs}):
+        for name, s in meta.items():
+            ranks = range(s.tp_size if s.split_dim is not None else 1)
+            if not any((kind, name, r) in bufs for r in ranks):
+                continue              # no optimizer state for this tensor (never stepped)
+            for r in ranks:
+                if (kind, name, r) not in bufs or not bufs[(kind, name, r)][1].all():
+                    raise ValueError(f"{source}: the shard files do not cover all of {kind} of {name} "
+                                     f"(tp rank {r}): a rank's file is missing from the checkpoint")
+            parts = [bufs[(kind, name, r)][0].view(s.local_shape) for r in ranks]
+            full.setdefault(kind, {})[name] = torch.cat(parts, s.split_dim) if s.split_dim is not None \
+                else parts[0]
+    return full, scalars
+
+
+def _gather_full(model, pgm, local: dict) -> Dict[str, torch.Tensor]:
+    """{name: full tensor} from tensors shaped like the local ones, gathered as the model gathers
+    its weights (over tp, and over dp_shard_cp under ZeRO-3). Collective."""
+    manager = getattr(model, "zero3", None)
+    if manager is not None:
+        full = manager.full_from_shards([local[s] for s in manager.shards])
+        return {n: t.cpu() for n, t in full.items()}
+    return {n: gather_tensor(local[p].contiguous(), getattr(p, "tp_split_dim", None), pgm.tp).cpu().clone()
+            for n, p in model.named_parameters()}
+
+
+def full_optimizer_state(model, optimizer, pgm) -> Tuple[Dict[str, dict], Dict[str, dict]]:
+    """({state kind: {name: full tensor}}, {name: scalar states}) on every rank. Collective."""
+    params, state = [p for p, _ in layout(model, pgm)], optimizer.state
+    kinds = sorted({k for p in params for k, v in state.get(p, {}).items() if _elementwise(v, p)})
+    full = {k: _gather_full(model, pgm, {p: state.get(p, {}).get(k, torch.zeros_like(p)) for p in params})
+            for k in kinds}
+    scalars = {}
+    for p, _, carried in _tensors(model, pgm):
+        sc = {k: float(v) for k, v in state.get(p, {}).items() if not _elementwise(v, p)}
+        scalars.update({n: sc for n, _ in carried if sc})
+    return full, scalars
+
+
+# -------------------------------------------------------------------------------------- save
+def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, scheduler=None,
+                    extra: Optional[dict] = None, state_dict_type: str = "SHARDED_STATE_DICT",
+                    keep_last: Optional[int] = None) -> str:
+    """Write the run's state into `directory` (output_dir/step-N) atomically; returns it. Collective.
+    keep_last: afterwards keep only the newest `keep_last` complete step-N siblings (None: all)."""
+    if state_dict_type not in STATE_DICT_TYPES:
+        raise ValueError(f"state_dict_type={state_dict_type!r}: use one of {STATE_DICT_TYPES}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"extra must be a dict (data position, config, ...), got {type(extra).__name__}")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"checkpoint path {directory} exists and is not a directory")
+    full = state_dict_type == "FULL_STATE_DICT"
+    if full:                                     # the collectives come first: nothing can fail before them
+        model_full = {n: t.detach().cpu().contiguous() for n, t in model.full_state_dict().items()}
+        optim_full = full_optimizer_state(model, optimizer, pgm) if optimizer is not None else None
+
+    def write(tmp: str) -> dict:
+        rank = pgm.global_rank
+        entries = cio.write_file(tmp, f"rng/rank-{rank:05d}.pt", cio.to_bytes(cio.rng_state()))
+        if not full and _writes_shards(model, pgm):
+            shard = dict(rank=rank, coords=pgm.coords, records=_local_records(model, optimizer, pgm))
+            entries.update(cio.write_file(tmp, f"shards/rank-{rank:05d}.pt", cio.to_bytes(shard)))
+        if rank != 0:
+            return entries
+        groups = None if optimizer is None else [{k: v for k, v in g.items() if k != "params"}
+                                                 for g in optimizer.param_groups]
+        trainer = dict(step=step, extra=extra, param_groups=groups,
+                       scheduler=scheduler.state_dict() if scheduler is not None else None)
+        entries.update(cio.write_file(tmp, TRAINER_STATE, cio.to_bytes(trainer)))
+        if full:
+            from safetensors.torch import save
+            entries.update(cio.write_file(tmp, FULL_MODEL, save(model_full, metadata={"format": "pt"})))
+            if optim_full is not None:
+                optim = cio.to_bytes(dict(state=optim_full[0], scalars=optim_full[1]))
+                entries.update(cio.write_file(tmp, FULL_OPTIM, optim))
+        return entries
+
+    def manifest() -> dict:
+        return dict(step=step, state_dict_type=state_dict_type, created=time.time(), torch=torch.__version__,
+                    layout=dict(pgm.config.sizes, world_size=pgm.world_size, zero3=hasattr(model, "zero3"),
+                                sequence_parallel=pgm.config.sequence_parallel),
+                    model_config=cio.config_dict(model), params=_param_shapes(model, pgm),
+                    optimizer=type(optimizer).__name__ if optimizer is not None else None,
+                    optimizer_groups=len(optimizer.param_groups) if optimizer is not None else 0)
+
+    return cio.atomic_save(directory, pgm, _device(model), write, manifest, keep_last)
+
+
+# -------------------------------------------------------------------------------------- load
+def load_checkpoint(directory: str, model, optimizer, pgm, *, scheduler=None) -> Optional[dict]:
+    """Restore model, optimizer, scheduler and RNG from `directory` (saved on any layout, either
+    state dict type); returns the saved `extra`. Collective. A damaged, partial or foreign
+    checkpoint is refused on every rank with a ValueError that names the file or the fields."""
+    error = manifest = None
+    try:                                         # every check, before any communication
+        manifest = cio.verify(directory)
+        groups = len(optimizer.param_groups) if optimizer is not None else None
+        cio.check_model(directory, manifest, cio.config_dict(model), _param_shapes(model, pgm), groups)
+    except Exception as e:                       # noqa: BLE001 - every rank learns of it below
+        error = e
+    if cio.agree(error is not None, pgm, _device(model)):
+        raise error or ValueError(f"checkpoint {directory} was refused on another rank (see its error)")
+    files = manifest["files"]
+    if manifest["state_dict_type"] == "FULL_STATE_DICT":
+        from safetensors.torch import load_file
+        full, scalars = {"param": load_file(os.path.join(directory, FULL_MODEL))}, {}
+        if FULL_OPTIM in files:
+            saved = cio.load(os.path.join(directory, FULL_OPTIM))
+            full.update(saved["state"])
+            scalars = saved["scalars"]
+    else:
+        shards = [cio.load(os.path.join(directory, f)) for f in files if f.startswith("shards/")]
+        full, scalars = merge_records([r for s in shards for r in s["records"]], source=directory)
+    with torch.no_grad():
+        for p, t in local_from_full(model, pgm, full["param"], source=directory).items():
+            p.copy_(t)
+    trainer = cio.load(os.path.join(directory, TRAINER_STATE), trusted=True)
+    if optimizer is not None:
+        _load_optimizer(model, optimizer, pgm, full, scalars, trainer["param_groups"], directory)
+    if scheduler is not None and trainer["scheduler"] is not None:
+        scheduler.load_state_dict(trainer["scheduler"])
+    rng = f"rng/rank-{pgm.global_rank:05d}.pt"    # a rank the saving run did not have takes rank 0's
+    cio.set_rng_state(cio.load(os.path.join(directory, rng if rng in files else "rng/rank-00000.pt")))
+    return trainer["extra"]
+
+
+def _load_optimizer(model, optimizer, pgm, full, scalars, groups, source):
+    """Cut each optimizer state like the parameters and hand torch's load_state_dict the result."""
+    shapes = _param_shapes(model, pgm)
+    local = {k: local_from_full(model, pgm, {n: v.get(n, torch.zeros(shapes[n])) for n in shapes}, source)
+             for k, v in full.items() if k != "param"}
+    names, state = {p: [n for n, _ in carried] for p, _, carried in _tensors(model, pgm)}, {}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        sc = next((scalars[n] for n in names.get(p, []) if n in scalars), None)
+        if sc is not None:                       # tensors never stepped keep no state
+            state[i] = {k: v[p] for k, v in local.items()}
+            state[i].update({k: torch.tensor(v, dtype=torch.float32) for k, v in sc.items()})
+    sd, first = dict(state=state, param_groups=[]), 0
+    for saved, g in zip(groups, optimizer.param_groups):
+        sd["param_groups"].append(dict(saved, params=list(range(first, first + len(g["params"])))))
+        first += len(g["params"])
+    optimizer.load_state_dict(sd)
+
+
+# ------------------------------------------------------------------------------------ export
+def export_hf(directory: str, model) -> str:
+    """A Hugging Face directory (config.json + model.safetensors) for transformers'
+    LlamaForCausalLM.from_pretrained. Collective: every rank calls it; global rank 0 writes."""
+    model.save_pretrained(directory)
+    cio.agree(False, model.pgm, _device(model))  # the files exist when any rank returns
+    return directory

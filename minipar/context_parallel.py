@@ -1,0 +1,269 @@
+"""Context parallelism: the sequence split over cp ranks, attention as ring attention, zigzag balanced.
+
+Everything in a decoder but attention works token by token, so splitting the sequence over the cp
+ranks splits its work for free. Attention needs every query to see every (earlier) key: ring
+attention (Liu et al., "Ring Attention with Blockwise Transformers", 2023) keeps each rank's
+queries at home and passes the key/value blocks around the ring, one neighbour per step:
+
+    step 0: rank r attends its own K/V block       and sends it to r+1, receives r-1's
+    step i: rank r attends the block of rank r-i   while the block of rank r-i-1 is in flight
+    after cp steps every query has seen every key; no rank ever holds more than two K/V blocks
+
+    q (B, Hq, T/cp, D) stays           k, v (B, Hkv, T/cp, D) travel      out (B, Hq, T/cp, D)
+
+The zigzag layout. Cut the sequence into 2*cp chunks; rank c keeps chunks c and 2cp-1-c:
+
+    cp = 4, T = 8 chunks:  | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |
+    rank 0: [0 7]   rank 1: [1 6]   rank 2: [2 5]   rank 3: [3 4]
+
+With a contiguous split under a causal mask, rank 0 attends one block and rank cp-1 attends cp of
+them: the last rank computes 2cp/(cp+1) times the mean and everybody waits for it. In zigzag every
+rank holds one early and one late chunk, and the causal work per step is the same everywhere
+(Brandon et al., "Striped Attention", 2023; the zigzag variant of zhuzilin/ring-flash-attention,
+used by Megatron-LM and torchtitan). With local halves [a b] (a early, b late) and a block [k0 k1]
+from rank s, only two block shapes ever occur, each a quarter less work than a full block:
+
+    s == r  the local square, causal mask            q [a b] x k [a b], lower triangle
+    s <  r  every local query, the first half keys   q [a b] x k0        (k1 lies in everyone's future)
+    s >  r  the second half queries, all keys        q [b]   x [k0 k1]   (a lies before both chunks)
+
+The merge. Each block returns its normalised output o_b and per-row log-sum-exp l_b (fp32); the
+running (o, l) is updated with the numerically safe rule, never forming an exp of a large number:
+
+    l' = log(exp(l) + exp(l_b))  = logaddexp(l, l_b)
+    o' = exp(l - l') * o + exp(l_b - l') * o_b
+
+The backward (hand-written; flash-attention backward per block, with the FINAL o and l): K/V go
+round the ring again; each block's dK/dV are added into an fp32 buffer that travels with the
+block's owner's K/V, one hop behind, and arrives home after cp-1 hops; dQ stays local. The forward
+keeps nothing of the ring: only the local q, k, v, o and l.
+
+Cost per step of one layer, per rank, bytes on the wire (L = T/cp local tokens, e = element size):
+
+    forward   cp-1 hops of K and V                     2 * B * Hkv * L * D * e each
+    backward  cp-1 hops of K and V again, plus cp-1 hops of fp32 dK and dV (2 * B * Hkv * L * D * 4)
+    compute   per step B * Hq * L * L/2 scores (the diagonal step L * L), overlapped with the hop
+
+GQA: K/V travel with their Hkv heads; the Hq/Hkv query heads of a group are folded or broadcast
+inside block_attention.py, so repeated K/V never cross the ring. Non-causal attention: every step
+is a full unmasked block. cp.size == 1: just the local causal block, no communication.
+"""
+from __future__ import annotations
+
+from collections import namedtuple
+from typing import List, Optional
+
+import torch
+
+from . import comm
+from .block_attention import IMPLS, block_backward, block_forward, default_scale
+from .config import check_sequence_len
+
+__all__ = ["zigzag_shard", "zigzag_unshard", "zigzag_positions", "ring_attention", "ring_schedule",
+           "schedule_score_elements", "Block"]
+
+LAYOUTS = ("zigzag", "contiguous")
+# Local slices [q0, q1) of the queries and [k0, k1) of the visiting K/V block, and the mask.
+Block = namedtuple("Block", "q0 q1 k0 k1 causal")
+
+
+# ----------------------------------------------------------------------------------- zigzag sharding
+def _size(cp) -> int:
+    return getattr(cp, "size", cp)
+
+
+def zigzag_shard(x: torch.Tensor, dim: int, cp) -> torch.Tensor:
+    """This rank's zigzag share of a full-sequence tensor: chunks c and 2*cp-1-c of 2*cp, concatenated."""
+    if cp.size == 1:
+        return x
+    check_sequence_len(int(x.shape[dim]), cp.size)
+    chunks = x.chunk(2 * cp.size, dim=dim)
+    return torch.cat([chunks[cp.rank], chunks[2 * cp.size - 1 - cp.rank]], dim=dim)
+
+
+def zigzag_unshard(x_local: torch.Tensor, dim: int, cp) -> torch.Tensor:
+    """The full sequence back in order: all-gather the shares over cp, then undo the zigzag."""
+    if x_local.shape[dim] % 2:
+        raise ValueError(f"zigzag_unshard: local length {x_local.shape[dim]} along dim {dim} is odd, but a "
+                         f"zigzag share holds two equal chunks: pass what zigzag_shard returned")
+    n = cp.size
+    if n == 1:
+        return x_local
+    pieces = comm.all_gather(x_local, cp, gather_dim=dim).chunk(2 * n, dim=dim)   # [c0 c2n-1 | c1 c2n-2 | ..]
+    ordered = [None] * (2 * n)
+    for r in range(n):
+        ordered[r], ordered[2 * n - 1 - r] = pieces[2 * r], pieces[2 * r + 1]
+    return torch.cat(ordered, dim=dim)
+
+
+def zigzag_positions(seq_len: int, cp, device=None) -> torch.Tensor:
+    """True positions (long, seq_len / cp of them) of this rank's tokens, for rotary embeddings."""
+    if cp.size == 1:
+        return torch.arange(seq_len, device=device)
+    check_sequence_len(int(seq_len), cp.size)
+    chunk = seq_len // (2 * cp.size)
+    late = 2 * cp.size - 1 - cp.rank
+    return torch.cat([torch.arange(cp.rank * chunk, (cp.rank + 1) * chunk, device=device),
+                      torch.arange(late * chunk, (late + 1) * chunk, device=device)])
+
+
+# ----------------------------------------------------------------------------------- the schedule
+def ring_schedule(local_len: int, cp, rank: int, causal: bool = True,
+                  layout: str = "zigzag") -> List[List[Block]]:
+    """The blocks rank `rank` computes at each ring step (step i holds the K/V of rank rank - i).
+    The single source of truth: ring_attention runs exactly these, and the balance is counted here."""
+    n, L, h = _size(cp), local_len, local_len // 2
+    steps = []
+    for i in range(n):
+        src = (rank - i) % n
+        if not causal:
+            steps.append([Block(0, L, 0, L, False)])
+        elif i == 0:
+            steps.append([Block(0, L, 0, L, True)])
+        elif layout == "zigzag":
+            steps.append([Block(0, L, 0, h, False)] if src < rank else [Block(h, L, 0, L, False)])
+        else:   # contiguous: earlier ranks fully visible, later ranks all in the future
+            steps.append([Block(0, L, 0, L, False)] if src < rank else [])
+    return steps
+
+
+def schedule_score_elements(seq_len: int, cp, rank: int, causal: bool = True, zigzag: bool = True,
+                            count_masked: bool = True) -> int:
+    """Attention scores (q x k pairs, per batch row and head) rank `rank` computes in the forward.
+    Counted per block, a causal square in full, as the plain kernel computes it (count_masked=True);
+    or only its unmasked pairs, what a tiled kernel that skips masked tiles approaches."""
+    n = _size(cp)
+    steps = ring_schedule(seq_len // n, n, rank, causal, "zigzag" if zigzag else "contiguous")
+    return sum(_block_elements(b, count_masked) for blocks in steps for b in blocks)
+
+
+def _block_elements(b: Block, count_masked: bool = True) -> int:
+    rows, cols = b.q1 - b.q0, b.k1 - b.k0
+    return rows * (rows + 1) // 2 if b.causal and not count_masked else rows * cols
+
+
+# ----------------------------------------------------------------------------------- ring attention
+def _merge(out, lse, out_b, lse_b):
+    """In place on the running (out, lse) views: the log-sum-exp update of the module docstring."""
+    new = torch.logaddexp(lse, lse_b)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    out.add_(torch.exp(lse_b - new).unsqueeze(-1) * out_b.to(out.dtype))
+    lse.copy_(new)
+
+
+def _finish(works):
+    """Wait once: a gloo send waited on a second time blocks for a send that never comes."""
+    comm.wait_all(works)
+    works.clear()
+
+
+def _count(stats, key, steps):
+    if stats is not None:
+        stats[key] = stats.get(key, 0) + sum(_block_elements(b) for blocks in steps for b in blocks)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp, causal, scale, layout, overlap, impl, stats):
+        n = cp.size
+        steps = ring_schedule(q.shape[2], n, cp.rank, causal, layout)
+        acc = torch.promote_types(q.dtype, torch.float32)      # fp32, or fp64 for fp64 inputs
+        out = q.new_zeros(q.shape, dtype=acc)
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
+        kv = torch.stack([k, v])                 # one message per hop
+        kernel_ctx = []
+        for i, blocks in enumerate(steps):
+            works, nxt = [], None
+            if i + 1 < n:                        # the next block's hop runs while this one computes
+                nxt = torch.empty_like(kv)
+                works = list(comm.ring_shift([kv], [nxt], cp))
+                if not overlap:
+                    _finish(works)
+            step_ctx = []
+            for b in blocks:
+                o_b, l_b, kc = block_forward(q[:, :, b.q0:b.q1], kv[0, :, :, b.k0:b.k1],
+                                             kv[1, :, :, b.k0:b.k1], b.causal, scale, impl)
+                _merge(out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], o_b, l_b)
+                step_ctx.append(kc)
+            kernel_ctx.append(step_ctx)
+            _finish(works)
+            kv = nxt if nxt is not None else kv
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.steps, ctx.scale, ctx.overlap, ctx.kernel_ctx, ctx.stats = cp, steps, scale, overlap, \
+            kernel_ctx, stats
+        _count(stats, "score_elements", steps)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, n, steps, scale = ctx.cp, ctx.cp.size, ctx.steps, ctx.scale
+        dout = dout.contiguous()
+        acc = lse.dtype
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        home = torch.zeros((2,) + tuple(k.shape), dtype=acc, device=k.device)   # my dK, dV
+        kv = torch.stack([k, v])
+        incoming, in_works = None, []            # the travelling dK/dV of the block held, one hop behind
+        for i, blocks in enumerate(steps):
+            works, nxt = [], None
+            if i + 1 < n:
+                nxt = torch.empty_like(kv)
+                works = list(comm.ring_shift([kv], [nxt], cp))
+                if not ctx.overlap:
+                    _finish(works)
+            part = home if i == 0 else torch.zeros_like(home)
+            for b, kc in zip(blocks, ctx.kernel_ctx[i]):
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[:, :, b.q0:b.q1], q[:, :, b.q0:b.q1], kv[0, :, :, b.k0:b.k1], kv[1, :, :, b.k0:b.k1],
+                    out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], b.causal, scale, kc)
+                dq[:, :, b.q0:b.q1] += dq_b
+                part[0, :, :, b.k0:b.k1] += dk_b
+                part[1, :, :, b.k0:b.k1] += dv_b
+            if i > 0:
+                # add my share to the buffer that came from rank r-1 (it hopped while I computed),
+                # then pass it on; after the last step it lands at the block's owner
+                _finish(in_works)
+                sending = part if incoming is None else incoming.add_(part)   # held until its hop ends
+                incoming = torch.empty_like(home)
+                in_works = list(comm.ring_shift([sending], [incoming], cp))
+                if not ctx.overlap:
+                    _finish(in_works)
+            _finish(works)
+            kv = nxt if nxt is not None else kv
+        if n > 1:
+            _finish(in_works)
+            home.add_(incoming)
+        _count(ctx.stats, "backward_score_elements", steps)
+        return (dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)) + (None,) * 7
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal: bool = True,
+                   scale: Optional[float] = None, *, layout: str = "zigzag", overlap: bool = True,
+                   impl: str = "auto", stats: Optional[dict] = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, which is split over `cp` (pgm.cp).
+
+    q (B, Hq, L, D), k and v (B, Hkv, L, D) with Hkv dividing Hq, L = T / cp.size tokens in the
+    zigzag layout (zigzag_shard), or contiguous chunks with layout="contiguous" (for comparison).
+    Returns (B, Hq, L, D) in q's dtype. overlap=False waits for each hop before computing (for the
+    benchmark); impl picks the block kernel ("auto", "fused", "torch"); a dict passed as `stats`
+    gets "score_elements" (and "backward_score_elements") added, per batch row and head.
+    """
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"ring_attention: q must be (B, Hq, L, D) and k, v (B, Hkv, L, D) of one shape; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    (b, hq, n, d), hkv = q.shape, k.shape[1]
+    if (b, n, d) != (k.shape[0], k.shape[2], k.shape[3]) or hq % hkv:
+        raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, local "
+                         f"length and head_dim, and kv heads ({hkv}) must divide q heads ({hq})")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise ValueError(f"ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if layout not in LAYOUTS or impl not in IMPLS:
+        raise ValueError(f"ring_attention: layout must be one of {LAYOUTS} and impl one of {IMPLS}; got "
+                         f"layout={layout!r}, impl={impl!r}")
+    if causal and layout == "zigzag" and cp.size > 1 and q.shape[2] % 2:
+        raise ValueError(f"ring_attention: the local length {q.shape[2]} is odd, but a zigzag share is two "
+                         f"equal chunks: shard a sequence of length divisible by 2 * cp_size = {2 * cp.size} "
+                         f"with zigzag_shard")
+    scale = default_scale(q.shape[-1], scale)
+    return _RingAttention.apply(q, k, v, cp, causal, scale, layout, overlap, impl, stats)

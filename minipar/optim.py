@@ -1,0 +1,203 @@
+"""The optimizer side of a step: AdamW with a layout-independent weight-decay rule, warmup then
+cosine decay of the learning rate, and clipping by the global gradient norm across shards.
+
+Global-norm clipping (Pascanu et al., 2013) scales every gradient by min(1, max_norm / ||g||), with
+||g|| the L2 norm over ALL gradient elements of the model. Under 4D parallelism no rank holds the
+whole gradient, and some elements sit on several ranks. Each distinct element must be counted
+once, so a rank sorts the squares of what it holds into four sums:
+
+    what a rank holds                          sum of squares        counted over
+    plain param, tp_split_dim = 0 / 1           plain_split          tp (each tp rank has one slice)
+    plain param, tp_split_dim = None            plain_repl           nothing (identical on every rank)
+    ZeRO-3 flat shard, tp_split_segments        shard_split          tp, then dp_shard_cp
+    ZeRO-3 flat shard, the rest                 shard_repl           dp_shard_cp
+
+    ||g||^2 = plain_repl + sum_tp plain_split + sum_dp_shard_cp (shard_repl + sum_tp shard_split)
+
+A ZeRO-3 flat shard (attribute zero3_shard=True) is this rank's 1/N slice of a flat buffer that
+concatenates a unit's local (already TP-sliced) parameters plus zero padding; its attribute
+tp_split_segments lists the (start, stop) element ranges of the shard that belong to TP-split
+weights. A replicated-over-dp copy (DDP, or HSDP across dp_replicate) holds the same gradient on
+every replica after the gradient all-reduce, so it is counted once. Parameters without those
+attributes count as replicated and unsharded.
+
+Communication per step: one all-reduce of 2 numbers over tp and one of 1 number over
+dp_shard_cp (float64, so the sum is as exact as one process's), then a local scaling.
+
+Weight decay. AdamW (Loshchilov & Hutter, 2019) decays decoupled from the gradient:
+p <- p * (1 - lr * wd) before the Adam update. As in GPT-2 / Llama recipes, matrices are decayed and
+1-D tensors (norm weights) are not. After ZeRO-3 every parameter is a 1-D flat shard, so the rule
+cannot read p.ndim there: a flat shard carries `no_decay_segments`, the (start, stop) element
+ranges of its shard that come from 1-D tensors. minipar's AdamW therefore applies the decay itself,
+element range by element range, with torch's AdamW running at weight_decay=0, and keeps ONE
+parameter group on every layout (simple to checkpoint and reshard). AdamW is elementwise, so the
+parameters after N steps are the same on every layout.
+
+The schedule: linear warmup from lr/warmup to lr over `warmup_steps`, then half a cosine down to
+min_lr_ratio * lr at `max_steps` (the shape of Llama's and nanotron's recipes).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import comm
+
+
+# ----------------------------------------------------------------------------- the schedule
+class WarmupCosine:
+    """lr multiplier of step s (0-based optimizer steps taken before this one):
+
+        s < W:          (s + 1) / W                                       linear warmup
+        W <= s:         m + (1 - m) * (1 + cos(pi * p)) / 2,  p = min(1, (s - W) / (S - W))
+
+    A callable object (not a lambda), so LambdaLR.state_dict() saves its settings and a resumed run
+    continues at exactly the same multiplier.
+    """
+
+    def __init__(self, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1):
+        if warmup_steps < 0 or max_steps < 1:
+            raise ValueError(f"warmup_steps ({warmup_steps}) must be >= 0 and max_steps ({max_steps}) >= 1")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {min_lr_ratio}")
+        self.warmup_steps, self.max_steps = int(warmup_steps), int(max_steps)
+        self.min_lr_ratio = float(min_lr_ratio)
+
+    def __call__(self, step: int) -> float:
+        w, s, m = self.warmup_steps, self.max_steps, self.min_lr_ratio
+        if step < w:
+            return (step + 1) / w
+        progress = min(1.0, (step - w) / max(1, s - w))
+        return m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int,
+                    min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over WarmupCosine; call scheduler.step() after each optimizer.step(). Its
+    state_dict() / load_state_dict() resume it exactly."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, max_steps, min_lr_ratio))
+
+
+# ------------------------------------------------------------------------------ the optimizer
+def complement(ranges: Sequence[Tuple[int, int]], n: int) -> List[Tuple[int, int]]:
+    """The (start, stop) ranges of 0..n not covered by `ranges` (which may overlap, in any order)."""
+    out, pos = [], 0
+    for a, b in sorted((max(0, int(a)), min(n, int(b))) for a, b in ranges):
+        if a > pos:
+            out.append((pos, a))
+        pos = max(pos, b)
+    if pos < n:
+        out.append((pos, n))
+    return out
+
+
+def _no_decay_ranges(p: torch.Tensor) -> Optional[List[Tuple[int, int]]]:
+    """Element ranges of p.view(-1) that are not decayed; None means all of p is decayed."""
+    if getattr(p, "zero3_shard", False):
+        if not hasattr(p, "no_decay_segments"):
+            raise ValueError("a ZeRO-3 flat shard (zero3_shard=True) has no `no_decay_segments`: the shard "
+                             "manager must list the ranges of 1-D tensors so that weight decay is the "
+                             "same on every layout; or build the optimizer with weight_decay=0")
+        return [(int(a), int(b)) for a, b in p.no_decay_segments] or None
+    return [(0, p.numel())] if p.dim() < 2 else None
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW at weight_decay=0, plus decoupled decay applied by minipar's rule.
+
+    Each param group holds the rate as `minipar_weight_decay`, saved in state_dict with the group
+    (a name of our own: torch >= 2.6 keeps a boolean `decoupled_weight_decay` in Adam's groups)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            wd = group.get("minipar_weight_decay", 0.0)
+            if wd == 0.0:
+                continue
+            factor = 1.0 - float(group["lr"]) * wd
+            for p in group["params"]:
+                if p.grad is None:          # torch skips such params entirely; so do we
+                    continue
+                skip = _no_decay_ranges(p)
+                if skip is None:
+                    p.mul_(factor)
+                    continue
+                flat = p.view(-1)
+                for a, b in complement(skip, flat.numel()):
+                    flat[a:b].mul_(factor)
+        super().step()
+        return loss
+
+
+def build_optimizer(model_or_params, lr: float, weight_decay: float = 0.0,
+                    betas: Tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, **kwargs) -> AdamW:
+    """AdamW over the trainable parameters of a module (or an iterable of parameters), one group.
+    Matrices are decayed, 1-D tensors are not (ZeRO-3 shards: by their no_decay_segments)."""
+    if lr <= 0 or weight_decay < 0:
+        raise ValueError(f"learning_rate must be > 0 (got {lr}) and weight_decay >= 0 (got {weight_decay})")
+    params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
+    params, seen = [p for p in params if p.requires_grad], set()
+    params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+    if weight_decay > 0:
+        for p in params:
+            _no_decay_ranges(p)              # fail now, not at the first step
+    group = dict(params=params, minipar_weight_decay=float(weight_decay))
+    return AdamW([group], lr=lr, betas=betas, eps=eps, weight_decay=0.0, **kwargs)
+
+
+# ------------------------------------------------------------------------ global-norm clipping
+def _sq(x: torch.Tensor) -> torch.Tensor:
+    # per-tensor norm in fp32 (as torch's clip_grad_norm_), squared and accumulated in fp64
+    return torch.linalg.vector_norm(x, 2.0, dtype=torch.float32).double() ** 2
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], pgm) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, each distinct element counted once; a 0-d
+    float32 tensor, the same on every rank. Every rank must call it (it all-reduces)."""
+    params = list({id(p): p for p in params if p.grad is not None}.values())
+    if params:
+        device = params[0].grad.device
+    else:   # a rank holding no gradient still joins the all-reduces, on the backend's device
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    plain_split, plain_repl, shard_split, shard_repl = zero.clone(), zero.clone(), zero.clone(), zero.clone()
+    for p in params:
+        g = p.grad.detach()
+        if getattr(p, "zero3_shard", False):
+            flat = g.reshape(-1)
+            segments = [(int(a), int(b)) for a, b in getattr(p, "tp_split_segments", ())]
+            for a, b in segments:
+                shard_split = shard_split + _sq(flat[a:b])
+            for a, b in complement(segments, flat.numel()):   # TP-replicated elements and padding
+                shard_repl = shard_repl + _sq(flat[a:b])
+        elif getattr(p, "tp_split_dim", None) is not None:
+            plain_split = plain_split + _sq(g)
+        else:
+            plain_repl = plain_repl + _sq(g)
+    split = torch.stack([plain_split, shard_split])
+    comm.all_reduce(split, pgm.tp)
+    shard = shard_repl + split[1]
+    comm.all_reduce(shard, pgm.dp_shard_cp)
+    return (plain_repl + split[0] + shard).sqrt().float()
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float], pgm) -> torch.Tensor:
+    """Scale all gradients by min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_
+    does, with the norm taken over the whole distributed model; returns the norm before clipping.
+    max_norm None or 0 only measures (for logging)."""
+    if max_norm is not None and max_norm < 0:
+        raise ValueError(f"max_grad_norm must be >= 0 (0 or None: no clipping), got {max_norm}")
+    params = list({id(p): p for p in params if p.grad is not None}.values())
+    norm = global_grad_norm(params, pgm)
+    if max_norm:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.device))
+    return norm

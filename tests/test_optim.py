@@ -1,0 +1,273 @@
+"""The LR schedule and its resume, minipar's AdamW weight-decay rule, and global-norm clipping on
+plain, TP-split and ZeRO-3-sharded parameters against torch.nn.utils.clip_grad_norm_ on one process."""
+import math
+
+import pytest
+import torch
+
+import minipar
+from minipar import ParallelismConfig, tensor_parallel as tpl
+from minipar.optim import WarmupCosine, build_optimizer, build_scheduler, clip_grad_norm_, complement
+from harness import run_world
+
+
+# --------------------------------------------------------------------------------------- schedule
+def test_warmup_cosine_values():
+    f = WarmupCosine(warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(4) == pytest.approx(0.5)
+    assert f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)        # peak
+    assert f(60) == pytest.approx(0.55)                                      # half-way down the cosine
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)     # floor at max_steps
+    assert all(f(s) >= f(s + 1) for s in range(10, 120))
+    assert WarmupCosine(0, 10)(0) == 1.0
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        WarmupCosine(1, 10, 2.0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        WarmupCosine(-1, 10)
+
+
+def _toy(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+
+
+def _train(model, opt, sched, steps, start=0):
+    lrs = []
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def test_schedule_and_optimizer_resume_exactly():
+    model = _toy()
+    opt = build_optimizer(model, lr=1e-2, weight_decay=0.1)
+    sched = build_scheduler(opt, warmup_steps=3, max_steps=12)
+    lrs = _train(model, opt, sched, 12)
+    assert lrs[2] == pytest.approx(1e-2) and lrs[0] == pytest.approx(1e-2 / 3)
+
+    model2 = _toy()
+    opt2 = build_optimizer(model2, lr=1e-2, weight_decay=0.1)
+    sched2 = build_scheduler(opt2, warmup_steps=3, max_steps=12)
+    first = _train(model2, opt2, sched2, 5)
+    state = dict(model=model2.state_dict(), opt=opt2.state_dict(), sched=sched2.state_dict())
+    model3 = _toy(seed=9)                                   # other weights: all must come from the state
+    opt3 = build_optimizer(model3, lr=1.0, weight_decay=0.1)
+    sched3 = build_scheduler(opt3, warmup_steps=99, max_steps=999)   # settings restored from the checkpoint
+    model3.load_state_dict(state["model"])
+    opt3.load_state_dict(state["opt"])
+    sched3.load_state_dict(state["sched"])
+    rest = _train(model3, opt3, sched3, 7, start=5)
+    assert first + rest == lrs
+    for a, b in zip(model.parameters(), model3.parameters()):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------- weight decay
+def test_adamw_decays_matrices_not_vectors_like_torch():
+    ref, mine = _toy(), _toy()
+    decay = [p for p in ref.parameters() if p.dim() >= 2]
+    no_decay = [p for p in ref.parameters() if p.dim() < 2]
+    groups = [dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)]
+    ref_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    opt = build_optimizer(mine, lr=1e-2, weight_decay=0.1)
+    assert len(opt.param_groups) == 1
+    for step in range(4):
+        for m, o in ((ref, ref_opt), (mine, opt)):
+            g = torch.Generator().manual_seed(step)
+            o.zero_grad()
+            m(torch.randn(4, 6, generator=g)).pow(2).sum().backward()
+            o.step()
+    for a, b in zip(ref.parameters(), mine.parameters()):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+
+
+def test_llama_norms_are_not_decayed():
+    from models.llama import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg, seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = build_optimizer(model, lr=0.1, weight_decay=0.5)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)        # Adam's update is 0: only the decay moves weights
+    opt.step()
+    for n, p in model.named_parameters():
+        want = before[n] if "norm" in n else before[n] * (1 - 0.1 * 0.5)
+        torch.testing.assert_close(p.detach(), want, msg=n)
+
+
+def _flat_shards(tensors, n, extra_pad=3):
+    """Split the concatenation of `tensors` (plus padding) into n flat shards; per shard the
+    (start, stop) ranges, in shard coordinates, of the elements of tensors with `pick` true."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    size = math.ceil((flat.numel() + extra_pad) / n)
+    flat = torch.cat([flat, flat.new_zeros(size * n - flat.numel())])
+    bounds, pos = [], 0
+    for t in tensors:
+        bounds.append((pos, pos + t.numel()))
+        pos += t.numel()
+
+    def ranges(r, pick):
+        lo, hi = r * size, (r + 1) * size
+        return [(max(a, lo) - lo, min(b, hi) - lo) for (a, b), t in zip(bounds, tensors)
+                if pick(t) and min(b, hi) > max(a, lo)]
+    return flat.view(n, size), ranges
+
+
+def test_adamw_on_zero3_flat_shards_equals_full_params():
+    full = [torch.randn(5, 3), torch.randn(7), torch.randn(4, 5)]
+    grads = [[torch.randn_like(t) for t in full] for _ in range(3)]
+    ref = [torch.nn.Parameter(t.clone()) for t in full]
+    ref_opt = build_optimizer(ref, lr=1e-2, weight_decay=0.3)
+    flat, ranges = _flat_shards(full, 2)
+    shards = []
+    for r in range(2):
+        p = torch.nn.Parameter(flat[r].clone())
+        p.zero3_shard, p.no_decay_segments = True, ranges(r, lambda t: t.dim() < 2)
+        shards.append(p)
+    opt = build_optimizer(shards, lr=1e-2, weight_decay=0.3)
+    for step in range(3):
+        for p, g in zip(ref, grads[step]):
+            p.grad = g.clone()
+        gflat, _ = _flat_shards(grads[step], 2)
+        for r, p in enumerate(shards):
+            p.grad = gflat[r].clone()
+        ref_opt.step()
+        opt.step()
+    want, _ = _flat_shards([p.detach() for p in ref], 2)
+    torch.testing.assert_close(torch.stack([p.detach() for p in shards]), want, atol=1e-7, rtol=1e-6)
+    bare = torch.nn.Parameter(torch.zeros(4))
+    bare.zero3_shard = True
+    with pytest.raises(ValueError, match="no_decay_segments"):
+        build_optimizer([bare], lr=1e-2, weight_decay=0.1)
+    build_optimizer([bare], lr=1e-2, weight_decay=0.0)        # no decay: nothing to decide
+
+
+def test_complement():
+    assert complement([(5, 7), (1, 3), (2, 4)], 10) == [(0, 1), (4, 5), (7, 10)]
+    assert complement([], 3) == [(0, 3)] and complement([(0, 3)], 3) == []
+
+
+# ------------------------------------------------------------------------------------ clipping
+def _full_params(seed=0):
+    """A toy 'model': a column-split, a row-split and a replicated (norm) weight, with grads."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = dict(w=(8, 6), v=(6, 8), n=(6,), e=(4, 6))
+    return {k: (torch.randn(s, generator=g), torch.randn(s, generator=g) * 3) for k, s in shapes.items()}
+
+
+def _torch_clip(full, max_norm):
+    ps = []
+    for k, (w, grad) in full.items():
+        p = torch.nn.Parameter(w.clone())
+        p.grad = grad.clone()
+        ps.append(p)
+    norm = torch.nn.utils.clip_grad_norm_(ps, max_norm)
+    return norm, [p.grad for p in ps]
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e6])
+def test_clip_single_process_equals_torch(max_norm):
+    full = _full_params()
+    want_norm, want_grads = _torch_clip(full, max_norm)
+    ps = []
+    for k, (w, grad) in full.items():
+        p = torch.nn.Parameter(w.clone())
+        p.grad = grad.clone()
+        ps.append(p)
+    norm = clip_grad_norm_(ps + ps[:1], max_norm, minipar.ProcessGroupManager.local())   # a tied param once
+    torch.testing.assert_close(norm, want_norm, atol=0, rtol=1e-6)
+    for p, g in zip(ps, want_grads):
+        torch.testing.assert_close(p.grad, g, atol=1e-7, rtol=1e-6)
+    assert clip_grad_norm_([ps[0]], None, minipar.ProcessGroupManager.local()) > 0
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        clip_grad_norm_(ps, -1.0, minipar.ProcessGroupManager.local())
+
+
+SPLIT = dict(w=0, v=1, n=None, e=0)
+
+
+def _clip_tp(max_norm):
+    pgm = minipar.init(ParallelismConfig(tp_size=2))
+    ps = {}
+    for k, (w, grad) in _full_params().items():
+        p = torch.nn.Parameter(tpl.shard_tensor(w, SPLIT[k], pgm.tp).clone())
+        p.grad = tpl.shard_tensor(grad, SPLIT[k], pgm.tp).clone()
+        p.tp_split_dim = SPLIT[k]
+        ps[k] = p
+    norm = clip_grad_norm_(ps.values(), max_norm, pgm)
+    return norm, {k: tpl.gather_tensor(p.grad, SPLIT[k], pgm.tp) for k, p in ps.items()}
+
+
+def test_clip_tp_split_params_equals_full_model():
+    want_norm, want_grads = _torch_clip(_full_params(), 1.0)
+    for norm, grads in run_world(_clip_tp, 2, 1.0, timeout=120):
+        torch.testing.assert_close(norm, want_norm, atol=0, rtol=1e-6)
+        for k, g in zip(SPLIT, want_grads):
+            torch.testing.assert_close(grads[k], g, atol=1e-7, rtol=1e-6)
+
+
+def _clip_zero3(shape, max_norm):
+    """w, n, v live in one ZeRO-3 flat buffer (local TP slices, then padding) sharded over
+    dp_shard_cp; e stays a plain TP-split param replicated over dp (like a DDP'd param)."""
+    pgm = minipar.init(ParallelismConfig(*shape))
+    full = _full_params()
+    local = {k: [tpl.shard_tensor(t, SPLIT[k], pgm.tp) for t in full[k]] for k in SPLIT}
+    order = ["w", "n", "v"]
+    flat_w, ranges = _flat_shards([local[k][0] for k in order], pgm.dp_shard_cp.size)
+    flat_g, _ = _flat_shards([local[k][1] for k in order], pgm.dp_shard_cp.size)
+    r = pgm.dp_shard_cp.rank
+    shard = torch.nn.Parameter(flat_w[r].clone())
+    shard.grad = flat_g[r].clone()
+    is_split = {id(local[k][0]): SPLIT[k] is not None for k in order}
+    shard.zero3_shard = True
+    shard.tp_split_segments = ranges(r, lambda t: is_split[id(t)])
+    plain = torch.nn.Parameter(local["e"][0].clone())
+    plain.grad, plain.tp_split_dim = local["e"][1].clone(), SPLIT["e"]
+    norm = clip_grad_norm_([shard, plain], max_norm, pgm)
+    # undo the sharding of the clipped grads: gather the flat buffer, cut it, gather over tp
+    flat = minipar.comm.all_gather(shard.grad.detach().contiguous(), pgm.dp_shard_cp)
+    grads, pos = {}, 0
+    for k in order:
+        n = local[k][1].numel()
+        grads[k] = tpl.gather_tensor(flat[pos:pos + n].view_as(local[k][1]).contiguous(), SPLIT[k], pgm.tp)
+        pos += n
+    grads["e"] = tpl.gather_tensor(plain.grad, SPLIT["e"], pgm.tp)
+    return norm, grads
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 1, 2), (2, 1, 2, 2), (1, 2, 2, 2)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_clip_zero3_flat_shards_equals_full_model(shape):
+    want_norm, want_grads = _torch_clip(_full_params(), 1.0)
+    world = shape[0] * shape[1] * shape[2] * shape[3]
+    for norm, grads in run_world(_clip_zero3, world, shape, 1.0, timeout=180):
+        torch.testing.assert_close(norm, want_norm, atol=0, rtol=1e-6)
+        for k, g in zip(SPLIT, want_grads):
+            torch.testing.assert_close(grads[k], g, atol=1e-7, rtol=1e-6, msg=k)
+
+
+# ------------------------------------------------------------------------ on the real TP decoder
+def _decoder_norm(tp):
+    from models.llama import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    pgm = minipar.init(ParallelismConfig(tp_size=tp, sequence_parallel=True)) if tp > 1 else None
+    model = LlamaForCausalLM(cfg, pgm, seed=1)
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    model(ids[:, :-1].contiguous(), labels=ids[:, 1:].contiguous()).backward()
+    if tp == 1:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    return clip_grad_norm_(model.parameters(), 1e9, model.pgm)
+
+
+def test_clip_on_tp_decoder_equals_single_process():
+    want = _decoder_norm(1)
+    for norm in run_world(_decoder_norm, 2, 2, timeout=150):
+        torch.testing.assert_close(norm, want, atol=0, rtol=1e-5)

@@ -69,6 +69,20 @@ def test_config_matches_single_process(tmp_path, config):
     assert ref[-1][1] < ref[0][1]           # and it learns
 
 
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--tensor_parallel_size", "2"]),                                   # TP alone
+    (2, ["--tensor_parallel_size", "2", "--sequence_parallel", "true"]),    # TP + sequence parallelism
+    (2, ["--context_parallel_size", "2"]),                                  # CP alone (DDP over cp)
+    (4, ["--context_parallel_size", "2", "--dp_shard_size", "2"]),          # CP + ZeRO-3 over dp_shard x cp
+], ids=["tp2", "tp2-sp", "cp2", "cp2-shard2"])
+def test_more_layouts_match_single_process(tmp_path, world, extra):
+    ref = _single(tmp_path)
+    got = run_world(_train, world, _argv("ddp.yaml", tmp_path / "run", "--dp_replicate_size", "1", *extra),
+                    timeout=300)
+    for g in got:
+        _assert_same_curve(ref, g)
+
+
 @pytest.mark.parametrize("extra", [
     ["--max_grad_norm", "0.05"],                       # clipping active on every step
     ["--micro_batch_size", "1"],                       # gradient accumulation
@@ -99,6 +113,8 @@ def test_single_process_run_writes_metrics_and_plot(tmp_path):
     (["--model.hidden_siz", "64"], "Did you mean 'model.hidden_size'"),
     (["--dataset", "/nonexistent/file.txt"], "dataset file"),
     (["--tensor_parallel_size", "3"], "to world size 1"),
+    (["--context_parallel_size", "1", "--tensor_parallel_size", "1", "--dp_shard_size", "1",
+      "--unknown_thing", "1"], "unknown config key 'unknown_thing'"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path, argv, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
@@ -183,6 +199,19 @@ def _resume_error(argv):
     except (ValueError, FileNotFoundError) as err:
         return str(err)
     return "no error"
+
+
+def test_sequence_cp_cannot_split_and_other_model_shape(tmp_path):
+    out = run_world(_bad_world, 2, _argv("ddp.yaml", tmp_path, "--dp_replicate_size", "1",
+                                         "--context_parallel_size", "2", "--sequence_len", "30"), timeout=60)
+    assert all("sequence length 30 is not divisible by 2 * cp_size = 4" in o for o in out), out[0]
+    run_world(_train, 2, _argv("ddp.yaml", tmp_path / "a", "--dp_replicate_size", "2", "--max_steps", "2",
+                               "--save_steps", "1"), timeout=120)
+    errors = run_world(_resume_error, 2, _argv("ddp.yaml", tmp_path / "b", "--dp_replicate_size", "2",
+                                               "--model.intermediate_size", "192",
+                                               "--resume_from_checkpoint", str(tmp_path / "a" / "step-1")),
+                       timeout=120)
+    assert all("intermediate_size" in e for e in errors), errors[0]
 
 
 def test_damaged_checkpoint_is_refused_on_every_rank(tmp_path):

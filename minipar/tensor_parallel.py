@@ -81,7 +81,9 @@ class CopyToTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_reduce(grad.contiguous(), ctx.tp), None
+        # A copy, not grad.contiguous(): autograd may hand the same gradient buffer to a sibling
+        # branch (z = f(x) + w gives dz to both), and an in-place all-reduce would corrupt it.
+        return comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.tp), None
 
 
 class ReduceFromTPRegion(torch.autograd.Function):
@@ -89,7 +91,9 @@ class ReduceFromTPRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, tp):
-        return comm.all_reduce(x.contiguous(), tp)
+        # A copy: all_reduce works in place, and x may be saved by the op that made it
+        # (x = a.exp() keeps x for its backward), so reducing x itself would corrupt that gradient.
+        return comm.all_reduce(x.clone(memory_format=torch.contiguous_format), tp)
 
     @staticmethod
     def backward(ctx, grad):

@@ -169,6 +169,10 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None) ->
         if derived not in explicit_model_keys:
             model.pop(derived)
     cfg.model = LlamaConfig(**model)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isabs(cfg.dataset) and not os.path.exists(cfg.dataset) \
+            and os.path.exists(os.path.join(root, cfg.dataset)):
+        cfg.dataset = os.path.join(root, cfg.dataset)   # the bundled corpus, from any directory
     check(cfg)
     return cfg
 

@@ -37,6 +37,7 @@ from minipar.mesh import MeshDim, describe_grid
 from minipar.train_config import TrainConfig, load_config, parse_overrides
 
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")
 
 
 @dataclass
@@ -57,14 +58,23 @@ def _world_size() -> int:
 
 def setup_run(argv: List[str]) -> Run:
     """Parse and check everything, then create the process groups. Raises before any collective."""
-    path = "configs/default.yaml"
+    path, default_config = DEFAULT_CONFIG, True
     if argv and not argv[0].startswith("--"):
-        path, argv = argv[0], argv[1:]
+        path, argv, default_config = argv[0], argv[1:], False
+    from_cli = set(parse_overrides(argv)) & set(SIZE_KEYS)
+    notes = []
+    if default_config and from_cli:
+        # The default config's layout (cp 2 x tp 2) is the 8-process showcase. Sizes given on the
+        # command line replace that layout instead of combining with it, so that
+        # `torchrun --nproc-per-node 2 train.py --tensor_parallel_size 2` is plain TP on 2 ranks.
+        unset = [k for k in SIZE_KEYS if k not in from_cli]
+        argv = argv + [x for k in unset for x in (f"--{k}", "null" if k == "dp_shard_size" else "1")]
+        notes.append(f"parallel sizes from the command line replace the default layout ({', '.join(unset)} "
+                     f"reset: dp_shard_size takes the remainder, the others are 1)")
     cfg = load_config(path, argv)
-    world, notes = _world_size(), []
+    world = _world_size()
     sizes = dict(dp_replicate_size=cfg.dp_replicate_size, dp_shard_size=cfg.dp_shard_size,
                  cp_size=cfg.context_parallel_size, tp_size=cfg.tensor_parallel_size)
-    from_cli = set(parse_overrides(argv)) & set(SIZE_KEYS)
     if world == 1 and not from_cli and any((v or 1) > 1 for v in sizes.values()):
         # `python train.py` on a config written for a torchrun launch: run it on one process
         notes.append(f"one process: the config's parallel sizes ({_fmt(sizes)}) apply to torchrun "

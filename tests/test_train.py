@@ -247,3 +247,17 @@ def test_exported_hf_directory_loads_in_transformers(tmp_path):
     ids = torch.randint(0, 256, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def _layout(argv):
+    return setup_run(argv).pgm.shape
+
+
+def test_command_line_sizes_replace_the_default_layout(tmp_path):
+    # no config given: --tensor_parallel_size 2 on 2 ranks is plain TP, not the default's cp 2 x tp 2
+    assert run_world(_layout, 2, ["--tensor_parallel_size", "2", "--output_dir", str(tmp_path)])[0] == (1, 1, 1, 2)
+    # the default layout itself, on 8 ranks: dp_shard 2 (the remainder) x cp 2 x tp 2
+    assert run_world(_layout, 8, ["--output_dir", str(tmp_path)])[0] == (1, 2, 2, 2)
+    # an explicit config combines with the command line
+    assert run_world(_layout, 8, [os.path.join(ROOT, "configs", "cp_tp.yaml"), "--dp_shard_size", "2",
+                                  "--output_dir", str(tmp_path)])[0] == (1, 2, 2, 2)

@@ -1,0 +1,145 @@
+"""Data parallelism: every replica holds the whole model, reads its own samples, and the replicas
+sum their gradients, bucket by bucket, while backward is still running.
+
+Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB 2020),
+the design of torch's DistributedDataParallel. One all-reduce per parameter would pay the
+latency of a collective hundreds of times; one all-reduce of everything at the end would not
+overlap with backward. So parameters are grouped into buckets of about 25 MB, in REVERSE
+registration order (the order backward produces their gradients), and a bucket's all-reduce is
+launched, asynchronously, as soon as its last gradient has been accumulated:
+
+    backward:   grads of layer L-1 ... ready -> [bucket 0] all-reduce in flight
+                grads of layer L-2 ... ready -> [bucket 1] all-reduce in flight     (compute goes on)
+                ...
+    end of backward (autograd callback): wait for all buckets, write the sums into p.grad
+
+    bucket k = cat(p.grad.view(-1) for p in bucket)  (bytes_k)  --all-reduce(sum) over dim-->  p.grad
+
+Communication per step and rank: an all-reduce of every gradient, 2 (n-1)/n * G bytes for
+gradient bytes G over n replicas. Buckets are launched strictly in index order, the same order
+on every rank (collectives must match), even when one becomes ready before the previous one.
+
+Gradients are SUMMED, not averaged: the loss is already divided by the token count of the global
+batch, so the sum over replicas is the single-process gradient. `dim` is the group of ranks that
+hold the same parameters and see different tokens: pgm.dp_cp when nothing is sharded (replicas and
+context-parallel ranks alike), pgm.dp_replicate in general. (HSDP, sharded within a replica and
+replicated across, is zero3.py's business: it all-reduces its shard gradients itself.)
+
+Gradient accumulation: inside `with sync.no_sync():` the hooks do nothing and gradients add up
+locally; the backward of the last micro-batch, outside it, reduces the accumulated sum, so a step
+communicates once. (Accumulating without no_sync is also right, only slower: a gradient that
+already holds a reduced sum R is first divided by n, so that the next reduction gives back R
+plus the sum of the new gradients, instead of n R.)
+
+Parameters that get no gradient in a step (a branch not taken) contribute zeros, and their
+bucket is launched at the end of backward: no rank waits for a gradient that never comes. (Every
+rank must still backpropagate into at least one parameter: the first gradient starts the sync.)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List
+
+import torch
+import torch.nn as nn
+
+from . import comm
+
+
+class Bucket:
+    def __init__(self, params: List[nn.Parameter]):
+        self.params = params
+        self.ready: set = set()
+        self.work = self.flat = None
+
+
+class GradSync:
+    """The gradient all-reduce of a replicated model; what `replicate` returns (and attaches as
+    `model.grad_sync`). After loss.backward() returns, every p.grad holds the sum over `dim`."""
+
+    def __init__(self, model: nn.Module, dim, bucket_size_mb: float = 25):
+        if not bucket_size_mb > 0:
+            raise ValueError(f"replicate: bucket_size_mb must be > 0, got {bucket_size_mb!r}")
+        self.dim = dim
+        params = [p for p in model.parameters() if p.requires_grad]     # tied parameters once
+        self.buckets: List[Bucket] = []
+        current, nbytes, limit = [], 0, bucket_size_mb * 2 ** 20
+        for p in reversed(params):
+            if current and (nbytes + p.numel() * p.element_size() > limit or p.dtype != current[0].dtype
+                            or p.device != current[0].device):
+                self.buckets.append(Bucket(current))
+                current, nbytes = [], 0
+            current.append(p)
+            nbytes += p.numel() * p.element_size()
+        if current:
+            self.buckets.append(Bucket(current))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._sync = True
+        self._next = 0                           # the next bucket to launch (index order)
+        self._callback_queued = False
+        self._holds_sum: set = set()             # ids of params whose .grad is an already-reduced sum
+        if dim.size > 1:
+            for p in params:
+                p.register_hook(lambda grad, p=p: self._before_accumulate(p))
+                p.register_post_accumulate_grad_hook(self._after_accumulate)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally, without communicating."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # ------------------------------------------------------------------ hooks
+    def _before_accumulate(self, p):
+        if id(p) in self._holds_sum:
+            self._holds_sum.discard(id(p))
+            if p.grad is not None:               # R / n now, so that the next sum gives R back
+                p.grad.div_(self.dim.size)
+
+    def _after_accumulate(self, p):
+        if not self._sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket = self._bucket_of[id(p)]
+        bucket.ready.add(id(p))
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False):
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if not force and len(bucket.ready) < len(bucket.params):
+                return                           # strictly in order, the same on every rank
+            bucket.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                     for p in bucket.params])
+            bucket.work = comm.all_reduce(bucket.flat, self.dim, async_op=True)
+            self._next += 1
+
+    def _finish(self):
+        comm.mark("grad_sync.end_of_backward")
+        self._launch_ready(force=True)           # buckets holding parameters that got no gradient
+        for bucket in self.buckets:
+            bucket.work.wait()
+            offset = 0
+            for p in bucket.params:
+                p.grad = bucket.flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                self._holds_sum.add(id(p))
+            bucket.ready, bucket.work, bucket.flat = set(), None, None
+        self._next, self._callback_queued = 0, False
+
+
+def replicate(model: nn.Module, dim, bucket_size_mb: float = 25) -> GradSync:
+    """Sum gradients of `model` over the MeshDim `dim` (pgm.dp_replicate, or pgm.dp_cp when nothing
+    is sharded), overlapped with backward. Every rank must start from the same weights (minipar's
+    seeded initialisation gives that). Returns the GradSync, also attached as `model.grad_sync`."""
+    if getattr(model, "zero3", None) is not None:
+        raise ValueError("replicate: the model is sharded by ZeRO-3, which already reduces over "
+                         "dp_replicate (HSDP); use one of the two, not both")
+    sync = GradSync(model, dim, bucket_size_mb)
+    model.grad_sync = sync
+    return sync

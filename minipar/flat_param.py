@@ -1,0 +1,303 @@
+"""The flat buffer of a ZeRO-3 unit: how a unit's parameters lie end to end, padded, cut into shards.
+
+ZeRO-3 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", 2020) keeps 1/N of every parameter on each of the N ranks of the shard group. Sharding
+tensor by tensor would cost one collective per tensor; FSDP (Zhao et al., "PyTorch FSDP", 2023)
+instead concatenates all parameters of a unit (a decoder layer, say) into ONE flat buffer, so a
+unit costs one all-gather and one reduce-scatter. This file is that bookkeeping, with no hooks and
+no communication except the tp gathers of the state-dict helpers:
+
+    unit parameters (TP-local)  q (4, 8)      norm (8,)    k (2, 8)          56 elements
+    flat buffer                 [ q.view(-1) | norm       | k.view(-1) | pad ] 60 = 4 shards x 15
+    offsets                      0            32           40           56
+    shard r of N = 4            flat[15 r : 15 (r + 1)]     what rank r of dp_shard_cp keeps
+
+Padding makes every shard the same length (collectives need equal pieces); its values and
+gradients are zero. A shard may start or end in the middle of a tensor: it is only ever read as
+flat numbers (the optimizer is elementwise), and the whole buffer is rebuilt before use.
+
+Metadata carried for the optimizer and clipping (element ranges inside THIS rank's shard):
+    tp_split_segments   ranges of TP-split tensors (tp_split_dim 0/1): their squares are summed
+                        over tp for the global norm; the rest is TP-replicated (norms) or padding
+    no_decay_segments   ranges of 1-D tensors (norm weights): AdamW does not decay them
+
+A sharded state dict is the shard plus this layout (name, TP-local shape, offset, tp_split_dim,
+full shape per tensor), enough to rebuild full tensors from the shards of any other layout
+(`merge_sharded_state_dicts`). Here too: `plan_units` (which parameters go into which unit) and
+`ShardedStateDicts`, the manager's conversions between full tensors and this rank's shards.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import comm
+from .tensor_parallel import gather_tensor, shard_tensor
+
+FORMAT = "minipar.zero3.v1"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one original parameter lives in the flat buffer."""
+    name: str                        # HF name (the first name of a tied parameter)
+    local_shape: Tuple[int, ...]     # what this tp rank holds
+    offset: int                      # first element in the (unsharded) flat buffer
+    tp_split_dim: Optional[int]      # None: replicated over tp
+    full_shape: Tuple[int, ...]      # after gathering over tp
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+
+def _full_shape(p: torch.Tensor, split_dim, tp_size: int) -> Tuple[int, ...]:
+    shape = getattr(p, "tp_full_shape", None)
+    if shape is not None:
+        return tuple(shape)
+    shape = list(p.shape)
+    if split_dim is not None:
+        shape[split_dim] *= tp_size
+    return tuple(shape)
+
+
+class FlatLayout:
+    """The layout of one unit: slots, padded length, and the [start, stop) of this rank's shard."""
+
+    def __init__(self, slots: Sequence[Slot], shard_count: int, shard_rank: int):
+        self.slots = list(slots)
+        self.numel = sum(s.numel for s in self.slots)
+        self.shard_count, self.shard_rank = shard_count, shard_rank
+        self.shard_numel = -(-self.numel // shard_count)          # ceil: equal pieces for the collectives
+        self.padded_numel = self.shard_numel * shard_count
+        self.start = shard_rank * self.shard_numel
+        self.stop = self.start + self.shard_numel
+
+    @classmethod
+    def build(cls, named_params, shard_count: int, shard_rank: int, tp_size: int) -> "FlatLayout":
+        slots, offset = [], 0
+        for name, p in named_params:
+            split = getattr(p, "tp_split_dim", None)
+            slots.append(Slot(name, tuple(p.shape), offset, split, _full_shape(p, split, tp_size)))
+            offset += p.numel()
+        return cls(slots, shard_count, shard_rank)
+
+    # ------------------------------------------------------------------ flat <-> tensors
+    def flatten(self, tensors: Sequence[torch.Tensor], dtype=None) -> torch.Tensor:
+        """The padded flat buffer (padded_numel,) from TP-local tensors in slot order."""
+        dtype = dtype or tensors[0].dtype
+        device = tensors[0].device if tensors else torch.device("cpu")
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        for s, t in zip(self.slots, tensors):
+            flat[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
+        return flat
+
+    def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """One view per slot, shaped like the original parameter. A single torch.split (not one
+        slice per tensor) so that autograd's backward of it is ONE concatenation into a flat
+        gradient; the padding piece gets no gradient, which the concatenation fills with zeros."""
+        sizes = [s.numel for s in self.slots]
+        if self.padded_numel > self.numel:
+            sizes.append(self.padded_numel - self.numel)
+        pieces = torch.split(flat, sizes) if sizes else ()
+        return [piece.view(s.local_shape) for piece, s in zip(pieces, self.slots)]
+
+    def shard(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start:self.stop]
+
+    # ------------------------------------------------------------------ metadata
+    def _segments(self, pick) -> List[Tuple[int, int]]:
+        """[start, stop) ranges, in THIS shard's coordinates, of the slots with pick(slot)."""
+        out: List[Tuple[int, int]] = []
+        for s in self.slots:
+            a, b = max(s.offset, self.start), min(s.offset + s.numel, self.stop)
+            if b > a and pick(s):
+                a, b = a - self.start, b - self.start
+                if out and out[-1][1] == a:                   # merge neighbours
+                    out[-1] = (out[-1][0], b)
+                else:
+                    out.append((a, b))
+        return out
+
+    def tp_split_segments(self) -> List[Tuple[int, int]]:
+        return self._segments(lambda s: s.tp_split_dim is not None)
+
+    def no_decay_segments(self) -> List[Tuple[int, int]]:
+        return self._segments(lambda s: len(s.local_shape) < 2)
+
+    def metadata(self) -> dict:
+        """Plain Python values (JSON-friendly): where each tensor lies, and where this shard lies."""
+        params = [dict(asdict(s), local_shape=list(s.local_shape), full_shape=list(s.full_shape),
+                       numel=s.numel) for s in self.slots]
+        return dict(start=self.start, stop=self.stop, numel=self.numel, padded_numel=self.padded_numel,
+                    shard_count=self.shard_count, params=params)
+
+    # ------------------------------------------------------------------ full tensors
+    def to_full(self, flat: torch.Tensor, tp) -> Dict[str, torch.Tensor]:
+        """{name: full tensor} from the (gathered, unsharded) flat buffer; all-gathers over tp
+        (collective: every tp rank must call it)."""
+        out = {}
+        for s in self.slots:
+            local = flat[s.offset:s.offset + s.numel].view(s.local_shape)
+            out[s.name] = gather_tensor(local.contiguous(), s.tp_split_dim, tp).clone()
+        return out
+
+    def from_full(self, full: Dict[str, torch.Tensor], tp, dtype, device, source: str) -> torch.Tensor:
+        """This rank's shard from full tensors (no communication: the slices are cut locally)."""
+        missing = [s.name for s in self.slots if s.name not in full]
+        if missing:
+            raise ValueError(f"{source} lacks {len(missing)} parameters of this model, e.g. {missing[:3]}")
+        tensors = []
+        for s in self.slots:
+            t = full[s.name]
+            if tuple(t.shape) != tuple(s.full_shape):
+                raise ValueError(f"{source}: {s.name} has shape {tuple(t.shape)}, this model expects "
+                                 f"{tuple(s.full_shape)}: the checkpoint is of another model shape")
+            tensors.append(shard_tensor(t.to(device=device, dtype=dtype), s.tp_split_dim, tp))
+        if not tensors:
+            return torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        return self.shard(self.flatten(tensors, dtype)).clone()
+
+
+def gather_flat(shard: torch.Tensor, dim) -> torch.Tensor:
+    """The whole padded flat buffer from every rank's shard (all-gather over the shard group)."""
+    return comm.all_gather(shard.detach().contiguous(), dim)
+
+
+def merge_sharded_state_dicts(sharded: Sequence[dict], key: str = "flat_shard") -> Dict[str, torch.Tensor]:
+    """{HF name: full tensor} from the `sharded_state_dict()`s of all ranks of one run, offline (no
+    process group needed). `key` names the shard-shaped tensor to assemble per unit: the weights, or
+    an optimizer state (exp_avg, ...) stored in the same layout. Used to resume on another layout:
+    merge, then `load_full_state_dict` on the new one. Replicas (dp_replicate) may repeat shards."""
+    if not sharded:
+        raise ValueError("merge_sharded_state_dicts: no sharded state dicts given")
+    tp_size = sharded[0]["tp_size"]
+    flats: Dict[Tuple[int, str], torch.Tensor] = {}
+    covered: Dict[Tuple[int, str], set] = {}
+    slots: Dict[str, list] = {}
+    for sd in sharded:
+        if sd.get("format") != FORMAT or sd["tp_size"] != tp_size:
+            raise ValueError(f"merge_sharded_state_dicts: expected format {FORMAT} and one tp_size "
+                             f"({tp_size}), got {sd.get('format')} with tp_size {sd.get('tp_size')}")
+        for unit, u in sd["units"].items():
+            k = (sd["tp_rank"], unit)
+            if k not in flats:
+                flats[k] = torch.zeros(u["padded_numel"], dtype=u[key].dtype)
+                covered[k] = set()
+            flats[k][u["start"]:u["stop"]] = u[key].reshape(-1).to(flats[k].dtype)
+            covered[k].add(u["start"])
+            slots[unit] = u["params"]
+    full: Dict[str, torch.Tensor] = {}
+    for unit, params in slots.items():
+        pieces: Dict[str, list] = {}
+        for t in range(tp_size):
+            k = (t, unit)
+            if k not in flats:
+                raise ValueError(f"merge_sharded_state_dicts: unit {unit!r} has no shards of tp rank {t}")
+            count = next(sd["units"][unit]["shard_count"] for sd in sharded if sd["tp_rank"] == t)
+            if len(covered[k]) != count:
+                raise ValueError(f"merge_sharded_state_dicts: unit {unit!r} (tp rank {t}) has "
+                                 f"{len(covered[k])} of its {count} shards: a rank's file is missing")
+            for p in params:
+                local = flats[k][p["offset"]:p["offset"] + p["numel"]].view(p["local_shape"])
+                pieces.setdefault(p["name"], []).append(local)
+        for p in params:
+            parts = pieces[p["name"]]
+            split = p["tp_split_dim"]
+            full[p["name"]] = parts[0].clone() if split is None else torch.cat(parts, dim=split)
+    return full
+
+
+def plan_units(model, unit_classes):
+    """Which parameters go into which flat buffer: [(unit name, module, [(HF name, param)],
+    [[(module, attr), ...] per param])], the root unit ("") first. A unit is an outermost module
+    of `unit_classes`; the root takes every parameter outside them. Every place a (tied or shared)
+    parameter is referenced is listed, so all of them can be pointed at the gathered view."""
+    unit_names: List[str] = []
+    for name, m in model.named_modules():
+        inside = any(name.startswith(u + ".") for u in unit_names)   # nested: part of the outer unit
+        if m is not model and isinstance(m, unit_classes) and not inside:
+            unit_names.append(name)
+    names = {id(p): n for n, p in model.named_parameters()}          # a tied parameter: its first name
+    params = {id(p): p for _, p in model.named_parameters()}
+    refs: Dict[int, list] = {i: [] for i in names}
+    owner: Dict[int, set] = {i: set() for i in names}
+    for mname, m in model.named_modules(remove_duplicate=False):    # a shared module: every path
+        unit = next((u for u in unit_names if mname == u or mname.startswith(u + ".")), "")
+        for attr, p in m._parameters.items():
+            if p is not None:
+                if not any(m is m2 and attr == a2 for m2, a2 in refs[id(p)]):
+                    refs[id(p)].append((m, attr))
+                owner[id(p)].add(unit)
+    for i, units_of in owner.items():
+        if len(units_of) > 1:
+            raise ValueError(f"fully_shard: parameter {names[i]} is shared by units {sorted(units_of)}; "
+                             f"tied parameters must live in one unit (leave them in the root)")
+        p, first = params[i], params[next(j for j in names if owner[j] == units_of)]
+        if p.dtype != first.dtype or p.device != first.device or p.requires_grad != first.requires_grad:
+            raise ValueError(f"fully_shard: {names[i]} is {p.dtype} on {p.device} (requires_grad="
+                             f"{p.requires_grad}) but its unit also holds {first.dtype} on {first.device} "
+                             f"(requires_grad={first.requires_grad}): one flat buffer needs one dtype, one "
+                             f"device, and all or none of its parameters trainable")
+    modules = dict(model.named_modules())
+    plan = []
+    for uname in [""] + unit_names:
+        ids = [i for i in names if owner[i] == {uname}]
+        plan.append((uname, modules[uname], [(names[i], params[i]) for i in ids], [refs[i] for i in ids]))
+    return plan
+
+
+class ShardedStateDicts:
+    """The state-dict side of the ZeRO-3 manager (mixed into zero3.Zero3, which provides
+    self.units, self.shards, self.param_names and self.pgm): full tensors <-> this rank's shards."""
+
+    def full_from_shards(self, tensors) -> Dict[str, torch.Tensor]:
+        """{HF name: full tensor} from shard-shaped tensors aligned with self.shards (the weights,
+        or an optimizer state). Collective over dp_shard_cp and tp: every rank must call it."""
+        out, units, tensors = {}, [u for u in self.units if not u.empty], list(tensors)
+        if len(tensors) != len(units):
+            raise ValueError(f"full_from_shards: {len(tensors)} tensors given, one per shard "
+                             f"({len(units)}) needed")
+        for u, t in zip(units, tensors):
+            out.update(u.layout.to_full(gather_flat(t, u.dim), self.pgm.tp))
+        return {n: out[n] for n in self.param_names}
+
+    def shards_from_full(self, full: Dict[str, torch.Tensor], source: str = "state dict") -> list:
+        """This rank's shard-shaped tensors (aligned with self.shards) cut from full tensors; local."""
+        return [u.layout.from_full(full, self.pgm.tp, u.shard.dtype, u.shard.device, source)
+                for u in self.units if not u.empty]
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        return self.full_from_shards([s.detach() for s in self.shards])
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: Dict[str, torch.Tensor], source: str = "state dict"):
+        for shard, t in zip(self.shards, self.shards_from_full(full, source)):
+            shard.copy_(t)
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's shards and the layout to place them from any other layout."""
+        return dict(format=FORMAT, tp_rank=self.pgm.tp.rank, tp_size=self.pgm.tp.size,
+                    dp_shard_cp_rank=self.pgm.dp_shard_cp.rank, dp_shard_cp_size=self.pgm.dp_shard_cp.size,
+                    units={u.name: dict(flat_shard=u.shard.detach(), **u.layout.metadata())
+                           for u in self.units if not u.empty})
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, sd: dict):
+        """Load shards saved on the SAME layout. Another layout: merge_sharded_state_dicts(all
+        ranks' dicts), then load_full_state_dict."""
+        mine = self.sharded_state_dict()
+        for key in ("format", "tp_rank", "tp_size", "dp_shard_cp_rank", "dp_shard_cp_size"):
+            if sd.get(key) != mine[key]:
+                raise ValueError(f"sharded state dict has {key}={sd.get(key)!r}, this rank {mine[key]!r}: it "
+                                 f"was saved on another layout; merge_sharded_state_dicts() the files of "
+                                 f"all ranks and call load_full_state_dict()")
+        for name, u in mine["units"].items():
+            saved = sd["units"].get(name)
+            if saved is None or saved["params"] != u["params"] or saved["start"] != u["start"]:
+                raise ValueError(f"sharded state dict: unit {name!r} differs from this model's "
+                                 f"(another model shape, or another layout)")
+            u["flat_shard"].copy_(saved["flat_shard"])

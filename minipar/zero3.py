@@ -1,0 +1,293 @@
+"""ZeRO-3 (FSDP): shard parameters, gradients and optimizer states over dp_shard_cp; gather a unit
+only while it computes.
+
+Rajbhandari et al., "ZeRO" (2020), stage 3; the unit-by-unit schedule of PyTorch FSDP (Zhao et
+al., 2023). Each unit (a decoder layer; the root unit holds what is left: embedding, final norm,
+lm_head) keeps its parameters in one flat buffer (minipar/flat_param.py), and rank r of the N
+ranks of pgm.dp_shard_cp keeps only shard r of it, an fp32 nn.Parameter: the only parameter that
+model.parameters() yields, so the optimizer holds states for 1/N of the model.
+
+    shard (P/N,) fp32 --all-gather--> flat (P,) param_dtype --split/view--> q_proj.weight, ...
+                                        | forward / backward of the unit
+    shard.grad (P/N,) <--reduce-scatter-- flat.grad (P,) reduce_dtype     (+ all-reduce over
+                                                                           dp_replicate: HSDP)
+One step, unit by unit (prefetch = 1; "AG" is an async all-gather, "RS" a reduce-scatter):
+
+    forward   root: AG root, AG L0 | L0: AG L1 (prefetch), compute, free | L1: ... | root: free
+    backward  root: AG root, AG L1 | L1: AG L0, compute, RS L1, free     | L0: ... | root: RS, free
+              a RS is waited for when the next one starts, then all-reduced over dp_replicate
+              (HSDP); the end-of-backward callback waits for what is still in flight
+
+Communication per step and rank, P = parameter bytes (in param_dtype), G = gradient bytes (in
+reduce_dtype), N = dp_shard_cp size: all-gather 2 P (N-1)/N (once before forward, once before
+backward), reduce-scatter G (N-1)/N; with HSDP an all-reduce of the shard gradients, 2 (G/N) (R-1)/R
+over dp_replicate (size R). Memory: the shards, plus at most the root and 1 + prefetch other units
+gathered at any time.
+
+How the hooks find their moments, for any model:
+  - before forward:  a forward pre-hook on the unit module gathers (waits for a prefetched
+    gather) and points the module attributes (q_proj.weight, ...) at views of the flat buffer;
+  - after forward:   a forward hook frees the gathered storage (storage().resize_(0): the views
+    and the tensors autograd saved keep their shape but hold no memory), and hooks each output's
+    gradient, which autograd computes just before the unit's backward;
+  - before backward: that output-gradient hook gathers the storage again, in place, so every
+    saved view is valid again; then prefetches the next unit of the backward order;
+  - after backward:  the flat buffer is one autograd leaf; its post-accumulate-grad hook fires
+    once all gradients of the unit are in its .grad: reduce-scatter, free;
+  - end of backward: a callback queued on the autograd engine waits for the outstanding
+    reduce-scatters, so when loss.backward() returns the shard gradients are final.
+The execution orders are recorded during the first forward and the first backward, and
+prefetching follows them (`prefetch` units ahead; 0 turns it off). Activation checkpointing
+re-runs a unit's forward inside its backward: the hooks see that the unit is already in its
+backward and leave its gathered parameters alone. Units unused in a step are never gathered.
+A gathered buffer is written through an alias (`.data`) with its own version counter: refilling
+it before backward is not an in-place change of the tensors autograd saved, it restores them.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+
+from . import comm
+from .flat_param import FlatLayout, ShardedStateDicts, merge_sharded_state_dicts, plan_units  # noqa: F401
+
+
+class Unit:
+    """One unit: its module, flat layout, shard (the nn.Parameter) and gathered buffer."""
+
+    def __init__(self, name, module, params, refs, pgm, param_dtype, reduce_dtype):
+        self.name, self.module, self.refs, self.dim = name or "<root>", module, refs, pgm.dp_shard_cp
+        self.layout = FlatLayout.build(params, self.dim.size, self.dim.rank, pgm.tp.size)
+        tensors = [p.detach() for _, p in params]
+        dtype = tensors[0].dtype if tensors else torch.float32
+        device = tensors[0].device if tensors else torch.device("cpu")
+        trainable = any(p.requires_grad for _, p in params)
+        with torch.no_grad():
+            flat = self.layout.flatten(tensors, dtype) if tensors else torch.zeros(0)
+            self.shard = nn.Parameter(self.layout.shard(flat).clone(), requires_grad=trainable)
+        self.shard.zero3_shard, self.shard.zero3_unit = True, self.name
+        self.shard.tp_split_segments = self.layout.tp_split_segments()
+        self.shard.no_decay_segments = self.layout.no_decay_segments()
+        self.compute_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        # buffer: what the all-gather writes; flat: the autograd leaf over the same memory
+        self.buffer = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=device)
+        self.flat = self.buffer.data.requires_grad_(trainable)
+        with torch.no_grad():                # attributes exist (shapes right) even while sharded
+            self.point_params_at(self.layout.views(self.flat))
+        self.buffer.untyped_storage().resize_(0)
+        self.work = self.work_src = None
+        self.state = "sharded"               # -> "gathering" -> "gathered" -> "sharded"
+        self.in_backward = False
+
+    @property
+    def empty(self) -> bool:
+        return self.layout.padded_numel == 0
+
+    def point_params_at(self, views):
+        for view, refs in zip(views, self.refs):
+            for module, attr in refs:        # a tied parameter: every module that uses it
+                setattr(module, attr, view)
+
+    def start_gather(self):
+        if self.state != "sharded" or self.empty:
+            return
+        if self.shard.device != self.buffer.device:
+            raise RuntimeError(f"zero3 unit {self.name}: the shard moved to {self.shard.device} after "
+                               f"fully_shard (buffers are on {self.buffer.device}); move the model first")
+        self.buffer.untyped_storage().resize_(self.layout.padded_numel * self.buffer.element_size())
+        self.work_src = self.shard.detach().to(self.compute_dtype)      # the masters stay fp32
+        comm.mark(f"zero3.gather {self.name}")
+        self.work = comm.all_gather_into(self.buffer, self.work_src, self.dim, async_op=True)
+        self.state = "gathering"
+
+    def wait_gather(self):
+        if self.state == "gathering":
+            self.work.wait()
+            self.work = self.work_src = None
+            self.state = "gathered"
+
+    def free(self):
+        self.wait_gather()
+        if self.state == "gathered":
+            self.buffer.untyped_storage().resize_(0)
+            self.state = "sharded"
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.buffer.untyped_storage().nbytes()
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+
+
+class Zero3(ShardedStateDicts):
+    """The shard manager that fully_shard attaches as `model.zero3`; its state-dict methods
+    (full_state_dict, sharded_state_dict, load_*, full_from_shards, shards_from_full) are in
+    flat_param.ShardedStateDicts."""
+
+    def __init__(self, model, pgm, units: List[Unit], param_names, prefetch, reshard_after_forward):
+        self.model, self.pgm, self.units, self.root = model, pgm, units, units[0]
+        self.param_names = param_names           # HF names in model order (tied once)
+        self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        self.shards = [u.shard for u in units if not u.empty]
+        self.forward_order: Optional[List[Unit]] = None    # learned in the first forward
+        self.backward_order: Optional[List[Unit]] = None   # and the first backward
+        self._fwd_seen: List[Unit] = []
+        self._bwd_seen: List[Unit] = []
+        self._backward_running = False
+        self._pending = []                       # (unit, work, out, src): reduce-scatters in flight
+        self._replica_pending = []               # (unit, work, out): HSDP all-reduces in flight
+        self.peak_gathered_bytes = 0
+        for u in units:
+            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
+            u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
+            if u.flat.requires_grad:
+                u.flat.register_post_accumulate_grad_hook(lambda flat, u=u: self._post_backward(u))
+
+    # ------------------------------------------------------------------ memory accounting
+    def gathered_units(self) -> List[str]:
+        return [u.name for u in self.units if u.gathered_bytes > 0]
+
+    def gathered_bytes(self) -> int:
+        return sum(u.gathered_bytes for u in self.units)
+
+    def _note_memory(self):
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+
+    def _prefetch(self, order, position):
+        for u in (order or [])[position + 1:position + 1 + self.prefetch]:
+            u.start_gather()
+
+    def _gather_now(self, u: Unit, order, position):
+        u.start_gather()
+        if order is not None and position < len(order) and order[position] is u:
+            self._prefetch(order, position)      # in flight while u computes
+        u.wait_gather()
+        self._note_memory()
+
+    # ------------------------------------------------------------------ the hooks
+    def _pre_forward(self, u: Unit):
+        if u.in_backward:                        # activation checkpointing re-runs the forward
+            u.start_gather()                     # (normally a no-op: gathered before backward)
+            u.wait_gather()
+            return
+        if u is self.root:
+            self._fwd_seen = []
+        self._fwd_seen.append(u)
+        comm.mark(f"zero3.forward {u.name}")
+        self._gather_now(u, self.forward_order, len(self._fwd_seen) - 1)
+        u.point_params_at(u.layout.views(u.flat))
+
+    def _post_forward(self, u: Unit, out):
+        if u.in_backward:
+            return
+        comm.mark(f"zero3.forward_end {u.name}")
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            for v in (self.units if u is self.root else [u]):   # the root also frees prefetched,
+                v.free()                                        # unused units
+        if u is self.root and self.forward_order is None and torch.is_grad_enabled():
+            self.forward_order = list(self._fwd_seen)
+
+    def _pre_backward(self, u: Unit):
+        if not self._backward_running:
+            self._backward_running = True
+            self._bwd_seen = []
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if u.in_backward:
+            return
+        u.in_backward = True
+        self._bwd_seen.append(u)
+        comm.mark(f"zero3.backward {u.name}")
+        self._gather_now(u, self.backward_order, len(self._bwd_seen) - 1)
+
+    def _post_backward(self, u: Unit):
+        grad, u.flat.grad = u.flat.grad, None
+        u.free()
+        src = grad.to(u.reduce_dtype)
+        out = torch.empty(u.layout.shard_numel, dtype=u.reduce_dtype, device=grad.device)
+        comm.mark(f"zero3.reduce_scatter {u.name}")
+        work = comm.reduce_scatter_into(out, src, u.dim, async_op=True)
+        self._pending.append((u, work, out, src))
+        self._drain(keep=1)                      # finish the previous unit's while this one runs
+
+    def _drain(self, keep: int = 0):
+        replicate = self.pgm.dp_replicate
+        while len(self._pending) > keep:
+            u, work, out, _ = self._pending.pop(0)
+            work.wait()
+            if replicate.size > 1:               # HSDP: the replicas sum their shard gradients
+                self._replica_pending.append((u, comm.all_reduce(out, replicate, async_op=True), out))
+            else:
+                self._accumulate(u, out)
+        if keep == 0:
+            for u, work, out in self._replica_pending:
+                work.wait()
+                self._accumulate(u, out)
+            self._replica_pending = []
+
+    @staticmethod
+    def _accumulate(u: Unit, out: torch.Tensor):
+        g = out.to(u.shard.dtype)
+        if u.shard.grad is None:                 # gradient accumulation adds into the shard grad
+            u.shard.grad = g
+        else:
+            u.shard.grad.add_(g)
+
+    def _finish_backward(self):
+        self._drain(keep=0)
+        for u in self.units:                     # prefetched but unused, or kept by reshard=False
+            u.free()
+            u.in_backward = False
+        if self.backward_order is None:
+            self.backward_order = list(self._bwd_seen)
+        self._backward_running = False
+
+
+def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
+                reshard_after_forward: bool = True, param_dtype: Optional[torch.dtype] = None,
+                reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Shard `model` in place over pgm.dp_shard_cp (HSDP over pgm.dp_replicate); returns it, with
+    the manager as `model.zero3`. unit_classes defaults to (LlamaDecoderLayer,). Call it after
+    moving the model to its device and BEFORE creating the optimizer (which must see the shards)."""
+    if getattr(model, "zero3", None) is not None:
+        raise ValueError("fully_shard: this model is already sharded (model.zero3 exists)")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"fully_shard: prefetch must be an integer >= 0 (0 turns it off), got {prefetch!r}")
+    for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dt is not None and (not isinstance(dt, torch.dtype) or not dt.is_floating_point):
+            raise ValueError(f"fully_shard: {what} must be a floating torch.dtype or None, got {dt!r}")
+    if unit_classes is None:
+        from models.llama import LlamaDecoderLayer    # lazily: minipar does not depend on models/
+        unit_classes = (LlamaDecoderLayer,)
+    unit_classes = tuple(unit_classes) if isinstance(unit_classes, (tuple, list, set)) else (unit_classes,)
+    if not all(isinstance(c, type) for c in unit_classes):
+        raise ValueError(f"fully_shard: unit_classes must be module classes, got {unit_classes!r}")
+
+    plan = plan_units(model, unit_classes)                 # checks everything before any change
+    names = [n for n, _ in model.named_parameters()]       # HF names, model order, tied once
+    units = []
+    for uname, module, params, refs in plan:
+        for ref in refs:
+            for m, attr in ref:                            # the original Parameters go away
+                del m._parameters[attr]
+        unit = Unit(uname, module, params, refs, pgm, param_dtype, reduce_dtype)
+        if not unit.empty:
+            module.register_parameter("zero3_flat_shard", unit.shard)
+        units.append(unit)
+    model.zero3 = Zero3(model, pgm, units, names, prefetch, reshard_after_forward)
+    return model

@@ -2,11 +2,12 @@
 import glob
 import json
 import os
+import signal
 
 import pytest
 import torch
 
-from harness import run_world
+from harness import RankError, run_world
 from minipar.trainer import Trainer, setup_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,21 +143,18 @@ def test_world_that_does_not_fit_fails_on_every_rank(tmp_path):
 
 
 # ------------------------------------------------------------------------ kill and resume
-def _train_until_crash(argv, crash_at):
-    """Train, but die with an exception at step `crash_at` (after `crash_at` completed steps)."""
+def _train_until_killed(argv, kill_at):
+    """Train, but every rank is SIGKILLed at step `kill_at` (after `kill_at` completed steps): no
+    cleanup, no finally blocks, as when a node dies or the job is cancelled."""
     original = Trainer.train_step
 
     def train_step(self, step):
-        if step == crash_at:
-            raise RuntimeError("injected crash")
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         return original(self, step)
 
     Trainer.train_step = train_step
-    try:
-        _train(argv)
-    except RuntimeError as err:
-        return str(err)
-    return "no crash"
+    _train(argv)
 
 
 def _curve_after(history, step):
@@ -169,9 +167,9 @@ def test_kill_and_resume_same_and_other_layouts(tmp_path):
     # uninterrupted, on dp_shard 2 x cp 2 x tp 2 (8 ranks)
     full = run_world(_train, 8, _argv("default.yaml", tmp_path / "full", "--dp_shard_size", "2"), timeout=600)[0]
     # the same run killed at step 12: checkpoints step-5 and step-10 exist
-    crashed = run_world(_train_until_crash, 8, _argv("default.yaml", out, "--dp_shard_size", "2", *save), 12,
-                        timeout=600)
-    assert crashed == ["injected crash"] * 8
+    with pytest.raises(RankError, match="killed"):
+        run_world(_train_until_killed, 8, _argv("default.yaml", out, "--dp_shard_size", "2", *save), 12,
+                  timeout=600)
     assert {"step-5", "step-10"} <= set(os.listdir(out))
     resume = ["--resume_from_checkpoint", "latest"]
     # resumed on the same layout: the same curve, step for step
@@ -241,12 +239,19 @@ def test_exported_hf_directory_loads_in_transformers(tmp_path):
     import transformers
     from models.llama import LlamaForCausalLM
     out = tmp_path / "run"
-    run_world(_train, 4, _argv("fsdp_tp.yaml", out, "--max_steps", "3", "--export_hf", "true"), timeout=300)
+    run_world(_train, 4, _argv("fsdp_tp.yaml", out, "--max_steps", "3", "--export_hf", "true",
+                               "--save_final_checkpoint", "true"), timeout=300)
     ours = LlamaForCausalLM.from_pretrained(str(out / "hf")).eval()
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(out / "hf")).float().eval()
+    # on request: the sharded step-3 checkpoint of the 4-rank run, exported on one process
+    from minipar.export import export_checkpoint
+    export_checkpoint(str(out / "step-3"), str(tmp_path / "hf-step-3"))
+    again = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf-step-3")).float().eval()
     ids = torch.randint(0, 256, (2, 32))
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids), theirs(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        ref = theirs(input_ids=ids).logits
+        torch.testing.assert_close(ours(ids), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(again(input_ids=ids).logits, ref, atol=1e-5, rtol=1e-5)
 
 
 def _layout(argv):

@@ -1,0 +1,40 @@
+"""Export a minipar checkpoint (sharded or full, from any layout) as a Hugging Face directory.
+
+    python -m minipar.export out/default/step-300 out/default/hf-step-300
+
+Runs on one process: the checkpoint's manifest holds the model config, every shard file is read,
+the full tensors are rebuilt by HF name (checkpoint.py does the resharding), and
+`LlamaForCausalLM.save_pretrained` writes config.json + model.safetensors, which
+`transformers.LlamaForCausalLM.from_pretrained` loads. Training runs export at the end by
+themselves (`export_hf: true`); this is the same, on request, for any saved step.
+"""
+from __future__ import annotations
+
+import argparse
+
+from . import checkpoint as ckpt
+from .checkpoint_io import read_manifest
+
+
+def export_checkpoint(checkpoint_dir: str, hf_dir: str) -> str:
+    from models.llama import LlamaConfig, LlamaForCausalLM
+    manifest = read_manifest(checkpoint_dir)     # refuses a partial or foreign directory, naming it
+    config = manifest.get("model_config")
+    if not config:
+        raise ValueError(f"{checkpoint_dir}: the manifest has no model_config, cannot rebuild the model")
+    model = LlamaForCausalLM(LlamaConfig.from_dict(config))
+    ckpt.load_checkpoint(checkpoint_dir, model, None, model.pgm)   # verifies sizes and checksums
+    model.save_pretrained(hf_dir)
+    return hf_dir
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Export a minipar checkpoint as a Hugging Face directory.")
+    parser.add_argument("checkpoint", help="a step-N checkpoint directory")
+    parser.add_argument("hf_dir", help="where to write config.json and model.safetensors")
+    args = parser.parse_args(argv)
+    print(f"exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.hf_dir)}")
+
+
+if __name__ == "__main__":
+    main()

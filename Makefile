@@ -8,7 +8,6 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,plot]"
 	touch $(STAMP)
 

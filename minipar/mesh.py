@@ -143,6 +143,11 @@ class ProcessGroupManager:
                     mine[name] = members
         for name, members in mine.items():
             setattr(self, name, MeshDim(name, members, rank, created[tuple(members)]))
+        if world_size > 1:
+            # gloo connects a new group's members lazily in the background of new_group: a rank
+            # that races ahead (or exits) could leave a peer's connection half made. One barrier
+            # makes "every group exists on every rank" true when the constructor returns.
+            dist.barrier()
 
     @classmethod
     def local(cls) -> "ProcessGroupManager":

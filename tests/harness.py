@@ -45,6 +45,9 @@ def _worker(fn, rank, world_size, tmp, args, kwargs, timeout, init):
             store = dist.FileStore(os.path.join(tmp, "store"), world_size)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout))
+            # gloo finishes connecting the full mesh in the background: without this barrier a
+            # rank whose fn fails at once could exit while a peer is still connecting to it
+            dist.barrier()
         result = fn(*args, **kwargs)
         torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
         code = 0

@@ -75,7 +75,8 @@ def test_config_matches_single_process(tmp_path, config):
     (2, ["--tensor_parallel_size", "2", "--sequence_parallel", "true"]),    # TP + sequence parallelism
     (2, ["--context_parallel_size", "2"]),                                  # CP alone (DDP over cp)
     (4, ["--context_parallel_size", "2", "--dp_shard_size", "2"]),          # CP + ZeRO-3 over dp_shard x cp
-], ids=["tp2", "tp2-sp", "cp2", "cp2-shard2"])
+    (4, ["--context_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
+], ids=["tp2", "tp2-sp", "cp2", "cp2-shard2", "cp2-tp2-sp"])
 def test_more_layouts_match_single_process(tmp_path, world, extra):
     ref = _single(tmp_path)
     got = run_world(_train, world, _argv("ddp.yaml", tmp_path / "run", "--dp_replicate_size", "1", *extra),

@@ -28,8 +28,34 @@ import torch.distributed as dist
 from minipar.trainer import Trainer, setup_run
 
 
+USAGE = """usage: train.py [CONFIG.yaml] [--key value ...]
+
+  CONFIG.yaml     default: configs/default.yaml (see configs/ for one file per layout)
+  --key value     any config key, nested ones with a dot: --max_steps 20 --model.hidden_size 64
+
+keys (defaults in minipar/train_config.py):
+"""
+
+
+def _usage() -> str:
+    import dataclasses
+    from minipar.train_config import TrainConfig
+    lines = []
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(TrainConfig(), f.name)
+        if dataclasses.is_dataclass(value):
+            inner = ", ".join(x.name for x in dataclasses.fields(value))
+            lines.append(f"  {f.name}.{{{inner}}}")
+        else:
+            lines.append(f"  {f.name} = {value!r}")
+    return USAGE + "\n".join(lines)
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(_usage())
+        return
     run = setup_run(argv)           # raises ValueError/FileNotFoundError on every rank, before any collective
     try:
         Trainer(run).train()

@@ -52,8 +52,18 @@ def _local_bytes(t):
     return t.numel() * t.element_size()
 
 
+def _fsdp2():
+    """(fully_shard, FSDPModule): public in torch.distributed.fsdp from 2.6; 2.4 and 2.5 keep FSDP2
+    in torch.distributed._composable.fsdp."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import FSDPModule, fully_shard
+    return fully_shard, FSDPModule
+
+
 def _fsdp2_gathered(model):
-    from torch.distributed.fsdp import FSDPModule
+    FSDPModule = _fsdp2()[1]
     total = 0
     for m in model.modules():
         group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
@@ -105,7 +115,7 @@ def _world(kind, n, prefetch, steps):
         probe = model.zero3.gathered_bytes
     elif kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+        torch_fully_shard = _fsdp2()[0]
         mesh = init_device_mesh("cpu", (n,))
         for layer in model.model.layers:
             torch_fully_shard(layer, mesh=mesh, reshard_after_forward=True)

@@ -23,7 +23,11 @@ __all__ = ["ParallelismConfig", "ProcessGroupManager", "init", "default_device"]
 
 
 def default_device() -> torch.device:
-    if torch.cuda.is_available():
+    """The device the backend communicates on: CUDA under NCCL. A gloo world keeps its tensors on
+    the CPU even on a machine with GPUs (the tests fork gloo ranks), since gloo lacks several
+    collectives for CUDA tensors."""
+    gloo_world = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
+    if torch.cuda.is_available() and not gloo_world:
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 

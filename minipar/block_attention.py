@@ -44,20 +44,52 @@ IMPLS = ("auto", "fused", "torch")
 _CPU_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+# The private aten ops each kernel calls, with the number of positional arguments we pass and of
+# results we read. These layouts hold from torch 2.4 to 2.13 (2.7 renamed flash's philox_seed /
+# philox_offset results to rng_state / unused, same positions, so we pass them on positionally,
+# never by name); `scale` is keyword-only in all of them. A release that changes a layout falls
+# back to plain torch ("auto") instead of calling the op with shifted arguments.
+_FUSED_OPS = {
+    "cpu": (("_scaled_dot_product_flash_attention_for_cpu", 5, 2),
+            ("_scaled_dot_product_flash_attention_for_cpu_backward", 8, 3)),
+    "cuda_flash": (("_scaled_dot_product_flash_attention", 6, 9),
+                   ("_scaled_dot_product_flash_attention_backward", 14, 3)),
+    "cuda_efficient": (("_scaled_dot_product_efficient_attention", 7, 4),
+                       ("_scaled_dot_product_efficient_attention_backward", 12, 4)),
+}
+
+
+def _signature_ok(kind: str) -> bool:
+    for name, n_args, n_returns in _FUSED_OPS[kind]:
+        op = getattr(torch.ops.aten, name, None)
+        if op is None:
+            return False
+        schema = op.default._schema
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        keywords = {a.name for a in schema.arguments if a.kwarg_only}
+        if len(positional) != n_args or len(schema.returns) != n_returns or "scale" not in keywords:
+            return False
+    return True
+
+
 def _choose(impl: str, q: torch.Tensor) -> str:
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch":
         return "torch"
     kind = None
-    if q.device.type == "cpu" and q.dtype in _CPU_FUSED_DTYPES and \
-            hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    if q.device.type == "cpu" and q.dtype in _CPU_FUSED_DTYPES:
         kind = "cpu"
     elif q.device.type == "cuda" and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
         if q.dtype in (torch.float16, torch.bfloat16):
             kind = "cuda_flash"
         elif q.dtype == torch.float32:
             kind = "cuda_efficient"
+    if kind is not None and not _signature_ok(kind):
+        if impl == "fused":
+            raise ValueError(f"impl='fused': torch {torch.__version__} lacks the {kind} attention kernel, or "
+                             f"its signature differs from the one minipar calls; use impl='auto' or 'torch'")
+        return "torch"
     if kind is None and impl == "fused":
         raise ValueError(f"no fused attention kernel for device {q.device.type}, dtype {q.dtype}, head_dim "
                          f"{q.shape[-1]}: use impl='torch' or impl='auto'")

@@ -35,6 +35,7 @@ import argparse
 import itertools
 from typing import Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from .config import ParallelismConfig
@@ -147,7 +148,12 @@ class ProcessGroupManager:
             # gloo connects a new group's members lazily in the background of new_group: a rank
             # that races ahead (or exits) could leave a peer's connection half made. One barrier
             # makes "every group exists on every rank" true when the constructor returns.
-            dist.barrier()
+            # On NCCL, name the GPU: torch 2.4's barrier otherwise guesses it (global rank % GPUs),
+            # which can pick another process's device.
+            if "nccl" in str(dist.get_backend()):
+                dist.barrier(device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier()
 
     @classmethod
     def local(cls) -> "ProcessGroupManager":

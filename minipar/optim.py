@@ -42,6 +42,7 @@ import math
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from . import comm
 
@@ -164,8 +165,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], pgm) -> torch.Tensor:
     if params:
         device = params[0].grad.device
     else:   # a rank holding no gradient still joins the all-reduces, on the backend's device
-        cuda = torch.cuda.is_available()
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        nccl = dist.is_initialized() and "nccl" in str(dist.get_backend())
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     zero = torch.zeros((), dtype=torch.float64, device=device)
     plain_split, plain_repl, shard_split, shard_repl = zero.clone(), zero.clone(), zero.clone(), zero.clone()
     for p in params:

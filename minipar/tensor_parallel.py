@@ -214,7 +214,8 @@ class _TPLinear(nn.Module):
         """Draw the full weight (same on every rank for the same generator state), keep the slice."""
         with torch.no_grad():
             for p in self.parameters():
-                full = torch.empty(p.tp_full_shape)
+                # on the CPU, where `generator` lives (a CUDA default device would refuse it)
+                full = torch.empty(p.tp_full_shape, device="cpu")
                 if p.dim() == 1 and p is getattr(self, "bias", None):
                     full.zero_()
                 else:

@@ -286,8 +286,8 @@ class Trainer:
         return self.history
 
     def summary(self, elapsed: float, last_val: Optional[float]):
-        if torch.cuda.is_available():
-            peak = torch.cuda.max_memory_allocated() / 2 ** 20
+        if self.device.type == "cuda":            # (a gloo run on a GPU machine trains on the CPU)
+            peak = torch.cuda.max_memory_allocated(self.device) / 2 ** 20
             what = "peak CUDA memory allocated"
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB -> MiB on Linux

@@ -218,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
     def init_weights(self, seed: int = 0):
         gen = torch.Generator().manual_seed(seed)
         for _, p in self.named_parameters():    # a fixed order, tied weights once
-            full = torch.empty(p.tp_full_shape)
+            full = torch.empty(p.tp_full_shape, device="cpu")   # where gen lives, whatever the default device
             if p.dim() == 1:
                 full.fill_(1.0)                  # the norms
             else:

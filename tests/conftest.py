@@ -1,7 +1,11 @@
 import os
 import sys
 
-import torch
+# The suite runs gloo worlds on the CPU (forked ranks); on a GPU machine keep CUDA out of it, so
+# that forked children never inherit an initialised CUDA context.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

@@ -25,7 +25,8 @@ import sys
 
 import torch.distributed as dist
 
-from minipar.trainer import Trainer, setup_run
+from minipar.run_setup import setup_run
+from minipar.trainer import Trainer
 
 
 USAGE = """usage: train.py [CONFIG.yaml] [--key value ...]

@@ -11,8 +11,7 @@ One optimizer step on a rank (B = global_batch_size, M micro-batches, D = dp siz
     clip by the global norm (each element counted once), AdamW on the shards, lr schedule
     logged loss = all-reduce over dp_cp of sum_m loss_m       identical on every layout
 
-Everything that can be checked without communicating is checked in `setup_run`, on every rank,
-before minipar.init creates a single group.
+Everything that can be checked without communicating is checked before, by run_setup.setup_run.
 """
 from __future__ import annotations
 
@@ -22,92 +21,16 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 import minipar
-from minipar import ParallelismConfig, comm
+from minipar import comm
 from minipar import data as mdata
 from minipar import optim as moptim
-from minipar.config import check_sequence_len
 from minipar.mesh import MeshDim, describe_grid
-from minipar.train_config import TrainConfig, load_config, parse_overrides
-
-SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size")
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")
-
-
-@dataclass
-class Run:
-    cfg: TrainConfig
-    pgm: object
-    num_micro_steps: int
-    train_tokens: torch.Tensor
-    val_tokens: torch.Tensor
-    notes: List[str] = field(default_factory=list)
-
-
-def _world_size() -> int:
-    if dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
-def setup_run(argv: List[str]) -> Run:
-    """Parse and check everything, then create the process groups. Raises before any collective."""
-    path, default_config = DEFAULT_CONFIG, True
-    if argv and not argv[0].startswith("--"):
-        path, argv, default_config = argv[0], argv[1:], False
-    from_cli = set(parse_overrides(argv)) & set(SIZE_KEYS)
-    notes = []
-    if default_config and from_cli:
-        # The default config's layout (cp 2 x tp 2) is the 8-process showcase. Sizes given on the
-        # command line replace that layout instead of combining with it, so that
-        # `torchrun --nproc-per-node 2 train.py --tensor_parallel_size 2` is plain TP on 2 ranks.
-        unset = [k for k in SIZE_KEYS if k not in from_cli]
-        argv = argv + [x for k in unset for x in (f"--{k}", "null" if k == "dp_shard_size" else "1")]
-        notes.append(f"parallel sizes from the command line replace the default layout ({', '.join(unset)} "
-                     f"reset: dp_shard_size takes the remainder, the others are 1)")
-    cfg = load_config(path, argv)
-    world = _world_size()
-    sizes = dict(dp_replicate_size=cfg.dp_replicate_size, dp_shard_size=cfg.dp_shard_size,
-                 cp_size=cfg.context_parallel_size, tp_size=cfg.tensor_parallel_size)
-    if world == 1 and not from_cli and any((v or 1) > 1 for v in sizes.values()):
-        # `python train.py` on a config written for a torchrun launch: run it on one process
-        notes.append(f"one process: the config's parallel sizes ({_fmt(sizes)}) apply to torchrun "
-                     f"launches; running with all sizes 1")
-        sizes = dict.fromkeys(sizes, 1)
-    pconf = ParallelismConfig(**sizes, sequence_parallel=cfg.sequence_parallel)
-    try:
-        pconf = pconf.resolve(world)
-    except ValueError as err:
-        raise ValueError(f"{err} (config {path}; launch e.g. `torchrun --nproc-per-node {pconf.total_size} "
-                         f"train.py {path}` or set the sizes with --tensor_parallel_size etc.)") from None
-    pconf.validate_model(cfg.model, cfg.sequence_len)
-    dp = pconf.dp_replicate_size * pconf.dp_shard_size
-    micro = cfg.micro_batch_size or (cfg.global_batch_size // dp if cfg.global_batch_size % dp == 0 else 0)
-    if micro == 0:
-        raise ValueError(f"global_batch_size {cfg.global_batch_size} is not divisible by the data-parallel "
-                         f"size dp_replicate x dp_shard = {dp}; use a multiple of {dp}")
-    num_micro = mdata.micro_steps_for(cfg.global_batch_size, micro, dp)
-    check_sequence_len(cfg.sequence_len, pconf.cp_size)
-    if cfg.sequence_len > cfg.model.max_position_embeddings:
-        raise ValueError(f"sequence_len {cfg.sequence_len} exceeds model.max_position_embeddings "
-                         f"{cfg.model.max_position_embeddings}")
-    train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction, sequence_len=cfg.sequence_len)
-    resume = cfg.resume_from_checkpoint
-    if resume and resume != "latest" and not os.path.isdir(resume):
-        raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")
-    pgm = minipar.init(pconf)
-    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes)
-
-
-def _fmt(sizes: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sizes.items())
-
+from minipar.run_setup import Run
 
 class Trainer:
     def __init__(self, run: Run):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from harness import RankError, run_world
-from minipar.trainer import Trainer, setup_run
+from minipar.run_setup import setup_run
+from minipar.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the tiny test model: every code path, a fraction of the default's cost

@@ -11,18 +11,8 @@ from minipar.data_parallel import replicate
 from minipar.optim import build_optimizer
 from models.llama import LlamaConfig, LlamaForCausalLM
 from harness import run_world
-
-CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2)
-B, T = 8, 8
-
-
-def _batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, CFG["vocab_size"], (B, T), generator=g)
-    labels = torch.randint(0, CFG["vocab_size"], (B, T), generator=g)
-    labels[0, :3] = -100
-    return ids, labels
+from tiny_llama import B, CFG
+from tiny_llama import tiny_batch as _batch
 
 
 def _train(shape=None, steps=5, micro=1, no_sync=True, tied=False, bucket_size_mb=25):

@@ -14,19 +14,8 @@ from minipar.tensor_parallel import gather_tensor
 from minipar.zero3 import fully_shard
 from models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
 from harness import run_world
-
-CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2)
-B, T = 8, 8
-
-
-def _batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, CFG["vocab_size"], (B, T), generator=g)
-    labels = torch.randint(0, CFG["vocab_size"], (B, T), generator=g)
-    labels[0, :3] = -100
-    labels[5, 4:] = -100
-    return ids, labels
+from tiny_llama import CFG
+from tiny_llama import tiny_batch as _batch
 
 
 def _rows(x, pgm, micro, n_micro):

@@ -46,7 +46,6 @@ import numpy as np
 import torch
 
 from . import comm
-from .mesh import MeshDim
 
 FORMAT = "minipar-checkpoint"
 VERSION = 1
@@ -125,14 +124,10 @@ def commit(root: str, directory: str, manifest: dict) -> str:
     return directory
 
 
-def _world(pgm) -> MeshDim:
-    return MeshDim("world", list(range(pgm.world_size)), pgm.global_rank, None)   # group None: the default
-
-
 def agree(failed: bool, pgm, device) -> bool:
     """A barrier over the world that tells every rank whether any rank failed."""
     flag = torch.tensor([1.0 if failed else 0.0], device=device)
-    comm.all_reduce(flag, _world(pgm), op="max")
+    comm.all_reduce(flag, pgm.world, op="max")
     return bool(flag.item())
 
 
@@ -143,7 +138,7 @@ def atomic_save(directory: str, pgm, device, write: Callable[[str], Dict[str, di
     Collective."""
     rank, parent = pgm.global_rank, os.path.dirname(os.path.abspath(directory))
     token = torch.tensor([random.SystemRandom().getrandbits(62) if rank == 0 else 0], device=device)
-    comm.broadcast(token, _world(pgm))
+    comm.broadcast(token, pgm.world)
     tmp, error = temp_dir_for(directory, int(token.item())), None
     try:
         if rank == 0:

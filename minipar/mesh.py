@@ -144,6 +144,9 @@ class ProcessGroupManager:
                     mine[name] = members
         for name, members in mine.items():
             setattr(self, name, MeshDim(name, members, rank, created[tuple(members)]))
+        # every rank, over the default group: for the few calls that span the whole job
+        # (checkpoint agreement, the closing memory summary)
+        self.world = MeshDim("world", list(range(world_size)), rank, None)
         if world_size > 1:
             # gloo connects a new group's members lazily in the background of new_group: a rank
             # that races ahead (or exits) could leave a peer's connection half made. One barrier
@@ -164,7 +167,7 @@ class ProcessGroupManager:
         self.world_size, self.global_rank = 1, 0
         self.shape = (1, 1, 1, 1)
         self.coords = dict.fromkeys(COORDS, 0)
-        for name in DIMENSIONS:
+        for name in list(DIMENSIONS) + ["world"]:
             setattr(self, name, MeshDim(name, [0], 0, None))
         return self
 

@@ -29,7 +29,7 @@ import minipar
 from minipar import comm
 from minipar import data as mdata
 from minipar import optim as moptim
-from minipar.mesh import MeshDim, describe_grid
+from minipar.mesh import describe_grid
 from minipar.run_setup import Run
 
 class Trainer:
@@ -61,7 +61,6 @@ class Trainer:
         self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size, cfg.seed)
         self.start_step, self.history = 0, []
-        self.world = MeshDim("world", list(range(pgm.world_size)), pgm.global_rank, None)
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str):
@@ -215,7 +214,7 @@ class Trainer:
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB -> MiB on Linux
             what = "peak resident memory"
-        peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=self.device), self.world)
+        peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=self.device), self.pgm.world)
         if not self.is_main:
             return
         png = self.plot()

@@ -53,15 +53,16 @@ def setup_run(argv: List[str]) -> Run:
         path, argv, default_config = argv[0], argv[1:], False
     from_cli = set(parse_overrides(argv)) & set(SIZE_KEYS)
     notes = []
+    cfg = load_config(path, argv)
     if default_config and from_cli:
         # The default config's layout (cp 2 x tp 2) is the 8-process showcase. Sizes given on the
         # command line replace that layout instead of combining with it, so that
         # `torchrun --nproc-per-node 2 train.py --tensor_parallel_size 2` is plain TP on 2 ranks.
         unset = [k for k in SIZE_KEYS if k not in from_cli]
-        argv = argv + [x for k in unset for x in (f"--{k}", "null" if k == "dp_shard_size" else "1")]
+        for key in unset:
+            setattr(cfg, key, None if key == "dp_shard_size" else 1)
         notes.append(f"parallel sizes from the command line replace the default layout ({', '.join(unset)} "
                      f"reset: dp_shard_size takes the remainder, the others are 1)")
-    cfg = load_config(path, argv)
     world = _world_size()
     sizes = dict(dp_replicate_size=cfg.dp_replicate_size, dp_shard_size=cfg.dp_shard_size,
                  cp_size=cfg.context_parallel_size, tp_size=cfg.tensor_parallel_size)

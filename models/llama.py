@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from minipar import tensor_parallel as tpl
+from minipar.context_parallel import ring_attention, zigzag_positions
 from minipar.mesh import ProcessGroupManager
 
 
@@ -153,7 +154,6 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x, skip_input_comm=True).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.pgm.cp.size > 1:
-            from minipar.context_parallel import ring_attention
             out = ring_attention(q, k, v, self.pgm.cp, causal=True)
         else:
             out = causal_attention(q, k, v)
@@ -233,7 +233,6 @@ class LlamaForCausalLM(nn.Module):
         pgm, cfg = self.pgm, self.config
         if position_ids is None:
             if pgm.cp.size > 1:
-                from minipar.context_parallel import zigzag_positions
                 position_ids = zigzag_positions(input_ids.shape[1] * pgm.cp.size, pgm.cp, device=input_ids.device)
             else:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)

@@ -150,10 +150,11 @@ class Trainer:
             with open(path) as f:
                 kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= self.start_step]
             self.history = [json.loads(line) for line in kept]
-        f = open(path, "w")
-        f.writelines(kept)
-        f.flush()
-        return f
+        # rewrite through a temporary file: a crash here must not lose the lines kept
+        with open(path + ".tmp", "w") as tmp:
+            tmp.writelines(kept)
+        os.replace(path + ".tmp", path)
+        return open(path, "a")
 
     def train(self):
         cfg, pgm = self.cfg, self.pgm

@@ -253,10 +253,6 @@ class LlamaForCausalLM(nn.Module):
         return loss_sum / num_items_in_batch
 
     # ------------------------------------------------------------------ state dicts
-    def split_dims(self) -> dict:
-        """{HF name: tp_split_dim} for every distinct parameter."""
-        return {n: p.tp_split_dim for n, p in self.named_parameters()}
-
     def full_state_dict(self) -> dict:
         """{HF name: full tensor}, gathered over tp (and over the ZeRO-3 shards if sharded).
         Collective: every rank must call it."""

@@ -25,8 +25,8 @@ import sys
 
 import torch.distributed as dist
 
-from minipar.run_setup import setup_run
-from minipar.trainer import Trainer
+from minipar.training.run_setup import setup_run
+from minipar.training.trainer import Trainer
 
 
 USAGE = """usage: train.py [CONFIG.yaml] [--key value ...]
@@ -34,13 +34,13 @@ USAGE = """usage: train.py [CONFIG.yaml] [--key value ...]
   CONFIG.yaml     default: configs/default.yaml (see configs/ for one file per layout)
   --key value     any config key, nested ones with a dot: --max_steps 20 --model.hidden_size 64
 
-keys (defaults in minipar/train_config.py):
+keys (defaults in minipar/training/train_config.py):
 """
 
 
 def _usage() -> str:
     import dataclasses
-    from minipar.train_config import TrainConfig
+    from minipar.training.train_config import TrainConfig
     lines = []
     for f in dataclasses.fields(TrainConfig):
         value = getattr(TrainConfig(), f.name)

@@ -14,10 +14,10 @@ import torch
 
 import minipar
 from minipar import ParallelismConfig, ProcessGroupManager, comm
-from minipar import checkpoint as ck
-from minipar import checkpoint_io as cio
-from minipar import data as mdata
-from minipar import optim as moptim
+from minipar.training import checkpoint as ck
+from minipar.training import checkpoint_io as cio
+from minipar.training import data as mdata
+from minipar.training import optim as moptim
 from models.llama import LlamaConfig, LlamaForCausalLM
 from harness import run_world
 

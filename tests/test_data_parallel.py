@@ -1,4 +1,4 @@
-"""Data parallelism (minipar/data_parallel.py) against one process: same weights, same global batch."""
+"""Data parallelism (minipar/data_parallel/ddp.py) against one process: same weights, same global batch."""
 import functools
 
 import pytest
@@ -8,7 +8,7 @@ import torch.nn as nn
 import minipar
 from minipar import ParallelismConfig, comm
 from minipar.data_parallel import replicate
-from minipar.optim import build_optimizer
+from minipar.training.optim import build_optimizer
 from models.llama import LlamaConfig, LlamaForCausalLM
 from harness import run_world
 from tiny_llama import B, CFG

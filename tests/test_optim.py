@@ -7,7 +7,7 @@ import torch
 
 import minipar
 from minipar import ParallelismConfig, tensor_parallel as tpl
-from minipar.optim import WarmupCosine, build_optimizer, build_scheduler, clip_grad_norm_, complement
+from minipar.training.optim import WarmupCosine, build_optimizer, build_scheduler, clip_grad_norm_, complement
 from harness import run_world
 
 

@@ -1,4 +1,4 @@
-"""ZeRO-3 (minipar/zero3.py) against one process: same weights, same global batch, same steps."""
+"""ZeRO-3 (minipar/zero3/shard_manager.py) against one process: same weights, same global batch, same steps."""
 import functools
 
 import pytest
@@ -7,9 +7,9 @@ import torch.nn as nn
 
 import minipar
 from minipar import ParallelismConfig, comm
-from minipar.flat_param import merge_sharded_state_dicts
+from minipar.zero3.flat_param import merge_sharded_state_dicts
 from minipar.mesh import ProcessGroupManager
-from minipar.optim import build_optimizer
+from minipar.training.optim import build_optimizer
 from minipar.tensor_parallel import gather_tensor
 from minipar.zero3 import fully_shard
 from models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM

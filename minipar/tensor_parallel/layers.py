@@ -44,8 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import comm
-from .vocab_parallel_loss import vocab_parallel_cross_entropy  # noqa: F401  (part of the TP API)
+from .. import comm
 
 SEQ_DIM = 1   # activations are (batch, seq, hidden)
 

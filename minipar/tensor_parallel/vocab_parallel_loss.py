@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from .. import comm
 
 
 # ------------------------------------------------------------------- vocab-parallel loss

@@ -44,7 +44,7 @@ import torch
 
 from . import checkpoint_io as cio
 from .checkpoint_io import find_latest_checkpoint, list_checkpoints, rotate_checkpoints  # noqa: F401
-from .tensor_parallel import gather_tensor, shard_tensor
+from ..tensor_parallel import gather_tensor, shard_tensor
 
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 TRAINER_STATE, FULL_MODEL, FULL_OPTIM = "trainer_state.pt", "model.safetensors", "optimizer.pt"

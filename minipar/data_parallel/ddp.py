@@ -43,7 +43,7 @@ from typing import List
 import torch
 import torch.nn as nn
 
-from . import comm
+from .. import comm
 
 
 class Bucket:

@@ -34,8 +34,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import comm
-from .tensor_parallel import gather_tensor, shard_tensor
+from .. import comm
+from ..tensor_parallel import gather_tensor, shard_tensor
 
 FORMAT = "minipar.zero3.v1"
 

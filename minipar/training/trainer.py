@@ -27,10 +27,10 @@ import torch
 
 import minipar
 from minipar import comm
-from minipar import data as mdata
-from minipar import optim as moptim
+from minipar.training import data as mdata
+from minipar.training import optim as moptim
 from minipar.mesh import describe_grid
-from minipar.run_setup import Run
+from minipar.training.run_setup import Run
 
 class Trainer:
     def __init__(self, run: Run):
@@ -117,7 +117,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int):
-        from minipar import checkpoint as ckpt
+        from minipar.training import checkpoint as ckpt
         path = os.path.join(self.cfg.output_dir, f"step-{step}")
         ckpt.save_checkpoint(path, self.model, self.optimizer, self.pgm, step=step, scheduler=self.scheduler,
                              extra=dict(step=step, sampler=self.sampler.state_dict(), config=self.cfg.to_dict()),
@@ -129,7 +129,7 @@ class Trainer:
         resume = self.cfg.resume_from_checkpoint
         if not resume:
             return
-        from minipar import checkpoint as ckpt
+        from minipar.training import checkpoint as ckpt
         path = ckpt.find_latest_checkpoint(self.cfg.output_dir) if resume == "latest" else resume
         if path is None:
             self.log(f"resume_from_checkpoint=latest: no checkpoint in {self.cfg.output_dir}, starting fresh")
@@ -201,7 +201,7 @@ class Trainer:
         if cfg.save_final_checkpoint and cfg.max_steps > self.start_step:
             self.save(cfg.max_steps)
         if cfg.export_hf:
-            from minipar import checkpoint as ckpt
+            from minipar.training import checkpoint as ckpt
             hf_dir = os.path.join(cfg.output_dir, "hf")
             ckpt.export_hf(hf_dir, self.model)
             self.log(f"exported Hugging Face model to {hf_dir}")

@@ -22,12 +22,12 @@ import torch.distributed as dist
 
 import minipar
 from minipar import ParallelismConfig
-from minipar import data as mdata
-from minipar.train_config import TrainConfig, load_config, parse_overrides
+from minipar.training import data as mdata
+from minipar.training.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
 
 
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size")
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "default.yaml")
 
 
 @dataclass

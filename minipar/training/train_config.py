@@ -21,6 +21,9 @@ import yaml
 
 from models.llama import LlamaConfig
 
+# the checkout's root (minipar/training/ is two levels below it): configs/ and data/ live there
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 @dataclass
 class FSDPConfig:
@@ -169,7 +172,7 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None) ->
         if derived not in explicit_model_keys:
             model.pop(derived)
     cfg.model = LlamaConfig(**model)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO_ROOT
     if not os.path.isabs(cfg.dataset) and not os.path.exists(cfg.dataset) \
             and os.path.exists(os.path.join(root, cfg.dataset)):
         cfg.dataset = os.path.join(root, cfg.dataset)   # the bundled corpus, from any directory

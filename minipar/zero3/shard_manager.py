@@ -3,7 +3,7 @@ only while it computes.
 
 Rajbhandari et al., "ZeRO" (2020), stage 3; the unit-by-unit schedule of PyTorch FSDP (Zhao et
 al., 2023). Each unit (a decoder layer; the root unit holds what is left: embedding, final norm,
-lm_head) keeps its parameters in one flat buffer (minipar/flat_param.py), and rank r of the N
+lm_head) keeps its parameters in one flat buffer (minipar/zero3/flat_param.py), and rank r of the N
 ranks of pgm.dp_shard_cp keeps only shard r of it, an fp32 nn.Parameter: the only parameter that
 model.parameters() yields, so the optimizer holds states for 1/N of the model.
 
@@ -50,7 +50,7 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 
-from . import comm
+from .. import comm
 from .flat_param import FlatLayout, ShardedStateDicts, merge_sharded_state_dicts, plan_units  # noqa: F401
 
 

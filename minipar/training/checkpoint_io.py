@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from . import comm
+from .. import comm
 
 FORMAT = "minipar-checkpoint"
 VERSION = 1

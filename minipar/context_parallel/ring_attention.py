@@ -55,9 +55,9 @@ from typing import List, Optional
 
 import torch
 
-from . import comm
+from .. import comm
 from .block_attention import IMPLS, block_backward, block_forward, default_scale
-from .config import check_sequence_len
+from ..config import check_sequence_len
 
 __all__ = ["zigzag_shard", "zigzag_unshard", "zigzag_positions", "ring_attention", "ring_schedule",
            "schedule_score_elements", "Block"]

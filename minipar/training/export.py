@@ -1,6 +1,6 @@
 """Export a minipar checkpoint (sharded or full, from any layout) as a Hugging Face directory.
 
-    python -m minipar.export out/default/step-300 out/default/hf-step-300
+    python -m minipar.training.export out/default/step-300 out/default/hf-step-300
 
 Runs on one process: the checkpoint's manifest holds the model config, every shard file is read,
 the full tensors are rebuilt by HF name (checkpoint.py does the resharding), and

@@ -214,7 +214,7 @@ def micro_steps_for(global_batch_size: int, micro_batch_size: int, dp_size: int)
 
 def check_batch_split(global_batch_size: int, sequence_len: int, pgm, num_micro_steps: int = 1) -> None:
     """Raise a ValueError (before any collective) when the batch cannot be split on this layout."""
-    from .config import check_sequence_len
+    from ..config import check_sequence_len
     parts = pgm.dp.size * num_micro_steps
     if num_micro_steps < 1 or global_batch_size % parts:
         raise ValueError(
@@ -229,7 +229,7 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
     """This rank's share of the global batch: dict(input_ids, labels, position_ids), each
     (B / (dp * num_micro_steps), T / cp) long; position_ids are the true positions of the kept
     tokens (zigzag under cp). No communication."""
-    from .context_parallel import zigzag_positions, zigzag_shard
+    from ..context_parallel import zigzag_positions, zigzag_shard
     B, T = input_ids.shape
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} "

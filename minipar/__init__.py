@@ -15,6 +15,12 @@ import os
 
 import torch
 import torch.distributed as dist
+# Before any group exists: this module binds `group=group.WORLD` as default arguments when first
+# imported. Imported later (torch.optim pulls it in through torch._dynamo with the first
+# optimizer), it would hold the default group, and its gloo threads, past destroy_process_group
+# until interpreter shutdown, where a thread dropping a finished work's tensor aborts the process
+# ("terminate called without an active exception"). See training/lifecycle.py.
+import torch.distributed.nn.functional  # noqa: F401,E402
 
 from .config import ParallelismConfig
 from .mesh import ProcessGroupManager
@@ -39,19 +45,21 @@ def init(config: ParallelismConfig = None, timeout_s: float = 1800) -> ProcessGr
     without it, one process forms a world of one. NCCL when CUDA is there, gloo otherwise. The
     config is resolved (an unset dp_shard_size takes the remainder) and checked against the world
     size on every rank before any group is created, so a bad config raises instead of hanging.
+    `timeout_s` (the trainer's `ddp_timeout`) bounds every collective, on the default group and on
+    every group of the grid: a rank whose peer is stuck fails after it instead of waiting forever.
     """
     config = config if config is not None else ParallelismConfig.from_env()
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         config.resolve(world_size)          # fail before any rendezvous
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(default_device())
-        timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
             if world_size != 1:
                 raise ValueError(f"WORLD_SIZE={world_size} but no RANK/MASTER_ADDR: launch with torchrun")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return ProcessGroupManager(config)
+    return ProcessGroupManager(config, timeout=timeout)

@@ -10,6 +10,7 @@ minipar.init creates a single group, so a mistake is the same clear error everyw
          -> the model against tp/cp and the sequence, the batch against dp, the dataset file,
             the checkpoint to resume from
          -> minipar.init(layout): the groups                              mesh.py
+         -> the same resolved config on every rank? (one all-gather)      lifecycle.py
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import minipar
 from minipar import ParallelismConfig
 from minipar.training import data as mdata
+from minipar.training import lifecycle
 from minipar.training.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
 
 
@@ -91,7 +93,12 @@ def setup_run(argv: List[str]) -> Run:
     resume = cfg.resume_from_checkpoint
     if resume and resume != "latest" and not os.path.isdir(resume):
         raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")
-    pgm = minipar.init(pconf)
+    pgm = minipar.init(pconf, timeout_s=cfg.ddp_timeout)
+    try:
+        lifecycle.check_same_config(cfg, pgm)   # launchers given different flags: an error, not a hang
+    except ValueError:
+        lifecycle.teardown(pgm, clean=False)
+        raise
     return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes)
 
 

@@ -58,6 +58,7 @@ class TrainConfig:
     context_parallel_size: int = 1        # [cp_size]
     tensor_parallel_size: int = 1         # [tp_size]
     sequence_parallel: bool = False
+    ddp_timeout: int = 1800               # seconds a collective waits for a stuck peer (Axolotl's name)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     output_dir: str = "out/default"
     metrics_file: Optional[str] = None    # default: <output_dir>/metrics.jsonl
@@ -187,6 +188,8 @@ def check(cfg: TrainConfig) -> None:
     for key in positive:
         if getattr(cfg, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.ddp_timeout < 1:
+        raise ValueError(f"ddp_timeout is in seconds and must be >= 1, got {cfg.ddp_timeout}")
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
     if cfg.fsdp.state_dict_type not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):

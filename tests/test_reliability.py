@@ -252,3 +252,60 @@ def test_sigterm_to_torchrun_saves_and_resumes(tmp_path):
     resumed = run_world(_train, 2, _argv(out, "--dp_shard_size", "2", "--max_steps", "40",
                                          "--resume_from_checkpoint", "latest"), timeout=300)[0]
     _same_after(full, resumed, n)
+
+
+# ---------------------------------------------------------------------- 12. several machines
+SLURM = os.path.join(ROOT, "examples", "slurm.sbatch")
+
+
+def _torchrun_lines(text):
+    """The torchrun commands of a README or a shell script (continuation lines joined)."""
+    text = text.replace("\\\n", " ")
+    return [line[line.index("torchrun"):] for line in text.splitlines()
+            if re.search(r"(^|\s|/)torchrun\s", line) and "--nnodes" in line]
+
+
+def test_multi_node_launch_commands_parse():
+    # the fast twin of the two-launcher test: the documented launches are valid torchrun commands
+    # with a c10d rendezvous, and the SLURM script's layout fits 2 nodes x 8 GPUs
+    from torch.distributed.run import get_args_parser
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    commands = _torchrun_lines(readme) + _torchrun_lines(open(SLURM).read())
+    assert len(commands) >= 2, commands
+    for cmd in commands:
+        words = shlex.split(cmd.replace("$", ""))[1:]
+        args = get_args_parser().parse_args(words)
+        assert args.rdzv_backend == "c10d" and args.rdzv_endpoint and args.nnodes, cmd
+        assert args.training_script.endswith("train.py"), cmd
+    slurm = open(SLURM).read()
+    assert "srun" in slurm and "--resume_from_checkpoint latest" in slurm
+    assert "--dp_shard_size 4 --tensor_parallel_size 2" in slurm and "GPUS_PER_NODE=8" in slurm
+
+
+def _launcher(node_rank, port, out, argv):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    cmd = [TORCHRUN, "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "2",
+           "--rdzv-id", "minipar-test", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           os.path.join(ROOT, "train.py"), *argv]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(out, "w"), stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_two_launchers_equal_one_process(tmp_path):
+    # two "nodes" of 2 ranks on localhost: dp_replicate 2 across them, tp 2 inside each
+    run = ["--dp_replicate_size", "2", "--tensor_parallel_size", "2"]
+    port = _free_port()
+    procs = [_launcher(k, port, tmp_path / f"node{k}.log", _argv(tmp_path / "multi", *run)) for k in range(2)]
+    try:
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = "\n".join(open(tmp_path / f"node{k}.log").read()[-3000:] for k in range(2))
+    assert codes == [0, 0], logs
+    multi = [(x["step"], x["loss"]) for x in map(json.loads, open(tmp_path / "multi" / "metrics.jsonl"))]
+    single = run_world(_train, 1, _argv(tmp_path / "single", "--tensor_parallel_size", "1"), timeout=300)[0]
+    assert len(multi) == len(single) == 12
+    for (s, a), (_, b) in zip(single, multi):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {s}: two launchers {b} vs one process {a}"

@@ -3,12 +3,15 @@
     python benchmarks/soak.py                          30 runs, 8 ranks: dp_shard 2 x cp 2 x tp 2
     python benchmarks/soak.py --runs 50 --nproc 4 --layout "--dp_shard_size 4 --context_parallel_size 1 --tensor_parallel_size 1"
 
-A run that trains, saves and exports correctly but then dies at interpreter exit (a gloo thread or
-an async work still alive while the process tears down: "terminate called without an active
-exception", SIGABRT) makes torchrun exit 1, so a job scheduler sees a failed job. Such a bug shows
-in a fraction of runs only; one run proves nothing, so this launches many. Every run gets a fresh
-output directory (and, through --standalone, its own rendezvous port); its exit code, duration and, for a failure, the tail of its
-output are recorded. The table and the failures are printed and saved under benchmarks/results/.
+A run that trains, saves and exports correctly but then dies at interpreter exit (a gloo thread
+still alive while the process tears down: "terminate called without an active exception",
+SIGABRT; see minipar/training/lifecycle.py) makes torchrun exit 1, so a scheduler sees a failed
+job. Such a bug shows in a fraction of runs only, more often on a loaded machine; one run proves
+nothing, so this launches many. Every run gets a fresh output directory (and, through
+--standalone, its own rendezvous port); its exit code, duration and, for a failure, the tail of
+its output are recorded. The table is rewritten after every run under benchmarks/results/, so an
+interrupted soak still reports. --cores lets an aborting rank leave a core file for
+`gdb python core` (that is how the abort above was traced).
 Exit status: 0 when every run exited 0.
 """
 from __future__ import annotations
@@ -85,27 +88,33 @@ def main(argv=None) -> int:
                 r["kept"] = shutil.move(out, os.path.join(tempfile.gettempdir(), f"minipar-soak-failed-{os.getpid()}-{i}"))
                 print(f"  kept {r['kept']}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
+            text = write_results(args, runs)       # after every run: an interrupted soak still reports
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print("\n" + text)
+    return 0 if all(r["code"] == 0 for r in runs) else 1
+
+
+def write_results(args, runs) -> str:
     ok = sum(r["code"] == 0 for r in runs)
     failures = [(i, r) for i, r in enumerate(runs) if r["code"] != 0]
-    lines = [f"# soak: {len(runs)} torchrun launches back to back", "",
+    done = "" if len(runs) == args.runs else f" (interrupted: {len(runs)} of {args.runs})"
+    lines = [f"# soak: {len(runs)} torchrun launches back to back{done}", "",
              f"command: `python benchmarks/soak.py --runs {args.runs} --nproc {args.nproc} "
              f"--layout \"{args.layout}\"" + (f" --extra \"{args.extra}\"" if args.extra else "") + "`", "",
-             f"train.py flags: `{args.layout} {TINY} {args.extra}`".rstrip() + "", "",
+             f"train.py flags: `{args.layout} {TINY} {args.extra}`".rstrip(), "",
              "| runs | exit 0 | failed | aborted at exit | mean s per run |", "|---|---|---|---|---|",
              f"| {len(runs)} | {ok} | {len(failures)} | {sum(r['aborted'] for r in runs)} | "
              f"{sum(r['seconds'] for r in runs) / max(len(runs), 1):.1f} |"]
     for i, r in failures:
         lines += ["", f"## run {i + 1}: exit {r['code']}", "", "```", r["tail"], "```"]
     text = "\n".join(lines) + "\n"
-    print("\n" + text)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
         f.write(text)
     with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
         json.dump(dict(args=vars(args), runs=runs), f, indent=1)
-    return 0 if ok == len(runs) else 1
+    return text
 
 
 if __name__ == "__main__":

@@ -21,15 +21,24 @@ the job hangs until someone notices. Three moments need the ranks to agree:
              all of them see "stop" after the same step, save step-N together and leave with
              EXIT_PREEMPTED. `resume_from_checkpoint: latest` continues exactly there.
 
-  the end    torch.distributed objects own C++ threads: each gloo group has worker threads, and
-             each finished async work keeps its transport's I/O thread alive as long as Python
-             holds it. Left to interpreter shutdown, such a thread may drop the last reference
-             to a tensor after Python has started tearing down, which kills the process with
-             "terminate called without an active exception" (SIGABRT) after a run that saved
-             everything, and the launcher reports a failed job. teardown() ends the run in the
-             order that avoids it: a barrier (no peer still mid-collective), every group destroyed,
-             our references to the group objects dropped and garbage collected, so each group's
-             destructor joins its threads now, while the interpreter is whole.
+  the end    torch.distributed objects own C++ threads: each gloo group has two worker threads and
+             an I/O thread, joined only when the group object is destroyed, that is when Python's
+             last reference to it goes. destroy_process_group() forgets the groups but cannot
+             free one that something else still references: the process-group manager (and the
+             model through it) holds every sub-group, and torch.distributed.nn.functional, once
+             imported after the default group exists (torch.optim does so with the first
+             optimizer), holds the default group as default arguments. Such a group lives into
+             interpreter shutdown. If one of its workers is still dropping the last reference to
+             the final collective's work (a loaded machine deschedules it between finishing the
+             op and letting go), it needs the GIL to free a tensor, the finalizing interpreter
+             ends the thread instead, and unwinding through C++ aborts the process: "terminate
+             called without an active exception" (SIGABRT) after a run that saved everything.
+             A core file shows exactly that stack (ProcessGroupGloo::runLoop -> ~AsyncWork ->
+             ~TensorImpl -> decref_pyobject -> take_gil -> PyThread_exit_thread -> terminate).
+             The fix is the order of the end: minipar imports that module before any group
+             exists, and teardown() meets at a barrier (no peer still mid-collective), destroys
+             every group, drops our references and collects garbage, so each group's destructor
+             joins its threads now (torch releases the GIL for it), while Python is whole.
 """
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def _main_then_list_threads(port, argv):
 
 def test_teardown_leaves_no_distributed_thread(tmp_path):
     # ZeRO-3 x TP: async gathers and reduce-scatters, a save and an export at the end
-    argv = _argv(tmp_path, "--max_steps", "2", "--dp_shard_size", "2", "--tensor_parallel_size", "2",
+    argv = _argv(tmp_path, "--max_steps", "1", "--dp_shard_size", "2", "--tensor_parallel_size", "2",
                  "--save_final_checkpoint", "true", "--export_hf", "true")
     for threads, initialized in run_world(_main_then_list_threads, 4, _free_port(), argv, init=False, timeout=300):
         assert not initialized
@@ -146,8 +146,8 @@ def _stop_at(port, argv, rank_to_stop, step_to_stop, mark):
 
 
 def test_stuck_peer_fails_the_others_within_ddp_timeout(tmp_path):
-    timeout_s, world, stuck = 4, 4, 3
-    argv = _argv(tmp_path, "--ddp_timeout", str(timeout_s), "--dp_shard_size", "2", "--tensor_parallel_size", "2")
+    timeout_s, world, stuck = 3, 2, 1
+    argv = _argv(tmp_path, "--ddp_timeout", str(timeout_s), "--dp_shard_size", "2", "--max_steps", "4")
     tmp, mark, port = str(tmp_path), str(tmp_path / "stopped"), _free_port()
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=harness._worker, daemon=True,
@@ -203,14 +203,14 @@ def _train_signalled(argv, rank_to_signal, step_to_signal):
 
 
 def test_sigterm_saves_the_agreed_step_and_resume_is_exact(tmp_path):
-    layout = ["--dp_shard_size", "2", "--max_steps", "8"]
+    layout = ["--dp_shard_size", "2", "--max_steps", "7"]
     full = run_world(_train, 2, _argv(tmp_path / "full", *layout), timeout=300)[0]
     out = tmp_path / "run"
     # rank 1 is signalled during step 5 (index 4); rank 0 never is, yet both stop after step 5
     got = run_world(_train_signalled, 2, _argv(out, *layout), 1, 4, timeout=300)
     assert [g[:2] for g in got] == [("preempted", 5)] * 2, got
     assert got[0][2] == full[:5]
-    assert os.listdir(out / "step-5") and not (out / "step-8").exists()
+    assert os.listdir(out / "step-5") and not (out / "step-7").exists()
     lines = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert [x["step"] for x in lines] == list(range(1, 6))
     resumed = run_world(_train, 2, _argv(out, *layout, "--resume_from_checkpoint", "latest"), timeout=300)[0]

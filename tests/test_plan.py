@@ -1,0 +1,135 @@
+"""The planner against real runs: every config of configs/ on the tiny model, forked gloo worlds.
+
+Per rank and config, one real optimizer step (train.py's Trainer) is measured and compared with
+minipar.plan's prediction for the same model, layout, batch and dtype:
+  - persistent state, EXACTLY: the bytes of model.parameters() (the ZeRO-3 shards, or the TP-local
+    parameters), their .grad, and every tensor of the optimizer state, taken just before zero_grad;
+  - communication, EXACTLY: comm.ledger()'s (op, group) -> calls and buffer bytes of the step;
+  - activations, within 15 %, at three sequence lengths. "Measured activation memory" here is the
+    bytes of the distinct storages that autograd saves for backward during one micro-batch's
+    forward (torch.autograd.graph.saved_tensors_hooks), parameters and gathered ZeRO-3 buffers
+    excluded: what the forward leaves alive for backward, its peak. Transient buffers that no
+    backward needs (the logits themselves) are not in it. With activation checkpointing, what the
+    forward keeps (layer inputs and the unwrapped root).
+"""
+import dataclasses
+import glob
+import os
+
+import pytest
+import torch
+
+from harness import run_world
+from minipar import comm
+from minipar.plan import Layout, activations, collectives, memory, plan, search
+from minipar.plan.__main__ import from_train_config, main as plan_main
+from minipar.plan.estimate import Cluster, crosses_nodes
+from minipar.plan.model import Batch, ModelShape, Options
+from minipar.training import data as mdata
+from minipar.training.run_setup import setup_run
+from minipar.training.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_hidden_layers", "2",
+        "--model.num_attention_heads", "4", "--model.num_key_value_heads", "2", "--sequence_len", "32",
+        "--global_batch_size", "8", "--max_steps", "2", "--warmup_steps", "1", "--eval_steps", "0",
+        "--progress_bar", "false", "--save_final_checkpoint", "false", "--export_hf", "false"]
+SEQS = (32, 64, 128)       # the three activation sizes
+
+
+def _tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _saved_bytes(model, batch, n_items):
+    """Distinct storages saved for backward by one forward, parameters excluded (then backward)."""
+    seen = {}
+
+    def excluded():
+        ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        zero3 = getattr(model, "zero3", None)
+        if zero3 is not None:
+            ptrs |= {u.buffer.untyped_storage().data_ptr() for u in zero3.units if u.gathered_bytes}
+        return ptrs
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen and st.data_ptr() not in excluded():
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                     num_items_in_batch=n_items)
+    loss.backward()
+    return sum(seen.values())
+
+
+def _measure(argv):
+    torch.set_num_threads(1)
+    tr = Trainer(setup_run(argv))
+    state = {}
+    zero_grad = tr.optimizer.zero_grad
+
+    def measure_then_zero(set_to_none=True):    # the state as it stands at the end of the step
+        params = list(tr.model.parameters())
+        opt = [v for st in tr.optimizer.state.values() for v in st.values()]
+        state.update(params=_tensor_bytes(params), grads=_tensor_bytes(p.grad for p in params),
+                     optimizer=_tensor_bytes(opt))
+        zero_grad(set_to_none=set_to_none)
+
+    tr.optimizer.zero_grad = measure_then_zero
+    with comm.ledger() as led:
+        tr.train_step(0)
+    ledger = {k: list(v) for k, v in led.summary().items()}
+    M, pgm, acts = tr.run.num_micro_steps, tr.pgm, {}
+    for checkpointing in (False, True):
+        tr.model.gradient_checkpointing = checkpointing
+        for seq in SEQS:
+            g = torch.Generator().manual_seed(seq)
+            ids = torch.randint(0, 256, (tr.cfg.global_batch_size, seq), generator=g)
+            batch = mdata.local_batch(ids, ids.roll(-1, 1), pgm, 0, M)
+            acts[(checkpointing, seq)] = _saved_bytes(tr.model, batch, ids.numel())
+            tr.optimizer.zero_grad(set_to_none=True)
+    return dict(state=state, ledger=ledger, acts=acts, cfg=tr.cfg, layout=pgm.config)
+
+
+def _argv(config, tmp, *extra):
+    return [os.path.join(ROOT, "configs", config), *TINY, "--output_dir", str(tmp),
+            "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"), *extra]
+
+
+def _check(config, world, tmp_path, *extra):
+    results = run_world(_measure, world, _argv(config, tmp_path, *extra), timeout=600)
+    r0 = results[0]
+    model, _, batch, opts = from_train_config(r0["cfg"])
+    lc = r0["layout"]
+    layout = Layout(lc.dp_replicate_size, lc.dp_shard_size, lc.cp_size, lc.tp_size, lc.sequence_parallel)
+    mem = memory(model, layout, opts)
+    want = {k: [c, b] for k, (c, b) in collectives(model, layout, batch, opts).items()}
+    for rank, r in enumerate(results):
+        got = r["state"]
+        assert (got["params"], got["grads"], got["optimizer"]) == (mem["params"], mem["grads"], mem["optimizer"]), \
+            f"rank {rank}: measured state {got}, planned {mem}"
+        assert r["ledger"] == want, f"rank {rank}: ledger {sorted(r['ledger'].items())}\nplanned {sorted(want.items())}"
+    for (checkpointing, seq), got in r0["acts"].items():
+        act = activations(model, layout, dataclasses.replace(batch, sequence_len=seq), opts)
+        planned = act["checkpointed" if checkpointing else "full"]
+        assert abs(planned - got) <= 0.15 * got, \
+            f"seq {seq}, checkpointing {checkpointing}: planned {planned} B, measured {got} B"
+    return results
+
+
+CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+WORLDS = {"4d.yaml": 16, "default.yaml": 8, "hsdp_tp.yaml": 8}
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if WORLDS.get(c, 4) <= 8])
+def test_plan_matches_run(tmp_path, config):
+    _check(config, WORLDS.get(config, 4), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [c for c in CONFIGS if WORLDS.get(c, 4) > 8])
+def test_plan_matches_run_16_ranks(tmp_path, config):
+    _check(config, WORLDS[config], tmp_path)

@@ -227,17 +227,19 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     M = batch.micro_steps(layout)
     b, s = batch.micro(layout), batch.sequence_len // C
     n, d = b * s, m.hidden_size
-    ac = L if opts.gradient_checkpointing else 0          # layers whose forward runs again in backward
+    # layers whose forward runs again in backward; torch's checkpoint stops the recompute once the
+    # last saved tensor is back (early stop), so the collective after down_proj is not repeated
+    ac = L if opts.gradient_checkpointing else 0
     # ZeRO-3 gathers parameters in the compute dtype; otherwise fp32 masters (and so fp32 norm grads)
     pe = e if layout.sharded else 4
     for _ in range(M):
         act = n * d * e
         if layout.sp:   # f / g become all-gather / reduce-scatter along the sequence
             add("all_gather", "tp", (2 * L + 1) + (2 * L + 1) + 2 * ac, act)
-            add("reduce_scatter", "tp", (2 * L + 1) + (2 * L + 1) + 2 * ac, act)
+            add("reduce_scatter", "tp", (2 * L + 1) + (2 * L + 1) + ac, act)
             add("all_reduce", "tp", 2 * L + 1, d * pe)  # norm weight grads (they saw n / tp tokens)
         else:           # fwd: embedding, o_proj, down_proj; bwd: the f before qkv, gate/up, lm_head
-            add("all_reduce", "tp", (2 * L + 1) + (2 * L + 1) + 2 * ac, act)
+            add("all_reduce", "tp", (2 * L + 1) + (2 * L + 1) + ac, act)
         add("all_reduce", "tp", 1, 4 * n)                 # loss: the max of the logits
         add("all_reduce", "tp", 1, 8 * n)                 # loss: sum of exps and the target logit
         kv = 2 * b * (m.num_key_value_heads // T) * s * m.head_dim

@@ -151,3 +151,63 @@ def test_plan_matches_runs_on_4_ranks(tmp_path):
 @pytest.mark.parametrize("config", [c for c in CONFIGS if WORLDS.get(c, 4) > 4])
 def test_plan_matches_run_8_and_16_ranks(tmp_path, config):
     _check_world(WORLDS[config], [(config, [])], tmp_path)
+
+
+# ------------------------------------------------------------------ the planner alone (no ranks)
+LLAMA = os.path.join(ROOT, "configs", "models")
+
+
+def _llama(name):
+    import json
+    with open(os.path.join(LLAMA, name + ".json")) as f:
+        return ModelShape.from_dict(json.load(f))
+
+
+def test_llama_parameter_counts():
+    # the published sizes: 8.03 B and 70.6 B parameters
+    assert round(_llama("llama-3.1-8b").num_params() / 1e9, 2) == 8.03
+    assert round(_llama("llama-3.1-70b").num_params() / 1e9, 1) == 70.6
+
+
+def test_crosses_nodes_follows_the_grid():
+    # 2x2x2x2 on nodes of 4: tp (ranks t, t+1) and cp (stride 2) stay inside; dp_shard_cp spans 0..6
+    cross = crosses_nodes(Layout(2, 2, 2, 2), gpus_per_node=4)
+    assert cross == dict(tp=False, cp=False, dp_shard_cp=True, dp_replicate=True, dp_cp=True)
+    assert not any(crosses_nodes(Layout(2, 2, 2, 2), gpus_per_node=16).values())
+
+
+def test_search_follows_its_rules():
+    model, cluster = _llama("llama-3.1-8b"), Cluster()
+    for world in (8, 16):
+        s = search(model, Batch(64, 1, 8192), Options(), cluster, world)
+        rec, ranked = s["recommended"], s["ranked"]
+        assert rec in ranked and all(p["memory"]["fits"] for p in ranked)
+        assert [p["time"]["step_s"] for p in ranked] == sorted(p["time"]["step_s"] for p in ranked)
+        assert rec["layout"]["tp"] <= 8
+        assert rec["layout"]["cp"] == min(p["layout"]["cp"] for p in ranked if p["layout"]["tp"] <= 8)
+        if world > 8:
+            assert not rec["comm"]["dp_shard_cp"]["crosses_nodes"]
+
+
+def test_cli_json_and_errors(capsys):
+    import json
+    assert plan_main([os.path.join(ROOT, "configs", "hsdp.yaml"), "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["layout"] == dict(dp_replicate=2, dp_shard=2, cp=1, tp=1, sequence_parallel=False)
+    m = p["memory"]
+    assert m["persistent"] == m["params"] + m["grads"] + m["optimizer"] and m["gathered"] > 0
+    assert set(p["comm"]) == {"dp_shard_cp", "dp_replicate", "dp_cp"}
+    assert plan_main(["--model", os.path.join(LLAMA, "llama-3.1-8b.json"), "--world", "6", "--tp", "3"]) == 2
+    assert "tp 3 does not divide num_attention_heads 32" in capsys.readouterr().err
+    assert plan_main(["--model", os.path.join(LLAMA, "llama-3.1-8b.json"), "--world", "8", "--tp", "4",
+                      "--dp-shard", "4"]) == 2
+    assert "multiply to 16" in capsys.readouterr().err
+
+
+def test_results_file_is_current():
+    """benchmarks/results/plan.md holds what the planner says now (one cell, regenerated)."""
+    with open(os.path.join(ROOT, "benchmarks", "results", "plan.md")) as f:
+        text = f.read()
+    rec = search(_llama("llama-3.1-8b"), Batch(64, 1, 8192), Options(), Cluster(), 8)["recommended"]
+    assert f"| llama-3.1-8b | 8 | 64 x 8192 | {rec['layout_str']}" in text, \
+        "benchmarks/results/plan.md is stale: run python benchmarks/plan_llama.py"

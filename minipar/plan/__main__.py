@@ -15,7 +15,7 @@ import dataclasses
 import json
 import sys
 
-from .estimate import Cluster, plan, search
+from .estimate import Cluster, plan, search, smallest_world
 from .model import Batch, Layout, ModelShape, Options
 
 GB = 1e9
@@ -80,8 +80,12 @@ def load(args):
     return model, base, batch, dataclasses.replace(opts, **changes), world
 
 
-def _gb(x) -> str:
-    return f"{x / GB:10.3f}"
+def _unit(largest: float):
+    """(name, bytes) of the decimal unit that shows `largest` with a few digits before the point."""
+    for name, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if largest >= size:
+            return name, size
+    return "B", 1.0
 
 
 def describe(p: dict, model: ModelShape) -> str:
@@ -93,7 +97,9 @@ def describe(p: dict, model: ModelShape) -> str:
              f"batch: {p['batch']['global_batch_size']} x {p['batch']['sequence_len']} tokens per step, "
              f"micro-batch {p['micro_batch']} row(s) x {p['micro_steps']} step(s) per dp rank; {o['dtype']}, "
              f"prefetch {o['prefetch']}, activation checkpointing {'on' if o['gradient_checkpointing'] else 'off'}",
-             "", "memory per rank (GB)"]
+             ""]
+    unit, size = _unit(m["total"])
+    lines.append(f"memory per rank ({unit})")
     sharded = p["layout"]["dp_shard"] > 1
     gathered = f"gathered units ({o['dtype']}: root + {min(1 + o['prefetch'], model.num_hidden_layers)} layers)" \
         if sharded else "gathered units (no ZeRO-3)"
@@ -106,23 +112,24 @@ def describe(p: dict, model: ModelShape) -> str:
             ("= total (as chosen)", m["total"])]
     for label, v in rows:
         if v is None:
-            lines.append(f"  {label:<44}{_gb(a['checkpointed'])} / {a['checkpointed_peak'] / GB:.3f}")
+            lines.append(f"  {label:<44}{a['checkpointed'] / size:10.3f} / {a['checkpointed_peak'] / size:.3f}")
         else:
-            lines.append(f"  {label:<44}{_gb(v)}")
-    lines.append(f"  {'budget (GPU memory less the reserve)':<44}{_gb(m['budget'])}   "
+            lines.append(f"  {label:<44}{v / size:10.3f}")
+    lines.append(f"  {'budget (GPU memory less the reserve)':<44}{m['budget'] / size:10.3f}   "
                  + ("fits" if m["fits"] else "DOES NOT FIT"))
-    lines += ["", "communication per step per rank",
-              f"  {'group':<13}{'size':>5}  {'crosses nodes':<14}{'op':<16}{'calls':>7}{'buffer GB':>12}"
-              f"{'wire GB':>10}{'est. s':>9}"]
+    unit, size = _unit(max([c["bytes"] for g in p["comm"].values() for c in g["ops"].values()] or [0]))
+    lines += ["", "communication per step per rank (buffer: the bytes comm.py's ledger records; wire: sent by the rank)",
+              f"  {'group':<13}{'size':>5}  {'crosses nodes':<14}{'op':<16}{'calls':>7}{'buffer ' + unit:>12}"
+              f"{'wire ' + unit:>10}{'est. s':>10}"]
     for group, g in p["comm"].items():
         for i, (op, c) in enumerate(g["ops"].items()):
             head = f"  {group:<13}{g['size']:>5}  {('yes' if g['crosses_nodes'] else 'no'):<14}" if i == 0 \
                 else " " * 36
-            sec = f"{g['seconds']:9.4f}" if i == 0 else ""
-            lines.append(f"{head}{op:<16}{c['calls']:>7}{c['bytes'] / GB:12.4f}{c['wire_bytes'] / GB:10.4f}{sec}")
-    lines += ["", f"estimated step: {t['step_s']:.3f} s = compute {t['compute_s']:.3f} + tp {t['tp_s']:.3f} "
-              f"+ exposed cp/dp (cp {t['cp_s']:.3f}, dp {t['dp_s']:.3f} overlapped); "
-              f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f} %"]
+            sec = f"{g['seconds']:10.2e}" if i == 0 else ""
+            lines.append(f"{head}{op:<16}{c['calls']:>7}{c['bytes'] / size:12.3f}{c['wire_bytes'] / size:10.3f}{sec}")
+    lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
+              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g} + what cp ({t['cp_s']:.3g}) and dp ({t['dp_s']:.3g}) "
+              f"do not hide; {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f} %"]
     return "\n".join(lines)
 
 
@@ -136,7 +143,10 @@ def describe_search(s: dict, model: ModelShape, top: int = 10) -> str:
         lines.append(f"  ... {len(s['ranked']) - top} more (--top)")
     rec = s["recommended"]
     if rec is None:
-        return "\n".join(lines + ["no layout fits: more GPUs, a shorter sequence or a smaller micro-batch"])
+        need = s.get("smallest_world")
+        where = f"the fewest that fit are {need} GPUs (--world {need})" if need else "none fits up to 4096 GPUs"
+        return "\n".join(lines + [f"no layout fits (the persistent state alone is 16 B x {s['params'] / 1e9:.2f} B "
+                                   f"parameters, over all GPUs); {where}, or use a shorter sequence"])
     lines += ["", f"recommended (rules: {', '.join(s['rules_applied']) or 'none'}; then fastest):", ""]
     return "\n".join(lines) + "\n" + describe(rec, model)
 
@@ -173,6 +183,8 @@ def main(argv=None):
                           args.efficiency, args.reserve)
         if args.search:
             result = search(model, batch, opts, cluster, world)
+            if result["recommended"] is None:
+                result["smallest_world"] = smallest_world(model, batch, opts, cluster, world)
             text = describe_search(result, model, args.top)
         else:
             result = plan(model, _layout(args, base, world), batch, opts, cluster)

@@ -150,7 +150,27 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
             pool = kept
             applied.append(name)
     return dict(ranked=fitting, recommended=pool[0] if pool else None, rules_applied=applied,
-                considered=len(layouts(world)))
+                considered=len(layouts(world)), params=model.num_params())
+
+
+def smallest_world(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, start: int,
+                   limit: int = 4096) -> Optional[int]:
+    """The fewest whole nodes (more than `start` GPUs) on which some layout fits; None up to `limit`."""
+    g = cluster.gpus_per_node
+    budget = cluster.gpu_memory_gb * 1e9 * (1 - cluster.reserve)
+    state_only = -(-16 * model.num_params() // int(budget))      # the persistent state, sharded over all
+    world = max(start + 1, state_only)
+    world = -(-world // g) * g
+    while world <= limit:
+        if any(search_fits(model, lay, batch, opts, cluster) for lay in layouts(world)
+               if not pm.check(model, lay, batch)):
+            return world
+        world += g
+    return None
+
+
+def search_fits(model, lay, batch, opts, cluster) -> bool:
+    return plan(model, lay, batch, dataclasses.replace(opts, gradient_checkpointing=True), cluster)["memory"]["fits"]
 
 
 def default_world(layout: Optional[Layout]) -> int:

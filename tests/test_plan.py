@@ -4,6 +4,7 @@ Per rank and config, one real optimizer step (train.py's Trainer) is measured an
 minipar.plan's prediction for the same model, layout, batch and dtype:
   - persistent state, EXACTLY: the bytes of model.parameters() (the ZeRO-3 shards, or the TP-local
     parameters), their .grad, and every tensor of the optimizer state, taken just before zero_grad;
+  - the peak of gathered ZeRO-3 buffers over two steps (zero3.peak_gathered_bytes), EXACTLY;
   - communication, EXACTLY: comm.ledger()'s (op, group) -> calls and buffer bytes of the step;
   - activations, within 15 %, at three sequence lengths. "Measured activation memory" here is the
     bytes of the distinct storages that autograd saves for backward during one micro-batch's
@@ -82,6 +83,9 @@ def _measure(argv):
     with comm.ledger() as led:
         tr.train_step(0)
     ledger = {k: list(v) for k, v in led.summary().items()}
+    tr.train_step(1)                            # the second step prefetches in the learned order
+    zero3 = getattr(tr.model, "zero3", None)
+    state["gathered"] = zero3.peak_gathered_bytes if zero3 is not None else 0
     M, pgm, acts = tr.run.num_micro_steps, tr.pgm, {}
     for checkpointing in (False, True):
         tr.model.gradient_checkpointing = checkpointing
@@ -111,7 +115,8 @@ def _check(r0, results):
     want = {k: [c, b] for k, (c, b) in collectives(model, layout, batch, opts).items()}
     for rank, r in enumerate(results):
         got = r["state"]
-        assert (got["params"], got["grads"], got["optimizer"]) == (mem["params"], mem["grads"], mem["optimizer"]), \
+        assert (got["params"], got["grads"], got["optimizer"], got["gathered"]) == \
+            (mem["params"], mem["grads"], mem["optimizer"], mem["gathered"]), \
             f"{layout}, rank {rank}: measured state {got}, planned {mem}"
         assert r["ledger"] == want, f"{layout}, rank {rank}: ledger {sorted(r['ledger'].items())}\n" \
                                     f"planned {sorted(want.items())}"
@@ -134,7 +139,8 @@ WORLDS = {"4d.yaml": 16, "default.yaml": 8, "hsdp_tp.yaml": 8}
 # beyond the configs: sequence parallelism, bf16 ZeRO-3, activation checkpointing (its recompute
 # repeats the forward's TP all-reduces and ring hops), accumulation over micro-batches, and ZeRO-3
 # over dp_shard x cp (what the 8- and 16-rank configs add, on 4 ranks)
-VARIANTS = [("fsdp_tp.yaml", ["--sequence_parallel", "true", "--gradient_checkpointing", "true"]),
+VARIANTS = [("fsdp_tp.yaml", ["--sequence_parallel", "true", "--gradient_checkpointing", "true",
+                              "--fsdp.prefetch", "0"]),
             ("fsdp.yaml", ["--dtype", "bfloat16", "--micro_batch_size", "1"]),
             ("cp_tp.yaml", ["--gradient_checkpointing", "true"]),
             ("fsdp.yaml", ["--context_parallel_size", "2", "--dp_shard_size", "2", "--tensor_parallel_size", "1"])]

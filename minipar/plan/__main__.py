@@ -152,7 +152,7 @@ def describe_search(s: dict, model: ModelShape, top: int = 10) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m minipar.plan", description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m minipar.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config", nargs="?", help="a train.py config YAML (model, layout, batch, dtype)")
     ap.add_argument("--model", help="a Hugging Face config.json (replaces the config's model)")

@@ -245,7 +245,7 @@ def test_decoder_under_cp_equals_one_process(cp_size, tp_size):
 def test_cuda_kernel_calls_fit_torch_schemas(kind, dtype):
     """No GPU here: the meta device runs the CUDA kernels' shape functions, which checks the
     argument lists and the lse layout (padded by the efficient kernel) of the fused CUDA path."""
-    from minipar.context_parallel import block_attention as ba
+    from minipar.context_parallel import fused_attention as ba
     for hq, hkv, causal, tq, tk in [(4, 2, True, 24, 24), (4, 2, False, 12, 24), (4, 4, False, 24, 12)]:
         q = torch.empty(2, hq, tq, 64, device="meta", dtype=dtype)
         k = v = torch.empty(2, hkv, tk, 64, device="meta", dtype=dtype)

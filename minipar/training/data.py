@@ -53,6 +53,9 @@ class ByteTokenizer:
     """UTF-8 bytes are the tokens: vocab_size 256, ids 0..255."""
 
     vocab_size = 256
+    bos_token_id = eos_token_id = None     # no special tokens: every id is a byte
+    pad_token_id = 0                       # what fills a short row (its labels are -100)
+    has_chat_template = False
 
     def encode(self, text: str) -> List[int]:
         return list(text.encode("utf-8"))

@@ -228,10 +228,13 @@ def check_batch_split(global_batch_size: int, sequence_len: int, pgm, num_micro_
 
 
 def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: int = 0,
-                num_micro_steps: int = 1, device=None) -> Dict[str, torch.Tensor]:
+                num_micro_steps: int = 1, device=None, position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """This rank's share of the global batch: dict(input_ids, labels, position_ids), each
     (B / (dp * num_micro_steps), T / cp) long; position_ids are the true positions of the kept
-    tokens (zigzag under cp). No communication."""
+    tokens (zigzag under cp). Packed rows (packing.py) bring their own position_ids (restarting at
+    each example) and document_ids: both are cut exactly like the tokens, and document_ids is
+    added to the dict. No communication."""
     from ..context_parallel import zigzag_positions, zigzag_shard
     B, T = input_ids.shape
     if labels.shape != input_ids.shape:
@@ -247,5 +250,11 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
     device = input_ids.device if device is None else device
     ids = zigzag_shard(input_ids[rows], 1, pgm.cp).to(device)
     lab = zigzag_shard(labels[rows], 1, pgm.cp).to(device)
-    pos = zigzag_positions(T, pgm.cp, device=device).unsqueeze(0).expand(per_micro, -1).contiguous()
-    return dict(input_ids=ids.contiguous(), labels=lab.contiguous(), position_ids=pos)
+    if position_ids is None:
+        pos = zigzag_positions(T, pgm.cp, device=device).unsqueeze(0).expand(per_micro, -1).contiguous()
+    else:
+        pos = zigzag_shard(position_ids[rows], 1, pgm.cp).to(device).contiguous()
+    out = dict(input_ids=ids.contiguous(), labels=lab.contiguous(), position_ids=pos)
+    if document_ids is not None:
+        out["document_ids"] = zigzag_shard(document_ids[rows], 1, pgm.cp).to(device).contiguous()
+    return out

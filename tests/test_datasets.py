@@ -286,3 +286,19 @@ def test_packed_finetune_matches_one_process_fast(example, tmp_path):
 def test_packed_finetune_8_ranks_matches_one_process(example, tmp_path):
     ref = _packed_run(example, tmp_path, 20, 8, dp_shard_size=2, context_parallel_size=2, tensor_parallel_size=2)
     assert ref[-1][1] < ref[0][1], "and it learns"
+
+
+def test_packed_resume_is_exact_and_export_carries_the_tokenizer(example, tmp_path):
+    out = tmp_path / "run"
+    argv = _finetune_argv(example, out, 4)
+    extra = ["--save_steps", "2", "--save_final_checkpoint", "true", "--export_hf", "true"]
+    full = run_world(_train, 1, argv + extra, timeout=300)[0]
+    resumed = run_world(_train, 1, argv + ["--resume_from_checkpoint", str(out / "step-2"),
+                                           "--output_dir", str(tmp_path / "resumed")], timeout=300)[0]
+    assert [r[1] for r in resumed] == [r[1] for r in full[2:]], "the resumed steps read the same rows"
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    hf = out / "hf"
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    assert len(tok) == 2048 and tok.chat_template == example["tok"].tok.chat_template
+    model = LlamaForCausalLM.from_pretrained(str(hf))
+    assert model.config.vocab_size == 2048, "the model took the tokenizer's vocabulary"

@@ -77,10 +77,11 @@ class ByteTokenizer:
 
 
 # --------------------------------------------------------------------------------------- corpus
-def load_corpus(path: str, val_fraction: float = 0.1,
-                sequence_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def load_corpus(path: str, val_fraction: float = 0.1, sequence_len: Optional[int] = None,
+                tokenizer=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(train_tokens, val_tokens) as 1-D uint8 tensors of byte ids: the last `val_fraction` of the
-    file is validation, the rest training (deterministic, no shuffling of the file).
+    file is validation, the rest training (deterministic, no shuffling of the file). A tokenizer
+    (tokenizer.py: the model's own) makes them long tensors of its ids for the whole text instead.
 
     With `sequence_len`, each non-empty split must hold at least one window of sequence_len + 1
     tokens, else a ValueError says which and how to fix it."""
@@ -95,6 +96,8 @@ def load_corpus(path: str, val_fraction: float = 0.1,
     with open(path, "rb") as f:
         raw = f.read()
     tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    if tokenizer is not None and not isinstance(tokenizer, ByteTokenizer):
+        tokens = torch.tensor(tokenizer.encode(raw.decode("utf-8", errors="replace")), dtype=torch.long)
     n_val = int(len(tokens) * val_fraction)
     train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
     if sequence_len is not None:

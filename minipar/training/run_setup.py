@@ -110,7 +110,8 @@ def setup_run(argv: List[str]) -> Run:
         notes.extend(datasets.notes)
         train_tokens = val_tokens = torch.empty(0, dtype=torch.uint8)
     else:
-        train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction, sequence_len=cfg.sequence_len)
+        train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction, sequence_len=cfg.sequence_len,
+                                                     tokenizer=tokenizer)
     resume = cfg.resume_from_checkpoint
     if resume and resume != "latest" and not os.path.isdir(resume):
         raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")

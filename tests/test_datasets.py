@@ -64,8 +64,8 @@ def test_chat_labels_train_only_assistant_turns(example):
         ids, labels = chat_example(msgs, tok, train_on_inputs=False, where="x")
         assert len(ids) == len(labels) and labels[-1] == -100
         trained = [lab for lab in labels if lab != -100]
-        want = "".join(m["content"] + "</s>\n" for m in msgs if m["role"] == "assistant")
-        assert tok.decode(trained) == want, "exactly the assistant contents and their end of turn"
+        want = "".join(m["content"] + "</s>" for m in msgs if m["role"] == "assistant")
+        assert tok.decode(trained) == want, "exactly the assistant contents and their eos"
         for t, lab in enumerate(labels):             # shifted: label t is the token at t + 1
             assert lab in (-100, ids[t + 1] if t + 1 < len(ids) else None)
         ids2, all_labels = chat_example(msgs, tok, train_on_inputs=True, where="x")

@@ -25,10 +25,10 @@ labels that are not -100 in the global batch, so masked tokens change neither su
 
 Finding the assistant turns. The conversation is rendered one message longer at a time; the text
 each message adds (the template must only append, as chat templates do) is that turn. Inside an
-assistant turn, training starts where its content starts: the role header before it is masked, the
-content and the turn's closing text (e.g. an eos) are trained, as Axolotl's roles_to_train:
-[assistant] with train_on_eos: turn. A token is trained when its first character (the fast
-tokenizer's offsets) lies in such a span.
+assistant turn, training starts where its content starts and ends after the turn's eos token (or
+at the turn's end, if the template closes turns with another marker): the role header is masked,
+the content and its eos are trained, as Axolotl's roles_to_train: [assistant] with train_on_eos:
+turn. A token is trained when its first character (the fast tokenizer's offsets) lies in a span.
 
 Bad rows raise a ValueError naming the file and line: invalid JSON, a missing field, empty or
 malformed messages, an unknown role, no chat template, and (without packing) an example longer than
@@ -171,7 +171,9 @@ def chat_spans(messages, tokenizer, where: str) -> Tuple[str, List[Tuple[int, in
             pos = cur.find(m["content"], len(prev)) if m["content"] else len(cur)
             if pos < 0:
                 raise ValueError(f"{where}: the chat template does not render message {j}'s content verbatim")
-            spans.append((pos, len(cur)))
+            end, eos = len(cur), getattr(tokenizer, "eos_token", None)
+            k = cur.find(eos, pos + len(m["content"])) if eos else -1
+            spans.append((pos, k + len(eos) if k >= 0 else end))     # up to the turn's eos, if it has one
         prev = cur
     return prev, spans
 

@@ -34,6 +34,7 @@ class HFTokenizer:
         self.tok, self.source = tok, source
         self.vocab_size = len(tok)
         self.bos_token_id, self.eos_token_id = tok.bos_token_id, tok.eos_token_id
+        self.eos_token = tok.eos_token       # its text: where an assistant turn's training ends
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = 0 if pad is None else pad
         self.has_chat_template = bool(getattr(tok, "chat_template", None))

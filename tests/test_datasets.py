@@ -103,6 +103,11 @@ def test_bad_rows_name_file_and_line(tmp_path, example):
     fails([json.dumps({"text": "word " * 40})], r"bad.jsonl:1: the example is \d+ tokens, longer than "
           r"sequence_len 32", kind="completion")
     fails([good], "needs a tokenizer with a chat template", tokenizer=mdata.ByteTokenizer())
+    from minipar.training.train_config import load_config
+    with pytest.raises(ValueError, match="sample_packing=True and val_set_size=0.0 apply to the examples"):
+        load_config(None, ["--sample_packing", "true"])
+    with pytest.raises(FileNotFoundError, match="datasets: file 'nope.jsonl' not found"):
+        load_config(None, ["--datasets", "[{path: nope.jsonl, type: completion}]"])
     with pytest.raises(ValueError, match="type 'sharegpt' is not supported"):
         check_entries([dict(path="x.jsonl", type="sharegpt")])
     long = _write(tmp_path / "long.jsonl", [json.dumps({"text": "word " * 40})])

@@ -210,6 +210,10 @@ def check(cfg: TrainConfig) -> None:
             if not os.path.isfile(e["path"]):
                 raise FileNotFoundError(f"datasets: file {e['path']!r} not found (working directory "
                                         f"{os.getcwd()!r})")
+    elif cfg.sample_packing or cfg.val_set_size:
+        raise ValueError(f"sample_packing={cfg.sample_packing} and val_set_size={cfg.val_set_size} apply to the "
+                         f"examples of `datasets`, which is empty: the text file `dataset` is cut into full "
+                         f"windows already (its split is val_fraction); set `datasets`, or drop these keys")
     if cfg.val_set_size < 0:
         raise ValueError(f"val_set_size must be >= 0 (a fraction below 1, or a count), got {cfg.val_set_size}")
     if cfg.micro_batch_size is not None and cfg.micro_batch_size < 1:

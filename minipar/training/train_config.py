@@ -209,7 +209,7 @@ def check(cfg: TrainConfig) -> None:
         for e in check_entries(cfg.datasets):
             if not os.path.isfile(e["path"]):
                 raise FileNotFoundError(f"datasets: file {e['path']!r} not found (working directory "
-                                        f"{os.getcwd()!r})")
+                                        f"{os.getcwd()!r}); datasets are local files only (no hub names)")
     elif cfg.sample_packing or cfg.val_set_size:
         raise ValueError(f"sample_packing={cfg.sample_packing} and val_set_size={cfg.val_set_size} apply to the "
                          f"examples of `datasets`, which is empty: the text file `dataset` is cut into full "

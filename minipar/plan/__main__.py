@@ -44,6 +44,12 @@ def _layout(args, base: dict, world: int) -> Layout:
 
 def from_train_config(cfg):
     """(model, layout sizes, batch, options) of a TrainConfig (what train.py would run)."""
+    pp = getattr(cfg, "pipeline_parallel_size", 1) or 1
+    if pp > 1:
+        raise ValueError(f"pipeline_parallel_size={pp}: the planner does not model pipeline parallelism yet "
+                         f"(per-stage memory, the schedule's activations in flight, the bubble); plan one "
+                         f"stage as a 4D layout with --model and the stage's layer count, or set "
+                         f"pipeline_parallel_size 1")
     model = ModelShape.from_dict(dataclasses.asdict(cfg.model))
     sizes = dict(dp_replicate=cfg.dp_replicate_size, dp_shard=cfg.dp_shard_size, cp=cfg.context_parallel_size,
                  tp=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel)

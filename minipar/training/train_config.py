@@ -32,6 +32,10 @@ class FSDPConfig:
     prefetch: int = 1
     reshard_after_forward: bool = True
     state_dict_type: str = "SHARDED_STATE_DICT"      # or FULL_STATE_DICT
+    # gradient accumulation (accelerate's GradientAccumulationPlugin.sync_each_batch): true
+    # reduce-scatters every micro-batch (holds only G/N); false reduce-scatters once per step and
+    # holds the unsharded gradients (G) between micro-batches (FSDP2's set_requires_gradient_sync)
+    sync_each_batch: bool = True
 
 
 @dataclass

@@ -49,13 +49,17 @@ class Trainer:
         self.sharded = pgm.config.dp_shard_size > 1
         if self.sharded:                          # ZeRO-3 over dp_shard_cp, HSDP over dp_replicate
             from minipar.zero3 import fully_shard
-            fully_shard(model, pgm, unit_classes=(LlamaDecoderLayer,), prefetch=cfg.fsdp.prefetch,
+            from minipar.tensor_parallel import VocabParallelEmbedding
+            fully_shard(model, pgm, unit_classes=(VocabParallelEmbedding, LlamaDecoderLayer), prefetch=cfg.fsdp.prefetch,
                         reshard_after_forward=cfg.fsdp.reshard_after_forward,
                         param_dtype=torch.bfloat16 if self.bf16 else None,
                         reduce_dtype=torch.float32 if self.bf16 else None)
         elif pgm.dp_cp.size > 1:                  # replicas (and cp ranks) all-reduce gradients
             from minipar.data_parallel import replicate
             self.grad_sync = replicate(model, pgm.dp_cp)
+        # whose no_sync() the micro-batches before the last run under (None: sync every one)
+        self.no_sync_owner = self.grad_sync if not self.sharded else \
+            (None if cfg.fsdp.sync_each_batch else model.zero3)
         self.model = model
         self.optimizer = moptim.build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                                 betas=(cfg.adam_beta1, cfg.adam_beta2))
@@ -112,7 +116,7 @@ class Trainer:
         for m in range(M):
             batch = self._local(gb, m, M)
             last = m == M - 1
-            no_sync = self.grad_sync.no_sync() if (self.grad_sync and not last) else contextlib.nullcontext()
+            no_sync = self.no_sync_owner.no_sync() if (self.no_sync_owner and not last) else contextlib.nullcontext()
             with no_sync:
                 loss = self._forward(batch, n_items)
                 loss.backward()

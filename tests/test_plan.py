@@ -154,6 +154,7 @@ WORLDS["default.yaml"] = 8          # dp_shard takes the remainder: 2 x cp 2 x t
 VARIANTS = [("fsdp_tp.yaml", ["--sequence_parallel", "true", "--gradient_checkpointing", "true",
                               "--fsdp.prefetch", "0"]),
             ("fsdp.yaml", ["--dtype", "bfloat16", "--micro_batch_size", "1"]),
+            ("hsdp.yaml", ["--micro_batch_size", "1", "--fsdp.sync_each_batch", "false"]),
             ("cp_tp.yaml", ["--gradient_checkpointing", "true"]),
             ("fsdp.yaml", ["--context_parallel_size", "2", "--dp_shard_size", "2", "--tensor_parallel_size", "1"])]
 

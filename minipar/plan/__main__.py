@@ -55,7 +55,7 @@ def from_train_config(cfg):
                  tp=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel)
     batch = Batch(cfg.global_batch_size, cfg.micro_batch_size, cfg.sequence_len)
     opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch, reshard_after_forward=cfg.fsdp.reshard_after_forward,
-                   gradient_checkpointing=cfg.gradient_checkpointing, max_grad_norm=bool(cfg.max_grad_norm))
+                   sync_each_batch=cfg.fsdp.sync_each_batch, gradient_checkpointing=cfg.gradient_checkpointing, max_grad_norm=bool(cfg.max_grad_norm))
     return model, sizes, batch, opts
 
 
@@ -81,7 +81,7 @@ def load(args):
     gbs = args.global_batch_size or (batch.global_batch_size if batch else world)
     mbs = args.micro_batch_size or (batch.micro_batch_size if batch else 1)
     batch = Batch(gbs, mbs, seq)
-    changes = {k: v for k, v in dict(dtype=args.dtype, prefetch=args.prefetch,
+    changes = {k: v for k, v in dict(dtype=args.dtype, prefetch=args.prefetch, sync_each_batch=args.sync_each_batch,
                                      gradient_checkpointing=args.gradient_checkpointing).items() if v is not None}
     return model, base, batch, dataclasses.replace(opts, **changes), world
 
@@ -107,11 +107,12 @@ def describe(p: dict, model: ModelShape) -> str:
     unit, size = _unit(m["total"])
     lines.append(f"memory per rank ({unit})")
     sharded = p["layout"]["dp_shard"] > 1
-    gathered = f"gathered units ({o['dtype']}: root + {min(1 + o['prefetch'], model.num_hidden_layers)} layers)" \
+    gathered = f"gathered units ({o['dtype']}: root + {1 + o['prefetch']} units)" \
         if sharded else "gathered units (no ZeRO-3)"
     rows = [("parameters (fp32 masters" + (", 1/N shards)" if sharded else ")"), m["params"]),
             ("gradients (fp32)", m["grads"]), ("optimizer (AdamW m, v fp32 + step)", m["optimizer"]),
             ("= persistent", m["persistent"]), (gathered, m["gathered"]),
+            ("accumulated gradients (no_sync, fp32 unsharded)", m["accumulated_grads"]),
             ("activations, no checkpointing", a["full"]),
             ("activations, checkpointing (kept / peak)", None),
             ("transient (logits, gradients in flight)", m["transient"]),
@@ -178,6 +179,8 @@ def main(argv=None):
     ap.add_argument("--micro-batch-size", type=int, help="rows per dp rank per forward (default with --model: 1)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"))
     ap.add_argument("--prefetch", type=int)
+    ap.add_argument("--no-sync", dest="sync_each_batch", action="store_const", const=False,
+                    help="ZeRO-3: accumulate unsharded gradients, one reduce-scatter per step")
     ap.add_argument("--gradient-checkpointing", action="store_const", const=True)
     ap.add_argument("--search", action="store_true", help="rank every layout of --world that fits")
     ap.add_argument("--top", type=int, default=10)

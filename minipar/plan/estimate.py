@@ -103,7 +103,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     if layout.sharded:
         transient += 2 * 4 * max(u.numel for u in pm.units(model, layout))
     activation = act["checkpointed_peak" if opts.gradient_checkpointing else "full"]
-    total = mem["persistent"] + mem["gathered"] + activation + transient
+    total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
     budget = cluster.gpu_memory_gb * 1e9 * (1 - cluster.reserve)
     tokens = batch.global_batch_size * batch.sequence_len
     return dict(

@@ -15,8 +15,10 @@ Persistent state per rank (what lives between steps, after backward):
     AdamW       exp_avg, exp_avg_sq fp32    8 B x P_rank, + 4 B per tensor (torch's `step` counter)
   P_rank = the TP-local parameters; under ZeRO-3 (S > 1) the sum over units of ceil(P_unit / N),
   each unit's flat buffer padded to a multiple of N, and one tensor per unit.
-Gathered (ZeRO-3 only): full unit buffers in the compute dtype; at most the root plus
-  min(1 + prefetch, L) decoder layers at a time.
+Gathered (ZeRO-3 only): full unit buffers in the compute dtype: the root (final norm, lm_head) from
+  the start of forward into its backward, plus a window of 1 + prefetch units (the embedding, then
+  decoder layers) moving through the forward and backward orders. With fsdp.sync_each_batch false
+  (no_sync) the unsharded fp32 gradients of every unit are held between micro-batches as well.
 
 Activations: the bytes autograd saves for backward in one micro-batch's forward, counted
 storage by storage (what `torch.autograd.graph.saved_tensors_hooks` sees), parameters excluded:
@@ -127,6 +129,7 @@ class Options:
     dtype: str = "bfloat16"        # compute dtype; masters, grads and AdamW states stay fp32
     prefetch: int = 1
     reshard_after_forward: bool = True
+    sync_each_batch: bool = True   # ZeRO-3: reduce-scatter every micro-batch (false: once per step)
     gradient_checkpointing: bool = False
     max_grad_norm: bool = True     # clipping measures the global norm (two tiny all-reduces)
 
@@ -154,15 +157,27 @@ class Unit:
     name: str
     numel: int                     # TP-local elements in the flat buffer (before padding)
     tensors: int
+    kind: str = "layer"            # "root", "embedding" or "layer"
 
 
 def units(model: ModelShape, layout: Layout) -> List[Unit]:
-    """ZeRO-3 units as zero3.plan_units builds them: the root (embedding, final norm, lm_head)
-    first, then one per decoder layer."""
+    """ZeRO-3 units as the trainer builds them: the root (final norm, lm_head; the embedding too
+    when tied to lm_head) first, the embedding, then one per decoder layer."""
     emb, layer, head = model.tensors(layout.tp)
-    out = [Unit("<root>", sum(emb) + sum(head), len(emb) + len(head))]
+    if model.tie_word_embeddings:
+        out = [Unit("<root>", sum(emb) + sum(head), len(emb) + len(head), "root")]
+    else:
+        out = [Unit("<root>", sum(head), len(head), "root"),
+               Unit("model.embed_tokens", sum(emb), len(emb), "embedding")]
     out += [Unit(f"model.layers.{i}", sum(layer), len(layer)) for i in range(model.num_hidden_layers)]
     return out
+
+
+def gathers(u: Unit, opts: Options) -> int:
+    """All-gathers of a unit per micro-batch: the root stays gathered from forward into backward
+    and an embedding's backward never reads its weight (once each); a layer is gathered for its
+    forward and again for its backward (once without reshard_after_forward)."""
+    return 1 if u.kind != "layer" or not opts.reshard_after_forward else 2
 
 
 def _padded(numel: int, n: int) -> int:
@@ -173,16 +188,24 @@ def memory(model: ModelShape, layout: Layout, opts: Options) -> Dict[str, int]:
     """Bytes per rank: persistent params / grads / optimizer, and the gathered ZeRO-3 buffers."""
     e = DTYPE_BYTES[opts.dtype]
     us = units(model, layout)
+    accumulated = 0
     if layout.sharded:
         n = layout.dp_shard * layout.cp
         elems, tensors = sum(_padded(u.numel, n) // n for u in us), len(us)
-        layers = min(1 + opts.prefetch, model.num_hidden_layers) if opts.reshard_after_forward \
-            else model.num_hidden_layers
-        gathered = (_padded(us[0].numel, n) + layers * _padded(us[1].numel, n)) * e if len(us) > 1 else 0
+        root, rest = _padded(us[0].numel, n), [_padded(u.numel, n) for u in us[1:]]
+        if not opts.reshard_after_forward:
+            gathered = root + sum(rest)
+        else:   # the root all along; a window of 1 + prefetch units moving through the forward order
+            w = 1 + opts.prefetch
+            gathered = root + max([sum(rest[i:i + w]) for i in range(len(rest))] or [0])
+        gathered *= e
+        if not opts.sync_each_batch:   # no_sync: unsharded fp32 gradients held between micro-batches
+            accumulated = 4 * (root + sum(rest))
     else:
         elems, tensors, gathered = sum(u.numel for u in us), sum(u.tensors for u in us), 0
     return dict(params=4 * elems, grads=4 * elems, optimizer=8 * elems + 4 * tensors,
-                persistent=16 * elems + 4 * tensors, gathered=gathered, param_elements=elems)
+                persistent=16 * elems + 4 * tensors, gathered=gathered, accumulated_grads=accumulated,
+                param_elements=elems)
 
 
 def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> Dict[str, int]:
@@ -232,7 +255,7 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     ac = L if opts.gradient_checkpointing else 0
     # ZeRO-3 gathers parameters in the compute dtype; otherwise fp32 masters (and so fp32 norm grads)
     pe = e if layout.sharded else 4
-    for _ in range(M):
+    for micro in range(M):
         act = n * d * e
         if layout.sp:   # f / g become all-gather / reduce-scatter along the sequence
             add("all_gather", "tp", (2 * L + 1) + (2 * L + 1) + 2 * ac, act)
@@ -247,11 +270,11 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
         add("send_recv", "cp", (C - 1) * L, kv * 4)              # dK/dV hops, fp32
         if layout.sharded:
             N = layout.dp_shard * C
-            gathers = 2 if opts.reshard_after_forward else 1
+            synced = opts.sync_each_batch or micro == M - 1      # no_sync: only the last micro-batch
             for u in units(m, layout):
-                add("all_gather", "dp_shard_cp", gathers, _padded(u.numel, N) * e)
-                add("reduce_scatter", "dp_shard_cp", 1, _padded(u.numel, N) * 4)
-                add("all_reduce", "dp_replicate", 1, _padded(u.numel, N) // N * 4)
+                add("all_gather", "dp_shard_cp", gathers(u, opts), _padded(u.numel, N) * e)
+                add("reduce_scatter", "dp_shard_cp", int(synced), _padded(u.numel, N) * 4)
+                add("all_reduce", "dp_replicate", int(synced), _padded(u.numel, N) // N * 4)
     if not layout.sharded:                                # DDP over dp_cp at the last micro-batch
         for nbytes in ddp_buckets(m, layout):
             add("all_reduce", "dp_cp", 1, nbytes)

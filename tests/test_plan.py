@@ -205,7 +205,7 @@ def test_search_follows_its_rules():
         assert rec["layout"]["tp"] <= 8
         assert rec["layout"]["cp"] == min(p["layout"]["cp"] for p in ranked if p["layout"]["tp"] <= 8)
         if world > 8:
-            assert not rec["comm"]["dp_shard_cp"]["crosses_nodes"]
+            assert not rec["comm"]["dp_shard_cp"]["crosses_nodes"] and rec["layout"]["dp_replicate"] > 1
 
 
 def test_cli_json_and_errors(capsys):

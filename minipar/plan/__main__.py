@@ -154,7 +154,8 @@ def describe_search(s: dict, model: ModelShape, top: int = 10) -> str:
         where = f"the fewest that fit are {need} GPUs (--world {need})" if need else "none fits up to 4096 GPUs"
         return "\n".join(lines + [f"no layout fits (the persistent state alone is 16 B x {s['params'] / 1e9:.2f} B "
                                    f"parameters, over all GPUs); {where}, or use a shorter sequence"])
-    lines += ["", f"recommended (rules: {', '.join(s['rules_applied']) or 'none'}; then fastest):", ""]
+    lines += ["", f"recommended (rules: {', '.join(s['rules_applied']) or 'none'}; then the fastest; within 1 % "
+              f"of it the most memory free):", ""]
     return "\n".join(lines) + "\n" + describe(rec, model)
 
 

@@ -30,9 +30,10 @@ activations would not fit without it) by estimated step time, and recommends by 
 applied while some candidate still satisfies it:
     1. TP within a node (tp <= GPUs per node): its collectives are on the critical path.
     2. CP only when the activations do not fit otherwise (the smallest cp that fits).
-    3. Across nodes, HSDP rather than pure ZeRO-3: a shard group (dp_shard x cp x tp) inside one node,
-       replicas across nodes, if that fits.
-    then the fastest estimate.
+    3. Across nodes, HSDP rather than pure ZeRO-3: shard groups (dp_shard x cp) inside one node if
+       that fits; else at least replicas (dp_replicate > 1) over shard groups that span nodes, so no
+       all-gather spans the whole job.
+    then the fastest estimate; among those within 1 % of it, the one with the most memory free.
 """
 from __future__ import annotations
 
@@ -141,14 +142,18 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
              ("CP only when activations do not fit",
               lambda p, pool: p["layout"]["cp"] == min(q["layout"]["cp"] for q in pool))]
     if world > g:
-        rules.append(("HSDP rather than ZeRO-3 across nodes",
+        rules.append(("shard groups inside a node",
                       lambda p, pool: not p["comm"].get("dp_shard_cp", {}).get("crosses_nodes", False)))
+        rules.append(("HSDP rather than ZeRO-3 across nodes", lambda p, pool: p["layout"]["dp_replicate"] > 1))
     pool, applied = list(fitting), []
     for name, rule in rules:
         kept = [p for p in pool if rule(p, pool)]
         if kept:
             pool = kept
             applied.append(name)
+    if pool:       # near-ties (1 %): the most memory left free
+        best = pool[0]["time"]["step_s"]
+        pool = sorted((p for p in pool if p["time"]["step_s"] <= 1.01 * best), key=lambda p: p["memory"]["total"])
     return dict(ranked=fitting, recommended=pool[0] if pool else None, rules_applied=applied,
                 considered=len(layouts(world)), params=model.num_params())
 

@@ -112,7 +112,7 @@ def describe(p: dict, model: ModelShape) -> str:
     rows = [("parameters (fp32 masters" + (", 1/N shards)" if sharded else ")"), m["params"]),
             ("gradients (fp32)", m["grads"]), ("optimizer (AdamW m, v fp32 + step)", m["optimizer"]),
             ("= persistent", m["persistent"]), (gathered, m["gathered"]),
-            ("accumulated gradients (no_sync, fp32 unsharded)", m["accumulated_grads"]),
+            ("accumulated grads (no_sync: fp32, unsharded)", m["accumulated_grads"]),
             ("activations, no checkpointing", a["full"]),
             ("activations, checkpointing (kept / peak)", None),
             ("transient (logits, gradients in flight)", m["transient"]),

@@ -44,7 +44,8 @@ def main():
             continue
         ac = ", AC" if rec["options"]["gradient_checkpointing"] else ""
         m, t = rec["memory"], rec["time"]
-        rows.append(f"| {name} | {world} | {gbs} x {SEQ} | {rec['layout_str']}{ac} | {m['total'] / 1e9:.1f} | "
+        rows.append(f"| {name} | {world} | {gbs} x {SEQ} | {rec['layout_str']}{ac} | "
+                    f"{m['total'] / 1e9:.1f} | "
                     f"{t['step_s']:.2f} | {t['tokens_per_s']:,.0f} | {100 * t['mfu']:.1f} % |")
         details += [f"### {name} on {world} GPUs", "", "    " + command(name, world, gbs), "",
                     f"{len(s['ranked'])} of {s['considered']} layouts fit; rules applied: "
@@ -60,7 +61,8 @@ def main():
             "NVLink 450 GB/s, IB 50 GB/s per GPU, 10 % of memory reserved; bf16 compute with fp32 masters, "
             "AdamW; micro-batch 1, sequence 8192; prefetch 1. AC = activation checkpointing of every "
             "decoder layer. The time model and the rules are in minipar/plan/estimate.py.", "",
-            "| model | GPUs | batch (seq x len) | recommended layout | GB per GPU | step s | tokens/s | MFU |",
+            "| model | GPUs | batch (seq x len) | recommended layout | GB per GPU | step s | tokens/s "
+            "| MFU |",
             "|---|---|---|---|---|---|---|---|"]
     text = "\n".join(head + rows + ["", "## Details", ""] + details)
     out = os.path.join(ROOT, "benchmarks", "results", "plan.md")

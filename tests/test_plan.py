@@ -23,7 +23,7 @@ import torch
 
 from harness import run_world
 from minipar import comm
-from minipar.plan import Layout, activations, collectives, memory, plan, search
+from minipar.plan import Layout, activations, collectives, memory, search
 from minipar.plan.__main__ import from_train_config, main as plan_main
 from minipar.plan.estimate import Cluster, crosses_nodes
 from minipar.plan.model import Batch, ModelShape, Options
@@ -156,7 +156,8 @@ VARIANTS = [("fsdp_tp.yaml", ["--sequence_parallel", "true", "--gradient_checkpo
             ("fsdp.yaml", ["--dtype", "bfloat16", "--micro_batch_size", "1"]),
             ("hsdp.yaml", ["--micro_batch_size", "1", "--fsdp.sync_each_batch", "false"]),
             ("cp_tp.yaml", ["--gradient_checkpointing", "true"]),
-            ("fsdp.yaml", ["--context_parallel_size", "2", "--dp_shard_size", "2", "--tensor_parallel_size", "1"])]
+            ("fsdp.yaml", ["--context_parallel_size", "2", "--dp_shard_size", "2",
+                           "--tensor_parallel_size", "1"])]
 
 
 def test_plan_matches_runs_on_4_ranks(tmp_path):

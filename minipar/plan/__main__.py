@@ -54,8 +54,10 @@ def from_train_config(cfg):
     sizes = dict(dp_replicate=cfg.dp_replicate_size, dp_shard=cfg.dp_shard_size, cp=cfg.context_parallel_size,
                  tp=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel)
     batch = Batch(cfg.global_batch_size, cfg.micro_batch_size, cfg.sequence_len)
-    opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch, reshard_after_forward=cfg.fsdp.reshard_after_forward,
-                   sync_each_batch=cfg.fsdp.sync_each_batch, gradient_checkpointing=cfg.gradient_checkpointing, max_grad_norm=bool(cfg.max_grad_norm))
+    opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch,
+                   reshard_after_forward=cfg.fsdp.reshard_after_forward,
+                   sync_each_batch=cfg.fsdp.sync_each_batch,
+                   gradient_checkpointing=cfg.gradient_checkpointing, max_grad_norm=bool(cfg.max_grad_norm))
     return model, sizes, batch, opts
 
 
@@ -68,21 +70,24 @@ def load(args):
         from minipar.training.train_config import load_config
         cfg = load_config(args.config)
         model, base, batch, opts = from_train_config(cfg)
-        world = cfg.dp_replicate_size * (cfg.dp_shard_size or 1) * cfg.context_parallel_size * cfg.tensor_parallel_size
+        world = (cfg.dp_replicate_size * (cfg.dp_shard_size or 1) * cfg.context_parallel_size
+                 * cfg.tensor_parallel_size)
     if args.model:
         with open(args.model) as f:
             model = ModelShape.from_dict(json.load(f))
         if not args.config:
             opts = Options(dtype="bfloat16")
     if model is None:
-        raise ValueError("give a config YAML (python -m minipar.plan configs/fsdp.yaml) or --model config.json")
+        raise ValueError("give a config YAML (python -m minipar.plan configs/fsdp.yaml) or --model "
+                         "config.json")
     world = args.world or world or 1
     seq = args.seq_len or (batch.sequence_len if batch else 8192)
     gbs = args.global_batch_size or (batch.global_batch_size if batch else world)
     mbs = args.micro_batch_size or (batch.micro_batch_size if batch else 1)
     batch = Batch(gbs, mbs, seq)
-    changes = {k: v for k, v in dict(dtype=args.dtype, prefetch=args.prefetch, sync_each_batch=args.sync_each_batch,
-                                     gradient_checkpointing=args.gradient_checkpointing).items() if v is not None}
+    flags = dict(dtype=args.dtype, prefetch=args.prefetch, sync_each_batch=args.sync_each_batch,
+                 gradient_checkpointing=args.gradient_checkpointing)
+    changes = {k: v for k, v in flags.items() if v is not None}
     return model, base, batch, dataclasses.replace(opts, **changes), world
 
 
@@ -98,11 +103,13 @@ def describe(p: dict, model: ModelShape) -> str:
     m, t, o = p["memory"], p["time"], p["options"]
     a = m["activations"]
     lines = [f"model: {p['params'] / 1e9:.3f} B parameters ({model.num_hidden_layers} layers, hidden "
-             f"{model.hidden_size}, {model.num_attention_heads}/{model.num_key_value_heads} heads, vocab {model.vocab_size})",
+             f"{model.hidden_size}, {model.num_attention_heads}/{model.num_key_value_heads} heads, "
+             f"vocab {model.vocab_size})",
              f"layout: {p['layout_str']} on {p['world']} GPUs ({p['nodes']} node(s))",
              f"batch: {p['batch']['global_batch_size']} x {p['batch']['sequence_len']} tokens per step, "
              f"micro-batch {p['micro_batch']} row(s) x {p['micro_steps']} step(s) per dp rank; {o['dtype']}, "
-             f"prefetch {o['prefetch']}, activation checkpointing {'on' if o['gradient_checkpointing'] else 'off'}",
+             f"prefetch {o['prefetch']}, activation checkpointing "
+             f"{'on' if o['gradient_checkpointing'] else 'off'}",
              ""]
     unit, size = _unit(m["total"])
     lines.append(f"memory per rank ({unit})")
@@ -119,13 +126,15 @@ def describe(p: dict, model: ModelShape) -> str:
             ("= total (as chosen)", m["total"])]
     for label, v in rows:
         if v is None:
-            lines.append(f"  {label:<44}{a['checkpointed'] / size:10.3f} / {a['checkpointed_peak'] / size:.3f}")
+            kept, peak = a["checkpointed"] / size, a["checkpointed_peak"] / size
+            lines.append(f"  {label:<44}{kept:10.3f} / {peak:.3f}")
         else:
             lines.append(f"  {label:<44}{v / size:10.3f}")
     lines.append(f"  {'budget (GPU memory less the reserve)':<44}{m['budget'] / size:10.3f}   "
                  + ("fits" if m["fits"] else "DOES NOT FIT"))
     unit, size = _unit(max([c["bytes"] for g in p["comm"].values() for c in g["ops"].values()] or [0]))
-    lines += ["", "communication per step per rank (buffer: the bytes comm.py's ledger records; wire: sent by the rank)",
+    lines += ["", "communication per step per rank (buffer: the bytes comm.py's ledger records; "
+              "wire: what the rank sends)",
               f"  {'group':<13}{'size':>5}  {'crosses nodes':<14}{'op':<16}{'calls':>7}{'buffer ' + unit:>12}"
               f"{'wire ' + unit:>10}{'est. s':>10}"]
     for group, g in p["comm"].items():
@@ -133,28 +142,35 @@ def describe(p: dict, model: ModelShape) -> str:
             head = f"  {group:<13}{g['size']:>5}  {('yes' if g['crosses_nodes'] else 'no'):<14}" if i == 0 \
                 else " " * 36
             sec = f"{g['seconds']:10.2e}" if i == 0 else ""
-            lines.append(f"{head}{op:<16}{c['calls']:>7}{c['bytes'] / size:12.3f}{c['wire_bytes'] / size:10.3f}{sec}")
+            nbytes, wire = c["bytes"] / size, c["wire_bytes"] / size
+            lines.append(f"{head}{op:<16}{c['calls']:>7}{nbytes:12.3f}{wire:10.3f}{sec}")
     lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
-              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g} + what cp ({t['cp_s']:.3g}) and dp ({t['dp_s']:.3g}) "
+              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g} + what cp ({t['cp_s']:.3g}) and dp "
+              f"({t['dp_s']:.3g}) "
               f"do not hide; {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f} %"]
     return "\n".join(lines)
 
 
 def describe_search(s: dict, model: ModelShape, top: int = 10) -> str:
-    lines = [f"{len(s['ranked'])} of {s['considered']} layouts fit; fastest first (est. step s, MFU, GB per rank):"]
+    lines = [f"{len(s['ranked'])} of {s['considered']} layouts fit; fastest first "
+             f"(est. step s, MFU, GB per rank):"]
     for p in s["ranked"][:top]:
         ac = " +AC" if p["options"]["gradient_checkpointing"] else ""
-        lines.append(f"  {p['layout_str'] + ac:<58}{p['time']['step_s']:8.3f} s {100 * p['time']['mfu']:5.1f} %"
+        t = p["time"]
+        lines.append(f"  {p['layout_str'] + ac:<58}{t['step_s']:8.3f} s {100 * t['mfu']:5.1f} %"
                      f"{p['memory']['total'] / GB:8.1f} GB")
     if len(s["ranked"]) > top:
         lines.append(f"  ... {len(s['ranked']) - top} more (--top)")
     rec = s["recommended"]
     if rec is None:
         need = s.get("smallest_world")
-        where = f"the fewest that fit are {need} GPUs (--world {need})" if need else "none fits up to 4096 GPUs"
-        return "\n".join(lines + [f"no layout fits (the persistent state alone is 16 B x {s['params'] / 1e9:.2f} B "
+        where = f"the fewest that fit are {need} GPUs (--world {need})" if need else \
+            "none fits up to 4096 GPUs"
+        return "\n".join(lines + [f"no layout fits (the persistent state alone is 16 B x "
+                                   f"{s['params'] / 1e9:.2f} B "
                                    f"parameters, over all GPUs); {where}, or use a shorter sequence"])
-    lines += ["", f"recommended (rules: {', '.join(s['rules_applied']) or 'none'}; then the fastest; within 1 % "
+    rules = ", ".join(s["rules_applied"]) or "none"
+    lines += ["", f"recommended (rules: {rules}; then the fastest; within 1 % "
               f"of it the most memory free):", ""]
     return "\n".join(lines) + "\n" + describe(rec, model)
 
@@ -176,8 +192,10 @@ def main(argv=None):
         ap.add_argument(f"--{size}", type=int)
     ap.add_argument("--sp", "--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)
     ap.add_argument("--seq-len", type=int)
-    ap.add_argument("--global-batch-size", type=int, help="sequences per step (default with --model: --world)")
-    ap.add_argument("--micro-batch-size", type=int, help="rows per dp rank per forward (default with --model: 1)")
+    ap.add_argument("--global-batch-size", type=int,
+                    help="sequences per step (default with --model: --world)")
+    ap.add_argument("--micro-batch-size", type=int,
+                    help="rows per dp rank per forward (default with --model: 1)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"))
     ap.add_argument("--prefetch", type=int)
     ap.add_argument("--no-sync", dest="sync_each_batch", action="store_const", const=False,

@@ -84,7 +84,8 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     sizes = layout.sizes()
     groups: Dict[str, dict] = {}
     for (op, group), (calls, nbytes) in sorted(coll.items()):
-        g = groups.setdefault(group, dict(size=sizes[group], crosses_nodes=cross[group], ops={}, wire_bytes=0.0))
+        g = groups.setdefault(group, dict(size=sizes[group], crosses_nodes=cross[group], ops={},
+                                          wire_bytes=0.0))
         wire = pm.wire_bytes(op, sizes[group], nbytes)
         g["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
         g["wire_bytes"] += wire
@@ -110,8 +111,10 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     return dict(
         layout=dataclasses.asdict(layout), layout_str=str(layout), world=layout.world,
         nodes=-(-layout.world // cluster.gpus_per_node), micro_steps=batch.micro_steps(layout),
-        batch=dataclasses.asdict(batch), micro_batch=batch.micro(layout), options=dataclasses.asdict(opts), params=fl["params"],
-        memory=dict(mem, activations=act, transient=transient, total=total, budget=budget, fits=total <= budget),
+        batch=dataclasses.asdict(batch), micro_batch=batch.micro(layout), options=dataclasses.asdict(opts),
+        params=fl["params"],
+        memory=dict(mem, activations=act, transient=transient, total=total, budget=budget,
+                    fits=total <= budget),
         comm=groups,
         time=dict(compute_s=compute, tp_s=seconds.get("tp", 0.0), cp_s=seconds.get("cp", 0.0),
                   dp_s=dp, step_s=step, tokens_per_s=tokens / step,
@@ -144,7 +147,8 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
     if world > g:
         rules.append(("shard groups inside a node",
                       lambda p, pool: not p["comm"].get("dp_shard_cp", {}).get("crosses_nodes", False)))
-        rules.append(("HSDP rather than ZeRO-3 across nodes", lambda p, pool: p["layout"]["dp_replicate"] > 1))
+        rules.append(("HSDP rather than ZeRO-3 across nodes",
+                      lambda p, pool: p["layout"]["dp_replicate"] > 1))
     pool, applied = list(fitting), []
     for name, rule in rules:
         kept = [p for p in pool if rule(p, pool)]
@@ -153,7 +157,8 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
             applied.append(name)
     if pool:       # near-ties (1 %): the most memory left free
         best = pool[0]["time"]["step_s"]
-        pool = sorted((p for p in pool if p["time"]["step_s"] <= 1.01 * best), key=lambda p: p["memory"]["total"])
+        near = [p for p in pool if p["time"]["step_s"] <= 1.01 * best]
+        pool = sorted(near, key=lambda p: p["memory"]["total"])
     return dict(ranked=fitting, recommended=pool[0] if pool else None, rules_applied=applied,
                 considered=len(layouts(world)), params=model.num_params())
 
@@ -175,7 +180,8 @@ def smallest_world(model: ModelShape, batch: Batch, opts: Options, cluster: Clus
 
 
 def search_fits(model, lay, batch, opts, cluster) -> bool:
-    return plan(model, lay, batch, dataclasses.replace(opts, gradient_checkpointing=True), cluster)["memory"]["fits"]
+    checkpointed = dataclasses.replace(opts, gradient_checkpointing=True)
+    return plan(model, lay, batch, checkpointed, cluster)["memory"]["fits"]
 
 
 def default_world(layout: Optional[Layout]) -> int:

@@ -38,8 +38,7 @@ message), see `collectives`.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -143,7 +142,8 @@ def check(model: ModelShape, layout: Layout, batch: Batch) -> List[str]:
     if batch.sequence_len % (2 * C):
         out.append(f"sequence_len {batch.sequence_len} is not divisible by 2 x cp = {2 * C}")
     elif layout.sp and (batch.sequence_len // C) % T:
-        out.append(f"sequence parallelism needs sequence_len / cp = {batch.sequence_len // C} divisible by tp {T}")
+        out.append(f"sequence parallelism needs sequence_len / cp = {batch.sequence_len // C} divisible "
+                   f"by tp {T}")
     dp = layout.dp_replicate * layout.dp_shard
     if batch.global_batch_size % (dp * batch.micro(layout)):
         out.append(f"global_batch_size {batch.global_batch_size} is not a multiple of dp {dp} x "
@@ -223,7 +223,7 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     kv_heads = K if (C > 1 or H == K) else H
     attention = e * n * (2 * H + 2 * kv_heads) * D + 4 * b * H * s + (e * n * H * D if C > 1 else 0)
     layer = 2 * norm(True) + attention + 4 * e * n * f // T
-    root = 8 * n + 2 * e * n * D                        # ids (int64; under tp the shard's local ids), cos, sin
+    root = 8 * n + 2 * e * n * D                        # ids (int64; under tp the local ids), cos, sin
     if T > 1:
         root += n                                       # the mask of ids outside the vocab shard
     root += norm(True) + 4 * n * m.vocab_size // T + 8 * n + 2 * n   # softmax fp32, target, 2 masks
@@ -234,7 +234,8 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
 
 
 # ---------------------------------------------------------------------------------- collectives
-def collectives(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> Dict[Tuple[str, str], List[int]]:
+def collectives(model: ModelShape, layout: Layout, batch: Batch,
+                opts: Options) -> Dict[Tuple[str, str], List[int]]:
     """{(op, group): [calls, bytes]} of one optimizer step on one rank, as comm.py's ledger records
     them (size-1 groups never communicate, so never appear)."""
     out: Dict[Tuple[str, str], List[int]] = {}

@@ -321,7 +321,8 @@ def test_a_pickle_that_runs_a_command_is_refused_and_does_not_run(tmp_path):
     model, opt, sched = _tiny_checkpoint(step)
     assert ck.load_checkpoint(str(step), model, opt, model.pgm, scheduler=sched)["note"] == "x"   # plain data loads
     marker = tmp_path / "pwned"
-    evil = cio.to_bytes(dict(step=1, extra=_RunsCode(str(marker)), param_groups=None, scheduler=None))
+    state = torch.load(step / ck.TRAINER_STATE, weights_only=True)
+    evil = cio.to_bytes(dict(state, extra=_RunsCode(str(marker))))     # all else as saved
     (step / ck.TRAINER_STATE).write_bytes(evil)
     manifest = json.loads((step / "manifest.json").read_text())
     manifest["files"][ck.TRAINER_STATE] = dict(bytes=len(evil), sha256=cio.sha256_file(str(step / ck.TRAINER_STATE)))

@@ -178,8 +178,10 @@ def test_num_epochs_gives_max_steps_from_the_dataset(tmp_path):
 
 # ------------------------------------------------------------------ 4. one run per output_dir
 HOLD = """
-import os, sys, time
-from minipar.training import run_lock
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location("run_lock", sys.argv[3])   # the file alone: no torch import
+run_lock = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run_lock)
 run_lock.acquire(sys.argv[1], 0)
 print("held", flush=True)
 if sys.argv[2] == "die":
@@ -192,7 +194,8 @@ def _holder(out, mode):
     # another launch: its own torchrun rendezvous (forked test ranks share the holder's parent,
     # pytest, which would make it look like their own launch)
     env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", TORCHELASTIC_RUN_ID="other")
-    proc = subprocess.Popen([PY, "-c", HOLD, str(out), mode], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([PY, "-c", HOLD, str(out), mode, run_lock.__file__], env=env, stdout=subprocess.PIPE,
+                            text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -214,7 +217,7 @@ def test_dead_holder_is_taken_over_with_a_note_and_released_at_the_end(tmp_path)
     out = tmp_path / "run"
     dead = _holder(out, "die")
     dead.wait()
-    got = run_world(_train, 2, [DEFAULT, *TINY, "--output_dir", str(out), "--max_steps", "2"], timeout=120)[0]
+    got = run_world(_train, 1, [DEFAULT, *TINY, "--output_dir", str(out), "--max_steps", "2"], timeout=120)[0]
     assert got["steps"] == [1, 2]
     assert any(f"took over {out / 'minipar.lock'} from pid {dead.pid}" in n for n in got["notes"]), got["notes"]
     assert not (out / "minipar.lock").exists(), "the lock is released when the run ends"

@@ -68,14 +68,14 @@ def test_float_keys_take_exponents_from_cli_and_yaml(tmp_path):
 # ------------------------------------------------------------------ 3. Axolotl configs
 def test_every_unknown_key_in_one_error(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("learnig_rate: 1e-3\nwarmup_step: 10\nsample_packing: true\nmodel:\n  hidden_siz: 64\n"
+    path.write_text("learnig_rate: 1e-3\nwarmup_step: 10\nflash_attention: true\nmodel:\n  hidden_siz: 64\n"
                     "fsdp_config:\n  fsdp_reshard_after_forwrd: true\n")
     with pytest.raises(ValueError) as info:
         load_config(str(path), ["--max_stesp", "3"])
     msg = str(info.value)
     assert msg.startswith("6 unknown config keys"), msg
     for part in ["'learnig_rate' (Did you mean 'learning_rate'?)", "'warmup_step' (Did you mean 'warmup_steps'?)",
-                 "'sample_packing'", "'model.hidden_siz' (Did you mean 'model.hidden_size'?)",
+                 "'flash_attention'", "'model.hidden_siz' (Did you mean 'model.hidden_size'?)",
                  "'fsdp_config.fsdp_reshard_after_forwrd'", "'max_stesp' (Did you mean 'max_steps'?)"]:
         assert part in msg, (part, msg)
 

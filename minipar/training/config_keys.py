@@ -175,7 +175,8 @@ def resolve_batch(cfg, dp: int) -> int:
         A = G // (M * dp)
     elif G != M * A * dp:
         raise ValueError(f"{named} contradict each other: micro_batch_size x gradient_accumulation_steps x dp = "
-                         f"{M} x {A} x {dp} = {M * A * dp}, not {G}; give two of the three and the third follows")
+                         f"{M} x {A} x {dp} = {M * A * dp}, not {G}; give two of the three and the third follows "
+                         f"(null derives it, e.g. --global_batch_size null)")
     cfg.global_batch_size, cfg.micro_batch_size, cfg.gradient_accumulation_steps = G, M, A
     return A
 
@@ -186,7 +187,7 @@ def resolve_max_steps(cfg, samples_per_epoch: int, notes: List[str]) -> None:
         return
     if cfg.max_steps is not None:
         notes.append(f"max_steps {cfg.max_steps} given: num_epochs {cfg.num_epochs:g} is not used "
-                     f"(max_steps wins, as in Axolotl)")
+                     f"(max_steps wins, as in Axolotl; max_steps: null trains by epochs)")
         return
     cfg.max_steps = max(1, math.ceil(cfg.num_epochs * samples_per_epoch / cfg.global_batch_size))
     notes.append(f"num_epochs {cfg.num_epochs:g}: max_steps = ceil({cfg.num_epochs:g} x {samples_per_epoch} samples "

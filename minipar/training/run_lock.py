@@ -17,7 +17,8 @@ minipar.init creates any group, so a refusal is a clear ValueError on every rank
                                                                       torchrun run id on every rank)
     rank 0       create the lock (written to a temporary file, then link(2)ed into place: a
                  reader sees the whole record or none), or take over a dead holder's with a note
-    rank 0       release it when the run ends (Trainer.train's finally; train.py's too)
+    rank 0       release it when the run ends (Trainer.train's finally); a run killed outright
+                 leaves it behind, and the next run takes it over as above
 
 The race, and why it is acceptable: the check needs no collective, so it cannot know what the
 other ranks saw. If two launches start into one output_dir within the same moment, both rank 0s

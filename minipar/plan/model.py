@@ -287,16 +287,17 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
 
 
 def ddp_buckets(model: ModelShape, layout: Layout, bucket_mb: float = 25) -> List[int]:
-    """Bytes of each gradient bucket of data_parallel.replicate (reverse order, about 25 MiB)."""
+    """Bytes of each gradient bucket of data_parallel.replicate (reverse order, about 25 MiB of
+    gradients), each followed by one 4-byte "used" flag per parameter (summed by the same all-reduce)."""
     emb, layer, head = model.tensors(layout.tp)
     sizes = [4 * x for x in emb + layer * model.num_hidden_layers + head]
-    out, current, limit = [], 0, bucket_mb * 2 ** 20
+    out, current, count, limit = [], 0, 0, bucket_mb * 2 ** 20
     for nbytes in reversed(sizes):
         if current and current + nbytes > limit:
-            out.append(current)
-            current = 0
-        current += nbytes
-    return out + ([current] if current else [])
+            out.append(current + 4 * count)
+            current, count = 0, 0
+        current, count = current + nbytes, count + 1
+    return out + ([current + 4 * count] if current else [])
 
 
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,

@@ -30,8 +30,25 @@ from minipar import comm
 from minipar.training import data as mdata
 from minipar.training import lifecycle
 from minipar.training import optim as moptim
+from minipar.training.packing import RowSampler, eval_batches as packed_eval_batches
 from minipar.mesh import describe_grid
 from minipar.training.run_setup import Run
+
+
+def read_jsonl(path: str):
+    """(records, numbers of the lines that are not JSON) of a metrics file: a crash mid-write leaves
+    a partial last line, which must not block the resume."""
+    records, dropped = [], []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                dropped.append(number)
+    return records, dropped
+
 
 class Trainer:
     def __init__(self, run: Run):
@@ -49,18 +66,27 @@ class Trainer:
         self.sharded = pgm.config.dp_shard_size > 1
         if self.sharded:                          # ZeRO-3 over dp_shard_cp, HSDP over dp_replicate
             from minipar.zero3 import fully_shard
-            fully_shard(model, pgm, unit_classes=(LlamaDecoderLayer,), prefetch=cfg.fsdp.prefetch,
+            from minipar.tensor_parallel import VocabParallelEmbedding
+            fully_shard(model, pgm, unit_classes=(VocabParallelEmbedding, LlamaDecoderLayer), prefetch=cfg.fsdp.prefetch,
                         reshard_after_forward=cfg.fsdp.reshard_after_forward,
                         param_dtype=torch.bfloat16 if self.bf16 else None,
                         reduce_dtype=torch.float32 if self.bf16 else None)
         elif pgm.dp_cp.size > 1:                  # replicas (and cp ranks) all-reduce gradients
             from minipar.data_parallel import replicate
             self.grad_sync = replicate(model, pgm.dp_cp)
+        # whose no_sync() the micro-batches before the last run under (None: sync every one)
+        self.no_sync_owner = self.grad_sync if not self.sharded else \
+            (None if cfg.fsdp.sync_each_batch else model.zero3)
         self.model = model
+        fused = dict(fused=True) if cfg.optimizer == "adamw_torch_fused" else {}   # torch's fused kernel
         self.optimizer = moptim.build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                                betas=(cfg.adam_beta1, cfg.adam_beta2))
+                                                betas=(cfg.adam_beta1, cfg.adam_beta2), **fused)
         self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-        self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size, cfg.seed)
+        if run.datasets is not None:              # `datasets` rows (packing.py), else the byte corpus
+            self.sampler = RowSampler(run.datasets.train, cfg.global_batch_size, cfg.seed)
+        else:
+            self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size,
+                                              cfg.seed)
         self.start_step, self.history = 0, []
 
     # ------------------------------------------------------------------ helpers
@@ -77,18 +103,38 @@ class Trainer:
     def _forward(self, batch, n_items):
         with self._autocast():
             return self.model(batch["input_ids"], position_ids=batch["position_ids"],
-                              labels=batch["labels"], num_items_in_batch=n_items)
+                              labels=batch["labels"], num_items_in_batch=n_items,
+                              document_ids=batch.get("document_ids"))
+
+    def _global_batch(self, step: int) -> dict:
+        if self.run.datasets is not None:
+            return self.sampler.global_batch(step)
+        ids, labels = self.sampler.global_batch(self.run.train_tokens, step)
+        return dict(input_ids=ids, labels=labels)
+
+    def _eval_batches(self):
+        cfg = self.cfg
+        if self.run.datasets is not None:
+            yield from packed_eval_batches(self.run.datasets.val, cfg.global_batch_size, cfg.eval_batches)
+            return
+        for ids, labels in mdata.eval_batches(self.run.val_tokens, cfg.sequence_len, cfg.global_batch_size,
+                                              cfg.eval_batches):
+            yield dict(input_ids=ids, labels=labels)
+
+    def _local(self, gb: dict, m: int, M: int) -> dict:
+        return mdata.local_batch(gb["input_ids"], gb["labels"], self.pgm, m, M, device=self.device,
+                                 position_ids=gb.get("position_ids"), document_ids=gb.get("document_ids"))
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict:
-        ids, labels = self.sampler.global_batch(self.run.train_tokens, step)
-        n_items = mdata.count_label_tokens(labels)
+        gb = self._global_batch(step)
+        n_items = mdata.count_label_tokens(gb["labels"])
         M = self.run.num_micro_steps
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for m in range(M):
-            batch = mdata.local_batch(ids, labels, self.pgm, m, M, device=self.device)
+            batch = self._local(gb, m, M)
             last = m == M - 1
-            no_sync = self.grad_sync.no_sync() if (self.grad_sync and not last) else contextlib.nullcontext()
+            no_sync = self.no_sync_owner.no_sync() if (self.no_sync_owner and not last) else contextlib.nullcontext()
             with no_sync:
                 loss = self._forward(batch, n_items)
                 loss.backward()
@@ -106,10 +152,9 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
-        for ids, labels in mdata.eval_batches(self.run.val_tokens, self.cfg.sequence_len,
-                                              self.cfg.global_batch_size, self.cfg.eval_batches):
-            n_items = mdata.count_label_tokens(labels)
-            batch = mdata.local_batch(ids, labels, self.pgm, 0, 1, device=self.device)
+        for gb in self._eval_batches():
+            n_items = mdata.count_label_tokens(gb["labels"])
+            batch = self._local(gb, 0, 1)
             total += self._forward(batch, n_items).double()
             count += 1
         comm.all_reduce(total, self.pgm.dp_cp)
@@ -132,7 +177,11 @@ class Trainer:
         if not resume:
             return
         from minipar.training import checkpoint as ckpt
-        path = ckpt.find_latest_checkpoint(self.cfg.output_dir) if resume == "latest" else resume
+        path = resume
+        if resume == "latest":        # the newest checkpoint whose checksums hold; damaged ones are named
+            path, skipped = ckpt.find_latest_verified(self.cfg.output_dir)
+            for bad, why in skipped:
+                self.log(f"warning: resume_from_checkpoint=latest skips {bad}: {why}")
         if path is None:
             self.log(f"resume_from_checkpoint=latest: no checkpoint in {self.cfg.output_dir}, starting fresh")
             return
@@ -149,9 +198,12 @@ class Trainer:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         kept = []
         if self.start_step > 0 and os.path.exists(path):    # keep the lines of the steps before the resume
-            with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= self.start_step]
-            self.history = [json.loads(line) for line in kept]
+            records, dropped = read_jsonl(path)          # a line cut by a crash is dropped
+            if dropped:
+                self.log(f"note: {path}: dropped {len(dropped)} unreadable line(s) (line {', '.join(map(str, dropped))}; "
+                         f"a write cut short by the crash)")
+            self.history = [r for r in records if r.get("step", 0) <= self.start_step]
+            kept = [json.dumps(r) + "\n" for r in self.history]
         # rewrite through a temporary file: a crash here must not lose the lines kept
         with open(path + ".tmp", "w") as tmp:
             tmp.writelines(kept)
@@ -159,6 +211,14 @@ class Trainer:
         return open(path, "a")
 
     def train(self):
+        """The run; the output_dir lock is released however it ends."""
+        try:
+            return self._train()
+        finally:
+            if self.run.lock is not None:
+                self.run.lock.release()
+
+    def _train(self):
         cfg, pgm = self.cfg, self.pgm
         for note in self.run.notes:
             self.log(note)
@@ -181,7 +241,8 @@ class Trainer:
             record = dict(step=step + 1, loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"],
                           tokens_per_s=tokens_per_step / dt, elapsed_s=time.time() - start)
             done = step + 1
-            if cfg.eval_steps and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
+            has_val = self.run.datasets is None or self.run.datasets.val is not None
+            if cfg.eval_steps and has_val and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
                 last_val = record["val_loss"] = self.evaluate()
             if not math.isfinite(out["loss"]):
                 raise FloatingPointError(f"loss is {out['loss']} at step {done}: lower learning_rate "
@@ -211,6 +272,8 @@ class Trainer:
             from minipar.training import checkpoint as ckpt
             hf_dir = os.path.join(cfg.output_dir, "hf")
             ckpt.export_hf(hf_dir, self.model)
+            if self.is_main and hasattr(self.run.tokenizer, "save_pretrained"):
+                self.run.tokenizer.save_pretrained(hf_dir)      # the model's tokenizer beside its weights
             self.log(f"exported Hugging Face model to {hf_dir}")
         self.summary(time.time() - start, last_val)
         return self.history

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ class Run:
     train_tokens: torch.Tensor
     val_tokens: torch.Tensor
     notes: List[str] = field(default_factory=list)
+    base_model: Optional[object] = None   # the checked hf_checkpoint.HFCheckpoint of cfg.base_model
 
 
 def _world_size() -> int:
@@ -91,8 +92,18 @@ def setup_run(argv: List[str]) -> Run:
     resume = cfg.resume_from_checkpoint
     if resume and resume != "latest" and not os.path.isdir(resume):
         raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")
+    base = _check_base_model(cfg) if cfg.base_model else None
     pgm = minipar.init(pconf)
-    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes)
+    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, base_model=base)
+
+
+def _check_base_model(cfg: TrainConfig):
+    """Read base_model's headers and match every tensor against the model (meta-built: no memory)."""
+    from minipar.training.hf_checkpoint import HFCheckpoint
+    from models.llama import LlamaForCausalLM
+    ckpt = HFCheckpoint(cfg.base_model)
+    ckpt.check(LlamaForCausalLM(cfg.model, None, device="meta"))
+    return ckpt
 
 
 def _fmt(sizes: dict) -> str:

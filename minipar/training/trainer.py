@@ -40,8 +40,11 @@ class Trainer:
         self.is_main = pgm.global_rank == 0
         self.device = minipar.default_device()
         self.bf16 = cfg.dtype == "bfloat16"
-        model = LlamaForCausalLM(cfg.model, pgm, seed=cfg.seed).to(self.device)
+        # built on the meta device; each rank then materialises only what it keeps (its TP slice,
+        # under ZeRO-3 only its shard of each unit), from the seed or from base_model's files
+        model = LlamaForCausalLM(cfg.model, pgm, seed=cfg.seed, device="meta")
         self.n_params = sum(math.prod(p.tp_full_shape) for p in model.parameters())
+        source = self._weight_source(model)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.grad_sync = None
@@ -51,8 +54,11 @@ class Trainer:
             fully_shard(model, pgm, unit_classes=(LlamaDecoderLayer,), prefetch=cfg.fsdp.prefetch,
                         reshard_after_forward=cfg.fsdp.reshard_after_forward,
                         param_dtype=torch.bfloat16 if self.bf16 else None,
-                        reduce_dtype=torch.float32 if self.bf16 else None)
-        elif pgm.dp_cp.size > 1:                  # replicas (and cp ranks) all-reduce gradients
+                        reduce_dtype=torch.float32 if self.bf16 else None, init=source)
+        else:
+            from models.llama_init import materialize
+            materialize(model, source)
+        if pgm.dp_cp.size > 1 and not self.sharded:   # replicas (and cp ranks) all-reduce gradients
             from minipar.data_parallel import replicate
             self.grad_sync = replicate(model, pgm.dp_cp)
         self.model = model
@@ -61,6 +67,15 @@ class Trainer:
         self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size, cfg.seed)
         self.start_step, self.history = 0, []
+
+    def _weight_source(self, model):
+        if self.run.base_model is None:
+            from models.llama_init import SeededInit
+            return SeededInit(model, self.cfg.seed, self.pgm.tp, self.device)
+        ckpt = self.run.base_model
+        self.log(f"loading {ckpt.directory}: {len(ckpt.tensors)} tensors, {ckpt.nbytes / 2**30:.2f} GiB; each "
+                 f"rank reads only its slices")
+        return ckpt.source(self.pgm.tp, self.device)
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str):
@@ -203,7 +218,7 @@ class Trainer:
         if cfg.export_hf:
             from minipar.training import checkpoint as ckpt
             hf_dir = os.path.join(cfg.output_dir, "hf")
-            ckpt.export_hf(hf_dir, self.model)
+            ckpt.export_hf(hf_dir, self.model, tokenizer_dir=cfg.base_model)
             self.log(f"exported Hugging Face model to {hf_dir}")
         self.summary(time.time() - start, last_val)
         return self.history

@@ -7,6 +7,7 @@ one process does, and the export reloads in transformers with the same logits.
 """
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -50,6 +51,18 @@ def make_checkpoint(directory, dtype=torch.float32, seed=0, **overrides):
     return str(directory)
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """One checkpoint per variant for the whole module (tests that edit one copy it first)."""
+    made = {}
+
+    def get(variant):
+        if variant not in made:
+            made[variant] = make_checkpoint(tmp_path_factory.mktemp(variant), **VARIANTS[variant])
+        return made[variant]
+    return get
+
+
 def hf_state(directory):
     """The checkpoint's full tensors as stored (fp32), the ground truth of every layout."""
     out = {}
@@ -84,15 +97,15 @@ def _first_step_and_hf_loss(argv):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_first_step_loss_equals_transformers(tmp_path, variant):
-    base = make_checkpoint(tmp_path / "base", **VARIANTS[variant])
+def test_first_step_loss_equals_transformers(tmp_path, checkpoints, variant):
+    base = checkpoints(variant)
     got, ref = run_world(_first_step_and_hf_loss, 1, _argv(base, tmp_path / "out", 1), timeout=120)[0]
     assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)
 
 
-def test_llama3_rope_scaling_changes_the_model(tmp_path):
+def test_llama3_rope_scaling_changes_the_model(checkpoints):
     """The llama3 variant really exercises the scaling: without it the logits differ."""
-    base = make_checkpoint(tmp_path / "base", **VARIANTS["tied-llama3"])
+    base = checkpoints("tied-llama3")
     scaled = LlamaForCausalLM.from_pretrained(base).eval()
     plain = LlamaForCausalLM.from_pretrained(base).eval()
     plain.config.rope_scaling = None
@@ -120,8 +133,8 @@ def _load_on_layout(base, sizes, world):
 
 
 @pytest.mark.parametrize("variant", ["untied", "tied-llama3"])
-def test_sharded_load_equals_the_files(tmp_path, variant):
-    base = make_checkpoint(tmp_path / "base", **VARIANTS[variant])
+def test_sharded_load_equals_the_files(checkpoints, variant):
+    base = checkpoints(variant)
     want = hf_state(base)
     if VARIANTS[variant].get("tie_word_embeddings"):
         want.pop("lm_head.weight", None)
@@ -146,17 +159,17 @@ def _same_curve(ref, got, rel=1e-4):
         assert abs(a - b) <= rel * abs(a), f"step {step}: loss {b} vs one process {a}"
 
 
-def test_dp_shard2_tp2_trains_like_one_process(tmp_path):
-    base = make_checkpoint(tmp_path / "base", **VARIANTS["tied-llama3"])
-    ref = run_world(_train, 1, _argv(base, tmp_path / "one", 4), timeout=200)[0]
-    got = run_world(_train, 4, _argv(base, tmp_path / "four", 4, dp=2, tp=2), timeout=300)
+def test_dp_shard2_tp2_trains_like_one_process(tmp_path, checkpoints):
+    base = checkpoints("tied-llama3")
+    ref = run_world(_train, 1, _argv(base, tmp_path / "one", 3), timeout=200)[0]
+    got = run_world(_train, 4, _argv(base, tmp_path / "four", 3, dp=2, tp=2), timeout=300)
     for losses in got:
         _same_curve(ref, losses)
 
 
 @pytest.mark.slow
-def test_dp_shard2_cp2_tp2_trains_like_one_process(tmp_path):
-    base = make_checkpoint(tmp_path / "base", **VARIANTS["bias-bf16"])
+def test_dp_shard2_cp2_tp2_trains_like_one_process(tmp_path, checkpoints):
+    base = checkpoints("bias-bf16")
     sizes = dict(dp_shard_size=2, cp_size=2, tp_size=2)
     full = run_world(_load_on_layout, 8, base, sizes, 8, timeout=300)[0][0]
     want = hf_state(base)
@@ -179,8 +192,9 @@ def _train_and_export(argv):
         return trainer.model(ids)
 
 
-def test_export_reloads_in_transformers_with_the_tokenizer(tmp_path):
-    base = make_checkpoint(tmp_path / "base", **VARIANTS["tied-llama3"])
+def test_export_reloads_in_transformers_with_the_tokenizer(tmp_path, checkpoints):
+    base = str(tmp_path / "base")
+    shutil.copytree(checkpoints("tied-llama3"), base)
     tok = _tiny_tokenizer(base)
     out = tmp_path / "out"
     argv = _argv(base, out, 2, dp=2)
@@ -223,8 +237,9 @@ def _edit_config(base, **changes):
     ("model-key", "fixes the model shape"),
     ("no-weights", "neither model.safetensors"),
 ])
-def test_refuses_before_any_collective(tmp_path, case, match):
-    base = make_checkpoint(tmp_path / "base")
+def test_refuses_before_any_collective(tmp_path, checkpoints, case, match):
+    base = str(tmp_path / "base")
+    shutil.copytree(checkpoints("untied"), base)
     argv = _argv(base, tmp_path / "out", 1)
     index_path = os.path.join(base, "model.safetensors.index.json")
     index = json.load(open(index_path))

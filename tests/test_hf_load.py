@@ -8,6 +8,7 @@ one process does, and the export reloads in transformers with the same logits.
 import json
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ VARIANTS = {
 def make_checkpoint(directory, dtype=torch.float32, seed=0, **overrides):
     """transformers.LlamaForCausalLM with random weights (norms and biases too), in two shards."""
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    **overrides)
     hf = transformers.LlamaForCausalLM(cfg).eval()
@@ -46,6 +47,7 @@ def make_checkpoint(directory, dtype=torch.float32, seed=0, **overrides):
     hf = hf.to(dtype)
     total = sum(p.numel() * p.element_size() for p in hf.parameters())
     hf.save_pretrained(str(directory), max_shard_size=int(total * 0.6))
+    _tiny_tokenizer(str(directory))          # base_model is also the tokenizer (tokenizer_config's default)
     shards = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     assert len(shards) == 2 and os.path.exists(os.path.join(directory, "model.safetensors.index.json")), shards
     return str(directory)
@@ -72,14 +74,25 @@ def hf_state(directory):
     return out
 
 
-TINY = ["--sequence_len", "32", "--global_batch_size", "8", "--warmup_steps", "2", "--learning_rate", "0.001",
+TINY = ["--datasets", "[]", "--sample_packing", "false", "--val_set_size", "0", "--sequence_len", "32", "--global_batch_size", "8", "--warmup_steps", "2", "--learning_rate", "0.001",
         "--eval_steps", "0", "--logging_steps", "100", "--progress_bar", "false", "--save_steps", "0",
-        "--save_final_checkpoint", "false", "--dataset", os.path.join(ROOT, "data", "shakespeare.txt")]
+        "--save_final_checkpoint", "false"]
+
+
+def _corpus():
+    """The first 40 kB of the plays: enough rows for these runs, quick to tokenize on every rank."""
+    path = os.path.join(tempfile.gettempdir(), f"minipar-hf-load-corpus-{os.getuid()}.txt")
+    if not os.path.exists(path):
+        text = open(os.path.join(ROOT, "data", "shakespeare.txt"), encoding="utf-8").read()[:40_000]
+        with open(path + f".{os.getpid()}", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(path + f".{os.getpid()}", path)
+    return path
 
 
 def _argv(base, out, steps, *extra, dp=1, cp=1, tp=1):
     return [os.path.join(ROOT, "configs", "finetune.yaml"), "--base_model", base, "--output_dir", str(out),
-            "--max_steps", str(steps), "--export_hf", "false", *TINY, "--dp_shard_size", str(dp),
+            "--max_steps", str(steps), "--export_hf", "false", *TINY, "--dataset", _corpus(), "--dp_shard_size", str(dp),
             "--context_parallel_size", str(cp), "--tensor_parallel_size", str(tp), *extra]
 
 
@@ -193,9 +206,8 @@ def _train_and_export(argv):
 
 
 def test_export_reloads_in_transformers_with_the_tokenizer(tmp_path, checkpoints):
-    base = str(tmp_path / "base")
-    shutil.copytree(checkpoints("tied-llama3"), base)
-    tok = _tiny_tokenizer(base)
+    base = checkpoints("tied-llama3")
+    tok = transformers.AutoTokenizer.from_pretrained(base)
     out = tmp_path / "out"
     argv = _argv(base, out, 2, dp=2)
     argv[argv.index("--export_hf") + 1] = "true"
@@ -213,7 +225,7 @@ def _tiny_tokenizer(directory):
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.train_from_iterator(["to be or not to be, that is the question"] * 4,
-                          trainers.BpeTrainer(vocab_size=200, show_progress=False,
+                          trainers.BpeTrainer(vocab_size=300, show_progress=False,
                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>")
     fast.save_pretrained(directory)

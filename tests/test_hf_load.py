@@ -36,9 +36,9 @@ VARIANTS = {
 def make_checkpoint(directory, dtype=torch.float32, seed=0, **overrides):
     """transformers.LlamaForCausalLM with random weights (norms and biases too), in two shards."""
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   **overrides)
+    shape = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256)
+    cfg = transformers.LlamaConfig(**{**shape, **overrides})
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -47,7 +47,8 @@ def make_checkpoint(directory, dtype=torch.float32, seed=0, **overrides):
     hf = hf.to(dtype)
     total = sum(p.numel() * p.element_size() for p in hf.parameters())
     hf.save_pretrained(str(directory), max_shard_size=int(total * 0.6))
-    _tiny_tokenizer(str(directory))          # base_model is also the tokenizer (tokenizer_config's default)
+    if cfg.vocab_size == 384:                # base_model is also the tokenizer (tokenizer_config's default)
+        _tiny_tokenizer(str(directory))
     shards = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     assert len(shards) == 2 and os.path.exists(os.path.join(directory, "model.safetensors.index.json")), shards
     return str(directory)
@@ -192,6 +193,47 @@ def test_dp_shard2_cp2_tp2_trains_like_one_process(tmp_path, checkpoints):
     for losses in got:
         _same_curve(ref, losses)
     assert ref[-1] < ref[0]
+
+
+# ------------------------------------------------------------------ end to end: checkpoint + chat data + packing
+@pytest.fixture(scope="module")
+def chat_example(tmp_path_factory):
+    """example_data's BPE tokenizer (2048 tokens, a chat template) and chat rows, beside a
+    transformers-made checkpoint of that vocabulary (two shards, tied, llama3 RoPE)."""
+    from minipar.training.example_data import make_example
+    d = tmp_path_factory.mktemp("chat")
+    paths = make_example(str(d), num_conversations=120, vocab_size=2048, tokenizer_chars=60_000)
+    base = make_checkpoint(d / "model", **dict(VARIANTS["tied-llama3"], vocab_size=2048))
+    for f in os.listdir(paths["tokenizer"]):          # the model's own tokenizer, as on the Hub
+        shutil.copyfile(os.path.join(paths["tokenizer"], f), os.path.join(base, f))
+    return dict(paths, base=base)
+
+
+def _chat_argv(ex, out, steps, **layout):
+    argv = _argv(ex["base"], out, steps, **layout)
+    for key, value in (("--datasets", f"[{{path: {ex['chat']}, type: chat_template}}]"),
+                       ("--sample_packing", "true"), ("--val_set_size", "0.1"), ("--sequence_len", "64"),
+                       ("--eval_steps", str(steps))):
+        argv[argv.index(key) + 1] = value
+    return argv + ["--eval_batches", "1"]
+
+
+def _packed_finetune(ex, tmp_path, steps, world, **layout):
+    ref = run_world(_train, 1, _chat_argv(ex, tmp_path / "one", steps), timeout=300)[0]
+    got = run_world(_train, world, _chat_argv(ex, tmp_path / "par", steps, **layout), timeout=900)
+    for losses in got:
+        _same_curve(ref, losses)
+    return ref
+
+
+def test_packed_chat_finetune_cp2_tp2_like_one_process(tmp_path, chat_example):
+    _packed_finetune(chat_example, tmp_path, 3, 4, cp=2, tp=2)
+
+
+@pytest.mark.slow
+def test_packed_chat_finetune_8_ranks_like_one_process(tmp_path, chat_example):
+    ref = _packed_finetune(chat_example, tmp_path, 20, 8, dp=2, cp=2, tp=2)
+    assert ref[-1] < ref[0], "and it learns"
 
 
 # ------------------------------------------------------------------ export

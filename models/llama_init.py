@@ -43,7 +43,8 @@ class SeededInit:
         self.tp = tp if tp is not None else model.pgm.tp
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.std = model.config.initializer_range
-        self.order: Sequence[Tuple[str, tuple]] = [(n, tuple(p.tp_full_shape)) for n, p in model.named_parameters()]
+        self.order: Sequence[Tuple[str, tuple]] = [(n, tuple(p.tp_full_shape))
+                                                   for n, p in model.named_parameters()]   # tied once
         self.index = {n: i for i, (n, _) in enumerate(self.order)}
         self.gen = torch.Generator().manual_seed(seed)   # on the CPU, whatever the default device
         self.next = 0                                    # the tensor self.gen would draw next
@@ -85,7 +86,8 @@ class SeededInit:
     def tp_local(self, name: str, full_shape, tp_split_dim: Optional[int]) -> torch.Tensor:
         full = self.full(name)
         if tuple(full.shape) != tuple(full_shape):
-            raise ValueError(f"SeededInit: {name} has shape {tuple(full.shape)}, asked for {tuple(full_shape)}")
+            raise ValueError(f"SeededInit: {name} has shape {tuple(full.shape)}, "
+                             f"asked for {tuple(full_shape)}")
         return shard_tensor(full, tp_split_dim, self.tp).to(self.device)
 
 

@@ -75,7 +75,8 @@ def hf_state(directory):
     return out
 
 
-TINY = ["--datasets", "[]", "--sample_packing", "false", "--val_set_size", "0", "--sequence_len", "32", "--global_batch_size", "8", "--warmup_steps", "2", "--learning_rate", "0.001",
+TINY = ["--datasets", "[]", "--sample_packing", "false", "--val_set_size", "0",    # the byte-corpus path
+        "--sequence_len", "32", "--global_batch_size", "8", "--warmup_steps", "2", "--learning_rate", "0.001",
         "--eval_steps", "0", "--logging_steps", "100", "--progress_bar", "false", "--save_steps", "0",
         "--save_final_checkpoint", "false"]
 
@@ -93,7 +94,8 @@ def _corpus():
 
 def _argv(base, out, steps, *extra, dp=1, cp=1, tp=1):
     return [os.path.join(ROOT, "configs", "finetune.yaml"), "--base_model", base, "--output_dir", str(out),
-            "--max_steps", str(steps), "--export_hf", "false", *TINY, "--dataset", _corpus(), "--dp_shard_size", str(dp),
+            "--max_steps", str(steps), "--export_hf", "false", *TINY, "--dataset", _corpus(),
+            "--dp_shard_size", str(dp),
             "--context_parallel_size", str(cp), "--tensor_parallel_size", str(tp), *extra]
 
 

@@ -58,7 +58,8 @@ def read_config(directory: str) -> LlamaConfig:
         raise ValueError(f"base_model {directory!r} is a {'/'.join(archs)} (model_type {kind!r}); minipar "
                          f"loads only {ARCHITECTURE} (model_type 'llama') checkpoints")
     if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"base_model {directory!r}: hidden_act {d['hidden_act']!r}; the Llama MLP here is SwiGLU (silu)")
+        raise ValueError(f"base_model {directory!r}: hidden_act {d['hidden_act']!r}; the Llama MLP here is "
+                         f"SwiGLU (silu)")
     try:
         return LlamaConfig.from_dict(d)
     except (ValueError, TypeError) as err:

@@ -45,7 +45,7 @@ class Trainer:
         # under ZeRO-3 only its shard of each unit), from the seed or from base_model's files
         model = LlamaForCausalLM(cfg.model, pgm, seed=cfg.seed, device="meta")
         self.n_params = sum(math.prod(p.tp_full_shape) for p in model.parameters())
-        source = self._weight_source(model)
+        source, t_load = self._weight_source(model), time.time()
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.grad_sync = None
@@ -63,6 +63,8 @@ class Trainer:
             from minipar.data_parallel import replicate
             self.grad_sync = replicate(model, pgm.dp_cp)
         self.model = model
+        if run.base_model is not None:
+            self.log(f"loaded {run.base_model.directory} in {time.time() - t_load:.1f} s")
         self.optimizer = moptim.build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                                 betas=(cfg.adam_beta1, cfg.adam_beta2))
         self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)

@@ -12,7 +12,8 @@ torch thread each. Per rank:
   peak         the most resident memory while building and loading (VmHWM, reset to the baseline
                through /proc/self/clear_refs just before the build)
   shards       the parameter bytes the rank keeps (ZeRO-3 flat shards, or the TP-local model), fp32
-  unit         the largest unit, TP-local, fp32 (the root: embedding + final norm + lm_head)
+  unit         the largest unit, TP-local, fp32 (fully_shard's units: the embedding, each decoder
+               layer, the root with the final norm and lm_head)
   theory       shards + unit + baseline: what the rank keeps, plus one unit in flight, plus the runtime
   load s       wall time of build + load (every rank, to the barrier after it)
 
@@ -64,6 +65,7 @@ def worker(args):
     torch.set_num_threads(1)
     import minipar
     from minipar import ParallelismConfig
+    from minipar.tensor_parallel import VocabParallelEmbedding
     from minipar.training.hf_checkpoint import HFCheckpoint
     from minipar.zero3 import fully_shard, plan_units
     from models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -75,7 +77,8 @@ def worker(args):
     ckpt = HFCheckpoint(args.dir)
     meta = LlamaForCausalLM(ckpt.config, pgm, device="meta")
     n_params = sum(math.prod(p.tp_full_shape) for p in meta.parameters())
-    units = [sum(p.numel() for _, p in params) * 4 for _, _, params, _ in plan_units(meta, (LlamaDecoderLayer,))]
+    unit_classes = (VocabParallelEmbedding, LlamaDecoderLayer)          # fully_shard's default units
+    units = [sum(p.numel() for _, p in params) * 4 for _, _, params, _ in plan_units(meta, unit_classes)]
     sharded = pgm.config.dp_shard_size > 1
     dist.barrier()
     baseline, reset = _rss("VmRSS"), _reset_peak()

@@ -216,6 +216,8 @@ class _TPLinear(nn.Module):
         """Draw the full weight (same on every rank for the same generator state), keep the slice."""
         with torch.no_grad():
             for p in self.parameters():
+                if p.is_meta:                # built on the meta device: filled later, by a weight source
+                    continue
                 # on the CPU, where `generator` lives (a CUDA default device would refuse it)
                 full = torch.empty(p.tp_full_shape, device="cpu")
                 if p.dim() == 1 and p is getattr(self, "bias", None):

@@ -51,6 +51,7 @@ class Run:
     datasets: Optional[object] = None     # packing.DatasetRun when `datasets` is set, else the byte corpus
     tokenizer: Optional[object] = None
     lock: Optional[run_lock.RunLock] = None     # rank 0 holds output_dir/minipar.lock until the run ends
+    base_model: Optional[object] = None   # the checked hf_checkpoint.HFCheckpoint of cfg.base_model
 
 
 def _world_size() -> int:
@@ -128,6 +129,7 @@ def setup_run(argv: List[str]) -> Run:
     if resume and resume != "latest" and not os.path.isdir(resume):
         raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")
     run_lock.check_writable(cfg.output_dir, cfg.metrics_path)    # every rank, before anything is written
+    base = _check_base_model(cfg) if cfg.base_model else None
     lock = run_lock.acquire(cfg.output_dir, _rank(), notes)
     pgm = minipar.init(pconf, timeout_s=cfg.ddp_timeout)
     try:
@@ -137,7 +139,7 @@ def setup_run(argv: List[str]) -> Run:
             lock.release()
         lifecycle.teardown(pgm, clean=False)
         raise
-    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, datasets, tokenizer, lock)
+    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, datasets, tokenizer, lock, base_model=base)
 
 
 def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str], default_config: bool) -> str:
@@ -151,6 +153,15 @@ def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str
     args = " ".join(([] if default_config else [path]) + list(argv))
     launches = " or ".join(f"`torchrun --nproc-per-node {n} train.py{' ' + args if args else ''}`" for n in counts)
     return f"config {path}; launch {launches}, or change the sizes so that they fit {world} processes"
+
+
+def _check_base_model(cfg: TrainConfig):
+    """Read base_model's headers and match every tensor against the model (meta-built: no memory)."""
+    from minipar.training.hf_checkpoint import HFCheckpoint
+    from models.llama import LlamaForCausalLM
+    ckpt = HFCheckpoint(cfg.base_model)
+    ckpt.check(LlamaForCausalLM(cfg.model, None, device="meta"))
+    return ckpt
 
 
 def _fmt(sizes: dict) -> str:

@@ -92,6 +92,9 @@ class TrainConfig:
     resume_from_checkpoint: Optional[str] = None   # a path, or "latest"
     export_hf: bool = True                # write <output_dir>/hf at the end
     progress_bar: bool = True
+    # a Hugging Face directory (Axolotl's key): the model config comes from its config.json and the
+    # weights from its safetensors, each rank reading only its slices (hf_checkpoint.py)
+    base_model: Optional[str] = None
     model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
         hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024))
@@ -272,12 +275,26 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
         if derived not in explicit_model_keys:
             model.pop(derived)
     cfg.model = LlamaConfig(**model)
+    if cfg.base_model:
+        cfg.model = _base_model_config(cfg, explicit_model_keys)
     root = REPO_ROOT
     if not os.path.isabs(cfg.dataset) and not os.path.exists(cfg.dataset) \
             and os.path.exists(os.path.join(root, cfg.dataset)):
         cfg.dataset = os.path.join(root, cfg.dataset)   # the bundled corpus, from any directory
     check(cfg)
     return cfg
+
+
+def _base_model_config(cfg: TrainConfig, explicit: set) -> LlamaConfig:
+    """base_model's config.json is the model: a `model.*` key that says otherwise is refused."""
+    from minipar.training.hf_checkpoint import read_config
+    model = read_config(cfg.base_model)
+    clash = {k: getattr(cfg.model, k) for k in sorted(explicit) if getattr(cfg.model, k) != getattr(model, k)}
+    if clash:
+        got = ", ".join(f"model.{k}={v!r} (config.json: {getattr(model, k)!r})" for k, v in clash.items())
+        raise ValueError(f"base_model {cfg.base_model!r} fixes the model shape, but the config also sets {got}: "
+                         f"remove the model section (configs/finetune.yaml has none)")
+    return model
 
 
 def check(cfg: TrainConfig) -> None:

@@ -95,6 +95,22 @@ class FlatLayout:
             flat[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
         return flat
 
+    def shard_from_source(self, source, dtype, device) -> torch.Tensor:
+        """This rank's shard (shard_numel,), filled from a weight source (models/llama_init.py)
+        without building the flat buffer: only the tensors that overlap [start, stop) are asked
+        for (their TP slice), each copied in and dropped, so the peak is the shard plus one tensor."""
+        shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        for s in self.slots:
+            a, b = max(s.offset, self.start), min(s.offset + s.numel, self.stop)
+            if b <= a:
+                continue                                  # lies in another rank's shard
+            t = source.tp_local(s.name, s.full_shape, s.tp_split_dim)
+            if tuple(t.shape) != tuple(s.local_shape):
+                raise ValueError(f"{s.name}: the weight source gave shape {tuple(t.shape)}, this rank's "
+                                 f"slice is {tuple(s.local_shape)}")
+            shard[a - self.start:b - self.start].copy_(t.reshape(-1)[a - s.offset:b - s.offset])
+        return shard
+
     def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """One view per slot, shaped like the original parameter. A single torch.split (not one
         slice per tensor) so that autograd's backward of it is ONE concatenation into a flat

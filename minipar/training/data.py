@@ -18,7 +18,7 @@ perm_{i // W}[i % W]. So the global batch of a step is a pure function of (seed,
 start at any step, a resumed run reads exactly what the uninterrupted one would have, and the
 data position in a checkpoint is just the step number. There is no iterator state to save.
 
-The split of one step's global batch (B samples x T tokens), as in DESIGN.md:
+The split of one step's global batch (B samples x T tokens), as in docs/design.md:
 
     global batch  B x T                       (every rank builds it: it is cheap, and every rank
       |                                        then knows num_items_in_batch without talking)
@@ -228,8 +228,8 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
                 num_micro_steps: int = 1, device=None) -> Dict[str, torch.Tensor]:
     """This rank's share of the global batch: dict(input_ids, labels, position_ids), each
     (B / (dp * num_micro_steps), T / cp) long; position_ids are the true positions of the kept
-    tokens (zigzag under cp). No communication."""
-    from ..context_parallel import zigzag_positions, zigzag_shard
+    tokens (zigzag under cp, or contiguous with cp_layout). No communication."""
+    from ..context_parallel import sequence_positions, shard_sequence
     B, T = input_ids.shape
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} "
@@ -242,7 +242,8 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
     first = pgm.dp.rank * per_rank + micro_step * per_micro
     rows = slice(first, first + per_micro)
     device = input_ids.device if device is None else device
-    ids = zigzag_shard(input_ids[rows], 1, pgm.cp).to(device)
-    lab = zigzag_shard(labels[rows], 1, pgm.cp).to(device)
-    pos = zigzag_positions(T, pgm.cp, device=device).unsqueeze(0).expand(per_micro, -1).contiguous()
+    layout = pgm.config.cp_layout              # zigzag (default) or contiguous: context_parallel/layouts.py
+    ids = shard_sequence(input_ids[rows], 1, pgm.cp, layout).to(device)
+    lab = shard_sequence(labels[rows], 1, pgm.cp, layout).to(device)
+    pos = sequence_positions(T, pgm.cp, layout, device=device).unsqueeze(0).expand(per_micro, -1).contiguous()
     return dict(input_ids=ids.contiguous(), labels=lab.contiguous(), position_ids=pos)

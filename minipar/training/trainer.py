@@ -53,8 +53,8 @@ class Trainer:
                         param_dtype=torch.bfloat16 if self.bf16 else None,
                         reduce_dtype=torch.float32 if self.bf16 else None)
         elif pgm.dp_cp.size > 1:                  # replicas (and cp ranks) all-reduce gradients
-            from minipar.data_parallel import replicate
-            self.grad_sync = replicate(model, pgm.dp_cp)
+            from minipar.data_parallel import replicate, replicate_naive
+            self.grad_sync = replicate_naive(model, pgm.dp_cp) if cfg.ddp == "naive" else replicate(model, pgm.dp_cp)
         self.model = model
         self.optimizer = moptim.build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                                 betas=(cfg.adam_beta1, cfg.adam_beta2))

@@ -7,8 +7,7 @@
     from minipar.zero3 import fully_shard
     fully_shard(model, pgm, unit_classes=(LlamaDecoderLayer,), prefetch=1)
 """
-from .flat_param import FlatLayout, ShardedStateDicts, merge_sharded_state_dicts, plan_units
+from .flat_param import FlatLayout, ShardedStateDicts, plan_units
 from .shard_manager import Unit, Zero3, fully_shard
 
-__all__ = ["FlatLayout", "ShardedStateDicts", "merge_sharded_state_dicts", "plan_units", "Unit", "Zero3",
-           "fully_shard"]
+__all__ = ["FlatLayout", "ShardedStateDicts", "plan_units", "Unit", "Zero3", "fully_shard"]

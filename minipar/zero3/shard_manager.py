@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from .flat_param import FlatLayout, ShardedStateDicts, merge_sharded_state_dicts, plan_units  # noqa: F401
+from .flat_param import FlatLayout, ShardedStateDicts, plan_units  # noqa: F401
 
 
 class Unit:

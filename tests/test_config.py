@@ -77,3 +77,9 @@ def test_accelerate_size_variables_fill_the_sizes_not_set(monkeypatch, tmp_path)
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
     with pytest.raises(ValueError, match="PARALLELISM_CONFIG_TP_SIZE"):
         _sizes_from_env(load_config(str(path)), str(path), False, set(), [])
+
+
+def test_command_line_numbers_without_a_dot():
+    """YAML 1.1 reads 1e-3 as a string; the README's `--learning_rate 1e-3` means a number."""
+    from minipar.training.train_config import load_config
+    assert load_config(None, ["--learning_rate", "1e-3", "--min_lr_ratio", "5E-2"]).learning_rate == 1e-3

@@ -1,6 +1,6 @@
 """Attention of one query block against one key/value block, returning the log-sum-exp.
 
-Ring attention (context_parallel.py) never sees the whole score matrix: it attends its queries to
+Ring attention (ring_attention.py) never sees the whole score matrix: it attends its queries to
 one K/V block at a time and merges the partial results. To merge, each block must hand back not
 only its softmax-normalised output but the log of its softmax denominator, per query row:
 

@@ -21,7 +21,8 @@ them: the last rank computes 2cp/(cp+1) times the mean and everybody waits for i
 rank holds one early and one late chunk, and the causal work per step is the same everywhere
 (Brandon et al., "Striped Attention", 2023; the zigzag variant of zhuzilin/ring-flash-attention,
 used by Megatron-LM and torchtitan). With local halves [a b] (a early, b late) and a block [k0 k1]
-from rank s, only two block shapes ever occur, each a quarter less work than a full block:
+from rank s, three block shapes occur: the causal square of step 0, and at every other step one
+of two rectangles, each half the work of a full block, the same on every rank:
 
     s == r  the local square, causal mask            q [a b] x k [a b], lower triangle
     s <  r  every local query, the first half keys   q [a b] x k0        (k1 lies in everyone's future)

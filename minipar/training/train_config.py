@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -146,6 +147,8 @@ def parse_overrides(argv: List[str]) -> dict:
             i += 1
         key = key.replace("-", "_") if "." not in key else key
         parsed = yaml.safe_load(value) if value != "" else None
+        if isinstance(parsed, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", parsed):
+            parsed = float(parsed)           # YAML 1.1 reads 1e-3 (no dot) as a string; a number is meant
         target = out
         parts = key.split(".")
         for part in parts[:-1]:

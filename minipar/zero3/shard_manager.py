@@ -39,7 +39,8 @@ How the hooks find their moments, for any model:
 The execution orders are recorded during the first forward and the first backward, and
 prefetching follows them (`prefetch` units ahead; 0 turns it off). Activation checkpointing
 re-runs a unit's forward inside its backward: the hooks see that the unit is already in its
-backward and leave its gathered parameters alone. Units unused in a step are never gathered.
+backward and leave its gathered parameters alone. A unit unused in a step is never reduced (a
+learned prefetch may still gather it; it is freed again at the end of backward).
 A gathered buffer is written through an alias (`.data`) with its own version counter: refilling
 it before backward is not an in-place change of the tensors autograd saved, it restores them.
 """

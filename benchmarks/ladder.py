@@ -26,6 +26,8 @@ AdamW), each started by a barrier. Per rung:
                  the live tensors): weights, gradients, optimizer states, activations and
                  communication buffers
     vs below     step time and peak memory over the rung above it in the table
+    gathered MiB (ZeRO-3) the peak of gathered parameter bytes, counted exactly by the shard
+                 manager: what prefetching and resharding change, without the activations
 
 Results go to benchmarks/results/ladder.md and ladder.json. On a 2-core CPU shared with other
 jobs, read the bytes, the call counts and the memory as exact and the times as indicative.
@@ -128,6 +130,19 @@ def _rung(layout, extras, model_kw, batch, wrap, steps):
     from models.llama import LlamaConfig, LlamaForCausalLM
     pgm = minipar.init(ParallelismConfig(**layout, **extras))
     _exact_malloc()
+    # one step of a tiny model of the same layout first: torch's lazily loaded kernels, autograd's
+    # threads and gloo's buffers are then in the baseline, not in the rung's peak
+    tiny = dict(model_kw, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    tiny_model = LlamaForCausalLM(LlamaConfig(**tiny, max_position_embeddings=batch["sequence_len"]), pgm, seed=0)
+    _wrap(tiny_model, pgm, wrap)
+    T0 = 8 * pgm.cp.size * pgm.tp.size
+    t_ids = torch.zeros(pgm.dp.size, T0 + 1, dtype=torch.long)
+    t_b = local_batch(t_ids[:, :-1], t_ids[:, 1:], pgm)
+    tiny_opt = build_optimizer(tiny_model, lr=1e-3)
+    tiny_model(t_b["input_ids"], position_ids=t_b["position_ids"], labels=t_b["labels"],
+               num_items_in_batch=torch.tensor(t_ids.numel())).backward()
+    tiny_opt.step()
+    del tiny_model, tiny_opt, t_b
     resettable = _reset_peak()
     base = _rss_kib("VmRSS")
     model = LlamaForCausalLM(LlamaConfig(**model_kw, max_position_embeddings=batch["sequence_len"]), pgm, seed=0)
@@ -153,11 +168,13 @@ def _rung(layout, extras, model_kw, batch, wrap, steps):
             cpus.append(time.process_time() - c0)
             sent, calls = led.wire_bytes(), led.count()
     peak = (_rss_kib("VmHWM") - base) / 1024 if resettable else float("nan")
+    z = getattr(model, "zero3", None)                         # ZeRO-3 counts its gathered bytes exactly
+    gathered = z.peak_gathered_bytes / 2 ** 20 if z is not None else None
     # the slowest rank of each step
     t = torch.tensor([walls, cpus], dtype=torch.float64)
     comm.all_reduce(t, pgm.world, op="max")
     return dict(wall=statistics.median(t[0].tolist()), cpu=statistics.median(t[1].tolist()),
-                sent=sent, calls=calls, peak=peak)
+                sent=sent, calls=calls, peak=peak, gathered=gathered)
 
 
 def measure(names, rounds, steps):
@@ -173,7 +190,8 @@ def measure(names, rounds, steps):
                 results[name][rung].append(dict(wall=ranks[0]["wall"], cpu=ranks[0]["cpu"],
                                                 sent=max(r["sent"] for r in ranks),
                                                 calls=max(r["calls"] for r in ranks),
-                                                peak=max(r["peak"] for r in ranks)))
+                                                peak=max(r["peak"] for r in ranks),
+                                                gathered=ranks[0]["gathered"]))
                 last = results[name][rung][-1]
                 print(f"round {rnd + 1}/{rounds} {name:6s} {rung:20s} {1e3 * last['wall']:8.1f} ms  "
                       f"{last['sent'] / 2 ** 20:7.2f} MiB  {last['calls']:4d} calls  {last['peak']:7.1f} MiB peak",
@@ -184,7 +202,8 @@ def measure(names, rounds, steps):
         for rung, runs in results[name].items():
             best[name][rung] = dict(wall=min(r["wall"] for r in runs), cpu=min(r["cpu"] for r in runs),
                                     sent=runs[0]["sent"], calls=runs[0]["calls"],
-                                    peak=min(r["peak"] for r in runs), rounds=runs)
+                                    peak=min(r["peak"] for r in runs), gathered=runs[0]["gathered"],
+                                    rounds=runs)
     return best
 
 
@@ -195,15 +214,17 @@ def table(name, rows) -> str:
            f"Llama hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']} heads "
            f"({m['num_key_value_heads']} KV), global batch {batch['global_batch_size']} x {batch['sequence_len']} "
            f"tokens, fp32, AdamW.", "",
-           "| rung | config | step ms | vs below | CPU ms | MiB sent/rank/step | calls/step | peak MiB | vs below |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| rung | config | step ms | vs below | CPU ms | MiB sent/rank/step | calls/step | peak MiB | vs below |"
+           + (" gathered MiB |" if name == "zero3" else ""),
+           "|---|---|---|---|---|---|---|---|---|" + ("---|" if name == "zero3" else "")]
     prev = None
     for rung, shown, _, _ in rungs:
         r = rows[rung]
         t_ratio = f"{r['wall'] / prev['wall']:.2f}x" if prev else "-"
         m_ratio = f"{r['peak'] / prev['peak']:.2f}x" if prev and prev["peak"] > 0 else "-"
         out.append(f"| {rung} | `{shown}` | {1e3 * r['wall']:.0f} | {t_ratio} | {1e3 * r['cpu']:.0f} | "
-                   f"{r['sent'] / 2 ** 20:.2f} | {r['calls']} | {r['peak']:.1f} | {m_ratio} |")
+                   f"{r['sent'] / 2 ** 20:.2f} | {r['calls']} | {r['peak']:.1f} | {m_ratio} |"
+                   + (f" {r['gathered']:.2f} |" if name == "zero3" else ""))
         prev = r
     return "\n".join(out)
 

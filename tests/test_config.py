@@ -1,3 +1,6 @@
+"""ParallelismConfig (minipar/config.py) and the training config's keys (minipar/training/train_config.py):
+sizes, the remainder rule, model checks, accelerate's size variables, command-line values."""
+
 import pytest
 
 from minipar import ParallelismConfig

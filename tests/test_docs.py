@@ -170,6 +170,25 @@ def test_named_modules_and_attributes_exist():
     assert not missing, "\n".join(sorted(set(missing)))
 
 
+COPIED_RE = re.compile(r"<!-- the tables below are copied from (benchmarks/results/[\w./-]+\.md)")
+
+
+def test_copied_tables_match_their_results_files():
+    """A page that shows a benchmark's tables (marked by the comment above them) shows the rows of
+    the results file that the benchmark last wrote, unchanged."""
+    stale = []
+    for page in _pages():
+        text = open(page).read()
+        for ref in COPIED_RE.findall(text):
+            rows = [line for line in open(os.path.join(ROOT, ref)).read().splitlines() if line.startswith("|")]
+            assert rows, f"{ref} holds no table"
+            stale += [f"{_rel(page)}: row not in {ref}'s tables: {line}"
+                      for line in text.splitlines() if line.startswith("| ") and "---" not in line
+                      and text.index(line) > text.index(ref) and line not in rows]
+            stale += [f"{_rel(page)} lacks a row of {ref}: {row}" for row in rows if row not in text]
+    assert not stale, "\n".join(stale)
+
+
 # ------------------------------------------------------------------------------------- commands
 COMMAND_START = re.compile(r"^(?:\$ )?(?:\S*/)?(?:python3?|torchrun|make) ")
 

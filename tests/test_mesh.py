@@ -1,3 +1,5 @@
+"""The grid and its groups (minipar/mesh.py) and the collectives with their ledger (minipar/comm.py)."""
+
 import pytest
 import torch
 import torch.distributed as dist

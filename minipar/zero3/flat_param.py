@@ -170,8 +170,10 @@ def gather_flat(shard: torch.Tensor, dim) -> torch.Tensor:
 def plan_units(model, unit_classes):
     """Which parameters go into which flat buffer: [(unit name, module, [(HF name, param)],
     [[(module, attr), ...] per param])], the root unit ("") first. A unit is an outermost module
-    of `unit_classes`; the root takes every parameter outside them. Every place a (tied or shared)
-    parameter is referenced is listed, so all of them can be pointed at the gathered view."""
+    of `unit_classes`; the root takes every parameter outside them. A unit that shares a parameter
+    with the root (a tied embedding: lm_head.weight is embed_tokens.weight) joins the root, since
+    one parameter lives in one flat buffer. Every place a (tied or shared) parameter is referenced
+    is listed, so all of them can be pointed at the gathered view."""
     unit_names: List[str] = []
     for name, m in model.named_modules():
         inside = any(name.startswith(u + ".") for u in unit_names)   # nested: part of the outer unit
@@ -179,15 +181,20 @@ def plan_units(model, unit_classes):
             unit_names.append(name)
     names = {id(p): n for n, p in model.named_parameters()}          # a tied parameter: its first name
     params = {id(p): p for _, p in model.named_parameters()}
-    refs: Dict[int, list] = {i: [] for i in names}
-    owner: Dict[int, set] = {i: set() for i in names}
-    for mname, m in model.named_modules(remove_duplicate=False):    # a shared module: every path
-        unit = next((u for u in unit_names if mname == u or mname.startswith(u + ".")), "")
-        for attr, p in m._parameters.items():
-            if p is not None:
-                if not any(m is m2 and attr == a2 for m2, a2 in refs[id(p)]):
-                    refs[id(p)].append((m, attr))
-                owner[id(p)].add(unit)
+    while True:
+        refs: Dict[int, list] = {i: [] for i in names}
+        owner: Dict[int, set] = {i: set() for i in names}
+        for mname, m in model.named_modules(remove_duplicate=False):    # a shared module: every path
+            unit = next((u for u in unit_names if mname == u or mname.startswith(u + ".")), "")
+            for attr, p in m._parameters.items():
+                if p is not None:
+                    if not any(m is m2 and attr == a2 for m2, a2 in refs[id(p)]):
+                        refs[id(p)].append((m, attr))
+                    owner[id(p)].add(unit)
+        tied_to_root = {u for units_of in owner.values() if "" in units_of for u in units_of} - {""}
+        if not tied_to_root:
+            break
+        unit_names = [u for u in unit_names if u not in tied_to_root]
     for i, units_of in owner.items():
         if len(units_of) > 1:
             raise ValueError(f"fully_shard: parameter {names[i]} is shared by units {sorted(units_of)}; "

@@ -46,7 +46,7 @@ PY_DIRS = ("minipar", "models", "benchmarks", "tests")
 EXTERNAL = ("torch/", "picotron/", "nanotron/", "torchtitan/", "megatron/", "Megatron-LM/", "transformers/",
             "accelerate/", "axolotl/", "shksprdata/", "ring-flash-attention/", "flash-attention/")
 PATH_RE = re.compile(r"(?<![\w/.-])((?:\.\./|\./)?[\w.-]*(?:/[\w.-]+)*\.(?:py|md|yaml|json))(?::(\w+))?(?![\w/])")
-MODULE_RE = re.compile(r"(?<![\w.])((?:minipar|models)(?:\.[A-Za-z_]\w*)+)")
+MODULE_RE = re.compile(r"(?<![\w./])((?:minipar|models)(?:\.[A-Za-z_]\w*)+)")   # not output_dir/minipar.lock
 
 
 def _python_files():
@@ -214,7 +214,13 @@ def _code_lines(text):
 def _commands():
     found = []
     for page in _pages():
-        for line in _code_lines(open(page).read()):
+        lines, joined = _code_lines(open(page).read()), []
+        for line in lines:                                   # a trailing backslash continues the line
+            if joined and joined[-1].endswith("\\"):
+                joined[-1] = joined[-1][:-1].rstrip() + " " + line
+            else:
+                joined.append(line)
+        for line in joined:
             line = line.split("  #")[0].split(" # ")[0].strip()
             if COMMAND_START.match(line):
                 found.append((_rel(page), line))
@@ -229,10 +235,23 @@ class _Stop(Exception):
     pass
 
 
-def _check_train(args, world, monkeypatch):
-    """run_setup.setup_run on these arguments, for `world` processes, stopped at minipar.init."""
+def _check_train(args, world, monkeypatch, page=None, line=""):
+    """run_setup.setup_run on these arguments, for `world` processes, stopped at minipar.init. A
+    command that reads what an earlier command of its page writes under out/ (an example dataset,
+    say) is checked up to its keys and their types (the files do not exist yet), and the page must
+    show the command that writes them before it."""
     import minipar
     from minipar.training.run_setup import setup_run
+    outputs = sorted({"/".join(a.split("out/", 1)[1].split("/")[:1]) for a in args if "out/" in a})
+    if outputs:
+        earlier = [l for p, l in _commands() if p == page]
+        earlier = earlier[:earlier.index(line)]
+        for out in outputs:
+            assert any(f"out/{out}" in e for e in earlier), f"{line}: nothing before it on {page} writes out/{out}"
+        from minipar.training.train_config import TrainConfig, _apply, parse_overrides
+        overrides = args[1:] if args and not args[0].startswith("--") else args
+        _apply(TrainConfig(), parse_overrides(overrides))         # unknown keys and wrong types raise
+        return
     seen = {}
 
     def fake_init(config, *a, **k):
@@ -305,7 +324,7 @@ def test_commands_in_code_blocks_parse(page, line, monkeypatch):
     elif prog.startswith("python"):
         argv = argv[1:]
     if argv[0] == "train.py":
-        return _check_train(argv[1:], world, monkeypatch)
+        return _check_train(argv[1:], world, monkeypatch, page, line)
     assert world == 1, f"{line}: only train.py is launched with torchrun here"
     _check_python(argv)
 

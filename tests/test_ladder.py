@@ -118,7 +118,7 @@ def test_ddp_naive_and_bucketed_equal_one_process():
         grads = ("all_reduce", "dp_cp")
         # the same gradient bytes; naive in one call per parameter, bucketed in fewer, larger ones
         assert naive[grads][1] == bucketed[grads][1]
-        assert naive[grads][0] == STEPS * (n_params + 1)          # + the logged loss per step
+        assert naive[grads][0] == STEPS * (n_params + 2)          # + the used flags, the logged loss
         assert bucketed[grads][0] < naive[grads][0]
         assert got["naive-accumulate"]["wire"][grads] == naive[grads]   # no_sync: one reduction per step
 

@@ -8,6 +8,9 @@ global batch, see training/data.py). The simplest code that gets there:
     for p in model.parameters():                      then, one by one, blocking:
         all_reduce(p.grad, dim)                       2 (n-1)/n * bytes(p) on the wire
 
+(plus one all-reduce of a used flag per parameter first, so that a parameter no rank used keeps
+no gradient, as on one process: ddp.py sends the same flags inside its buckets.)
+
 That is all `NaiveGradSync` does, from an end-of-backward callback so that `loss.backward()`
 returns with the sums in place, exactly as ddp.py's bucketed version does (the trainer swaps one
 for the other with the config key `ddp: naive | bucketed`).
@@ -74,8 +77,16 @@ class NaiveGradSync:
 
     def _finish(self):
         comm.mark("grad_sync.end_of_backward")
-        for p in self.params:                    # the same order on every rank: collectives match
-            if p.grad is None:                   # a branch not taken here may be taken elsewhere
+        # Which parameters some rank used: a branch not taken here may be taken elsewhere. One small
+        # all-reduce of a flag per parameter (ddp.py packs the same flags into its buckets); a
+        # parameter no rank used keeps .grad None, as on one process, so AdamW skips it.
+        used = torch.tensor([float(p.grad is not None) for p in self.params], dtype=self.params[0].dtype,
+                            device=self.params[0].device)
+        comm.all_reduce(used, self.dim)
+        for p, u in zip(self.params, used.tolist()):   # the same order on every rank: collectives match
+            if u == 0:
+                continue
+            if p.grad is None:
                 p.grad = torch.zeros_like(p)
             comm.all_reduce(p.grad, self.dim)
             self._holds_sum.add(id(p))

@@ -111,13 +111,12 @@ def _reset_peak() -> bool:
 
 
 def _wrap(model, pgm, wrap):
-    from models.llama import LlamaDecoderLayer
     if wrap is None:
         return None
     kind, value = wrap
     if kind == "zero3":
         from minipar.zero3 import fully_shard
-        fully_shard(model, pgm, unit_classes=(LlamaDecoderLayer,), **value)
+        fully_shard(model, pgm, **value)          # the units train.py uses: embedding, each layer
         return None
     from minipar.data_parallel import replicate, replicate_naive
     return (replicate_naive if value == "naive" else replicate)(model, pgm.dp_cp)

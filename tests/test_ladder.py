@@ -15,7 +15,7 @@ from minipar.mesh import ProcessGroupManager
 from minipar.tensor_parallel import gather_tensor
 from minipar.training.data import local_batch
 from minipar.training.optim import build_optimizer
-from models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
+from models.llama import LlamaConfig, LlamaForCausalLM
 from harness import run_world
 from tiny_llama import CFG, tiny_batch
 
@@ -130,7 +130,7 @@ ZERO3_RUNGS = {"prefetch0": dict(prefetch=0), "prefetch1": dict(prefetch=1), "pr
 
 def _zero3_world():
     from minipar.zero3 import fully_shard
-    rungs = {name: (lambda m, pgm, kw=kw: fully_shard(m, pgm, unit_classes=(LlamaDecoderLayer,), **kw))
+    rungs = {name: (lambda m, pgm, kw=kw: fully_shard(m, pgm, **kw))
              for name, kw in ZERO3_RUNGS.items()}
     return _world(dict(dp_shard_size=2), rungs)
 

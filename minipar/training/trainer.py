@@ -79,7 +79,8 @@ class Trainer:
             materialize(model, source)
         if pgm.dp_cp.size > 1 and not self.sharded:   # replicas (and cp ranks) all-reduce gradients
             from minipar.data_parallel import replicate
-            self.grad_sync = replicate(model, pgm.dp_cp)
+            from minipar.data_parallel import replicate_naive
+            self.grad_sync = replicate_naive(model, pgm.dp_cp) if cfg.ddp == "naive" else replicate(model, pgm.dp_cp)
         # whose no_sync() the micro-batches before the last run under (None: sync every one)
         self.no_sync_owner = self.grad_sync if not self.sharded else \
             (None if cfg.fsdp.sync_each_batch else model.zero3)

@@ -70,9 +70,11 @@ def _preimport():
 
 
 def cells(args):
-    for comparison in args.only:
-        for size in args.sizes:
-            for ranks in args.ranks:
+    """Smallest size first, every comparison at it, then the next size: a run cut short by
+    --budget-min still has whole tables at the sizes it reached."""
+    for size in args.sizes:
+        for ranks in args.ranks:
+            for comparison in args.only:
                 if comparison == "accumulation" and ranks != min(args.ranks):
                     continue                      # its point is bytes and memory: one world size
                 yield comparison, size, ranks
@@ -207,6 +209,8 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", default=list(COMPARISONS), choices=COMPARISONS)
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="directory of the results")
     p.add_argument("--report", action="store_true", help="only regenerate README.md from run_all.json")
+    p.add_argument("--budget-min", type=float, default=None,
+                   help="start no new cell after this many minutes (the cells left out are listed)")
     args = p.parse_args(argv)
     name = "quick" if args.quick else "run_all"
     path = os.path.join(args.out, f"{name}.json")
@@ -235,19 +239,31 @@ def main(argv=None):
     meta = dict(command=cmd, json=os.path.relpath(path, os.path.dirname(HERE)), rounds=args.rounds,
                 torch=torch.__version__, cpus=os.cpu_count(), load_start=os.getloadavg()[0],
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                sizes=args.sizes, ranks=args.ranks, notes=[])
+                sizes=args.sizes, ranks=args.ranks, notes=[], duration_s=0.0, load_end=os.getloadavg()[0])
     rows = []
     todo = list(cells(args))
+    data = dict(meta=meta, rows=rows)
     for i, (comparison, size, ranks) in enumerate(todo):
+        if args.budget_min is not None and time.perf_counter() - start > 60 * args.budget_min:
+            left = ", ".join(f"{c} {s} x{r}" for c, s, r in todo[i:])
+            meta["notes"].append(f"cut for time (--budget-min {args.budget_min:g}): not run: {left}")
+            print(meta["notes"][-1], flush=True)
+            break
         print(f"[{i + 1}/{len(todo)}] {comparison}, {size}, {ranks} ranks ({time.perf_counter() - start:.0f} s)",
               flush=True)
         steps = 1 if args.quick else STEPS[size]
-        rows += run_cell(comparison, size, ranks, args.rounds, steps, lambda m: print(m, flush=True))
+        try:
+            rows += run_cell(comparison, size, ranks, args.rounds, steps, lambda m: print(m, flush=True))
+        except Exception as err:                         # one failed cell must not lose the others
+            meta["notes"].append(f"{comparison} {size} x{ranks} failed: {str(err).strip().splitlines()[-1][:300]}")
+            print(f"FAILED: {err}", flush=True)
         meta.update(duration_s=time.perf_counter() - start, load_end=os.getloadavg()[0])
-        data = dict(meta=meta, rows=rows)
         with open(path + ".tmp", "w") as f:             # after every cell: a crash keeps what ran
             json.dump(data, f, indent=1)
         os.replace(path + ".tmp", path)
+    meta.update(duration_s=time.perf_counter() - start, load_end=os.getloadavg()[0])
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
     text = report(data)
     with open(md, "w") as f:
         f.write(text)

@@ -6,9 +6,10 @@
 What runs: minipar.init() (NCCL when CUDA is there: a real world of one, checked with one
 all-reduce), the reference decoder (models/llama.py) with fp32 master weights under bf16 autocast
 (the trainer's single-device path), minipar's AdamW, `--steps` timed steps after `--warmup`.
-Then block_attention.py's fused path (the kernel ring attention calls per block: flash or
-efficient attention on CUDA, the flash CPU kernel on the CPU) on one causal square block of the
-model's attention shape, checked against torch's SDPA and timed forward + backward.
+Then the fused path of ring attention's block kernel (minipar/context_parallel/fused_attention.py,
+which block_attention.py's reference math checks: flash or efficient attention on CUDA, the flash
+CPU kernel on the CPU) on one causal square block of the model's attention shape, checked against
+an fp32 SDPA and timed forward + backward.
 
     tokens/s   micro_batch x seq / step time
     MFU        model FLOPs per second / peak FLOP/s (--peak-tflops, default 989: H100/H200 bf16 dense)
@@ -88,8 +89,8 @@ def _peak_memory(device, rss0):
 
 
 def attention_check(cfg, batch, seq, device, dtype, iters=3):
-    """block_attention's fused path on one causal square block against SDPA: error and time."""
-    from minipar.context_parallel.block_attention import block_backward, block_forward, default_scale
+    """The fused block kernel on one causal square block against fp32 SDPA: error and time."""
+    from minipar.context_parallel.fused_attention import block_backward, block_forward, default_scale
     g = torch.Generator(device="cpu").manual_seed(0)
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q, k, v, dout = (torch.randn(batch, h, seq, hd, generator=g).to(device, dtype) for h in (hq, hkv, hkv, hq))
@@ -183,7 +184,7 @@ def main(argv=None):
     print(f"peak memory {peak / 2 ** 30:.2f} GiB measured; planner: "
           + (json.dumps(result["planner"])[:400] if result["planner"] is not None else result["planner_note"]))
     a = result["attention"]
-    print(f"block_attention fused path ({a['kernel']}): {a['ms']:.2f} ms forward+backward of one "
+    print(f"fused block attention ({a['kernel']}): {a['ms']:.2f} ms forward+backward of one "
           f"{mb}x{cfg.num_attention_heads}x{seq}x{cfg.head_dim} block, max |error| vs SDPA {a['max_abs_err_vs_sdpa']:.2e}")
     out = args.out or (os.path.join(ROOT, "benchmarks", "results", "bench_gpu.json") if device.type == "cuda" else None)
     if out:

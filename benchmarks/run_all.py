@@ -71,9 +71,9 @@ def _preimport():
 
 
 def cells(args):
-    """In the order a run cut short by --budget-min loses least: at the smallest world size ZeRO-3
-    vs FSDP2 at every size first (how memory grows with size), then every other comparison size by
-    size; then the same at the next world size."""
+    """In the order a run cut short by --budget-min loses least: at the smallest world size every
+    comparison at the smallest model, then ZeRO-3 vs FSDP2 at the larger ones (how memory grows
+    with size), then the other comparisons at them; then the same at the next world size."""
     out = []
     for ranks in args.ranks:
         for size in args.sizes:
@@ -81,8 +81,9 @@ def cells(args):
                 if comparison == "accumulation" and ranks != min(args.ranks):
                     continue                      # its point is bytes and memory: one world size
                 out.append((comparison, size, ranks))
-    order = lambda c: (args.ranks.index(c[2]), c[0] != "zero3", args.sizes.index(c[1]),  # noqa: E731
-                       args.only.index(c[0]))
+    def order(c):
+        tier = 0 if c[1] == args.sizes[0] else 1 if c[0] == "zero3" else 2
+        return args.ranks.index(c[2]), tier, args.sizes.index(c[1]), args.only.index(c[0])
     return sorted(out, key=order)
 
 
@@ -219,6 +220,7 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", default=list(COMPARISONS), choices=COMPARISONS)
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="directory of the results")
     p.add_argument("--report", action="store_true", help="only regenerate README.md from run_all.json")
+    p.add_argument("--resume", action="store_true", help="keep the cells already in the results file, run the rest")
     p.add_argument("--budget-min", type=float, default=None,
                    help="start no new cell after this many minutes (the cells left out are listed)")
     args = p.parse_args(argv)
@@ -254,6 +256,17 @@ def main(argv=None):
                 sizes=args.sizes, ranks=args.ranks, notes=[], duration_s=0.0, load_end=os.getloadavg()[0])
     rows = []
     todo = list(cells(args))
+    if args.resume and os.path.exists(path):            # a run cut short: keep its cells, run the rest
+        with open(path) as f:
+            before = json.load(f)
+        rows = before["rows"]
+        done = {(r["comparison"], r["size"], r["ranks"]) for r in rows}
+        todo = [c for c in todo if c not in done]
+        meta["notes"] = before["meta"].get("notes", []) + [
+            f"resumed: {len(done)} cells from the run of {before['meta']['date']} (commit "
+            f"{before['meta'].get('commit', '?')}, {before['meta']['duration_s']:.0f} s) kept"]
+        meta["load_start"] = before["meta"]["load_start"]
+        start -= before["meta"]["duration_s"]           # durations and the budget count both runs
     data = dict(meta=meta, rows=rows)
     for i, (comparison, size, ranks) in enumerate(todo):
         if args.budget_min is not None and time.perf_counter() - start > 60 * args.budget_min:

@@ -115,7 +115,8 @@ def test_gradient_accumulation_equals_one_big_batch():
     _compare(got[0], _reference())
 
 
-@pytest.mark.parametrize("shape,tied", [((1, 2, 1, 1), False), ((2, 2, 1, 1), True)], ids=["fsdp2", "hsdp2x2-tied"])
+@pytest.mark.parametrize("shape,tied", [((1, 2, 1, 1), False), pytest.param((2, 2, 1, 1), True, marks=pytest.mark.slow)],
+                         ids=["fsdp2", "hsdp2x2-tied"])
 def test_accumulation_without_sync_equals_one_process(shape, tied):
     """no_sync() for micro-batch 1 of 2: no reduce-scatter, the unsharded gradients (all units,
     padded, fp32) are held; micro-batch 2 reduce-scatters the sum once per unit."""

@@ -331,12 +331,12 @@ def test_commands_in_code_blocks_parse(page, line, monkeypatch):
 
 def test_the_scanner_sees_what_it_must():
     """The patterns find the forms the pages use, and a stale name does not resolve."""
-    text = "see [x](../minipar/comm.py), minipar/training/optim.py:clip_grad_norm_ and zero3.py; DESIGN.md"
+    text = "see [x](../minipar/comm.py), minipar/training/optim.py:clip_grad_norm_ and zero3.py; NOWHERE.md"
     assert PATH_RE.findall(text) == [("../minipar/comm.py", ""), ("minipar/training/optim.py", "clip_grad_norm_"),
-                                     ("zero3.py", ""), ("DESIGN.md", "")]
+                                     ("zero3.py", ""), ("NOWHERE.md", "")]
     page = os.path.join(ROOT, "docs", "x.md")
     assert _resolve("../minipar/comm.py", page) and _resolve("training/data.py", page)
-    assert _resolve("zero3.py", page) is None and _resolve("DESIGN.md", page) is None
+    assert _resolve("zero3.py", page) is None and _resolve("NOWHERE.md", page) is None
     assert "clip_grad_norm_" in _defined(_resolve("minipar/training/optim.py", page))
     assert MODULE_RE.findall("call minipar.training.optim.build_optimizer.") == ["minipar.training.optim.build_optimizer"]
 

@@ -33,47 +33,24 @@ is right too, only slower, as in ddp.py.)
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn as nn
 
 from .. import comm
+from .ddp import ReplicaSync, attach
 
 
-class NaiveGradSync:
-    """One blocking all-reduce per parameter at the end of backward, over the MeshDim `dim`."""
+class NaiveGradSync(ReplicaSync):
+    """One blocking all-reduce per parameter at the end of backward, over the MeshDim `dim`. (The
+    hooks, no_sync() and the R / n rule of accumulation are ddp.py's ReplicaSync, shared by both rungs.)"""
 
     def __init__(self, model: nn.Module, dim):
-        self.dim = dim
-        self.params = [p for p in model.parameters() if p.requires_grad]    # tied parameters once
-        self._sync = True
-        self._callback_queued = False
-        self._holds_sum: set = set()            # ids of params whose .grad is an already-reduced sum
-        if dim.size > 1:
-            for p in self.params:
-                p.register_hook(lambda grad, p=p: self._before_accumulate(p))
-                p.register_post_accumulate_grad_hook(self._after_accumulate)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate gradients locally, without communicating."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    def _before_accumulate(self, p):
-        if id(p) in self._holds_sum:
-            self._holds_sum.discard(id(p))
-            if p.grad is not None:               # R / n now, so that the next sum gives R back
-                p.grad.div_(self.dim.size)
+        super().__init__(model, dim)
+        self._register_hooks()
 
     def _after_accumulate(self, p):
-        if self._sync and not self._callback_queued:
-            self._callback_queued = True         # once per backward: reduce when autograd is done
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        if self._sync:
+            self._queue_finish()                 # reduce once, when autograd is done
 
     def _finish(self):
         comm.mark("grad_sync.end_of_backward")
@@ -97,9 +74,4 @@ def replicate_naive(model: nn.Module, dim) -> NaiveGradSync:
     """Sum the gradients of `model` over `dim` after backward, one all-reduce per parameter.
     Same contract as ddp.replicate (same starting weights on every rank; attached as
     `model.grad_sync`)."""
-    if getattr(model, "zero3", None) is not None:
-        raise ValueError("replicate_naive: the model is sharded by ZeRO-3, which already reduces over "
-                         "dp_replicate (HSDP); use one of the two, not both")
-    sync = NaiveGradSync(model, dim)
-    model.grad_sync = sync
-    return sync
+    return attach(model, NaiveGradSync(model, dim), "replicate_naive")

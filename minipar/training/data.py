@@ -180,12 +180,16 @@ class BatchSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Check that a resumed run reads the same data order; the sampler has nothing else to load."""
-        mine = self.state_dict()
-        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
-        if diff:
-            what = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diff.items())
-            raise ValueError(f"the checkpoint's data order differs from this run ({what}); resume with "
-                             f"the same dataset, sequence_len, global_batch_size and seed")
+        check_same_data_order(state, self.state_dict(), "dataset, sequence_len, global_batch_size and seed")
+
+
+def check_same_data_order(saved: dict, mine: dict, what_to_keep: str) -> None:
+    """A sampler's resume check: the checkpoint's order-fixing state must equal this run's."""
+    diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+    if diff:
+        what = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diff.items())
+        raise ValueError(f"the checkpoint's data order differs from this run ({what}); resume with "
+                         f"the same {what_to_keep}")
 
 
 def eval_batches(tokens: torch.Tensor, sequence_len: int, batch_size: int,

@@ -20,7 +20,7 @@ and [min-max], and the ratio to the peer taken round by round (paired, so machin
 Tensor-level gathered bytes (ZeRO-3 / FSDP2) are sampled the same way for both (cases_dp.py).
 
 Results: results/run_all.json (every round of every row) and results/README.md, generated from it;
---quick writes results/quick.json and results/quick.md instead. CPU numbers from gloo on a shared
+--quick writes the smallest cell to files named quick.* in results/ instead. CPU numbers from gloo on a shared
 machine: per-step overheads and exact bytes, not GPU overlap (benchmarks/bench_gpu.py is for that).
 """
 from __future__ import annotations

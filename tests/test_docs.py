@@ -39,6 +39,7 @@ import re
 import shlex
 
 import pytest
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY_DIRS = ("minipar", "models", "benchmarks", "tests")
@@ -242,7 +243,12 @@ def _check_train(args, world, monkeypatch, page=None, line=""):
     show the command that writes them before it."""
     import minipar
     from minipar.training.run_setup import setup_run
-    outputs = sorted({"/".join(a.split("out/", 1)[1].split("/")[:1]) for a in args if "out/" in a})
+    config = {}
+    if args and not args[0].startswith("--"):
+        with open(os.path.join(ROOT, args[0])) as f:
+            config = yaml.safe_load(f) or {}
+    refs = [a for a in args if "out/" in a] + [v for k, v in config.items() if k not in WRITTEN_KEYS for v in _strings(v) if "out/" in v]
+    outputs = sorted({"/".join(a.split("out/", 1)[1].split("/")[:1]) for a in refs})
     if outputs:
         earlier = [l for p, l in _commands() if p == page]
         earlier = earlier[:earlier.index(line)]
@@ -250,7 +256,9 @@ def _check_train(args, world, monkeypatch, page=None, line=""):
             assert any(f"out/{out}" in e for e in earlier), f"{line}: nothing before it on {page} writes out/{out}"
         from minipar.training.train_config import TrainConfig, _apply, parse_overrides
         overrides = args[1:] if args and not args[0].startswith("--") else args
-        _apply(TrainConfig(), parse_overrides(overrides))         # unknown keys and wrong types raise
+        cfg = TrainConfig()
+        _apply(cfg, config)                                       # unknown keys and wrong types raise
+        _apply(cfg, parse_overrides(overrides))
         return
     seen = {}
 
@@ -267,6 +275,20 @@ def _check_train(args, world, monkeypatch, page=None, line=""):
     with pytest.raises(_Stop):
         setup_run(args)
     assert seen["config"].total_size == world
+
+
+WRITTEN_KEYS = ("output_dir", "metrics_file")    # what a run writes, not what it reads
+
+
+def _strings(value):
+    """Every string inside a loaded YAML value (mappings and lists walked)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def _argparse_options(path):
@@ -294,6 +316,9 @@ def _check_python(argv):
         path = os.path.join(ROOT, target)
     assert os.path.isfile(path), f"{target}: no such script or module in the repository"
     has_parser, options = _argparse_options(path)
+    runs = re.search(r"^from (\w+) import main\b", open(path).read(), re.M)
+    if not has_parser and path.endswith("__main__.py") and runs:   # a package's __main__ running a sibling's main()
+        has_parser, options = _argparse_options(os.path.join(os.path.dirname(path), runs.group(1) + ".py"))
     assert has_parser, f"{target} has no argparse command line"
     unknown = [a.split("=")[0] for a in args if a.startswith("-") and a.split("=")[0] not in options]
     assert not unknown, f"{target} does not accept {unknown} (it accepts {sorted(options)})"
@@ -312,17 +337,20 @@ def test_commands_in_code_blocks_parse(page, line, monkeypatch):
     if prog == "make":
         assert set(a for a in argv[1:] if "=" not in a) <= _makefile_targets(), line
         return
-    world = 1
+    world, nodes = 1, 1
     if prog == "torchrun":
         rest = argv[1:]
         while rest and rest[0].startswith("--"):
             opt, _, value = rest[0].partition("=")
             if opt in ("--nproc-per-node", "--nproc_per_node"):
                 world = int(value or rest[1])
+            if opt == "--nnodes":
+                nodes = int(value or rest[1])
             rest = rest[1:] if value or opt in ("--standalone",) else rest[2:]
         argv = rest
     elif prog.startswith("python"):
         argv = argv[1:]
+    world *= nodes                    # torchrun --nnodes N: the world spans N launchers
     if argv[0] == "train.py":
         return _check_train(argv[1:], world, monkeypatch, page, line)
     assert world == 1, f"{line}: only train.py is launched with torchrun here"

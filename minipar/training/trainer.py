@@ -29,25 +29,11 @@ import minipar
 from minipar import comm
 from minipar.training import data as mdata
 from minipar.training import lifecycle
+from minipar.training import metrics_file
 from minipar.training import optim as moptim
 from minipar.training.packing import RowSampler, eval_batches as packed_eval_batches
 from minipar.mesh import describe_grid
 from minipar.training.run_setup import Run
-
-
-def read_jsonl(path: str):
-    """(records, numbers of the lines that are not JSON) of a metrics file: a crash mid-write leaves
-    a partial last line, which must not block the resume."""
-    records, dropped = [], []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                dropped.append(number)
-    return records, dropped
 
 
 class Trainer:
@@ -78,8 +64,7 @@ class Trainer:
             from models.llama_init import materialize
             materialize(model, source)
         if pgm.dp_cp.size > 1 and not self.sharded:   # replicas (and cp ranks) all-reduce gradients
-            from minipar.data_parallel import replicate
-            from minipar.data_parallel import replicate_naive
+            from minipar.data_parallel import replicate, replicate_naive
             self.grad_sync = replicate_naive(model, pgm.dp_cp) if cfg.ddp == "naive" else replicate(model, pgm.dp_cp)
         # whose no_sync() the micro-batches before the last run under (None: sync every one)
         self.no_sync_owner = self.grad_sync if not self.sharded else \
@@ -212,21 +197,8 @@ class Trainer:
     def _open_metrics(self):
         if not self.is_main:
             return None
-        path = self.cfg.metrics_path
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        kept = []
-        if self.start_step > 0 and os.path.exists(path):    # keep the lines of the steps before the resume
-            records, dropped = read_jsonl(path)          # a line cut by a crash is dropped
-            if dropped:
-                self.log(f"note: {path}: dropped {len(dropped)} unreadable line(s) (line {', '.join(map(str, dropped))}; "
-                         f"a write cut short by the crash)")
-            self.history = [r for r in records if r.get("step", 0) <= self.start_step]
-            kept = [json.dumps(r) + "\n" for r in self.history]
-        # rewrite through a temporary file: a crash here must not lose the lines kept
-        with open(path + ".tmp", "w") as tmp:
-            tmp.writelines(kept)
-        os.replace(path + ".tmp", path)
-        return open(path, "a")
+        handle, self.history = metrics_file.open_metrics(self.cfg.metrics_path, self.start_step, self.log)
+        return handle
 
     def train(self):
         """The run; the output_dir lock is released however it ends."""
@@ -319,7 +291,7 @@ class Trainer:
         peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=self.device), self.pgm.world)
         if not self.is_main:
             return
-        png = self.plot()
+        png = metrics_file.plot_loss_curve(self.history, self.cfg.output_dir, self.pgm.shape, self.log)
         first = self.history[0]["loss"] if self.history else float("nan")
         final = self.history[-1]["loss"] if self.history else float("nan")
         lines = [f"done: {len(self.history)} steps in {elapsed:.1f} s, loss {first:.4f} -> {final:.4f}"
@@ -327,29 +299,3 @@ class Trainer:
                  f"metrics: {self.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),
                  f"{what} per rank (MiB): " + " ".join(f"r{i}={p:.0f}" for i, p in enumerate(peaks.tolist()))]
         self.log("\n".join(lines))
-
-    def plot(self) -> Optional[str]:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            self.log("matplotlib is not installed: no loss-curve PNG (pip install -e '.[plot]')")
-            return None
-        if not self.history:
-            return None
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r["step"] for r in self.history], [r["loss"] for r in self.history], label="train")
-        val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
-        if val:
-            ax.plot(*zip(*val), "o-", label="validation")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/token)")
-        ax.set_title(f"minipar {'x'.join(map(str, self.pgm.shape))} (dp_rep x dp_shard x cp x tp)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        path = os.path.join(self.cfg.output_dir, "loss_curve.png")
-        os.makedirs(self.cfg.output_dir, exist_ok=True)
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
-        return path

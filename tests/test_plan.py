@@ -241,10 +241,22 @@ def test_results_file_is_current():
         "benchmarks/results/plan.md is stale: run python benchmarks/plan_llama.py"
 
 
-def test_every_config_is_planned_or_refused(capsys):
+def test_every_config_is_planned_or_refused(capsys, tmp_path, monkeypatch):
     """The configs that test_plan_matches_* does not run are pipeline ones, which the planner
-    refuses with a clear error instead of planning them wrong."""
-    assert sorted(CONFIGS + PIPELINE) == ALL_CONFIGS and all(WORLDS[c] in (4, 8, 16) for c in CONFIGS)
+    refuses with a clear error instead of planning them wrong, and those whose model is a
+    generated base_model directory: planned once it exists, refused clearly before."""
+    assert sorted(CONFIGS + PIPELINE + FROM_BASE_MODEL) == ALL_CONFIGS and all(WORLDS[c] in (4, 8, 16) for c in CONFIGS)
     for config in PIPELINE:
         assert plan_main([os.path.join(ROOT, "configs", config)]) == 2
         assert "does not model pipeline parallelism" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    for config in FROM_BASE_MODEL:
+        assert plan_main([os.path.join(ROOT, "configs", config), "--world", "8"]) == 2
+        assert f"base_model '{_base_model(config)}'" in capsys.readouterr().err
+    if FROM_BASE_MODEL:
+        from minipar.training.make_example import make_example
+        make_example("out/example")                   # what the README runs before fine-tuning
+        capsys.readouterr()
+        for config in FROM_BASE_MODEL:
+            assert plan_main([os.path.join(ROOT, "configs", config), "--world", "8"]) == 0
+            assert "dp_shard 2 x cp 2 x tp 2 on 8 GPUs" in capsys.readouterr().out

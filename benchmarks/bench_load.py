@@ -42,27 +42,11 @@ LAYOUT8 = dict(dp_shard_size=2, cp_size=2, tp_size=2)
 MB = 2 ** 20
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> bool:
-    try:                                           # Linux >= 4.0: VmHWM := current RSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def worker(args):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
+    from common import current_rss, peak_rss, reset_peak_rss
     import minipar
     from minipar import ParallelismConfig
     from minipar.tensor_parallel import VocabParallelEmbedding
@@ -81,7 +65,10 @@ def worker(args):
     units = [sum(p.numel() for _, p in params) * 4 for _, _, params, _ in plan_units(meta, unit_classes)]
     sharded = pgm.config.dp_shard_size > 1
     dist.barrier()
-    baseline, reset = _rss("VmRSS"), _reset_peak()
+    try:                                           # Linux >= 4.0: VmHWM := current RSS
+        baseline, reset = reset_peak_rss(), True
+    except OSError:
+        baseline, reset = current_rss(), False
     t0 = time.perf_counter()
     if args.mode == "meta":
         ckpt.check(meta)
@@ -96,7 +83,7 @@ def worker(args):
             fully_shard(model, pgm)
     dist.barrier()
     seconds = time.perf_counter() - t0
-    peak = _rss("VmHWM")                           # without the reset: since start (an upper bound)
+    peak = peak_rss()                              # without the reset: since start (an upper bound)
     shards = sum(p.numel() * p.element_size() for p in model.parameters())
     out = dict(rank=args.rank, baseline=baseline, peak=peak, shards=shards, unit=max(units), seconds=seconds,
                reset=reset, n_params=n_params)

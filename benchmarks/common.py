@@ -74,11 +74,15 @@ def _status(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key}")
 
 
+def current_rss() -> int:
+    return _status("VmRSS")
+
+
 def reset_peak_rss() -> int:
     """Reset this process's peak resident set (Linux >= 4.0) and return the current one, in bytes."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status("VmRSS")
+    return current_rss()
 
 
 def peak_rss() -> int:

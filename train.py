@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 8 train.py                  dp_shard 2 x cp 2 x tp 2
     torchrun --nproc-per-node 4 train.py configs/hsdp.yaml --max_steps 20
 
-The order of a run (torchtitan's: parallelisms applied to a plain model in a clear order):
+The order of a run (as torchtitan's, one step after the other; TP and CP are built into the
+decoder, data parallelism wraps it from outside):
   1. config: YAML + `--key value` overrides; every check that needs no communication (sizes
      against the world, the model against tp/cp, the batch against dp, the dataset file) runs on
      every rank before the first collective, so a mistake is a clear error, never a hang;

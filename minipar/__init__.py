@@ -4,9 +4,11 @@
     pgm = minipar.init(minipar.ParallelismConfig(tp_size=2))   # under torchrun, or on one process
     pgm.tp.rank, pgm.dp_shard_cp.group, pgm.cp.next_rank, ...
 
-The pieces, one idea per file: config (the four sizes), mesh (the grid and its groups), comm (the
-collectives and their ledger), tensor_parallel, data_parallel, zero3, context_parallel,
-checkpoint, data, optim. models/llama.py composes them into the reference decoder.
+The pieces: config.py (the four sizes), mesh.py (the grid and its groups), comm.py (the
+collectives and their ledger); one subpackage per technique, data_parallel/, zero3/,
+tensor_parallel/, context_parallel/; the training program's parts in training/ (config keys,
+checks, the loop, data, optimizer, checkpoints, export). models/llama.py builds the reference
+decoder from them; docs/README.md gives the reading order.
 """
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ which group a call went over.
     all_reduce          x: [N]                 -> [N] summed    2 (n-1)/n * bytes(x)
     all_gather          x: [N/n] per rank      -> [N]           (n-1)/n * bytes(out)
     reduce_scatter      x: [N]                 -> [N/n] summed  (n-1)/n * bytes(in)
-    all_to_all          x: [N] in n slices     -> [N]           (n-1)/n * bytes(x)
     ring send/recv      x -> next rank, y <- previous rank      bytes(x)
 
 torch 2.13 deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` in favour of
@@ -254,18 +253,6 @@ def reduce_scatter(tensor: torch.Tensor, dim, scatter_dim: int = 0) -> torch.Ten
     out = moved.new_empty((moved.shape[0] // dim.size,) + tuple(moved.shape[1:]))
     reduce_scatter_into(out, moved, dim)
     return out.movedim(0, scatter_dim)
-
-
-def all_to_all(output: torch.Tensor, input: torch.Tensor, dim, async_op: bool = False):
-    """Slice i of dim 0 of `input` goes to rank i; slice j of `output` comes from rank j."""
-    if dim.size == 1:
-        output.copy_(input)
-        return _Done() if async_op else output
-    _record("all_to_all", dim, input, (dim.size - 1) / dim.size)
-    src = input.contiguous()
-    work = _run("all_to_all", dim, lambda: dist.all_to_all_single(output, src, group=dim.group, async_op=async_op),
-                async_op)
-    return work if async_op else output
 
 
 def broadcast(tensor: torch.Tensor, dim, src_group_rank: int = 0):

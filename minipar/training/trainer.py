@@ -58,8 +58,11 @@ class Trainer:
         self.is_main = pgm.global_rank == 0
         self.device = minipar.default_device()
         self.bf16 = cfg.dtype == "bfloat16"
-        model = LlamaForCausalLM(cfg.model, pgm, seed=cfg.seed).to(self.device)
+        # built on the meta device; each rank then materialises only what it keeps (its TP slice,
+        # under ZeRO-3 only its shard of each unit), from the seed or from base_model's files
+        model = LlamaForCausalLM(cfg.model, pgm, seed=cfg.seed, device="meta")
         self.n_params = sum(math.prod(p.tp_full_shape) for p in model.parameters())
+        source, t_load = self._weight_source(model), time.time()
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.grad_sync = None
@@ -70,14 +73,20 @@ class Trainer:
             fully_shard(model, pgm, unit_classes=(VocabParallelEmbedding, LlamaDecoderLayer), prefetch=cfg.fsdp.prefetch,
                         reshard_after_forward=cfg.fsdp.reshard_after_forward,
                         param_dtype=torch.bfloat16 if self.bf16 else None,
-                        reduce_dtype=torch.float32 if self.bf16 else None)
-        elif pgm.dp_cp.size > 1:                  # replicas (and cp ranks) all-reduce gradients
+                        reduce_dtype=torch.float32 if self.bf16 else None, init=source)
+        else:
+            from models.llama_init import materialize
+            materialize(model, source)
+        if pgm.dp_cp.size > 1 and not self.sharded:   # replicas (and cp ranks) all-reduce gradients
             from minipar.data_parallel import replicate
-            self.grad_sync = replicate(model, pgm.dp_cp)
+            from minipar.data_parallel import replicate_naive
+            self.grad_sync = replicate_naive(model, pgm.dp_cp) if cfg.ddp == "naive" else replicate(model, pgm.dp_cp)
         # whose no_sync() the micro-batches before the last run under (None: sync every one)
         self.no_sync_owner = self.grad_sync if not self.sharded else \
             (None if cfg.fsdp.sync_each_batch else model.zero3)
         self.model = model
+        if run.base_model is not None:
+            self.log(f"loaded {run.base_model.directory} in {time.time() - t_load:.1f} s")
         fused = dict(fused=True) if cfg.optimizer == "adamw_torch_fused" else {}   # torch's fused kernel
         self.optimizer = moptim.build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                                 betas=(cfg.adam_beta1, cfg.adam_beta2), **fused)
@@ -88,6 +97,15 @@ class Trainer:
             self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size,
                                               cfg.seed)
         self.start_step, self.history = 0, []
+
+    def _weight_source(self, model):
+        if self.run.base_model is None:
+            from models.llama_init import SeededInit
+            return SeededInit(model, self.cfg.seed, self.pgm.tp, self.device)
+        ckpt = self.run.base_model
+        self.log(f"loading {ckpt.directory}: {len(ckpt.tensors)} tensors, {ckpt.nbytes / 2**30:.2f} GiB; each "
+                 f"rank reads only its slices")
+        return ckpt.source(self.pgm.tp, self.device)
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str):

@@ -14,8 +14,9 @@ Where the parallelisms plug in (all through `pgm`, passed explicitly; pgm=None i
       heads, intermediate/tp MLP columns); o and down are row-parallel (one all-reduce each);
       the vocabulary is split in the embedding and the lm_head. With sequence_parallel the
       residual stream between them is split along the sequence instead of replicated.
-  cp  attention runs as ring attention over pgm.cp; the sequence arrives in the zigzag layout and
-      position_ids carry the true positions, so RoPE is right on every chunk.
+  cp  attention runs as ring attention over pgm.cp; the sequence arrives in the zigzag layout (or
+      contiguous, pgm.config.cp_layout) and position_ids carry the true positions, so RoPE is
+      right on every chunk.
   packing  document_ids (b, s), one id per token, keep attention inside each packed example (a
       block-diagonal causal mask; under cp the ids travel with K/V round the ring), and
       position_ids restart at each example, so a packed row computes what its examples alone do.
@@ -45,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minipar import comm
 from minipar import tensor_parallel as tpl
-from minipar.context_parallel import ring_attention, zigzag_positions
+from minipar.context_parallel import ring_attention, sequence_positions
 from minipar.mesh import ProcessGroupManager
 
 
@@ -183,26 +184,27 @@ def causal_attention(q, k, v, document_ids=None):
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
         super().__init__()
-        tp, sp = pgm.tp, pgm.config.sequence_parallel
+        tp, sp, overlap = pgm.tp, pgm.config.sequence_parallel, pgm.config.tp_async_overlap
         self.pgm, self.sp, self.head_dim = pgm, sp, config.head_dim
         self.local_heads = config.num_attention_heads // tp.size
         self.local_kv_heads = config.num_key_value_heads // tp.size
-        d, bias = config.hidden_size, config.attention_bias
-        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-        self.q_proj = tpl.ColumnParallelLinear(d, q, tp, bias=bias, sequence_parallel=sp)
-        self.k_proj = tpl.ColumnParallelLinear(d, kv, tp, bias=bias, sequence_parallel=sp)
-        self.v_proj = tpl.ColumnParallelLinear(d, kv, tp, bias=bias, sequence_parallel=sp)
-        self.o_proj = tpl.RowParallelLinear(q, d, tp, bias=bias, sequence_parallel=sp)
+        d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
+        col = dict(bias=bias, sequence_parallel=sp, async_overlap=overlap)
+        self.q_proj = tpl.ColumnParallelLinear(d, config.num_attention_heads * hd, tp, **col)
+        self.k_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
+        self.v_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
+        self.o_proj = tpl.RowParallelLinear(config.num_attention_heads * hd, d, tp, bias=bias, sequence_parallel=sp)
 
     def forward(self, x, cos, sin, document_ids=None):
-        x = tpl.enter_tp_region(x, self.pgm.tp, self.sp)        # one collective for q, k and v
-        b, s, _ = x.shape
-        q = self.q_proj(x, skip_input_comm=True).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x, skip_input_comm=True).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x, skip_input_comm=True).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = tpl.column_parallel_group(x, (self.q_proj, self.k_proj, self.v_proj))   # one collective
+        b, s, _ = q.shape
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.pgm.cp.size > 1:
-            out = ring_attention(q, k, v, self.pgm.cp, causal=True, document_ids=document_ids)
+            out = ring_attention(q, k, v, self.pgm.cp, causal=True, layout=self.pgm.config.cp_layout,
+                                 document_ids=document_ids)
         else:
             out = causal_attention(q, k, v, document_ids)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
@@ -214,13 +216,14 @@ class LlamaMLP(nn.Module):
         tp, sp = pgm.tp, pgm.config.sequence_parallel
         self.tp, self.sp = tp, sp
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = tpl.ColumnParallelLinear(d, f, tp, bias=bias, sequence_parallel=sp)
-        self.up_proj = tpl.ColumnParallelLinear(d, f, tp, bias=bias, sequence_parallel=sp)
+        col = dict(bias=bias, sequence_parallel=sp, async_overlap=pgm.config.tp_async_overlap)
+        self.gate_proj = tpl.ColumnParallelLinear(d, f, tp, **col)
+        self.up_proj = tpl.ColumnParallelLinear(d, f, tp, **col)
         self.down_proj = tpl.RowParallelLinear(f, d, tp, bias=bias, sequence_parallel=sp)
 
     def forward(self, x):
-        x = tpl.enter_tp_region(x, self.tp, self.sp)            # one collective for gate and up
-        return self.down_proj(F.silu(self.gate_proj(x, skip_input_comm=True)) * self.up_proj(x, skip_input_comm=True))
+        gate, up = tpl.column_parallel_group(x, (self.gate_proj, self.up_proj))   # one collective
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -259,7 +262,8 @@ class LlamaForCausalLM(nn.Module):
         with torch.device(device) if device is not None else contextlib.nullcontext():
             self.model = LlamaModel(config, self.pgm)
             self.lm_head = tpl.ColumnParallelLinear(config.hidden_size, config.vocab_size, self.pgm.tp,
-                                                    sequence_parallel=self.pgm.config.sequence_parallel)
+                                                    sequence_parallel=self.pgm.config.sequence_parallel,
+                                                    async_overlap=self.pgm.config.tp_async_overlap)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight   # same (V/tp, d) rows on every layout
         self.gradient_checkpointing = False
@@ -281,10 +285,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, position_ids=None, labels=None, num_items_in_batch=None, document_ids=None):
         pgm, cfg = self.pgm, self.config
         if position_ids is None:
-            if pgm.cp.size > 1:
-                position_ids = zigzag_positions(input_ids.shape[1] * pgm.cp.size, pgm.cp, device=input_ids.device)
-            else:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            position_ids = sequence_positions(input_ids.shape[1] * pgm.cp.size, pgm.cp, pgm.config.cp_layout,
+                                              device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype, cfg.rope_scaling)

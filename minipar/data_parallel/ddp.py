@@ -1,5 +1,6 @@
 """Data parallelism: every replica holds the whole model, reads its own samples, and the replicas
-sum their gradients, bucket by bucket, while backward is still running.
+sum their gradients, bucket by bucket, while backward is still running. (The rung below it,
+naive.py, reduces parameter by parameter after backward; `ddp: naive | bucketed`.)
 
 Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB 2020),
 the design of torch's DistributedDataParallel. One all-reduce per parameter would pay the
@@ -23,7 +24,7 @@ Gradients are SUMMED, not averaged: the loss is already divided by the token cou
 batch, so the sum over replicas is the single-process gradient. `dim` is the group of ranks that
 hold the same parameters and see different tokens: pgm.dp_cp when nothing is sharded (replicas and
 context-parallel ranks alike), pgm.dp_replicate in general. (HSDP, sharded within a replica and
-replicated across, is zero3.py's business: it all-reduces its shard gradients itself.)
+replicated across, is minipar/zero3/'s business: it all-reduces its shard gradients itself.)
 
 Gradient accumulation: inside `with sync.no_sync():` the hooks do nothing and gradients add up
 locally; the backward of the last micro-batch, outside it, reduces the accumulated sum, so a step

@@ -78,6 +78,12 @@ class TrainConfig:
     context_parallel_size: int = 1        # [cp_size]
     tensor_parallel_size: int = 1         # [tp_size]
     sequence_parallel: bool = False
+    ddp_timeout: int = 1800               # seconds a collective waits for a stuck peer (Axolotl's name)
+    # the ladder's rungs (docs/ladder.md): naive | bucketed gradient all-reduce when nothing is
+    # sharded; TP's async input-gradient overlap; CP's sequence split (zigzag | contiguous)
+    ddp: str = "bucketed"
+    tp_async_overlap: bool = False
+    cp_layout: str = "zigzag"
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     fsdp_version: Optional[int] = None    # Axolotl's; 1 or 2: both are minipar's ZeRO-3 over dp_shard
     output_dir: str = "out/default"
@@ -303,6 +309,8 @@ def check(cfg: TrainConfig) -> None:
     for key in positive:                  # (None: derived later, from the world or the dataset)
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.ddp_timeout < 1:
+        raise ValueError(f"ddp_timeout is in seconds and must be >= 1, got {cfg.ddp_timeout}")
     for key in ("save_steps", "eval_steps"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"{key} must be >= 0 (0 = {'only at the end' if key == 'save_steps' else 'never'}), "
@@ -314,6 +322,10 @@ def check(cfg: TrainConfig) -> None:
                          f"got {cfg.fsdp.state_dict_type!r}")
     if cfg.fsdp.wrap != ["LlamaDecoderLayer"]:
         raise ValueError(f"fsdp.wrap: only [LlamaDecoderLayer] units are known, got {cfg.fsdp.wrap}")
+    if cfg.ddp not in ("naive", "bucketed"):
+        raise ValueError(f"ddp must be naive or bucketed, got {cfg.ddp!r}")
+    if cfg.cp_layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"cp_layout must be zigzag or contiguous, got {cfg.cp_layout!r}")
     if cfg.fsdp.prefetch < 0:
         raise ValueError(f"fsdp.prefetch must be >= 0, got {cfg.fsdp.prefetch}")
     if cfg.model.vocab_size < 256 and not (cfg.tokenizer_config or getattr(cfg, "base_model", None)):

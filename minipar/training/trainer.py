@@ -28,6 +28,7 @@ import torch
 import minipar
 from minipar import comm
 from minipar.training import data as mdata
+from minipar.training import lifecycle
 from minipar.training import optim as moptim
 from minipar.training.packing import RowSampler, eval_batches as packed_eval_batches
 from minipar.mesh import describe_grid
@@ -78,7 +79,8 @@ class Trainer:
             materialize(model, source)
         if pgm.dp_cp.size > 1 and not self.sharded:   # replicas (and cp ranks) all-reduce gradients
             from minipar.data_parallel import replicate
-            self.grad_sync = replicate(model, pgm.dp_cp)
+            from minipar.data_parallel import replicate_naive
+            self.grad_sync = replicate_naive(model, pgm.dp_cp) if cfg.ddp == "naive" else replicate(model, pgm.dp_cp)
         # whose no_sync() the micro-batches before the last run under (None: sync every one)
         self.no_sync_owner = self.grad_sync if not self.sharded else \
             (None if cfg.fsdp.sync_each_batch else model.zero3)
@@ -186,6 +188,7 @@ class Trainer:
                              state_dict_type=self.cfg.fsdp.state_dict_type,
                              keep_last=self.cfg.save_total_limit)
         self.log(f"saved checkpoint {path}")
+        return path
 
     def maybe_resume(self):
         resume = self.cfg.resume_from_checkpoint
@@ -248,6 +251,7 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True,
                    disable=not (self.is_main and cfg.progress_bar))
         start, last_val = time.time(), None
+        stop = lifecycle.StopFlag().install()     # SIGTERM: finish the step, save it, leave (lifecycle.py)
         for step in range(self.start_step, cfg.max_steps):
             t0 = time.time()
             out = self.train_step(step)
@@ -273,6 +277,10 @@ class Trainer:
                          f"grad_norm {out['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
             if cfg.save_steps and done % cfg.save_steps == 0 and done != cfg.max_steps:
                 self.save(done)
+            signum = stop.agreed(pgm, self.device)   # the same answer on every rank
+            if signum and done != cfg.max_steps:
+                self._stop_early(done, signum, stop, bar, metrics)
+        stop.restore()
         bar.close()
         if metrics:
             metrics.close()
@@ -287,6 +295,19 @@ class Trainer:
             self.log(f"exported Hugging Face model to {hf_dir}")
         self.summary(time.time() - start, last_val)
         return self.history
+
+    def _stop_early(self, done: int, signum: int, stop, bar, metrics):
+        """Every rank saw a stop signal by the end of step `done`: save that step (unless save_steps
+        just did) and leave with lifecycle.Preempted, before the launcher's grace period ends."""
+        bar.close()
+        if metrics:
+            metrics.close()
+        saved = self.cfg.save_steps and done % self.cfg.save_steps == 0
+        path = os.path.join(self.cfg.output_dir, f"step-{done}") if saved else self.save(done)
+        stop.restore()                            # (a repeated SIGTERM during the save is absorbed)
+        err = lifecycle.Preempted(done, path, signum)
+        self.log(str(err))
+        raise err
 
     def summary(self, elapsed: float, last_val: Optional[float]):
         if self.device.type == "cuda":            # (a gloo run on a GPU machine trains on the CPU)

@@ -60,7 +60,8 @@ first step they are a static guess, the registration order forward and its rever
 backward, so step 1 prefetches too; each forward and backward records the order it really ran and
 replaces the guess when it differs (a model that runs units out of order, or skips one). Activation checkpointing
 re-runs a unit's forward inside its backward: the hooks see that the unit is already in its
-backward and leave its gathered parameters alone. Units unused in a step are never gathered.
+backward and leave its gathered parameters alone. A unit unused in a step is never reduced (a
+learned prefetch may still gather it; it is freed again at the end of backward).
 A gathered buffer is written through an alias (`.data`) with its own version counter: refilling
 it before backward is not an in-place change of the tensors autograd saved, it restores them.
 """
@@ -74,7 +75,7 @@ import torch.nn as nn
 from .. import comm
 from ..tensor_parallel import VocabParallelEmbedding
 from .grad_reduce import GradientReduction
-from .flat_param import FlatLayout, ShardedStateDicts, merge_sharded_state_dicts, plan_units  # noqa: F401
+from .flat_param import FlatLayout, ShardedStateDicts, plan_units  # noqa: F401
 
 
 # modules whose backward never reads their weight (an embedding's gradient is a scatter-add of the

@@ -21,10 +21,19 @@ def _check_rows(data, rounds):
 
 
 def test_quick_subset_measures_every_row(tmp_path):
-    """The smallest cell, one round, ZeRO-3 vs FSDP2 and ring attention vs SDPA (the rest: the slow twin)."""
-    run_all.main(["--quick", "--rounds", "1", "--only", "zero3", "cp", "--out", str(tmp_path)])
+    """The smallest cell, one round: ZeRO-3 vs FSDP2, TP vs DTensor and ring attention vs SDPA (the
+    rest: the slow twin)."""
+    run_all.main(["--quick", "--rounds", "1", "--only", "zero3", "tp", "cp", "--out", str(tmp_path)])
     data = json.load(open(tmp_path / "quick.json"))
+    assert not [n for n in data["meta"]["notes"] if "failed" in n], data["meta"]["notes"]
     rows = _check_rows(data, 1)
+    assert {c for c, _ in rows} == {"zero3", "tp", "cp"}
+    # the same plan: DTensor's plain TP reduces each Colwise input gradient itself, minipar once per
+    # shared input; with SP both move activations by reduce-scatter + all-gather pairs, the same number
+    tp, dt = rows[("tp", "minipar TP")]["collectives"], rows[("tp", "DTensor TP")]["collectives"]
+    assert tp["all_reduce"] < dt["all_reduce"]
+    sp, dsp = rows[("tp", "minipar TP + SP")]["collectives"], rows[("tp", "DTensor TP + SP")]["collectives"]
+    assert sp["reduce_scatter"] == dsp["reduce_scatter"] and sp["all_gather"] == dsp["all_gather"]
     mine, peer = rows[("zero3", "minipar ZeRO-3")], rows[("zero3", "torch FSDP2")]
     assert mine["peer"] == "torch FSDP2" and "ratio" in mine
     # the same bytes as FSDP2 with its defaults (root gathered once), up to padding
@@ -36,13 +45,16 @@ def test_quick_subset_measures_every_row(tmp_path):
     assert ring["comm"]["send_recv"] == 3 * 2 * 4 * L * 64 * 4
     assert rows[("cp", "SDPA 1 process (enable_gqa)")]["gqa"] == "enable_gqa"
     text = open(tmp_path / "quick.md").read()
-    assert "ZeRO-3 vs torch FSDP2" in text and "Ring attention" in text and "quick.json" in text
+    assert "ZeRO-3 vs torch FSDP2" in text and "Ring attention" in text and "vs DTensor" in text
+    assert "quick.json" in text
 
 
 @pytest.mark.slow
 def test_quick_runs_every_comparison(tmp_path):
     run_all.main(["--quick", "--out", str(tmp_path)])
-    rows = _check_rows(json.load(open(tmp_path / "quick.json")), 2)
+    data = json.load(open(tmp_path / "quick.json"))
+    assert not [n for n in data["meta"]["notes"] if "failed" in n], data["meta"]["notes"]
+    rows = _check_rows(data, 2)
     assert {c for c, _ in rows} == set(run_all.COMPARISONS)
     acc = rows[("accumulation", "minipar ZeRO-3 accum no-sync")]
     each = rows[("accumulation", "minipar ZeRO-3 accum sync-each")]

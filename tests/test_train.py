@@ -41,11 +41,18 @@ def _world_of(config):
     return n
 
 
+# one single-process run per option set, shared by every test that compares a layout with it
+# (the curve does not depend on where the run writes; computing it once saves ~20 s of the suite)
+_REFERENCE_CURVES = {}
+
+
 def _single(tmp_path, *extra):
     # the reference: one process, every size 1 (the config's sizes fall back on a world of one)
     # (forked, so that this test process never holds a default group)
-    return run_world(_train, 1, _argv("ddp.yaml", tmp_path / "single", "--dp_replicate_size", "1", *extra),
-                     timeout=300)[0]
+    if extra not in _REFERENCE_CURVES:
+        _REFERENCE_CURVES[extra] = run_world(
+            _train, 1, _argv("ddp.yaml", tmp_path / "single", "--dp_replicate_size", "1", *extra), timeout=300)[0]
+    return _REFERENCE_CURVES[extra]
 
 
 def _assert_same_curve(ref, got, rel=1e-4):
@@ -87,11 +94,19 @@ def test_more_layouts_match_single_process(tmp_path, world, extra):
         _assert_same_curve(ref, g)
 
 
+CLIP, ACCUMULATE, CHECKPOINT = (["--max_grad_norm", "0.05"],         # clipping active on every step
+                                ["--micro_batch_size", "1"],           # gradient accumulation
+                                ["--gradient_checkpointing", "true"])  # activation checkpointing
+
+
+# the fast twin: the three options at once (any one of them wrong changes the curve); the slow
+# test below runs each alone, so that a failure names the option
 @pytest.mark.parametrize("extra", [
-    ["--max_grad_norm", "0.05"],                       # clipping active on every step
-    ["--micro_batch_size", "1"],                       # gradient accumulation
-    ["--gradient_checkpointing", "true"],              # activation checkpointing
-], ids=["clipping", "accumulation", "checkpointing"])
+    pytest.param(CLIP + ACCUMULATE + CHECKPOINT, id="all-three"),
+    pytest.param(CLIP, id="clipping", marks=pytest.mark.slow),
+    pytest.param(ACCUMULATE, id="accumulation", marks=pytest.mark.slow),
+    pytest.param(CHECKPOINT, id="checkpointing", marks=pytest.mark.slow),
+])
 def test_options_match_single_process_on_4d_layouts(tmp_path, extra):
     ref = _single(tmp_path, *extra)
     if "--max_grad_norm" in extra:

@@ -92,6 +92,13 @@ class GradSync:
         finally:
             self._sync = previous
 
+    def sync_gradients(self):
+        """All-reduce what is accumulated now, outside any backward: for callers whose step is
+        many backward calls (a pipeline schedule: one per micro-batch and model chunk), run them
+        all under no_sync() and then this, once. Not overlapped with compute."""
+        if self.dim.size > 1:
+            self._finish()
+
     # ------------------------------------------------------------------ hooks
     def _before_accumulate(self, p):
         if id(p) in self._holds_sum:

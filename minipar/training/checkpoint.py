@@ -97,7 +97,12 @@ def layout(model, pgm) -> List[Tuple[torch.nn.Parameter, List[Segment]]]:
 
 
 def _param_shapes(model, pgm) -> Dict[str, list]:
-    """{name: full shape} of every parameter, not only of those this rank's shards touch."""
+    """{name: full shape} of every parameter, not only of those this rank's shards touch. A
+    pipeline stage holds some layers only, but describes the whole model (its layers' names carry
+    their global index), so a checkpoint of any pp size loads on any other."""
+    whole = getattr(model, "full_param_shapes", None)
+    if whole is not None:
+        return {n: list(shape) for n, shape in whole.items()}
     return {n: list(shape) for _, _, carried in _tensors(model, pgm) for n, shape in carried}
 
 
@@ -228,6 +233,11 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
     if full:                                     # the collectives come first: nothing can fail before them
         model_full = {n: t.detach().cpu().contiguous() for n, t in model.full_state_dict().items()}
         optim_full = full_optimizer_state(model, optimizer, pgm) if optimizer is not None else None
+        pp = getattr(pgm, "pp", None)
+        if pp is not None and pp.size > 1 and optim_full is not None:   # each stage has its layers' states
+            from ..pipeline_parallel.stage import gather_over_stages
+            kinds = {k: gather_over_stages(v, pgm) for k, v in optim_full[0].items()}
+            optim_full = (kinds, gather_over_stages(optim_full[1], pgm))
 
     def write(tmp: str) -> dict:
         rank = pgm.global_rank

@@ -26,7 +26,8 @@ from minipar.training import data as mdata
 from minipar.training.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
 
 
-SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size")
+SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size",
+             "pipeline_parallel_size")
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "default.yaml")
 
 
@@ -65,7 +66,8 @@ def setup_run(argv: List[str]) -> Run:
                      f"reset: dp_shard_size takes the remainder, the others are 1)")
     world = _world_size()
     sizes = dict(dp_replicate_size=cfg.dp_replicate_size, dp_shard_size=cfg.dp_shard_size,
-                 cp_size=cfg.context_parallel_size, tp_size=cfg.tensor_parallel_size)
+                 cp_size=cfg.context_parallel_size, tp_size=cfg.tensor_parallel_size,
+                 pp_size=cfg.pipeline_parallel_size)
     if world == 1 and not from_cli and any((v or 1) > 1 for v in sizes.values()):
         # `python train.py` on a config written for a torchrun launch: run it on one process
         notes.append(f"one process: the config's parallel sizes ({_fmt(sizes)}) apply to torchrun "
@@ -84,6 +86,9 @@ def setup_run(argv: List[str]) -> Run:
         raise ValueError(f"global_batch_size {cfg.global_batch_size} is not divisible by the data-parallel "
                          f"size dp_replicate x dp_shard = {dp}; use a multiple of {dp}")
     num_micro = mdata.micro_steps_for(cfg.global_batch_size, micro, dp)
+    if pconf.pp_size > 1:                         # the split and the schedule, before any group exists
+        from minipar.training.pipeline_step import check_pipeline
+        check_pipeline(cfg, pconf.pp_size, num_micro)
     if cfg.sequence_len > cfg.model.max_position_embeddings:
         raise ValueError(f"sequence_len {cfg.sequence_len} exceeds model.max_position_embeddings "
                          f"{cfg.model.max_position_embeddings}")

@@ -58,6 +58,11 @@ class TrainConfig:
     context_parallel_size: int = 1        # [cp_size]
     tensor_parallel_size: int = 1         # [tp_size]
     sequence_parallel: bool = False
+    # pipeline parallelism, the outermost dimension [pp_size] (minipar/pipeline_parallel/)
+    pipeline_parallel_size: int = 1
+    pipeline_schedule: str = "1f1b"       # afab | 1f1b | interleaved_1f1b
+    pipeline_virtual_stages: Optional[int] = None   # model chunks per rank; None: 2 if interleaved, else 1
+    pipeline_layers: Optional[List[int]] = None     # layers per (virtual) stage; None: the even split
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     output_dir: str = "out/default"
     metrics_file: Optional[str] = None    # default: <output_dir>/metrics.jsonl
@@ -183,7 +188,7 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None) ->
 def check(cfg: TrainConfig) -> None:
     """Value checks that need no world: every message names the key and a fix."""
     positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
-                "dp_replicate_size", "context_parallel_size", "tensor_parallel_size"]
+                "dp_replicate_size", "context_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"]
     for key in positive:
         if getattr(cfg, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
@@ -200,6 +205,11 @@ def check(cfg: TrainConfig) -> None:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's 256")
     if cfg.micro_batch_size is not None and cfg.micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 or null, got {cfg.micro_batch_size}")
+    if cfg.pipeline_layers is not None and not isinstance(cfg.pipeline_layers, list):
+        raise ValueError(f"pipeline_layers must be a list of layer counts, e.g. [3, 5], got {cfg.pipeline_layers!r}")
+    v = cfg.pipeline_virtual_stages
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"pipeline_virtual_stages must be >= 1 or null, got {cfg.pipeline_virtual_stages}")
     if not os.path.exists(cfg.dataset):
         raise FileNotFoundError(f"dataset file {cfg.dataset!r} not found: set `dataset` to a text file "
                                 f"(the bundled corpus is data/shakespeare.txt)")

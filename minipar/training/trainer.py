@@ -44,6 +44,9 @@ class Trainer:
         self.n_params = sum(math.prod(p.tp_full_shape) for p in model.parameters())
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if pgm.pp.size > 1:                       # pipeline parallelism: keep this rank's stage only
+            from minipar.training.pipeline_step import build_pipeline_model
+            model = build_pipeline_model(model, cfg, pgm)
         self.grad_sync = None
         self.sharded = pgm.config.dp_shard_size > 1
         if self.sharded:                          # ZeRO-3 over dp_shard_cp, HSDP over dp_replicate
@@ -61,6 +64,10 @@ class Trainer:
         self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size, cfg.seed)
         self.start_step, self.history = 0, []
+        self.pipeline = None                      # the schedule runs the step (pipeline_step.py)
+        if pgm.pp.size > 1:
+            from minipar.training.pipeline_step import PipelineStep
+            self.pipeline = PipelineStep(self)
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str):
@@ -80,6 +87,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict:
+        if self.pipeline is not None:
+            return self.pipeline.train_step(step)
         ids, labels = self.sampler.global_batch(self.run.train_tokens, step)
         n_items = mdata.count_label_tokens(labels)
         M = self.run.num_micro_steps
@@ -102,6 +111,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        if self.pipeline is not None:
+            return self.pipeline.evaluate()
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
@@ -244,7 +255,7 @@ class Trainer:
             ax.plot(*zip(*val), "o-", label="validation")
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/token)")
-        ax.set_title(f"minipar {'x'.join(map(str, self.pgm.shape))} (dp_rep x dp_shard x cp x tp)")
+        ax.set_title(f"minipar {'x'.join(map(str, self.pgm.grid_shape))} (pp x dp_rep x dp_shard x cp x tp)")
         ax.grid(alpha=0.3)
         ax.legend()
         path = os.path.join(self.cfg.output_dir, "loss_curve.png")

@@ -79,6 +79,7 @@ class Unit:
             self.point_params_at(self.layout.views(self.flat))
         self.buffer.untyped_storage().resize_(0)
         self.work = self.work_src = None
+        self.unsharded_grad = None           # accumulated while gradient sync is off (no_sync)
         self.state = "sharded"               # -> "gathering" -> "gathered" -> "sharded"
         self.in_backward = False
 
@@ -149,11 +150,22 @@ class Zero3(ShardedStateDicts):
         self._pending = []                       # (unit, work, out, src): reduce-scatters in flight
         self._replica_pending = []               # (unit, work, out): HSDP all-reduces in flight
         self.peak_gathered_bytes = 0
+        self.requires_gradient_sync = True
         for u in units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
             if u.flat.requires_grad:
                 u.flat.register_post_accumulate_grad_hook(lambda flat, u=u: self._post_backward(u))
+
+    # ------------------------------------------------------------------ gradient accumulation
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool):
+        """FSDP2's switch for gradient accumulation without communication. False: each unit's
+        backward keeps its UNSHARDED gradient (reduce_dtype, the unit's full size) and adds the
+        next backward's into it, with no reduce-scatter. True (the default): the next backward of
+        the unit adds what was kept and reduce-scatters the sum, so a step of m micro-batches
+        reduce-scatters once instead of m times, at the price of holding the unsharded gradients
+        meanwhile. The pipeline schedules switch it on for each chunk's last micro-batch."""
+        self.requires_gradient_sync = bool(requires_gradient_sync)
 
     # ------------------------------------------------------------------ memory accounting
     def gathered_units(self) -> List[str]:
@@ -219,6 +231,11 @@ class Zero3(ShardedStateDicts):
         grad, u.flat.grad = u.flat.grad, None
         u.free()
         src = grad.to(u.reduce_dtype)
+        if u.unsharded_grad is not None:         # what earlier micro-batches kept (no sync)
+            src, u.unsharded_grad = u.unsharded_grad.add_(src), None
+        if not self.requires_gradient_sync:
+            u.unsharded_grad = src
+            return
         out = torch.empty(u.layout.shard_numel, dtype=u.reduce_dtype, device=grad.device)
         comm.mark(f"zero3.reduce_scatter {u.name}")
         work = comm.reduce_scatter_into(out, src, u.dim, async_op=True)

@@ -35,15 +35,21 @@ from .schedules import Action
 
 
 class Recorder:
-    """What a step really did on this rank: compute events and the peak of live activations."""
+    """What a step really did on this rank: compute events and the peak of live activations.
+    Times are seconds after t0, the step's start (perf_counter: one clock for every process of
+    a machine, so the ranks' rows can be drawn on one axis); t_end is when the step returned."""
 
     def __init__(self):
         self.events: List[tuple] = []           # (kind, chunk, micro, start, end)
         self.live = self.peak_live = 0
-        self.t0 = None
+        self.t0 = self.t_end = None
 
     def start(self):
         self.t0 = time.perf_counter()
+        self.events, self.live, self.peak_live = [], 0, 0
+
+    def stop(self):
+        self.t_end = time.perf_counter() - self.t0
 
     def note(self, a: Action, start: float, end: float):
         self.live += 1 if a.kind == "F" else -1
@@ -97,6 +103,8 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
                 link.send_backward(x.grad, vs - 1, a.micro)
             del x, out
     link.finish()
+    if recorder is not None:
+        recorder.stop()
     if saved:
         raise RuntimeError(f"pipeline schedule left {len(saved)} micro-batches without a backward: {sorted(saved)}")
     return loss

@@ -19,6 +19,9 @@ and exp_avg_sq; `step` is a scalar), so one mechanism moves all of them:
     loading (either)    every rank reads the files, rebuilds FULL tensors by name (concatenated
                         over tp along tp_split_dim), and cuts its own layout with local_from_full():
                         saved on 2x2x2, resumed on 4x1x2 or on one process, with or without ZeRO-3.
+    pipeline stages     a stage's layers carry their global HF names (model.layers.6...), so each
+                        stage writes its own shards and loading is the same; the manifest lists the
+                        whole model (stage.full_param_shapes). FULL_STATE_DICT gathers over pp too.
 
     step-N/  manifest.json   trainer_state.pt (step, scheduler, extra, optimizer hyper-parameters)
              rng/rank-R.pt (every rank)   shards/rank-R.pt  or  model.safetensors + optimizer.pt

@@ -17,9 +17,8 @@ The receiver knows the shape in advance (every stage sees the same micro-batch s
 shape message travels. Each message has a tag naming (kind, receiving virtual stage, micro-batch):
 a backend that matches by tag (gloo) pairs every send with its receive whatever the posting order.
 A backend that ignores tags (NCCL) matches a link's messages in posting order: the executor posts
-sends in the order it produces them and receives in the order it consumes them, which are the same
-order of micro-batches on both ends for AFAB and 1F1B, and for interleaved 1F1B on p > 2 (with
-p = 2 both kinds share one link each way, and only the tags keep them apart). Sends are
+sends in the order it produces them and receives in the order it consumes them, and for all three
+schedules these two orders agree on every link (tests/test_pipeline.py checks it). Sends are
 asynchronous: a stage never waits for its neighbour to take a tensor before going on with its next
 micro-batch; only a receive blocks, when its data is needed.
 """

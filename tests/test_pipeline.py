@@ -202,17 +202,20 @@ def test_each_schedule_on_pp2_matches_single_process(tmp_path_factory, tmp_path,
 
 
 def test_pp2_zero3_checkpointing_reduce_scatters_once_per_step(tmp_path_factory, tmp_path):
+    # interleaved: two chunks per rank, each unit reduce-scattered in its own chunk's last backward
     ref = _reference(tmp_path_factory)
     save = tmp_path / "pp2-shard2"
     got = run_world(_train_counting, 4, _argv(save, "--pipeline_parallel_size", "2", "--dp_shard_size", "2",
+                                              "--pipeline_schedule", "interleaved_1f1b",
                                               "--gradient_checkpointing", "true", "--save_final_checkpoint", "true",
                                               "--fsdp.state_dict_type", "FULL_STATE_DICT"), timeout=300)
     steps, m = 3, 2                            # 8 samples / (micro_batch_size 2 x dp 2)
     for curve, led in got:
         _same(ref, curve)
         assert led["units"] > 0 and led["reduce_scatters"] == steps * led["units"], led   # not x m
-        # stage 0 sends m activations per step (+1 per evaluation), stage 1 m gradients
-        assert led["sends"] == steps * m + (1 if led["pp_rank"] == 0 else 0), led
+        # v p - 1 = 3 boundaries: rank 0 sends 2 activations and 1 gradient per micro-batch, rank 1 the
+        # reverse; an evaluation sends one activation per boundary (rank 0: 2, rank 1: 1)
+        assert led["sends"] == steps * m * 3 + (2 if led["pp_rank"] == 0 else 1), led
     # the full checkpoint (gathered over the shards and the stages) resumes on one process
     resumed = run_world(_train, 1, _argv(tmp_path / "one", "--resume_from_checkpoint", str(save / "step-3"),
                                          steps=5), timeout=300)[0]
@@ -254,6 +257,7 @@ SLOW = [
     (4, 4, ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--gradient_checkpointing", "true"]),
     (4, 4, ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2", "--dp_shard_size", "1",
             "--pipeline_schedule", "interleaved_1f1b"]),
+    (8, 4, ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2", "--dp_shard_size", "2"]),   # HSDP
     (16, 4, ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--context_parallel_size", "2",
              "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
 ]

@@ -4,9 +4,9 @@
     pgm = minipar.init(minipar.ParallelismConfig(tp_size=2))   # under torchrun, or on one process
     pgm.tp.rank, pgm.dp_shard_cp.group, pgm.cp.next_rank, ...
 
-The pieces, one idea per file: config (the four sizes), mesh (the grid and its groups), comm (the
+The pieces, one idea per file: config (the sizes), mesh (the grid and its groups), comm (the
 collectives and their ledger), tensor_parallel, data_parallel, zero3, context_parallel,
-checkpoint, data, optim. models/llama.py composes them into the reference decoder.
+pipeline_parallel, checkpoint, data, optim. models/llama.py composes them into the reference decoder.
 """
 from __future__ import annotations
 

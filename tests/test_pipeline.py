@@ -184,8 +184,8 @@ def _bad_world(argv):
 
 
 def test_bad_pipeline_refused_on_every_rank_before_any_collective(tmp_path):
-    out = run_world(_bad_world, 4, _argv(tmp_path, "--pipeline_parallel_size", "4", layers=2), timeout=120)
-    assert all("num_hidden_layers=2 cannot be split over 4" in o for o in out), out[0]
+    out = run_world(_bad_world, 2, _argv(tmp_path, "--pipeline_parallel_size", "2", layers=1), timeout=120)
+    assert all("num_hidden_layers=1 cannot be split over 2" in o for o in out), out[0]
     out = run_world(_bad_world, 2, _argv(tmp_path, "--pipeline_parallel_size", "2", "--micro_batch_size", "8"),
                     timeout=120)
     assert all("needs at least 2 micro-batches" in o for o in out), out[0]

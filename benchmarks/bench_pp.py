@@ -83,7 +83,8 @@ class _Holder:
 def _rank(args, schedule, p, m, v):
     torch.set_num_threads(1)
     pgm = minipar.init(ParallelismConfig(pp_size=p, dp_shard_size=1))
-    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=p * v * args.layers_per_chunk,
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                      num_hidden_layers=p * v * args.layers_per_chunk,
                       num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128),
                       max_position_embeddings=args.seq)
     stage = build_stage(LlamaForCausalLM(cfg, pgm, seed=0), pgm, v)
@@ -193,7 +194,8 @@ def main(argv=None):
         boundaries = res["v"] * res["p"] - 1
         totals.append(f"| {res['schedule']} | {res['p']} | {res['m']} | {res['v']} | "
                       f"{sum(r['sent'] for r in res['rows']) / 2 ** 20:.2f} | "
-                      f"2 x {boundaries} x {res['m']} x {act / 2 ** 20:.2f} = {2 * boundaries * res['m'] * act / 2 ** 20:.2f} |")
+                      f"2 x {boundaries} x {res['m']} x {act / 2 ** 20:.2f} = "
+                      f"{2 * boundaries * res['m'] * act / 2 ** 20:.2f} |")
     lines += ["", "Bytes sent per step over the whole pipeline (ledger) against 2 x boundaries x m x bytes(h):", "",
               "| schedule | p | m | v | sent MiB | theory MiB |", "|---|---|---|---|---|---|", *totals]
     big_p, big_m = max(args.stages), max(args.micro)

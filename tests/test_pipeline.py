@@ -3,7 +3,8 @@
 Fast (default suite): the split and schedule checks (pure), every schedule on pp 2 for 3 steps,
 pp 2 x dp_shard 2 with activation checkpointing and clipping (ZeRO-3 reduce-scatters once per
 step; its FULL_STATE_DICT checkpoint resumes on one process), a sharded checkpoint saved on pp 2
-and resumed on pp 1 and pp 4, the export of a pp run, bad settings refused on every rank. Slow (make test-slow): 20 steps of every schedule on pp 2 and pp 4, and pp 2 composed with
+and resumed on pp 1 and pp 4, the export of a pp run, bad settings refused on every rank.
+Slow (make test-slow): 20 steps of every schedule on pp 2 and pp 4, and pp 2 composed with
 tp (with and without sp), cp, dp_shard, DDP, and all of them on 16 ranks (configs/5d.yaml).
 """
 import os
@@ -237,7 +238,8 @@ def test_checkpoint_saved_on_pp2_resumes_on_pp1_and_pp4(tmp_path_factory, tmp_pa
         _same(ref[3:], got)
     # the run's own export (gathered over the stages) is the whole model, as a 1-process export
     export_checkpoint(step3, str(tmp_path / "hf1"))
-    mine, one = load_file(str(save / "hf" / "model.safetensors")), load_file(str(tmp_path / "hf1" / "model.safetensors"))
+    mine = load_file(str(save / "hf" / "model.safetensors"))
+    one = load_file(str(tmp_path / "hf1" / "model.safetensors"))
     assert sorted(mine) == sorted(one) and "model.layers.3.mlp.up_proj.weight" in mine
     for name in one:
         torch.testing.assert_close(mine[name], one[name], rtol=0, atol=0)

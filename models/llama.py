@@ -16,6 +16,9 @@ Where the parallelisms plug in (all through `pgm`, passed explicitly; pgm=None i
       residual stream between them is split along the sequence instead of replicated.
   cp  attention runs as ring attention over pgm.cp; the sequence arrives in the zigzag layout and
       position_ids carry the true positions, so RoPE is right on every chunk.
+  packing  document_ids (b, s), one id per token, keep attention inside each packed example (a
+      block-diagonal causal mask; under cp the ids travel with K/V round the ring), and
+      position_ids restart at each example, so a packed row computes what its examples alone do.
   dp / ZeRO-3 act on the parameters from outside (minipar.data_parallel, minipar.zero3).
 
 Initialisation is layout-independent: every full tensor is drawn from `seed` in parameter order
@@ -124,13 +127,20 @@ def apply_rotary(x, cos, sin):
     return (x * cos + _rotate_half(x) * sin).to(x.dtype)   # keep bf16 under autocast
 
 
-def causal_attention(q, k, v):
+def causal_attention(q, k, v, document_ids=None):
     """Plain causal attention of one full (local) sequence, grouped-query: q (b, H, s, d), k/v
-    (b, Hkv, s, d). K/V are repeated to the query heads (enable_gqa needs torch >= 2.5)."""
+    (b, Hkv, s, d). K/V are repeated to the query heads (enable_gqa needs torch >= 2.5). With
+    document_ids (b, s) the mask is block-diagonal causal: a token sees the earlier tokens of its
+    own document only (every row still sees itself, so no row is empty)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if document_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    s = q.shape[2]
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_() & \
+        (document_ids[:, :, None] == document_ids[:, None, :])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
 
 
 class LlamaAttention(nn.Module):
@@ -146,7 +156,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, sequence_parallel=sp)
         self.o_proj = tpl.RowParallelLinear(config.num_attention_heads * hd, d, tp, sequence_parallel=sp)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, document_ids=None):
         x = tpl.enter_tp_region(x, self.pgm.tp, self.sp)        # one collective for q, k and v
         b, s, _ = x.shape
         q = self.q_proj(x, skip_input_comm=True).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
@@ -154,9 +164,9 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x, skip_input_comm=True).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.pgm.cp.size > 1:
-            out = ring_attention(q, k, v, self.pgm.cp, causal=True)
+            out = ring_attention(q, k, v, self.pgm.cp, causal=True, document_ids=document_ids)
         else:
-            out = causal_attention(q, k, v)
+            out = causal_attention(q, k, v, document_ids)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
@@ -185,8 +195,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
         self.mlp = LlamaMLP(config, pgm)
 
-    def forward(self, h, cos, sin):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+    def forward(self, h, cos, sin, document_ids=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, document_ids)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -229,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         self.gradient_checkpointing = True
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids, position_ids=None, labels=None, num_items_in_batch=None):
+    def forward(self, input_ids, position_ids=None, labels=None, num_items_in_batch=None, document_ids=None):
         pgm, cfg = self.pgm, self.config
         if position_ids is None:
             if pgm.cp.size > 1:
@@ -241,9 +251,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, document_ids, use_reentrant=False)
             else:
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, document_ids)
         local_logits = self.lm_head(self.model.norm(h))          # (b, s, V/tp): never the full logits
         if labels is None:
             return tpl.gather_from_tp_region(local_logits, pgm.tp, dim=-1)

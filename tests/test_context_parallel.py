@@ -103,6 +103,73 @@ def test_ring_attention_bf16(cp_size):
     assert not failures, "\n".join(failures[:4])
 
 
+def _packed_document_ids(rows, t, g):
+    """(len(rows), t) ids of packed examples: a "packed" row has documents of random lengths (some of
+    one token), a "one" row is a single document. Both rows packed: distant blocks share no document
+    (skipped); both one: no block is cut (the kernel runs unmasked); mixed: masked blocks."""
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    for r, kind in enumerate(rows):
+        if kind == "packed":
+            for c in sorted(set(torch.randint(1, t, (t // 3,), generator=g).tolist()) | {1, t - 1}):
+                ids[r, c:] += 1
+    return ids
+
+
+def _document_cases(cp_size, tp_size, impls=("fused", "torch")):
+    """Ring attention with document_ids against one process attending with the block-diagonal
+    causal mask; returns failure messages."""
+    pgm = minipar.init(ParallelismConfig(cp_size=cp_size, tp_size=tp_size)) if cp_size * tp_size > 1 \
+        else ProcessGroupManager.local()
+    cp, failures = pgm.cp, []
+    layouts = [("packed", "one"), ("packed", "packed"), ("one", "one")]
+    for n, (impl, rows) in enumerate([(i, r) for i in impls for r in layouts]):
+        g = torch.Generator().manual_seed(7 + 100 * n + pgm.tp.rank)
+        b, t, hq, hkv, d = 2, 2 * cp_size * 4, 4, 2, 16
+        q, k, v, dout = (torch.randn(b, h, t, d, generator=g) for h in (hq, hkv, hkv, hq))
+        docs = _packed_document_ids(rows, t, g)
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        mask = torch.ones(t, t, dtype=torch.bool).tril() & (docs[:, :, None] == docs[:, None, :])
+        ref = F.scaled_dot_product_attention(full[0], full[1].repeat_interleave(2, 1),
+                                             full[2].repeat_interleave(2, 1), attn_mask=mask[:, None])
+        ref.backward(dout)
+        local = [zigzag_shard(x, 2, cp).clone().requires_grad_() for x in (q, k, v)]
+        with comm.ledger() as led:
+            out = ring_attention(*local, cp, causal=True, impl=impl, document_ids=zigzag_shard(docs, 1, cp))
+            out.backward(zigzag_shard(dout, 2, cp))
+        try:
+            for got, want, what in zip([out] + [x.grad for x in local], [ref] + [x.grad for x in full],
+                                       ("out", "dq", "dk", "dv")):
+                torch.testing.assert_close(got, zigzag_shard(want.detach(), 2, cp), atol=1e-5, rtol=1e-5,
+                                           msg=f"{impl} {rows} {what}")
+            # the ids travel with K/V: cp-1 more hops of (B, L) ids forward and backward
+            ids_bytes = b * (t // cp_size) * 8
+            hops = [r.bytes for r in led.filter("send_recv", "cp")]
+            assert hops.count(ids_bytes) == 2 * (cp_size - 1), hops
+        except AssertionError as err:
+            failures.append(f"rank {pgm.global_rank}: {err}")
+    return failures
+
+
+@pytest.mark.parametrize("cp_size,tp_size", [(1, 1), (2, 2), (4, 1)], ids=["cp1", "cp2xtp2", "cp4"])
+def test_ring_attention_masks_by_document(cp_size, tp_size):
+    if cp_size * tp_size == 1:
+        failures = _document_cases(1, 1)
+    else:
+        failures = [f for r in run_world(_document_cases, cp_size * tp_size, cp_size, tp_size, timeout=180)
+                    for f in r]
+    assert not failures, "\n".join(failures[:4])
+
+
+def test_block_document_mask_classification():
+    """A block with no same-document pair is skipped, one the documents do not cut runs unmasked."""
+    from minipar.context_parallel.fused_attention import document_mask
+    a, b = torch.tensor([[0, 0, 1, 1]]), torch.tensor([[2, 2, 2, 2]])
+    assert document_mask(4, 4, False, a, b)[0] == "empty"
+    assert document_mask(4, 4, True, b, b)[0] == "plain"
+    kind, mask = document_mask(4, 4, True, a, a)
+    assert kind == "masked" and mask[0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+
+
 def test_ring_attention_cp1_is_local_causal_attention():
     cp = ProcessGroupManager.local().cp                  # size 1, no process group at all
     g = torch.Generator().manual_seed(0)
@@ -245,7 +312,7 @@ def test_decoder_under_cp_equals_one_process(cp_size, tp_size):
 def test_cuda_kernel_calls_fit_torch_schemas(kind, dtype):
     """No GPU here: the meta device runs the CUDA kernels' shape functions, which checks the
     argument lists and the lse layout (padded by the efficient kernel) of the fused CUDA path."""
-    from minipar.context_parallel import block_attention as ba
+    from minipar.context_parallel import fused_attention as ba
     for hq, hkv, causal, tq, tk in [(4, 2, True, 24, 24), (4, 2, False, 12, 24), (4, 4, False, 24, 12)]:
         q = torch.empty(2, hq, tq, 64, device="meta", dtype=dtype)
         k = v = torch.empty(2, hkv, tk, 64, device="meta", dtype=dtype)

@@ -1,8 +1,11 @@
 """Context parallelism: the sequence split over cp ranks, attention as ring attention.
 
     ring_attention.py   the zigzag split, the ring schedule, the forward merge and hand-written backward
-    block_attention.py  attention of one query block against one key/value block, with its
-                        log-sum-exp (the unit of work the ring repeats)
+    block_attention.py  the reference math of one query block against one key/value block: out,
+                        log-sum-exp, and the six-step flash-attention backward (the unit of work
+                        the ring repeats), with causal and document masks
+    fused_attention.py  which kernel attends a block: torch's fused kernels (their aten schemas
+                        checked before use) or the reference math; document masks classified
 
     from minipar.context_parallel import ring_attention, zigzag_shard
 """

@@ -21,7 +21,7 @@ them: the last rank computes 2cp/(cp+1) times the mean and everybody waits for i
 rank holds one early and one late chunk, and the causal work per step is the same everywhere
 (Brandon et al., "Striped Attention", 2023; the zigzag variant of zhuzilin/ring-flash-attention,
 used by Megatron-LM and torchtitan). With local halves [a b] (a early, b late) and a block [k0 k1]
-from rank s, only two block shapes ever occur, each a quarter less work than a full block:
+from rank s, three block shapes occur: the local square, and half a block off the diagonal:
 
     s == r  the local square, causal mask            q [a b] x k [a b], lower triangle
     s <  r  every local query, the first half keys   q [a b] x k0        (k1 lies in everyone's future)
@@ -44,9 +44,17 @@ Cost per step of one layer, per rank, bytes on the wire (L = T/cp local tokens, 
     backward  cp-1 hops of K and V again, plus cp-1 hops of fp32 dK and dV (2 * B * Hkv * L * D * 4)
     compute   per step B * Hq * L * L/2 scores (the diagonal step L * L), overlapped with the hop
 
+Packed sequences (document_ids). When one row holds several examples, attention must also stay
+inside an example: a query sees a key only if both carry the same document id. The ids (B, L),
+zigzag-sharded like the tokens, travel round the ring with their K/V (one more small message per
+hop, B * L ids), so every block knows the documents of its rows and columns and masks by them;
+a block in which no pair shares a document is skipped. The causal schedule is unchanged: it works
+on sequence order, and the document mask only removes pairs from it.
+
 GQA: K/V travel with their Hkv heads; the Hq/Hkv query heads of a group are folded or broadcast
-inside block_attention.py, so repeated K/V never cross the ring. Non-causal attention: every step
-is a full unmasked block. cp.size == 1: just the local causal block, no communication.
+per block (fused_attention.py, block_attention.py), so repeated K/V never cross the ring.
+Non-causal attention: every step is a full unmasked block. cp.size == 1: just the local causal
+block, no communication.
 """
 from __future__ import annotations
 
@@ -56,7 +64,7 @@ from typing import List, Optional
 import torch
 
 from .. import comm
-from .block_attention import IMPLS, block_backward, block_forward, default_scale
+from .fused_attention import IMPLS, block_backward, block_forward, default_scale
 from ..config import check_sequence_len
 
 __all__ = ["zigzag_shard", "zigzag_unshard", "zigzag_positions", "ring_attention", "ring_schedule",
@@ -162,34 +170,50 @@ def _count(stats, key, steps):
         stats[key] = stats.get(key, 0) + sum(_block_elements(b) for blocks in steps for b in blocks)
 
 
+def _hop(kv, docs, cp, overlap):
+    """Start the next hop of the K/V message (and of its document ids): (next kv, next docs, works)."""
+    nxt = torch.empty_like(kv)
+    nxt_docs = None if docs is None else torch.empty_like(docs)
+    works = list(comm.ring_shift([kv] if docs is None else [kv, docs],
+                                 [nxt] if docs is None else [nxt, nxt_docs], cp))
+    if not overlap:
+        _finish(works)
+    return nxt, nxt_docs, works
+
+
+def _cols(docs, b):
+    return None if docs is None else docs[:, b.k0:b.k1]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp, causal, scale, layout, overlap, impl, stats):
+    def forward(ctx, q, k, v, docs, cp, causal, scale, layout, overlap, impl, stats):
         n = cp.size
         steps = ring_schedule(q.shape[2], n, cp.rank, causal, layout)
         acc = torch.promote_types(q.dtype, torch.float32)      # fp32, or fp64 for fp64 inputs
         out = q.new_zeros(q.shape, dtype=acc)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
-        kv = torch.stack([k, v])                 # one message per hop
+        kv, kv_docs = torch.stack([k, v]), docs      # one message per hop (and the ids beside it)
         kernel_ctx = []
         for i, blocks in enumerate(steps):
-            works, nxt = [], None
+            works, nxt, nxt_docs = [], None, None
             if i + 1 < n:                        # the next block's hop runs while this one computes
-                nxt = torch.empty_like(kv)
-                works = list(comm.ring_shift([kv], [nxt], cp))
-                if not overlap:
-                    _finish(works)
+                nxt, nxt_docs, works = _hop(kv, kv_docs, cp, overlap)
             step_ctx = []
             for b in blocks:
+                rows = None if docs is None else docs[:, b.q0:b.q1]
                 o_b, l_b, kc = block_forward(q[:, :, b.q0:b.q1], kv[0, :, :, b.k0:b.k1],
-                                             kv[1, :, :, b.k0:b.k1], b.causal, scale, impl)
-                _merge(out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], o_b, l_b)
+                                             kv[1, :, :, b.k0:b.k1], b.causal, scale, impl,
+                                             rows, _cols(kv_docs, b))
+                if o_b is not None:              # None: no pair of this block shares a document
+                    _merge(out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], o_b, l_b)
                 step_ctx.append(kc)
             kernel_ctx.append(step_ctx)
             _finish(works)
-            kv = nxt if nxt is not None else kv
+            if nxt is not None:
+                kv, kv_docs = nxt, nxt_docs
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, docs)
         ctx.cp, ctx.steps, ctx.scale, ctx.overlap, ctx.kernel_ctx, ctx.stats = cp, steps, scale, overlap, \
             kernel_ctx, stats
         _count(stats, "score_elements", steps)
@@ -197,29 +221,29 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, docs = ctx.saved_tensors
         cp, n, steps, scale = ctx.cp, ctx.cp.size, ctx.steps, ctx.scale
         dout = dout.contiguous()
         acc = lse.dtype
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         home = torch.zeros((2,) + tuple(k.shape), dtype=acc, device=k.device)   # my dK, dV
-        kv = torch.stack([k, v])
+        kv, kv_docs = torch.stack([k, v]), docs
         incoming, in_works = None, []            # the travelling dK/dV of the block held, one hop behind
         for i, blocks in enumerate(steps):
-            works, nxt = [], None
+            works, nxt, nxt_docs = [], None, None
             if i + 1 < n:
-                nxt = torch.empty_like(kv)
-                works = list(comm.ring_shift([kv], [nxt], cp))
-                if not ctx.overlap:
-                    _finish(works)
+                nxt, nxt_docs, works = _hop(kv, kv_docs, cp, ctx.overlap)
             part = home if i == 0 else torch.zeros_like(home)
             for b, kc in zip(blocks, ctx.kernel_ctx[i]):
-                dq_b, dk_b, dv_b = block_backward(
+                rows = None if docs is None else docs[:, b.q0:b.q1]
+                grads = block_backward(
                     dout[:, :, b.q0:b.q1], q[:, :, b.q0:b.q1], kv[0, :, :, b.k0:b.k1], kv[1, :, :, b.k0:b.k1],
-                    out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], b.causal, scale, kc)
-                dq[:, :, b.q0:b.q1] += dq_b
-                part[0, :, :, b.k0:b.k1] += dk_b
-                part[1, :, :, b.k0:b.k1] += dv_b
+                    out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], b.causal, scale, kc, rows, _cols(kv_docs, b))
+                if grads is None:                # an empty block: no gradient
+                    continue
+                dq[:, :, b.q0:b.q1] += grads[0]
+                part[0, :, :, b.k0:b.k1] += grads[1]
+                part[1, :, :, b.k0:b.k1] += grads[2]
             if i > 0:
                 # add my share to the buffer that came from rank r-1 (it hopped while I computed),
                 # then pass it on; after the last step it lands at the block's owner
@@ -230,24 +254,28 @@ class _RingAttention(torch.autograd.Function):
                 if not ctx.overlap:
                     _finish(in_works)
             _finish(works)
-            kv = nxt if nxt is not None else kv
+            if nxt is not None:
+                kv, kv_docs = nxt, nxt_docs
         if n > 1:
             _finish(in_works)
             home.add_(incoming)
         _count(ctx.stats, "backward_score_elements", steps)
-        return (dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)) + (None,) * 7
+        return (dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)) + (None,) * 8
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal: bool = True,
                    scale: Optional[float] = None, *, layout: str = "zigzag", overlap: bool = True,
-                   impl: str = "auto", stats: Optional[dict] = None) -> torch.Tensor:
+                   impl: str = "auto", stats: Optional[dict] = None,
+                   document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, which is split over `cp` (pgm.cp).
 
     q (B, Hq, L, D), k and v (B, Hkv, L, D) with Hkv dividing Hq, L = T / cp.size tokens in the
     zigzag layout (zigzag_shard), or contiguous chunks with layout="contiguous" (for comparison).
     Returns (B, Hq, L, D) in q's dtype. overlap=False waits for each hop before computing (for the
     benchmark); impl picks the block kernel ("auto", "fused", "torch"); a dict passed as `stats`
-    gets "score_elements" (and "backward_score_elements") added, per batch row and head.
+    gets "score_elements" (and "backward_score_elements") added, per batch row and head (the
+    schedule's blocks, counted whether or not a document mask empties them). document_ids (B, L),
+    in the same layout as q, restricts attention to pairs of the same document (packed examples).
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"ring_attention: q must be (B, Hq, L, D) and k, v (B, Hkv, L, D) of one shape; got "
@@ -265,5 +293,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal
         raise ValueError(f"ring_attention: the local length {q.shape[2]} is odd, but a zigzag share is two "
                          f"equal chunks: shard a sequence of length divisible by 2 * cp_size = {2 * cp.size} "
                          f"with zigzag_shard")
+    if document_ids is not None:
+        if tuple(document_ids.shape) != (b, n) or document_ids.dtype.is_floating_point:
+            raise ValueError(f"ring_attention: document_ids must be integer ids of shape (B, L) = {(b, n)}, "
+                             f"got {document_ids.dtype} {tuple(document_ids.shape)}")
+        document_ids = document_ids.to(q.device).contiguous()
     scale = default_scale(q.shape[-1], scale)
-    return _RingAttention.apply(q, k, v, cp, causal, scale, layout, overlap, impl, stats)
+    return _RingAttention.apply(q, k, v, document_ids, cp, causal, scale, layout, overlap, impl, stats)

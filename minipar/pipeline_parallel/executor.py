@@ -82,7 +82,7 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
             t = time.perf_counter()
             with autocast():
                 out = stage(x, mb["position_ids"], labels=mb["labels"], num_items_in_batch=num_items_in_batch,
-                            chunk=a.chunk)
+                            chunk=a.chunk, document_ids=mb.get("document_ids"))
             if recorder is not None:
                 recorder.note(a, t, time.perf_counter())
             if stage.is_last_virtual(a.chunk):
@@ -124,7 +124,8 @@ def forward_only(stage, pgm, micro_batch: Dict[str, torch.Tensor], num_items_in_
         x = micro_batch["input_ids"] if stage.is_first_virtual(chunk) else link.recv_forward(vs, 0)
         with autocast():
             out = stage(x, micro_batch["position_ids"], labels=micro_batch["labels"],
-                        num_items_in_batch=num_items_in_batch, chunk=chunk)
+                        num_items_in_batch=num_items_in_batch, chunk=chunk,
+                        document_ids=micro_batch.get("document_ids"))
         if stage.is_last_virtual(chunk):
             loss += out.double()
         else:

@@ -23,8 +23,9 @@ its own (mesh.py puts pp outermost, so every other group lies inside one stage).
 
 What crosses stages is the residual stream h, (micro_batch, sequence_len / cp, hidden) per rank
 (sequence / cp / tp under sequence parallelism), forward, and its gradient, backward (p2p.py).
-Every stage reads the same micro-batch from the sampler, so position_ids (for RoPE) and labels
-never travel: the first stage embeds the input ids, the last one computes the loss.
+Every stage reads the same micro-batch from the sampler, so position_ids (for RoPE), document_ids
+(packed examples) and labels never travel: the first stage embeds the input ids, the last one
+computes the loss.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ class PipelineStage(nn.Module):
     def is_last_virtual(self, chunk: int) -> bool:
         return self.is_last and chunk == self.num_chunks - 1
 
-    def forward(self, x, position_ids, labels=None, num_items_in_batch=None, chunk: int = 0):
+    def forward(self, x, position_ids, labels=None, num_items_in_batch=None, chunk: int = 0, document_ids=None):
         from models.llama import rotary_tables          # lazily: minipar does not depend on models/
         from ..tensor_parallel import vocab_parallel_cross_entropy
         cfg = self.config
@@ -111,9 +112,9 @@ class PipelineStage(nn.Module):
         for i in self.chunks[chunk]:
             layer = self.model.layers[str(i)]
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, document_ids, use_reentrant=False)
             else:
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, document_ids)
         if not self.is_last_virtual(chunk):
             return h
         local_logits = self.lm_head(self.model.norm(h))          # (b, s, V/tp)

@@ -4,6 +4,10 @@
     run_setup.py      every check that needs no communication, then the process groups
     trainer.py        the model, the parallel wrappers, the step, logs, evaluation, checkpoints
     data.py           tokenizer, the step-indexed sampler, the dp/cp split of a batch
+    tokenizer.py      the model's tokenizer (tokenizer_config, AutoTokenizer) or the bundled bytes
+    datasets.py       Axolotl datasets (completion, chat_template) -> ids and labels, label masking
+    packing.py        rows of sequence_len: whole examples packed with document ids, the row sampler
+    example_data.py   a small offline example: a BPE tokenizer with a chat template, chat rows
     optim.py          AdamW on the shards, warmup + cosine, global-norm clipping across shards
     checkpoint.py     sharded and full checkpoints, resharding on load (checkpoint_io.py: atomic
                       directories, manifest, checksums); export.py: a checkpoint -> a HF directory

@@ -53,6 +53,9 @@ class ByteTokenizer:
     """UTF-8 bytes are the tokens: vocab_size 256, ids 0..255."""
 
     vocab_size = 256
+    bos_token_id = eos_token_id = None     # no special tokens: every id is a byte
+    pad_token_id = 0                       # what fills a short row (its labels are -100)
+    has_chat_template = False
 
     def encode(self, text: str) -> List[int]:
         return list(text.encode("utf-8"))
@@ -74,10 +77,11 @@ class ByteTokenizer:
 
 
 # --------------------------------------------------------------------------------------- corpus
-def load_corpus(path: str, val_fraction: float = 0.1,
-                sequence_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def load_corpus(path: str, val_fraction: float = 0.1, sequence_len: Optional[int] = None,
+                tokenizer=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(train_tokens, val_tokens) as 1-D uint8 tensors of byte ids: the last `val_fraction` of the
-    file is validation, the rest training (deterministic, no shuffling of the file).
+    file is validation, the rest training (deterministic, no shuffling of the file). A tokenizer
+    (tokenizer.py: the model's own) makes them long tensors of its ids for the whole text instead.
 
     With `sequence_len`, each non-empty split must hold at least one window of sequence_len + 1
     tokens, else a ValueError says which and how to fix it."""
@@ -92,6 +96,8 @@ def load_corpus(path: str, val_fraction: float = 0.1,
     with open(path, "rb") as f:
         raw = f.read()
     tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    if tokenizer is not None and not isinstance(tokenizer, ByteTokenizer):
+        tokens = torch.tensor(tokenizer.encode(raw.decode("utf-8", errors="replace")), dtype=torch.long)
     n_val = int(len(tokens) * val_fraction)
     train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
     if sequence_len is not None:
@@ -225,10 +231,13 @@ def check_batch_split(global_batch_size: int, sequence_len: int, pgm, num_micro_
 
 
 def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: int = 0,
-                num_micro_steps: int = 1, device=None) -> Dict[str, torch.Tensor]:
+                num_micro_steps: int = 1, device=None, position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """This rank's share of the global batch: dict(input_ids, labels, position_ids), each
     (B / (dp * num_micro_steps), T / cp) long; position_ids are the true positions of the kept
-    tokens (zigzag under cp). No communication."""
+    tokens (zigzag under cp). Packed rows (packing.py) bring their own position_ids (restarting at
+    each example) and document_ids: both are cut exactly like the tokens, and document_ids is
+    added to the dict. No communication."""
     from ..context_parallel import zigzag_positions, zigzag_shard
     B, T = input_ids.shape
     if labels.shape != input_ids.shape:
@@ -244,5 +253,11 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
     device = input_ids.device if device is None else device
     ids = zigzag_shard(input_ids[rows], 1, pgm.cp).to(device)
     lab = zigzag_shard(labels[rows], 1, pgm.cp).to(device)
-    pos = zigzag_positions(T, pgm.cp, device=device).unsqueeze(0).expand(per_micro, -1).contiguous()
-    return dict(input_ids=ids.contiguous(), labels=lab.contiguous(), position_ids=pos)
+    if position_ids is None:
+        pos = zigzag_positions(T, pgm.cp, device=device).unsqueeze(0).expand(per_micro, -1).contiguous()
+    else:
+        pos = zigzag_shard(position_ids[rows], 1, pgm.cp).to(device).contiguous()
+    out = dict(input_ids=ids.contiguous(), labels=lab.contiguous(), position_ids=pos)
+    if document_ids is not None:
+        out["document_ids"] = zigzag_shard(document_ids[rows], 1, pgm.cp).to(device).contiguous()
+    return out

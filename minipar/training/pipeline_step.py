@@ -67,10 +67,10 @@ class PipelineStep:
 
     def train_step(self, step: int) -> dict:
         t, pgm = self.t, self.t.pgm
-        ids, labels = t.sampler.global_batch(t.run.train_tokens, step)
-        n_items = mdata.count_label_tokens(labels)
+        gb = t._global_batch(step)                # the trainer's: byte corpus or packed datasets rows
+        n_items = mdata.count_label_tokens(gb["labels"])
         M = t.run.num_micro_steps
-        batches = [mdata.local_batch(ids, labels, pgm, m, M, device=t.device) for m in range(M)]
+        batches = [t._local(gb, m, M) for m in range(M)]
         sync = t.grad_sync.no_sync() if t.grad_sync is not None else contextlib.nullcontext()
         with sync:
             loss = run_schedule(t.model, self.order, pgm, batches, n_items, act_dtype=self.act_dtype,
@@ -92,10 +92,8 @@ class PipelineStep:
         t.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=t.device)
         count = 0
-        for ids, labels in mdata.eval_batches(t.run.val_tokens, t.cfg.sequence_len, t.cfg.global_batch_size,
-                                              t.cfg.eval_batches):
-            batch = mdata.local_batch(ids, labels, pgm, 0, 1, device=t.device)
-            total += forward_only(t.model, pgm, batch, mdata.count_label_tokens(labels),
+        for gb in t._eval_batches():
+            total += forward_only(t.model, pgm, t._local(gb, 0, 1), mdata.count_label_tokens(gb["labels"]),
                                   act_dtype=self.act_dtype, autocast=t._autocast)
             count += 1
         comm.all_reduce(total, pgm.dp_cp)

@@ -7,6 +7,8 @@ minipar.init creates a single group, so a mistake is the same clear error everyw
          -> the layout: the config's sizes, resolved against the world   config.py
               (a world of one runs any config with all sizes 1; without a config file, sizes on
                the command line replace the default layout)
+         -> the tokenizer and the `datasets` rows (tokenizer.py, datasets.py, packing.py), or
+            the byte corpus
          -> the model against tp/cp and the sequence, the batch against dp, the dataset file,
             the checkpoint to resume from
          -> minipar.init(layout): the groups                              mesh.py
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,8 @@ import torch.distributed as dist
 import minipar
 from minipar import ParallelismConfig
 from minipar.training import data as mdata
+from minipar.training.packing import prepare as prepare_datasets
+from minipar.training.tokenizer import HFTokenizer, load_tokenizer, padded_vocab_size, tokenizer_path
 from minipar.training.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
 
 
@@ -39,6 +43,8 @@ class Run:
     train_tokens: torch.Tensor
     val_tokens: torch.Tensor
     notes: List[str] = field(default_factory=list)
+    datasets: Optional[object] = None     # packing.DatasetRun when `datasets` is set, else the byte corpus
+    tokenizer: Optional[object] = None
 
 
 def _world_size() -> int:
@@ -64,6 +70,17 @@ def setup_run(argv: List[str]) -> Run:
             setattr(cfg, key, None if key == "dp_shard_size" else 1)
         notes.append(f"parallel sizes from the command line replace the default layout ({', '.join(unset)} "
                      f"reset: dp_shard_size takes the remainder, the others are 1)")
+    tokenizer = load_tokenizer(tokenizer_path(cfg))
+    if isinstance(tokenizer, HFTokenizer) and not getattr(cfg, "base_model", None):
+        # a model from scratch takes the tokenizer's vocabulary (padded so any tp up to 64 divides it)
+        vocab = padded_vocab_size(tokenizer.vocab_size)
+        if cfg.model.vocab_size != vocab:
+            notes.append(f"model.vocab_size {cfg.model.vocab_size} -> {vocab}: the tokenizer's {tokenizer.vocab_size} "
+                         f"tokens, padded to a multiple of 64")
+            cfg.model.vocab_size = vocab
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer ({tokenizer_path(cfg)}) has {tokenizer.vocab_size} tokens, more than "
+                         f"model.vocab_size {cfg.model.vocab_size}: use the model's own tokenizer")
     world = _world_size()
     sizes = dict(dp_replicate_size=cfg.dp_replicate_size, dp_shard_size=cfg.dp_shard_size,
                  cp_size=cfg.context_parallel_size, tp_size=cfg.tensor_parallel_size,
@@ -92,12 +109,19 @@ def setup_run(argv: List[str]) -> Run:
     if cfg.sequence_len > cfg.model.max_position_embeddings:
         raise ValueError(f"sequence_len {cfg.sequence_len} exceeds model.max_position_embeddings "
                          f"{cfg.model.max_position_embeddings}")
-    train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction, sequence_len=cfg.sequence_len)
+    datasets = None
+    if cfg.datasets:
+        datasets = prepare_datasets(cfg, tokenizer, progress=int(os.environ.get("RANK", 0)) == 0)
+        notes.extend(datasets.notes)
+        train_tokens = val_tokens = torch.empty(0, dtype=torch.uint8)
+    else:
+        train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction, sequence_len=cfg.sequence_len,
+                                                     tokenizer=tokenizer)
     resume = cfg.resume_from_checkpoint
     if resume and resume != "latest" and not os.path.isdir(resume):
         raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")
     pgm = minipar.init(pconf)
-    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes)
+    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, datasets, tokenizer)
 
 
 def _fmt(sizes: dict) -> str:

@@ -39,6 +39,12 @@ class TrainConfig:
     seed: int = 42
     dataset: str = "data/shakespeare.txt"
     val_fraction: float = 0.05
+    # fine-tuning data, Axolotl's keys (training/datasets.py, packing.py); `datasets` replaces `dataset`
+    tokenizer_config: Optional[str] = None   # a HF tokenizer directory; default base_model, else bytes
+    datasets: List[dict] = field(default_factory=list)   # [{path, type: completion | chat_template, field}]
+    train_on_inputs: bool = False         # false: labels only on assistant turns of chat rows
+    sample_packing: bool = False          # whole examples packed into sequence_len, attention kept apart
+    val_set_size: float = 0.0             # held out of `datasets`: a fraction, or (>= 1) a count
     sequence_len: int = 128
     global_batch_size: int = 16           # samples per optimizer step, over all data-parallel ranks
     micro_batch_size: Optional[int] = None  # per dp rank per forward; None = no accumulation
@@ -201,8 +207,20 @@ def check(cfg: TrainConfig) -> None:
         raise ValueError(f"fsdp.wrap: only [LlamaDecoderLayer] units are known, got {cfg.fsdp.wrap}")
     if cfg.fsdp.prefetch < 0:
         raise ValueError(f"fsdp.prefetch must be >= 0, got {cfg.fsdp.prefetch}")
-    if cfg.model.vocab_size < 256:
+    if cfg.model.vocab_size < 256 and not (cfg.tokenizer_config or getattr(cfg, "base_model", None)):
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's 256")
+    if cfg.datasets:
+        from minipar.training.datasets import check_entries
+        for e in check_entries(cfg.datasets):
+            if not os.path.isfile(e["path"]):
+                raise FileNotFoundError(f"datasets: file {e['path']!r} not found (working directory "
+                                        f"{os.getcwd()!r}); datasets are local files only (no hub names)")
+    elif cfg.sample_packing or cfg.val_set_size:
+        raise ValueError(f"sample_packing={cfg.sample_packing} and val_set_size={cfg.val_set_size} apply to the "
+                         f"examples of `datasets`, which is empty: the text file `dataset` is cut into full "
+                         f"windows already (its split is val_fraction); set `datasets`, or drop these keys")
+    if cfg.val_set_size < 0:
+        raise ValueError(f"val_set_size must be >= 0 (a fraction below 1, or a count), got {cfg.val_set_size}")
     if cfg.micro_batch_size is not None and cfg.micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 or null, got {cfg.micro_batch_size}")
     if cfg.pipeline_layers is not None and not isinstance(cfg.pipeline_layers, list):

@@ -29,6 +29,7 @@ import minipar
 from minipar import comm
 from minipar.training import data as mdata
 from minipar.training import optim as moptim
+from minipar.training.packing import RowSampler, eval_batches as packed_eval_batches
 from minipar.mesh import describe_grid
 from minipar.training.run_setup import Run
 
@@ -62,7 +63,11 @@ class Trainer:
         self.optimizer = moptim.build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                                 betas=(cfg.adam_beta1, cfg.adam_beta2))
         self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-        self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size, cfg.seed)
+        if run.datasets is not None:              # `datasets` rows (packing.py), else the byte corpus
+            self.sampler = RowSampler(run.datasets.train, cfg.global_batch_size, cfg.seed)
+        else:
+            self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size,
+                                              cfg.seed)
         self.start_step, self.history = 0, []
         self.pipeline = None                      # the schedule runs the step (pipeline_step.py)
         if pgm.pp.size > 1:
@@ -83,18 +88,38 @@ class Trainer:
     def _forward(self, batch, n_items):
         with self._autocast():
             return self.model(batch["input_ids"], position_ids=batch["position_ids"],
-                              labels=batch["labels"], num_items_in_batch=n_items)
+                              labels=batch["labels"], num_items_in_batch=n_items,
+                              document_ids=batch.get("document_ids"))
+
+    def _global_batch(self, step: int) -> dict:
+        if self.run.datasets is not None:
+            return self.sampler.global_batch(step)
+        ids, labels = self.sampler.global_batch(self.run.train_tokens, step)
+        return dict(input_ids=ids, labels=labels)
+
+    def _eval_batches(self):
+        cfg = self.cfg
+        if self.run.datasets is not None:
+            yield from packed_eval_batches(self.run.datasets.val, cfg.global_batch_size, cfg.eval_batches)
+            return
+        for ids, labels in mdata.eval_batches(self.run.val_tokens, cfg.sequence_len, cfg.global_batch_size,
+                                              cfg.eval_batches):
+            yield dict(input_ids=ids, labels=labels)
+
+    def _local(self, gb: dict, m: int, M: int) -> dict:
+        return mdata.local_batch(gb["input_ids"], gb["labels"], self.pgm, m, M, device=self.device,
+                                 position_ids=gb.get("position_ids"), document_ids=gb.get("document_ids"))
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict:
         if self.pipeline is not None:
             return self.pipeline.train_step(step)
-        ids, labels = self.sampler.global_batch(self.run.train_tokens, step)
-        n_items = mdata.count_label_tokens(labels)
+        gb = self._global_batch(step)
+        n_items = mdata.count_label_tokens(gb["labels"])
         M = self.run.num_micro_steps
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for m in range(M):
-            batch = mdata.local_batch(ids, labels, self.pgm, m, M, device=self.device)
+            batch = self._local(gb, m, M)
             last = m == M - 1
             no_sync = self.grad_sync.no_sync() if (self.grad_sync and not last) else contextlib.nullcontext()
             with no_sync:
@@ -116,10 +141,9 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
-        for ids, labels in mdata.eval_batches(self.run.val_tokens, self.cfg.sequence_len,
-                                              self.cfg.global_batch_size, self.cfg.eval_batches):
-            n_items = mdata.count_label_tokens(labels)
-            batch = mdata.local_batch(ids, labels, self.pgm, 0, 1, device=self.device)
+        for gb in self._eval_batches():
+            n_items = mdata.count_label_tokens(gb["labels"])
+            batch = self._local(gb, 0, 1)
             total += self._forward(batch, n_items).double()
             count += 1
         comm.all_reduce(total, self.pgm.dp_cp)
@@ -189,7 +213,8 @@ class Trainer:
             record = dict(step=step + 1, loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"],
                           tokens_per_s=tokens_per_step / dt, elapsed_s=time.time() - start)
             done = step + 1
-            if cfg.eval_steps and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
+            has_val = self.run.datasets is None or self.run.datasets.val is not None
+            if cfg.eval_steps and has_val and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
                 last_val = record["val_loss"] = self.evaluate()
             if not math.isfinite(out["loss"]):
                 raise FloatingPointError(f"loss is {out['loss']} at step {done}: lower learning_rate "
@@ -215,6 +240,8 @@ class Trainer:
             from minipar.training import checkpoint as ckpt
             hf_dir = os.path.join(cfg.output_dir, "hf")
             ckpt.export_hf(hf_dir, self.model)
+            if self.is_main and hasattr(self.run.tokenizer, "save_pretrained"):
+                self.run.tokenizer.save_pretrained(hf_dir)      # the model's tokenizer beside its weights
             self.log(f"exported Hugging Face model to {hf_dir}")
         self.summary(time.time() - start, last_val)
         return self.history

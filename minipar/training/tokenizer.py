@@ -1,0 +1,89 @@
+"""The tokenizer of a run: the model's own (a Hugging Face tokenizer directory), or bytes.
+
+    tokenizer_config: DIR      AutoTokenizer.from_pretrained(DIR); default: base_model when set
+    (neither)                  the bundled ByteTokenizer (data.py): 256 ids, no special tokens
+
+What a run takes from a Hugging Face tokenizer, and where it goes:
+
+    len(tokenizer)             the vocabulary: model.vocab_size is at least this (a model built from
+                               scratch gets it, rounded up to a multiple of 64 as Megatron pads)
+    bos_token_id, eos_token_id a completion row is [bos] + text + [eos]; a chat row is what the chat
+                               template renders (it places its own bos / end-of-turn tokens)
+    pad_token_id               fills what packing or a short row leaves empty (labels -100 there);
+                               the eos id when the tokenizer has no pad token, else 0
+    chat_template              renders `messages` of type: chat_template rows (datasets.py)
+
+transformers is imported here only, and only when a tokenizer directory is named, so the core
+package still imports with torch alone. Both tokenizers answer the same small interface:
+vocab_size, bos_token_id, eos_token_id, pad_token_id, encode(text) and decode(ids).
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence, Tuple
+
+from .data import ByteTokenizer
+
+VOCAB_MULTIPLE = 64
+
+
+class HFTokenizer:
+    """A transformers tokenizer seen through the small interface the data pipeline uses."""
+
+    def __init__(self, tok, source: str):
+        self.tok, self.source = tok, source
+        self.vocab_size = len(tok)
+        self.bos_token_id, self.eos_token_id = tok.bos_token_id, tok.eos_token_id
+        self.eos_token = tok.eos_token       # its text: where an assistant turn's training ends
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.pad_token_id = 0 if pad is None else pad
+        self.has_chat_template = bool(getattr(tok, "chat_template", None))
+
+    def encode(self, text: str) -> List[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids))
+
+    def encode_with_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
+        """Token ids of `text` and each token's character span in it (a fast tokenizer's offsets)."""
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+    def render_chat(self, messages: list) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+
+    def save_pretrained(self, directory: str) -> None:
+        self.tok.save_pretrained(directory)
+
+
+def tokenizer_path(cfg) -> Optional[str]:
+    """tokenizer_config, or base_model when only that is set (Axolotl's rule), or None (bytes)."""
+    return cfg.tokenizer_config or getattr(cfg, "base_model", None)
+
+
+def load_tokenizer(path: Optional[str]):
+    """ByteTokenizer for None; else the directory's tokenizer through AutoTokenizer (local files only)."""
+    if path is None:
+        return ByteTokenizer()
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer_config={path!r}: no such directory; point it at a Hugging Face "
+                                f"tokenizer directory (tokenizer.json / tokenizer_config.json)")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ImportError("tokenizer_config needs the transformers package: pip install transformers") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"tokenizer_config={path!r}: AutoTokenizer cannot load it ({err})") from None
+    if not getattr(tok, "is_fast", False):
+        raise ValueError(f"tokenizer_config={path!r} loaded a slow tokenizer; label masking needs the character "
+                         f"offsets of a fast one (a tokenizer.json)")
+    return HFTokenizer(tok, path)
+
+
+def padded_vocab_size(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """n rounded up to a multiple of `multiple`: the same on every layout, and divisible by any tp
+    that divides `multiple`."""
+    return -(-n // multiple) * multiple

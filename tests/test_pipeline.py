@@ -246,27 +246,31 @@ def test_checkpoint_saved_on_pp2_resumes_on_pp1_and_pp4(tmp_path_factory, tmp_pa
 
 
 # ------------------------------------------------------------------- 20 steps (make test-slow)
+def _pp(world, layers, name, *extra):
+    return pytest.param(world, layers, ["--pipeline_parallel_size", *extra], id=name)
+
+
 SLOW = [
-    (2, 4, ["--pipeline_parallel_size", "2", "--pipeline_schedule", "afab"]),
-    (2, 4, ["--pipeline_parallel_size", "2", "--pipeline_schedule", "1f1b"]),
-    (2, 4, ["--pipeline_parallel_size", "2", "--pipeline_schedule", "interleaved_1f1b"]),
-    (4, 8, ["--pipeline_parallel_size", "4", "--pipeline_schedule", "afab"]),
-    (4, 8, ["--pipeline_parallel_size", "4", "--pipeline_schedule", "1f1b"]),
-    (4, 8, ["--pipeline_parallel_size", "4", "--pipeline_schedule", "interleaved_1f1b"]),
-    (4, 4, ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2"]),
-    (4, 4, ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
-    (4, 4, ["--pipeline_parallel_size", "2", "--context_parallel_size", "2"]),
-    (4, 4, ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--gradient_checkpointing", "true"]),
-    (4, 4, ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2", "--dp_shard_size", "1",
-            "--pipeline_schedule", "interleaved_1f1b"]),
-    (8, 4, ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2", "--dp_shard_size", "2"]),   # HSDP
-    (16, 4, ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--context_parallel_size", "2",
-             "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
+    _pp(2, 4, "pp2-afab", "2", "--pipeline_schedule", "afab"),
+    _pp(2, 4, "pp2-1f1b", "2", "--pipeline_schedule", "1f1b"),
+    _pp(2, 4, "pp2-interleaved", "2", "--pipeline_schedule", "interleaved_1f1b"),
+    _pp(4, 8, "pp4-afab", "4", "--pipeline_schedule", "afab"),
+    _pp(4, 8, "pp4-1f1b", "4", "--pipeline_schedule", "1f1b"),
+    _pp(4, 8, "pp4-interleaved", "4", "--pipeline_schedule", "interleaved_1f1b"),
+    _pp(4, 4, "pp2-tp2", "2", "--tensor_parallel_size", "2"),
+    _pp(4, 4, "pp2-tp2-sp", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"),
+    _pp(4, 4, "pp2-cp2", "2", "--context_parallel_size", "2"),
+    _pp(4, 4, "pp2-shard2-checkpointing", "2", "--dp_shard_size", "2", "--gradient_checkpointing", "true"),
+    _pp(4, 4, "pp2-ddp2-interleaved", "2", "--dp_replicate_size", "2", "--dp_shard_size", "1",
+        "--pipeline_schedule", "interleaved_1f1b"),
+    _pp(8, 4, "pp2-hsdp2x2", "2", "--dp_replicate_size", "2", "--dp_shard_size", "2"),
+    _pp(16, 4, "pp2-shard2-cp2-tp2-sp", "2", "--dp_shard_size", "2", "--context_parallel_size", "2",
+        "--tensor_parallel_size", "2", "--sequence_parallel", "true"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,layers,extra", SLOW, ids=lambda x: "-".join(x[1::2]) if isinstance(x, list) else None)
+@pytest.mark.parametrize("world,layers,extra", SLOW)
 def test_twenty_steps_match_single_process(tmp_path_factory, tmp_path, world, layers, extra):
     ref = _reference(tmp_path_factory, layers, 20)
     got = run_world(_train, world, _argv(tmp_path, *extra, layers=layers, steps=20), timeout=1800)

@@ -144,8 +144,8 @@ def _draw(results, path):
         bubble = sum(r["bubble"] for r in res["rows"]) / res["p"]
         ax.set_title(f"{res['schedule']}  p={res['p']} m={res['m']}" + (f" v={res['v']}" if res["v"] > 1 else "")
                      + f": step {res['step'] * 1e3:.0f} ms, mean bubble {bubble:.2f} (theory "
-                     f"{theory_bubble(res['schedule'], res['p'], res['m'], res['v']):.2f}); F blue, B green, "
-                     f"lighter = chunk 1", fontsize=8)
+                     f"{theory_bubble(res['schedule'], res['p'], res['m'], res['v']):.2f}); F blue, B green"
+                     + (", lighter = chunk b" if res["v"] > 1 else ""), fontsize=8)
         ax.set_xlabel("ms")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -204,7 +204,7 @@ def main(argv=None):
     if drawn:
         _draw(drawn, png)
         lines += ["", f"Timeline of p={big_p}, m={big_m} as recorded: `{os.path.relpath(png, ROOT)}`."]
-    lines += ["", f"Regenerate: `python benchmarks/bench_pp.py " + " ".join(argv or sys.argv[1:]) + "` "
+    lines += ["", f"Regenerate: `{' '.join(['python benchmarks/bench_pp.py', *(argv or sys.argv[1:])])}` "
               f"({time.time() - t_start:.0f} s)."]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -286,3 +286,13 @@ def test_pipeline_configs_match_single_process(tmp_path_factory, tmp_path, confi
     got = run_world(_train, world, _argv(tmp_path, config=config, steps=20), timeout=1800)
     _same(ref, got[0])
     assert len(got[0]) == 20
+
+
+@pytest.mark.slow
+def test_packed_finetune_on_pp2_matches_one_process(tmp_path_factory, tmp_path):
+    # packed chat rows: document_ids reach every stage's attention (tests/test_datasets.py's run)
+    from test_datasets import _packed_run, make_example, load_tokenizer
+    d = tmp_path_factory.mktemp("example")
+    paths = make_example(str(d), num_conversations=120, vocab_size=2048, tokenizer_chars=200_000)
+    example = dict(paths, dir=str(d), tok=load_tokenizer(paths["tokenizer"]))
+    _packed_run(example, tmp_path, 3, 4, pipeline_parallel_size=2, dp_shard_size=2, micro_batch_size=2)

@@ -263,7 +263,7 @@ SLOW = [
     _pp(4, 4, "pp2-shard2-checkpointing", "2", "--dp_shard_size", "2", "--gradient_checkpointing", "true"),
     _pp(4, 4, "pp2-ddp2-interleaved", "2", "--dp_replicate_size", "2", "--dp_shard_size", "1",
         "--pipeline_schedule", "interleaved_1f1b"),
-    _pp(8, 4, "pp2-hsdp2x2", "2", "--dp_replicate_size", "2", "--dp_shard_size", "2"),
+    _pp(8, 4, "pp2-hsdp2x2", "2", "--dp_replicate_size", "2", "--dp_shard_size", "2", "--micro_batch_size", "1"),
     _pp(16, 4, "pp2-shard2-cp2-tp2-sp", "2", "--dp_shard_size", "2", "--context_parallel_size", "2",
         "--tensor_parallel_size", "2", "--sequence_parallel", "true"),
 ]

@@ -17,9 +17,17 @@ import torch
 import torch.distributed as dist
 
 from .config import ParallelismConfig
-from .mesh import ProcessGroupManager
 
 __all__ = ["ParallelismConfig", "ProcessGroupManager", "init", "default_device"]
+
+
+def __getattr__(name):
+    # minipar.mesh is imported on first use, not here: `python -m minipar.mesh` imports this
+    # package first, and runpy warns when the module it is about to run is already imported
+    if name == "ProcessGroupManager":
+        from .mesh import ProcessGroupManager
+        return ProcessGroupManager
+    raise AttributeError(f"module 'minipar' has no attribute {name!r}")
 
 
 def default_device() -> torch.device:
@@ -32,7 +40,7 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init(config: ParallelismConfig = None, timeout_s: float = 1800) -> ProcessGroupManager:
+def init(config: ParallelismConfig = None, timeout_s: float = 1800) -> "ProcessGroupManager":
     """Set up the default process group if needed and return this rank's ProcessGroupManager.
 
     Under torchrun the world comes from its environment (RANK, WORLD_SIZE, MASTER_ADDR, ...);
@@ -54,4 +62,5 @@ def init(config: ParallelismConfig = None, timeout_s: float = 1800) -> ProcessGr
             if world_size != 1:
                 raise ValueError(f"WORLD_SIZE={world_size} but no RANK/MASTER_ADDR: launch with torchrun")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    from .mesh import ProcessGroupManager
     return ProcessGroupManager(config)

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from minipar import comm
 from minipar import tensor_parallel as tpl
 from minipar.context_parallel import ring_attention, zigzag_positions
 from minipar.mesh import ProcessGroupManager
@@ -257,9 +258,16 @@ class LlamaForCausalLM(nn.Module):
         local_logits = self.lm_head(self.model.norm(h))          # (b, s, V/tp): never the full logits
         if labels is None:
             return tpl.gather_from_tp_region(local_logits, pgm.tp, dim=-1)
-        if num_items_in_batch is None:
-            return tpl.vocab_parallel_cross_entropy(local_logits, labels, pgm.tp, reduction="mean")
         loss_sum = tpl.vocab_parallel_cross_entropy(local_logits, labels, pgm.tp, reduction="sum")
+        if num_items_in_batch is None:
+            # The mean over every dp_cp rank's labels, not this rank's: DDP and ZeRO-3 SUM gradients
+            # over dp_cp, so a local mean would make them dp_cp times too large. One all-reduce of
+            # the label count (every rank of dp_cp must then call forward); the trainer passes
+            # num_items_in_batch and skips it.
+            num_items_in_batch = (labels != -100).sum()
+            if pgm.dp_cp.size > 1:
+                num_items_in_batch = comm.all_reduce(num_items_in_batch.clone(), pgm.dp_cp)
+            num_items_in_batch = num_items_in_batch.clamp(min=1)
         return loss_sum / num_items_in_batch
 
     # ------------------------------------------------------------------ state dicts

@@ -79,7 +79,8 @@ def _buckets_world():
     sync = replicate(model, pgm.dp_replicate, bucket_size_mb=0.02)      # ~20 KB: several buckets
     ids, labels = _batch(0)
     with comm.ledger() as led:
-        model(ids[pgm.dp.rank::2], labels=labels[pgm.dp.rank::2]).backward()
+        model(ids[pgm.dp.rank::2], labels=labels[pgm.dp.rank::2],
+              num_items_in_batch=(labels != -100).sum()).backward()
     params = [p for p in model.parameters()]
     return dict(events=[e if isinstance(e, str) else (e.op, e.group, e.bytes) for e in led.events],
                 buckets=[[[id(q) for q in params].index(id(p)) for p in b.params] for b in sync.buckets],
@@ -95,7 +96,7 @@ def test_buckets_in_reverse_order_launched_during_backward():
     records = [e for e in ev if not isinstance(e, str)]
     assert [op for op, _, _ in records] == ["all_reduce"] * len(buckets)
     assert {g for _, g, _ in records} == {"dp_replicate"}
-    assert sum(b for _, _, b in records) == r0["grad_bytes"]
+    assert sum(b for _, _, b in records) == r0["grad_bytes"] + 4 * r0["n"]     # + one used flag each
     # overlap: the buckets went out while backward was still running, not at its end
     end = ev.index("grad_sync.end_of_backward")
     assert sum(1 for e in ev[:end] if not isinstance(e, str)) == len(buckets)
@@ -124,15 +125,19 @@ def _branchy_world():
 
 
 def test_parameters_without_grad_do_not_hang():
-    """`extra` gets a gradient on rank 0 only, `never` on no rank: the step finishes, and both
-    replicas hold the single-process gradient (zeros where no rank had one)."""
+    """`extra` gets a gradient on rank 0 only, `never` on no rank: the step finishes, both
+    replicas hold the single-process gradient, and `never` keeps grad None as on one process
+    (a zero gradient would let AdamW decay it)."""
     ref = Branchy()
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
     (ref(x[:2], True) + ref(x[2:], False)).backward()
+    assert ref.never.weight.grad is None
     for got in run_world(_branchy_world, 2, timeout=60):
         for n, p in ref.named_parameters():
-            want = p.grad if p.grad is not None else torch.zeros_like(p)
-            torch.testing.assert_close(got[n], want, atol=1e-6, rtol=1e-6, msg=n)
+            if p.grad is None:
+                assert got[n] is None, n
+            else:
+                torch.testing.assert_close(got[n], p.grad, atol=1e-6, rtol=1e-6, msg=n)
 
 
 def test_bad_bucket_size():

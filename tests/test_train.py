@@ -85,7 +85,8 @@ def test_config_matches_single_process(tmp_path, config):
     (2, ["--context_parallel_size", "2"]),                                  # CP alone (DDP over cp)
     (4, ["--context_parallel_size", "2", "--dp_shard_size", "2"]),          # CP + ZeRO-3 over dp_shard x cp
     (4, ["--context_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
-], ids=["tp2", "tp2-sp", "cp2", "cp2-shard2", "cp2-tp2-sp"])
+    (2, ["--dp_shard_size", "2", "--micro_batch_size", "2", "--fsdp.sync_each_batch", "false"]),
+], ids=["tp2", "tp2-sp", "cp2", "cp2-shard2", "cp2-tp2-sp", "shard2-accumulate-no-sync"])
 def test_more_layouts_match_single_process(tmp_path, world, extra):
     ref = _single(tmp_path)
     got = run_world(_train, world, _argv("ddp.yaml", tmp_path / "run", "--dp_replicate_size", "1", *extra),

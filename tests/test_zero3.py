@@ -1,4 +1,5 @@
 """ZeRO-3 (minipar/zero3/shard_manager.py) against one process: same weights, same global batch, same steps."""
+import contextlib
 import functools
 
 import pytest
@@ -26,7 +27,7 @@ def _rows(x, pgm, micro, n_micro):
     return mine[micro * step:(micro + 1) * step]
 
 
-def _train(pgm, steps=5, cfg=None, shard=True, micro=1, ckpt=False, dtype=None, **kw):
+def _train(pgm, steps=5, cfg=None, shard=True, micro=1, ckpt=False, dtype=None, sync_each=True, **kw):
     """Train the tiny Llama; returns the global loss per step and the full weights at the end."""
     local = pgm is None
     pgm = pgm or ProcessGroupManager.local()
@@ -43,16 +44,22 @@ def _train(pgm, steps=5, cfg=None, shard=True, micro=1, ckpt=False, dtype=None, 
         ids, labels = _batch(step)
         n = (labels != -100).sum()
         total = torch.zeros((), dtype=torch.float64)
+        held = []
         for m in range(micro):
-            loss = model(_rows(ids, pgm, m, micro), labels=_rows(labels, pgm, m, micro), num_items_in_batch=n)
-            loss.backward()
+            no_sync = model.zero3.no_sync() if not sync_each and m < micro - 1 else contextlib.nullcontext()
+            with no_sync, comm.ledger() as led:
+                loss = model(_rows(ids, pgm, m, micro), labels=_rows(labels, pgm, m, micro), num_items_in_batch=n)
+                loss.backward()
             total += loss.detach().double()
+            if shard:
+                held.append((led.count("reduce_scatter"), model.zero3.accumulated_grad_bytes()))
         if step == 0:                # Adam hides a wrong gradient scale: compare gradients too
             grads = _full_grads(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(comm.all_reduce(total, pgm.dp_cp).item())
-    return dict(losses=losses, params=model.full_state_dict(), grads=grads)
+    unit_bytes = [u.layout.padded_numel * 4 for u in model.zero3.units] if shard else []
+    return dict(losses=losses, params=model.full_state_dict(), grads=grads, held=held, unit_bytes=unit_bytes)
 
 
 def _full_grads(model):
@@ -109,6 +116,65 @@ def test_gradient_accumulation_equals_one_big_batch():
     _compare(got[0], _reference())
 
 
+@pytest.mark.parametrize("shape,tied", [((1, 2, 1, 1), False), ((2, 2, 1, 1), True)], ids=["fsdp2", "hsdp2x2-tied"])
+def test_accumulation_without_sync_equals_one_process(shape, tied):
+    """no_sync() for micro-batch 1 of 2: no reduce-scatter, the unsharded gradients (all units,
+    padded, fp32) are held; micro-batch 2 reduce-scatters the sum once per unit."""
+    got = run_world(_zero3_world, 4 if shape[0] == 2 else 2, shape, micro=2, sync_each=False,
+                    cfg=dict(tie_word_embeddings=tied), timeout=120)
+    want = _reference(tied=tied)
+    for g in got:
+        _compare(g, want, atol=1e-4)
+        units = len(g["unit_bytes"])
+        assert g["held"][:2] == [(0, sum(g["unit_bytes"])), (units, 0)]
+
+
+def _regroup_world(directory):
+    """Save a checkpoint with the old grouping (the root holds the embedding) and resume it on the
+    default one (embedding a unit of its own): same weights and optimizer states, same next step."""
+    from minipar.training import checkpoint as ckpt
+    pgm = minipar.init(ParallelismConfig(dp_shard_size=2))
+    out = {}
+    for name, classes in (("old", (LlamaDecoderLayer,)), ("new", None)):
+        model = fully_shard(LlamaForCausalLM(LlamaConfig(**CFG), pgm, seed=0 if name == "old" else 3), pgm,
+                            unit_classes=classes)
+        opt = build_optimizer(model, lr=1e-2)
+        if name == "old":
+            for s in range(2):
+                if s == 1:
+                    ckpt.save_checkpoint(directory, model, opt, pgm, step=1)
+                    old_sd = model.zero3.sharded_state_dict()
+                ids, labels = _batch(s)
+                model(_rows(ids, pgm, 0, 1), labels=_rows(labels, pgm, 0, 1),
+                      num_items_in_batch=(labels != -100).sum()).backward()
+                opt.step()
+                opt.zero_grad()
+                if s == 0:
+                    saved_full = model.full_state_dict()
+        else:
+            with pytest.raises(ValueError, match="another grouping"):
+                model.zero3.load_sharded_state_dict(old_sd)
+            ckpt.load_checkpoint(directory, model, opt, pgm)
+            out["loaded"] = model.full_state_dict()
+            ids, labels = _batch(1)
+            model(_rows(ids, pgm, 0, 1), labels=_rows(labels, pgm, 0, 1),
+                  num_items_in_batch=(labels != -100).sum()).backward()
+            opt.step()
+        out[name] = model.full_state_dict()
+        out[name + "_units"] = [u.name for u in model.zero3.units]
+    out["saved"] = saved_full
+    return out
+
+
+def test_checkpoint_from_another_unit_grouping_resumes(tmp_path):
+    got = run_world(_regroup_world, 2, str(tmp_path / "step-1"), timeout=120)[0]
+    assert got["old_units"] == ["<root>"] + [f"model.layers.{i}" for i in range(2)]
+    assert got["new_units"] == ["<root>", "model.embed_tokens"] + [f"model.layers.{i}" for i in range(2)]
+    for name, w in got["saved"].items():
+        assert torch.equal(got["loaded"][name], w), name
+        torch.testing.assert_close(got["new"][name], got["old"][name], atol=1e-6, rtol=0, msg=name)
+
+
 def test_activation_checkpointing_equals_plain():
     """The decoder layers' forward runs again inside backward: the pre-forward hook fires then."""
     got = run_world(_zero3_world, 2, (1, 2, 1, 1), ckpt=True, timeout=120)
@@ -154,7 +220,7 @@ def test_bf16_mixed_precision_within_bf16_tolerance():
 
 # ------------------------------------------------------------------ memory, prefetching, the ledger
 def _schedule_world(prefetch):
-    """dp_shard 4, 3 layers: one step to learn the orders, then a step under the ledger."""
+    """dp_shard 4, 3 layers: steps 1 and 2 under the ledger (step 1 prefetches from the static order)."""
     pgm = minipar.init(ParallelismConfig(dp_shard_size=4))
     model = LlamaForCausalLM(LlamaConfig(**dict(CFG, num_hidden_layers=3)), pgm, seed=0)
     n_params = sum(p.numel() for p in model.parameters())
@@ -175,12 +241,13 @@ def _schedule_world(prefetch):
         opt.zero_grad()
         return left
 
-    step(0)
-    seen.clear()
-    z.peak_gathered_bytes = 0
-    with comm.ledger() as led:
-        left = step(1)
-    events = [e if isinstance(e, str) else (e.op, e.group, e.bytes, e.wire_bytes) for e in led.events]
+    events = []
+    for s in range(2):
+        seen.clear()
+        z.peak_gathered_bytes = 0
+        with comm.ledger() as led:
+            left = step(s)
+        events.append([e if isinstance(e, str) else (e.op, e.group, e.bytes, e.wire_bytes) for e in led.events])
     return dict(events=events,
                 seen=seen, left=left, peak=z.peak_gathered_bytes, n_params=n_params,
                 unit_bytes={u.name: u.layout.padded_numel * 4 for u in z.units},
@@ -193,7 +260,8 @@ def _schedule_world(prefetch):
 def test_memory_prefetch_and_communication(prefetch):
     N, layers = 4, [f"model.layers.{i}" for i in range(3)]
     got = run_world(_schedule_world, N, prefetch, timeout=120)[0]
-    ub, ev = got["unit_bytes"], got["events"]
+    ub = got["unit_bytes"]
+    assert list(ub) == ["<root>", "model.embed_tokens", *layers]   # the embedding is a unit of its own
     # outside a unit's forward and backward its gathered parameters are freed
     assert got["left"] == []
     for kind, i, gathered in got["seen"]:
@@ -202,36 +270,43 @@ def test_memory_prefetch_and_communication(prefetch):
             assert set(gathered) <= {"<root>", *layers[i:i + 1 + prefetch]}, gathered
         else:
             assert layers[i] not in gathered, gathered
-    # peak parameter bytes: the shards + the root + (1 + prefetch) layers, never more
-    bound = ub["<root>"] + (1 + prefetch) * max(ub[n] for n in layers)
-    assert got["peak"] == bound
+    # peak parameter bytes: the shards + the root (norm, lm_head) + the embedding or a layer, and
+    # `prefetch` layers, never more
+    layer = max(ub[n] for n in layers)
+    bound = ub["<root>"] + max(ub["model.embed_tokens"], layer) + prefetch * layer
+    assert ub["<root>"] + (1 + prefetch) * layer <= got["peak"] <= bound
     # optimizer states (exp_avg, exp_avg_sq) exist for the shards only: 1/N of one process's
     single = 2 * 4 * got["n_params"]
     assert got["opt_bytes"] == 2 * got["shard_bytes"]
     assert single <= got["opt_bytes"] * N <= single + 2 * 4 * N * len(ub)
-    # communication: all-gather twice the parameters, reduce-scatter the gradients once, nothing else
-    records = [e for e in ev if not isinstance(e, str)]
-    ops = {(op, g) for op, g, _, _ in records}
-    assert ops == {("all_gather", "dp_shard_cp"), ("reduce_scatter", "dp_shard_cp")}
-    ag = sum(b for op, _, b, _ in records if op == "all_gather")
-    rs = sum(b for op, _, b, _ in records if op == "reduce_scatter")
     padded = sum(ub.values())
-    assert ag == 2 * padded and rs == padded
     assert 0 <= padded - 4 * got["n_params"] < 4 * N * len(ub)       # theory, up to padding
-    assert sum(w for op, _, _, w in records if op == "all_gather") == pytest.approx(ag * (N - 1) / N)
-    assert sum(w for op, _, _, w in records if op == "reduce_scatter") == pytest.approx(rs * (N - 1) / N)
-    assert len(records) == 3 * len(ub)
-    # the order: with prefetch, the next unit's all-gather is issued before this unit's forward
-    # ends (and in backward before this unit's reduce-scatter); without, only after
-    pos = {}                                                       # first occurrence of each mark
-    for k, e in enumerate(ev):
-        if isinstance(e, str):
-            pos.setdefault(e, k)
-    for i in range(2):
-        fwd = pos[f"zero3.gather {layers[i + 1]}"] < pos[f"zero3.forward_end {layers[i]}"]
-        assert fwd == bool(prefetch)
-    gathers = [k for k, e in enumerate(ev) if e == f"zero3.gather {layers[0]}"]
-    assert len(gathers) == 2 and (gathers[1] < pos[f"zero3.reduce_scatter {layers[1]}"]) == bool(prefetch)
+    for ev in got["events"]:                                       # step 1 (static order), step 2
+        # communication: all-gather every unit twice but the root (kept gathered from forward into
+        # backward) and the embedding (its backward reads no weights) once, reduce-scatter the
+        # gradients once, nothing else
+        records = [e for e in ev if not isinstance(e, str)]
+        ops = {(op, g) for op, g, _, _ in records}
+        assert ops == {("all_gather", "dp_shard_cp"), ("reduce_scatter", "dp_shard_cp")}
+        ag = sum(b for op, _, b, _ in records if op == "all_gather")
+        rs = sum(b for op, _, b, _ in records if op == "reduce_scatter")
+        assert ag == 2 * padded - ub["<root>"] - ub["model.embed_tokens"] and rs == padded
+        assert sum(w for op, _, _, w in records if op == "all_gather") == pytest.approx(ag * (N - 1) / N)
+        assert sum(w for op, _, _, w in records if op == "reduce_scatter") == pytest.approx(rs * (N - 1) / N)
+        assert len(records) == 3 * len(ub) - 2
+        assert ev.count("zero3.gather <root>") == ev.count("zero3.gather model.embed_tokens") == 1
+        # the order: with prefetch, the next unit's all-gather is issued before this unit's forward
+        # ends (and in backward before this unit's reduce-scatter); without, only after. In step 1
+        # too: backward prefetches from the static reverse order, before any order was seen
+        pos = {}                                                   # first occurrence of each mark
+        for k, e in enumerate(ev):
+            if isinstance(e, str):
+                pos.setdefault(e, k)
+        for i in range(2):
+            fwd = pos[f"zero3.gather {layers[i + 1]}"] < pos[f"zero3.forward_end {layers[i]}"]
+            assert fwd == bool(prefetch)
+        gathers = [k for k, e in enumerate(ev) if e == f"zero3.gather {layers[0]}"]
+        assert len(gathers) == 2 and (gathers[1] < pos[f"zero3.reduce_scatter {layers[1]}"]) == bool(prefetch)
 
 
 # ------------------------------------------------------------------ any model: a toy with odd shapes

@@ -34,6 +34,13 @@ plus the sum of the new gradients, instead of n R.)
 Parameters that get no gradient in a step (a branch not taken) contribute zeros, and their
 bucket is launched at the end of backward: no rank waits for a gradient that never comes. (Every
 rank must still backpropagate into at least one parameter: the first gradient starts the sync.)
+A parameter that NO rank used keeps .grad None, as on one process and under ZeRO-3, so AdamW
+skips it (a zero gradient would still decay it). To know "no rank", each bucket carries one used
+flag per parameter after its gradients, summed by the same all-reduce (torch DDP's
+local_used_map, without a collective of its own): 4 bytes per parameter, next to its gradient.
+
+    bucket k = [ grad p0 | grad p1 | ... | used p0, used p1, ... ]   --all-reduce(sum)-->
+               p.grad = the summed slice where used > 0, else None
 """
 from __future__ import annotations
 
@@ -92,13 +99,6 @@ class GradSync:
         finally:
             self._sync = previous
 
-    def sync_gradients(self):
-        """All-reduce what is accumulated now, outside any backward: for callers whose step is
-        many backward calls (a pipeline schedule: one per micro-batch and model chunk), run them
-        all under no_sync() and then this, once. Not overlapped with compute."""
-        if self.dim.size > 1:
-            self._finish()
-
     # ------------------------------------------------------------------ hooks
     def _before_accumulate(self, p):
         if id(p) in self._holds_sum:
@@ -121,21 +121,30 @@ class GradSync:
             bucket = self.buckets[self._next]
             if not force and len(bucket.ready) < len(bucket.params):
                 return                           # strictly in order, the same on every rank
-            bucket.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                     for p in bucket.params])
+            bucket.flat = torch.cat([self._contribution(p).reshape(-1) for p in bucket.params] + [
+                torch.tensor([0.0 if p.grad is None else 1.0 for p in bucket.params], dtype=bucket.params[0].dtype,
+                             device=bucket.params[0].device)])
             bucket.work = comm.all_reduce(bucket.flat, self.dim, async_op=True)
             self._next += 1
+
+    def _contribution(self, p):
+        if p.grad is None:
+            return torch.zeros_like(p)
+        if id(p) in self._holds_sum:           # no new gradient since the last sum R: send R / n, the
+            return p.grad / self.dim.size      # same share as every other rank, so the sum stays R
+        return p.grad
 
     def _finish(self):
         comm.mark("grad_sync.end_of_backward")
         self._launch_ready(force=True)           # buckets holding parameters that got no gradient
         for bucket in self.buckets:
             bucket.work.wait()
-            offset = 0
-            for p in bucket.params:
-                p.grad = bucket.flat[offset:offset + p.numel()].view_as(p)
+            offset, used = 0, bucket.flat[-len(bucket.params):]
+            for p, u in zip(bucket.params, used.tolist()):
+                if u > 0:                        # some rank used it; else it stays None everywhere
+                    p.grad = bucket.flat[offset:offset + p.numel()].view_as(p)
+                    self._holds_sum.add(id(p))
                 offset += p.numel()
-                self._holds_sum.add(id(p))
             bucket.ready, bucket.work, bucket.flat = set(), None, None
         self._next, self._callback_queued = 0, False
 

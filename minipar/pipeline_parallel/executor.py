@@ -14,9 +14,8 @@ exactly when the data it needs has not been computed yet: the bubble.
 
 Gradient accumulation over the m micro-batches: parameters used by several micro-batches add up
 their gradients. Data parallelism must reduce once per step, not per micro-batch: the caller's
-`before_backward(action, last)` hook switches ZeRO-3's reduce-scatter on only for a chunk's last
-micro-batch (zero3.Zero3.set_requires_gradient_sync) and keeps DDP in no_sync, whose one all-reduce
-follows the schedule. The loss (sum over micro-batches of sum / num_items_in_batch) is returned on
+`before_backward(action, last)` hook learns which backward is this rank's last of the step (the
+caller keeps DDP and ZeRO-3 in no_sync until then; that backward reduces everything once). The loss (sum over micro-batches of sum / num_items_in_batch) is returned on
 the last stage, zero elsewhere: the caller sums it over dp_cp and pp.
 
 `recorder`, when given, receives (action, start, end) of every compute with wall-clock times and the
@@ -67,12 +66,12 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
     device = micro_batches[0]["input_ids"].device
     link = StageLink(pgm, activation_shape(micro_batches[0], pgm, stage.config.hidden_size), act_dtype,
                      device, m)
-    last_micro = {c: max(a.micro for a in order if a.chunk == c) for c in {a.chunk for a in order}}
+    final = max(i for i, a in enumerate(order) if a.kind == "B")     # this rank's last backward
     saved: Dict[tuple, tuple] = {}              # (chunk, micro) -> (input, output) awaiting backward
     loss = torch.zeros((), dtype=torch.float64, device=device)
     if recorder is not None:
         recorder.start()
-    for a in order:
+    for i, a in enumerate(order):
         vs, mb = a.chunk * p + r, micro_batches[a.micro]
         if a.kind == "F":
             if stage.is_first_virtual(a.chunk):
@@ -94,7 +93,7 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
             x, out = saved.pop((a.chunk, a.micro))
             grad = None if stage.is_last_virtual(a.chunk) else link.recv_backward(vs, a.micro).to(out.dtype)
             if before_backward is not None:
-                before_backward(a, a.micro == last_micro[a.chunk])
+                before_backward(a, i == final)
             t = time.perf_counter()
             torch.autograd.backward(out, grad)
             if recorder is not None:

@@ -132,7 +132,9 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
         ctx.tp = tp
-        return comm.all_gather(x, tp, gather_dim=SEQ_DIM)
+        # contiguous once here: the gathered (b, s, h) is a movedim view, and each of the linears
+        # it feeds (q, k, v; gate, up) would otherwise save its own contiguous copy for backward
+        return comm.all_gather(x, tp, gather_dim=SEQ_DIM).contiguous()
 
     @staticmethod
     def backward(ctx, grad):

@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import checkpoint_io as cio
-from .checkpoint_io import find_latest_checkpoint, list_checkpoints, rotate_checkpoints  # noqa: F401
+from .checkpoint_io import find_latest_checkpoint, find_latest_verified, list_checkpoints, rotate_checkpoints  # noqa: F401
 from ..tensor_parallel import gather_tensor, shard_tensor
 
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
@@ -302,7 +302,7 @@ def load_checkpoint(directory: str, model, optimizer, pgm, *, scheduler=None) ->
     with torch.no_grad():
         for p, t in local_from_full(model, pgm, full["param"], source=directory).items():
             p.copy_(t)
-    trainer = cio.load(os.path.join(directory, TRAINER_STATE), trusted=True)
+    trainer = cio.load(os.path.join(directory, TRAINER_STATE))
     if optimizer is not None:
         _load_optimizer(model, optimizer, pgm, full, scalars, trainer["param_groups"], directory)
     if scheduler is not None and trainer["scheduler"] is not None:

@@ -6,7 +6,9 @@ touched and a half-written one never looks complete:
 
     output_dir/
       step-200/                      complete: manifest.json present, every file it lists checks out
-      step-300.tmp-3f9c0a1b2c4d5e6f/ a save that died: ignored by find_latest_checkpoint, cleaned later
+      step-300.tmp-node7-4242-3f9c0a1b2c4d5e6f/   a save in progress, or one that died: its writer
+                                     (host node7, pid 4242: rank 0 of that run) is in the name, so
+                                     cleanup removes it only once that process is gone
       step-300/                      appears only by one rename(2), after everything inside is on disk
 
     one save, seen from the file system
@@ -29,6 +31,10 @@ learns it, rank 0 removes the temporary directory and all raise; none is left wa
 per-rank pieces live here too, as they are only file formats: the RNG states (torch CPU and CUDA,
 python, numpy) that make a resumed run draw the same numbers, and torch.save to bytes (hashed
 before they reach the disk). Everything but atomic_save and agree works on one process, no groups.
+
+Loading runs no code: every file is read with torch.load(weights_only=True), which unpickles
+tensors and plain containers only. A file that needs more (a pickle that would call a function,
+even one whose checksum was rewritten to match) is refused with a ValueError naming it.
 """
 from __future__ import annotations
 
@@ -37,28 +43,58 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import socket
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from .. import comm
+from .run_lock import LOCK_NAME, process_alive
 
 FORMAT = "minipar-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 INDEX_DIR = "index"
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_TMP_RE = re.compile(r"^(.+)\.tmp-[0-9a-f]{16}$")
-_OLD_RE = re.compile(r"^(.+)\.old-[0-9a-f]{16}$")
+# step-N.tmp-<host>-<pid>-<token>: the owner (rank 0 of the saving run) is optional for the
+# names of older minipar versions, which are always stale
+_TMP_RE = re.compile(r"^(.+?)\.tmp-(?:([A-Za-z0-9._]+)-(\d+)-)?([0-9a-f]{16})$")
+_OLD_RE = re.compile(r"^(.+?)\.old-(?:([A-Za-z0-9._]+)-(\d+)-)?([0-9a-f]{16})$")
+_NAME_BYTES = 256
 
 
-def temp_dir_for(directory: str, token: int) -> str:
-    """The sibling a save writes into; `token` is the same on every rank (rank 0 draws it)."""
-    return f"{os.path.abspath(directory).rstrip(os.sep)}.tmp-{token & (2 ** 64 - 1):016x}"
+def owner_tag(host: Optional[str] = None, pid: Optional[int] = None) -> str:
+    """host-pid of a save's writer, in characters a directory name keeps."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", host if host is not None else socket.gethostname())[:64]
+    return f"{host}-{pid if pid is not None else os.getpid()}"
+
+
+def temp_dir_for(directory: str, token: int, owner: Optional[str] = None) -> str:
+    """The sibling a save writes into: `owner` (owner_tag(); this process by default) and `token`
+    are rank 0's, the same on every rank."""
+    return (f"{os.path.abspath(directory).rstrip(os.sep)}.tmp-{owner or owner_tag()}-"
+            f"{token & (2 ** 64 - 1):016x}")
+
+
+def _owner_gone(host: Optional[str], pid: Optional[str], parent: str) -> bool:
+    """Whether the writer of a temporary directory has ended, so that its directory is stale."""
+    if host is None:
+        return True                            # no owner in the name: an older minipar's
+    if host == owner_tag(pid=0).rsplit("-", 1)[0]:
+        return int(pid) == os.getpid() or not process_alive(int(pid))   # ours: only `keep` is in use
+    # another host's: stale only if this process holds the output_dir's lock (so no other run
+    # writes here); otherwise we cannot tell, and leave it alone
+    try:
+        with open(os.path.join(parent, LOCK_NAME)) as f:
+            lock = json.load(f)
+        return lock.get("pid") == os.getpid() and lock.get("host") == socket.gethostname()
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
@@ -137,9 +173,14 @@ def atomic_save(directory: str, pgm, device, write: Callable[[str], Dict[str, di
     entries of the files it wrote (write_file's); `manifest()` runs on rank 0 before the commit.
     Collective."""
     rank, parent = pgm.global_rank, os.path.dirname(os.path.abspath(directory))
-    token = torch.tensor([random.SystemRandom().getrandbits(62) if rank == 0 else 0], device=device)
-    comm.broadcast(token, pgm.world)
-    tmp, error = temp_dir_for(directory, int(token.item())), None
+    name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)   # rank 0's temporary name, to every rank
+    if rank == 0:
+        drawn = os.path.basename(temp_dir_for(directory, random.SystemRandom().getrandbits(62))).encode()
+        name[:len(drawn)] = torch.tensor(list(drawn), dtype=torch.uint8)
+    name = name.to(device)
+    comm.broadcast(name, pgm.world)
+    tmp = os.path.join(parent, bytes(name.cpu().tolist()).rstrip(b"\0").decode())
+    error = None
     try:
         if rank == 0:
             clean_stale(parent, keep=tmp)
@@ -165,13 +206,16 @@ def atomic_save(directory: str, pgm, device, write: Callable[[str], Dict[str, di
 
 def clean_stale(parent: str, keep: Optional[str] = None) -> List[str]:
     """Remove the temporary directories that crashed saves left under `parent` (except `keep`). A
-    save that died while replacing step-N by a new step-N left the old one as step-N.old-<token>:
-    it is complete, so it is put back."""
+    save that died while replacing step-N by a new step-N left the old one as step-N.old-<...>:
+    it is complete, so it is put back. A directory whose writer still runs (on this host: its pid
+    is alive) or may run (another host) is never touched: it is a live run's save in progress."""
     removed = []
     for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
         path = os.path.join(parent, name)
         m = _TMP_RE.match(name) or _OLD_RE.match(name)
         if not m or not os.path.isdir(path) or (keep and os.path.abspath(path) == os.path.abspath(keep)):
+            continue
+        if not _owner_gone(m.group(2), m.group(3), parent):
             continue
         final = os.path.join(parent, m.group(1))
         if _OLD_RE.match(name) and not os.path.exists(final):
@@ -246,6 +290,25 @@ def find_latest_checkpoint(output_dir: str) -> Optional[str]:
     return done[-1] if done else None
 
 
+def find_latest_verified(output_dir: str):
+    """(the newest output_dir/step-N whose every file checks out, sha256 included, or None;
+    [(path, why)] of the newer ones skipped). What `resume_from_checkpoint: latest` resumes from:
+    a truncated and a bit-flipped newest checkpoint are skipped alike, and named."""
+    steps = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        m = _STEP_RE.match(name)
+        if m and os.path.isdir(os.path.join(output_dir, name)):
+            steps.append((int(m.group(1)), os.path.join(output_dir, name)))
+    skipped = []
+    for _, path in sorted(steps, reverse=True):
+        try:
+            verify(path, checksums=True)
+            return path, skipped
+        except ValueError as e:
+            skipped.append((path, str(e)))
+    return None, skipped
+
+
 def rotate_checkpoints(output_dir: str, save_total_limit: Optional[int]) -> List[str]:
     """Delete the oldest complete checkpoints beyond `save_total_limit` (rank 0 only; None or 0
     keeps all), and stale temporary directories. Returns what was removed."""
@@ -264,10 +327,15 @@ def to_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
-def load(path: str, trusted: bool = False):
-    """weights_only for the tensor files; trainer_state holds `extra` (anything picklable) that our
-    own save wrote, and is loaded with trusted=True after its checksum was verified."""
-    return torch.load(path, map_location="cpu", weights_only=not trusted)
+def load(path: str):
+    """A checkpoint file, unpickled with weights_only=True: tensors and plain containers (dict,
+    list, tuple, str, numbers, None), never code. Anything else is refused, naming the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"checkpoint file {path} holds more than tensors and plain data, and loading it "
+                         f"could run code: refused ({first})") from None
 
 
 def rng_state() -> dict:

@@ -5,9 +5,10 @@ one optimizer step is a pipeline schedule over the step's micro-batches.
     micro-batches m = 0..M-1                 local_batch(dp, cp) as usual: every stage reads the
                                              same ones (the sampler only knows the dp coordinates)
     run_schedule(stage, order)               afab | 1f1b | interleaved_1f1b (minipar.pipeline_parallel)
-        DDP: every backward under no_sync, one all-reduce after the schedule
-        ZeRO-3: unsharded gradients kept until each chunk's last micro-batch, whose backward
-                reduce-scatters the sum (set_requires_gradient_sync): once per step, not per micro-batch
+        every backward but the rank's last one under no_sync (DDP's, and ZeRO-3's, which keeps
+        the unsharded gradients): the last backward reduces everything, once per step: DDP's
+        all-reduce, ZeRO-3's reduce-scatter of each unit (of the other chunk's units too, at the
+        end of that backward, under interleaving), not once per micro-batch
     loss = all-reduce over dp_cp (the last stage's shares), then over pp (the others add zero)
     clip by the global norm (optim.py sums the squares over pp too), AdamW, lr schedule
 
@@ -60,23 +61,23 @@ class PipelineStep:
         # the weights themselves (autocast keeps the stream in fp32)
         self.act_dtype = torch.bfloat16 if (trainer.bf16 and trainer.sharded) else torch.float32
 
-    def _before_backward(self, action, last: bool):
-        zero3 = getattr(self.t.model, "zero3", None)
-        if zero3 is not None:
-            zero3.set_requires_gradient_sync(last)
-
     def train_step(self, step: int) -> dict:
         t, pgm = self.t, self.t.pgm
         gb = t._global_batch(step)                # the trainer's: byte corpus or packed datasets rows
         n_items = mdata.count_label_tokens(gb["labels"])
         M = t.run.num_micro_steps
         batches = [t._local(gb, m, M) for m in range(M)]
-        sync = t.grad_sync.no_sync() if t.grad_sync is not None else contextlib.nullcontext()
-        with sync:
+        reducers = [r for r in (t.grad_sync, getattr(t.model, "zero3", None)) if r is not None]
+        with contextlib.ExitStack() as unsynced:
+            for reducer in reducers:              # DDP / ZeRO-3: accumulate without communicating
+                unsynced.enter_context(reducer.no_sync())
+
+            def before_backward(action, last: bool):
+                if last:                          # the step's final backward reduces it all, once
+                    unsynced.close()
+
             loss = run_schedule(t.model, self.order, pgm, batches, n_items, act_dtype=self.act_dtype,
-                                before_backward=self._before_backward, autocast=t._autocast)
-        if t.grad_sync is not None:
-            t.grad_sync.sync_gradients()
+                                before_backward=before_backward, autocast=t._autocast)
         comm.all_reduce(loss, pgm.dp_cp)
         comm.all_reduce(loss, pgm.pp)
         grad_norm = moptim.clip_grad_norm_(t.model.parameters(), t.cfg.max_grad_norm, pgm)

@@ -9,8 +9,10 @@ minipar.init creates a single group, so a mistake is the same clear error everyw
                the command line replace the default layout)
          -> the tokenizer and the `datasets` rows (tokenizer.py, datasets.py, packing.py), or
             the byte corpus
-         -> the model against tp/cp and the sequence, the batch against dp, the dataset file,
-            the checkpoint to resume from
+         -> the model against tp/cp and the sequence, the batch against dp (global = micro x
+            accumulation x dp), max_steps from num_epochs, the dataset file, the checkpoint to
+            resume from                                                  config_keys.py
+         -> output_dir writable, and no live run holding it (rank 0 locks it)  run_lock.py
          -> minipar.init(layout): the groups                              mesh.py
 """
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch.distributed as dist
 
 import minipar
 from minipar import ParallelismConfig
+from minipar.training import config_keys
 from minipar.training import data as mdata
+from minipar.training import run_lock
 from minipar.training.packing import prepare as prepare_datasets
 from minipar.training.tokenizer import HFTokenizer, load_tokenizer, padded_vocab_size, tokenizer_path
 from minipar.training.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
@@ -45,12 +49,19 @@ class Run:
     notes: List[str] = field(default_factory=list)
     datasets: Optional[object] = None     # packing.DatasetRun when `datasets` is set, else the byte corpus
     tokenizer: Optional[object] = None
+    lock: Optional[run_lock.RunLock] = None     # rank 0 holds output_dir/minipar.lock until the run ends
 
 
 def _world_size() -> int:
     if dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _rank() -> int:
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
 
 
 def setup_run(argv: List[str]) -> Run:
@@ -60,7 +71,7 @@ def setup_run(argv: List[str]) -> Run:
         path, argv, default_config = argv[0], argv[1:], False
     from_cli = set(parse_overrides(argv)) & set(SIZE_KEYS)
     notes = []
-    cfg = load_config(path, argv)
+    cfg = load_config(path, argv, notes)
     if default_config and from_cli:
         # The default config's layout (cp 2 x tp 2) is the 8-process showcase. Sizes given on the
         # command line replace that layout instead of combining with it, so that
@@ -94,15 +105,10 @@ def setup_run(argv: List[str]) -> Run:
     try:
         pconf = pconf.resolve(world)
     except ValueError as err:
-        raise ValueError(f"{err} (config {path}; launch e.g. `torchrun --nproc-per-node {pconf.total_size} "
-                         f"train.py {path}` or set the sizes with --tensor_parallel_size etc.)") from None
+        raise ValueError(f"{err} ({_launch_hint(pconf, world, path, argv, default_config)})") from None
     pconf.validate_model(cfg.model, cfg.sequence_len)
     dp = pconf.dp_replicate_size * pconf.dp_shard_size
-    micro = cfg.micro_batch_size or (cfg.global_batch_size // dp if cfg.global_batch_size % dp == 0 else 0)
-    if micro == 0:
-        raise ValueError(f"global_batch_size {cfg.global_batch_size} is not divisible by the data-parallel "
-                         f"size dp_replicate x dp_shard = {dp}; use a multiple of {dp}")
-    num_micro = mdata.micro_steps_for(cfg.global_batch_size, micro, dp)
+    num_micro = config_keys.resolve_batch(cfg, dp)      # global = micro x accumulation x dp
     if pconf.pp_size > 1:                         # the split and the schedule, before any group exists
         from minipar.training.pipeline_step import check_pipeline
         check_pipeline(cfg, pconf.pp_size, num_micro)
@@ -117,11 +123,30 @@ def setup_run(argv: List[str]) -> Run:
     else:
         train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction, sequence_len=cfg.sequence_len,
                                                      tokenizer=tokenizer)
+    if cfg.num_epochs is not None:                      # max_steps from the sampler's samples per epoch
+        samples = datasets.train.num_rows if datasets is not None else \
+            mdata.BatchSampler(len(train_tokens), cfg.sequence_len, cfg.global_batch_size).num_windows
+        config_keys.resolve_max_steps(cfg, samples, notes)
     resume = cfg.resume_from_checkpoint
     if resume and resume != "latest" and not os.path.isdir(resume):
         raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")
+    run_lock.check_writable(cfg.output_dir, cfg.metrics_path)    # every rank, before anything is written
+    lock = run_lock.acquire(cfg.output_dir, _rank(), notes)
     pgm = minipar.init(pconf)
-    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, datasets, tokenizer)
+    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, datasets, tokenizer, lock)
+
+
+def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str], default_config: bool) -> str:
+    """A launch that fits the sizes asked for: the same arguments, a process count they resolve to."""
+    fixed = (pconf.dp_replicate_size or 1) * (pconf.cp_size or 1) * (pconf.tp_size or 1)
+    if pconf.dp_shard_size is not None:
+        counts = [fixed * pconf.dp_shard_size]
+    else:                                               # dp_shard takes the remainder: multiples fit
+        below = world // fixed * fixed
+        counts = [n for n in (below, below + fixed) if n > 0]
+    args = " ".join(([] if default_config else [path]) + list(argv))
+    launches = " or ".join(f"`torchrun --nproc-per-node {n} train.py{' ' + args if args else ''}`" for n in counts)
+    return f"config {path}; launch {launches}, or change the sizes so that they fit {world} processes"
 
 
 def _fmt(sizes: dict) -> str:

@@ -3,19 +3,24 @@
     python train.py                                   configs/default.yaml
     python train.py configs/fsdp.yaml --max_steps 20 --model.hidden_size 64 --fsdp.prefetch 2
 
-Every key has a typed default below; a YAML or command-line key that is not one of them is an
-error that lists the valid keys and suggests the nearest ("did you mean 'learning_rate'?"). Values
-from the command line are parsed as YAML scalars (20, 3e-4, true, null, [a, b]) and checked
-against the default's type. Nothing here touches torch.distributed, so a bad config fails on
-every rank before the first collective.
+Every key has a typed default below; keys that are not among them are ONE error that lists all
+of them, each with the nearest valid key ("did you mean 'learning_rate'?"). Values from the
+command line are parsed as YAML scalars (20, true, null, [a, b]) and checked against the key's
+type: a float key takes 3e-4, 1E-3 and 2e-5 as people write them (PyYAML reads an exponent
+without a dot as a string, so float keys parse strings themselves); an int key refuses 2.5 and
+"3e-4"; a bool key takes only true/false. Axolotl's names (gradient_accumulation_steps,
+num_epochs, bf16, fsdp_config, ...) are mapped onto these keys by config_keys.py. Nothing here
+touches torch.distributed, so a bad config fails on every rank before the first collective.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import yaml
 
@@ -32,6 +37,10 @@ class FSDPConfig:
     prefetch: int = 1
     reshard_after_forward: bool = True
     state_dict_type: str = "SHARDED_STATE_DICT"      # or FULL_STATE_DICT
+    # gradient accumulation (accelerate's GradientAccumulationPlugin.sync_each_batch): true
+    # reduce-scatters every micro-batch (holds only G/N); false reduce-scatters once per step and
+    # holds the unsharded gradients (G) between micro-batches (FSDP2's set_requires_gradient_sync)
+    sync_each_batch: bool = True
 
 
 @dataclass
@@ -46,9 +55,11 @@ class TrainConfig:
     sample_packing: bool = False          # whole examples packed into sequence_len, attention kept apart
     val_set_size: float = 0.0             # held out of `datasets`: a fraction, or (>= 1) a count
     sequence_len: int = 128
-    global_batch_size: int = 16           # samples per optimizer step, over all data-parallel ranks
+    global_batch_size: Optional[int] = 16  # samples per optimizer step, over all data-parallel ranks
     micro_batch_size: Optional[int] = None  # per dp rank per forward; None = no accumulation
-    max_steps: int = 300
+    gradient_accumulation_steps: Optional[int] = None  # Axolotl's: global = micro x accumulation x dp
+    max_steps: Optional[int] = 300
+    num_epochs: Optional[float] = None    # Axolotl's: max_steps from the dataset size (max_steps wins)
     learning_rate: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -57,6 +68,9 @@ class TrainConfig:
     adam_beta2: float = 0.95
     max_grad_norm: Optional[float] = 1.0  # None or 0 turns clipping off
     dtype: str = "float32"                # or bfloat16: compute in bf16, fp32 master weights
+    bf16: Optional[Union[bool, str]] = None  # Axolotl's: true = dtype bfloat16; auto = bf16 where the GPU has it
+    lr_scheduler: str = "cosine"          # linear warmup, then cosine to min_lr_ratio (the one schedule)
+    optimizer: str = "adamw_torch"        # or adamw_torch_fused (torch's fused AdamW kernel)
     gradient_checkpointing: bool = False
     # the four parallel sizes (accelerate's names in brackets); dp_shard_size None = the remainder
     dp_replicate_size: int = 1
@@ -70,6 +84,7 @@ class TrainConfig:
     pipeline_virtual_stages: Optional[int] = None   # model chunks per rank; None: 2 if interleaved, else 1
     pipeline_layers: Optional[List[int]] = None     # layers per (virtual) stage; None: the even split
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    fsdp_version: Optional[int] = None    # Axolotl's; 1 or 2: both are minipar's ZeRO-3 over dp_shard
     output_dir: str = "out/default"
     metrics_file: Optional[str] = None    # default: <output_dir>/metrics.jsonl
     logging_steps: int = 10
@@ -100,40 +115,108 @@ def _valid_keys(cls) -> List[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def _unknown(key: str, cls, prefix: str = "") -> ValueError:
-    valid = _valid_keys(cls)
-    near = difflib.get_close_matches(key, valid, n=1)
-    hint = f" Did you mean '{prefix}{near[0]}'?" if near else ""
-    return ValueError(f"unknown config key '{prefix}{key}'.{hint} Valid keys{' of ' + prefix[:-1] if prefix else ''}: "
-                      f"{', '.join(valid)}")
+def unknown_keys_error(unknown: List[tuple]) -> ValueError:
+    """One error for every unknown key: [(key, valid keys of its mapping, prefix)] -> ValueError
+    naming each with its nearest valid key, then the valid keys."""
+    parts, valid_lists = [], {}
+    for key, valid, prefix in unknown:
+        near = difflib.get_close_matches(key, valid, n=1)
+        hint = f" Did you mean '{prefix}{near[0]}'?" if near else ""
+        parts.append((f"'{prefix}{key}'", hint))
+        valid_lists[prefix] = valid
+    lists = "; ".join(f"Valid keys{' of ' + p[:-1] if p else ''}: {', '.join(v)}" for p, v in valid_lists.items())
+    if len(parts) == 1:
+        return ValueError(f"unknown config key {parts[0][0]}.{parts[0][1]} {lists}")
+    listed = ", ".join(f"{name}{' (' + hint.strip() + ')' if hint else ''}" for name, hint in parts)
+    return ValueError(f"{len(parts)} unknown config keys: {listed}. {lists}")
 
 
-def _coerce(key: str, value, default):
-    """Check a value against the type of its default (ints may stand for floats)."""
-    if default is None or value is None:
-        return value
-    if isinstance(default, bool):
+def _field_types(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _parse_float(key: str, value) -> float:
+    """A float as people write it: 3e-4, 1E-3, 2.5, 3 (YAML gives '3e-4' as a string)."""
+    if isinstance(value, bool):
+        raise ValueError(f"config key '{key}' must be a number, got {value!r}")
+    if isinstance(value, (int, float)):
+        out = float(value)
+    elif isinstance(value, str):
+        try:
+            out = float(value.strip())
+        except ValueError:
+            raise ValueError(f"config key '{key}' must be a number (e.g. 3e-4), got {value!r}") from None
+    else:
+        raise ValueError(f"config key '{key}' must be a number (e.g. 3e-4), got {value!r}")
+    if not math.isfinite(out):
+        raise ValueError(f"config key '{key}' must be a finite number, got {value!r}")
+    return out
+
+
+def _coerce(key: str, value, typ):
+    """Check a value against the key's annotated type. Optional keys take null; floats take ints
+    and the strings YAML leaves unparsed (3e-4); ints and bools are strict."""
+    args = typing.get_args(typ)
+    optional = typing.get_origin(typ) is Union and type(None) in args
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"config key '{key}' cannot be null")
+    if optional:
+        rest = [a for a in args if a is not type(None)]
+        typ = rest[0] if len(rest) == 1 else Union[tuple(rest)]
+    if typ is float:
+        return _parse_float(key, value)
+    if typ is bool:
         if not isinstance(value, bool):
             raise ValueError(f"config key '{key}' must be true or false, got {value!r}")
         return value
-    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(default, (int, float, str, list)) and not isinstance(value, type(default)):
-        raise ValueError(f"config key '{key}' must be a {type(default).__name__}, got {value!r}")
-    return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config key '{key}' must be an integer, got {value!r}")
+        return value
+    if typ is str:
+        if not isinstance(value, str):
+            raise ValueError(f"config key '{key}' must be a string, got {value!r}")
+        return value
+    if typing.get_origin(typ) in (list, List):
+        item = (typing.get_args(typ) or (object,))[0]
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise ValueError(f"config key '{key}' must be a list of {getattr(item, '__name__', item)}s, got {value!r}")
+        return value
+    return value                              # unions (bf16: true/false/auto) are checked where used
 
 
-def _apply(obj, updates: dict, prefix: str = ""):
+def _apply(obj, updates: dict, prefix: str = "", unknown: Optional[list] = None):
+    """Set the keys of `updates` on the dataclass `obj`; unknown keys are appended to `unknown`
+    (raised at once when it is None)."""
+    collect = [] if unknown is None else unknown
+    valid, types = _valid_keys(type(obj)), _field_types(type(obj))
     for key, value in updates.items():
-        if key not in _valid_keys(type(obj)):
-            raise _unknown(key, type(obj), prefix)
+        if key not in valid:
+            collect.append((key, valid, prefix))
+            continue
         current = getattr(obj, key)
         if key in _NESTED and not prefix:
             if not isinstance(value, dict):
                 raise ValueError(f"config key '{key}' must be a mapping of {', '.join(_valid_keys(_NESTED[key]))}")
-            _apply(current, value, prefix=key + ".")
+            _apply(current, value, prefix=key + ".", unknown=collect)
         else:
-            setattr(obj, key, _coerce(prefix + key, value, current))
+            setattr(obj, key, _coerce(prefix + key, value, types[key]))
+    if unknown is None and collect:
+        raise unknown_keys_error(collect)
+
+
+def _example(key: str) -> str:
+    """A value to show in 'needs a value' messages: true for a bool key, the default otherwise."""
+    obj = TrainConfig()
+    for part in key.split("."):
+        obj = getattr(obj, part, None)
+    if isinstance(obj, bool):
+        return "true"
+    if obj is None or dataclasses.is_dataclass(obj):
+        return "VALUE"
+    return yaml.safe_dump(obj, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def parse_overrides(argv: List[str]) -> dict:
@@ -147,7 +230,7 @@ def parse_overrides(argv: List[str]) -> dict:
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise ValueError(f"--{key} needs a value (for example --{key} 20)")
+                raise ValueError(f"--{key} needs a value (for example --{key} {_example(key.replace('-', '_'))})")
             value = argv[i + 1]
             i += 1
         key = key.replace("-", "_") if "." not in key else key
@@ -161,9 +244,14 @@ def parse_overrides(argv: List[str]) -> dict:
     return out
 
 
-def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None) -> TrainConfig:
+def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
+                notes: Optional[List[str]] = None) -> TrainConfig:
+    """The checked config of a YAML file plus `--key value` overrides; `notes` (if given) collects
+    what was derived or mapped (bf16: auto, Axolotl's no-op keys) for the run's log."""
+    from . import config_keys
+    notes = [] if notes is None else notes
     cfg = TrainConfig()
-    explicit_model_keys = set()
+    explicit_model_keys, given, unknown, sources = set(), set(), [], []
     if path is not None:
         if not os.path.exists(path):
             raise FileNotFoundError(f"config file {path} not found")
@@ -171,12 +259,17 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None) ->
             data = yaml.safe_load(f) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a mapping of config keys")
-        _apply(cfg, data)
-        explicit_model_keys |= set(data.get("model") or {})
+        sources.append(data)
     if argv:
-        overrides = parse_overrides(argv)
-        _apply(cfg, overrides)
-        explicit_model_keys |= set(overrides.get("model") or {})
+        sources.append(parse_overrides(argv))
+    for data in sources:
+        data = config_keys.translate(data, unknown, notes)   # Axolotl's fsdp_config, fsdp: [full_shard]
+        given |= set(data)
+        _apply(cfg, data, unknown=unknown)
+        explicit_model_keys |= set(data.get("model") or {}) if isinstance(data.get("model"), dict) else set()
+    if unknown:                          # Axolotl's fsdp_config is a key too, though not a field
+        raise unknown_keys_error([(k, v + ["fsdp_config"] if not p else v, p) for k, v, p in unknown])
+    config_keys.resolve(cfg, given, notes)
     # derived model fields (head_dim, kv heads) follow the final sizes unless set explicitly
     model = dataclasses.asdict(cfg.model)
     for derived in ("head_dim", "num_key_value_heads"):
@@ -195,9 +288,13 @@ def check(cfg: TrainConfig) -> None:
     """Value checks that need no world: every message names the key and a fix."""
     positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
                 "dp_replicate_size", "context_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"]
-    for key in positive:
-        if getattr(cfg, key) < 1:
+    for key in positive:                  # (None: derived later, from the world or the dataset)
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
+    for key in ("save_steps", "eval_steps"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"{key} must be >= 0 (0 = {'only at the end' if key == 'save_steps' else 'never'}), "
+                             f"got {getattr(cfg, key)}")
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
     if cfg.fsdp.state_dict_type not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):

@@ -33,6 +33,22 @@ from minipar.training.packing import RowSampler, eval_batches as packed_eval_bat
 from minipar.mesh import describe_grid
 from minipar.training.run_setup import Run
 
+
+def read_jsonl(path: str):
+    """(records, numbers of the lines that are not JSON) of a metrics file: a crash mid-write leaves
+    a partial last line, which must not block the resume."""
+    records, dropped = [], []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                dropped.append(number)
+    return records, dropped
+
+
 class Trainer:
     def __init__(self, run: Run):
         from models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -52,16 +68,21 @@ class Trainer:
         self.sharded = pgm.config.dp_shard_size > 1
         if self.sharded:                          # ZeRO-3 over dp_shard_cp, HSDP over dp_replicate
             from minipar.zero3 import fully_shard
-            fully_shard(model, pgm, unit_classes=(LlamaDecoderLayer,), prefetch=cfg.fsdp.prefetch,
+            from minipar.tensor_parallel import VocabParallelEmbedding
+            fully_shard(model, pgm, unit_classes=(VocabParallelEmbedding, LlamaDecoderLayer), prefetch=cfg.fsdp.prefetch,
                         reshard_after_forward=cfg.fsdp.reshard_after_forward,
                         param_dtype=torch.bfloat16 if self.bf16 else None,
                         reduce_dtype=torch.float32 if self.bf16 else None)
         elif pgm.dp_cp.size > 1:                  # replicas (and cp ranks) all-reduce gradients
             from minipar.data_parallel import replicate
             self.grad_sync = replicate(model, pgm.dp_cp)
+        # whose no_sync() the micro-batches before the last run under (None: sync every one)
+        self.no_sync_owner = self.grad_sync if not self.sharded else \
+            (None if cfg.fsdp.sync_each_batch else model.zero3)
         self.model = model
+        fused = dict(fused=True) if cfg.optimizer == "adamw_torch_fused" else {}   # torch's fused kernel
         self.optimizer = moptim.build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                                betas=(cfg.adam_beta1, cfg.adam_beta2))
+                                                betas=(cfg.adam_beta1, cfg.adam_beta2), **fused)
         self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         if run.datasets is not None:              # `datasets` rows (packing.py), else the byte corpus
             self.sampler = RowSampler(run.datasets.train, cfg.global_batch_size, cfg.seed)
@@ -121,7 +142,7 @@ class Trainer:
         for m in range(M):
             batch = self._local(gb, m, M)
             last = m == M - 1
-            no_sync = self.grad_sync.no_sync() if (self.grad_sync and not last) else contextlib.nullcontext()
+            no_sync = self.no_sync_owner.no_sync() if (self.no_sync_owner and not last) else contextlib.nullcontext()
             with no_sync:
                 loss = self._forward(batch, n_items)
                 loss.backward()
@@ -165,7 +186,11 @@ class Trainer:
         if not resume:
             return
         from minipar.training import checkpoint as ckpt
-        path = ckpt.find_latest_checkpoint(self.cfg.output_dir) if resume == "latest" else resume
+        path = resume
+        if resume == "latest":        # the newest checkpoint whose checksums hold; damaged ones are named
+            path, skipped = ckpt.find_latest_verified(self.cfg.output_dir)
+            for bad, why in skipped:
+                self.log(f"warning: resume_from_checkpoint=latest skips {bad}: {why}")
         if path is None:
             self.log(f"resume_from_checkpoint=latest: no checkpoint in {self.cfg.output_dir}, starting fresh")
             return
@@ -182,9 +207,12 @@ class Trainer:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         kept = []
         if self.start_step > 0 and os.path.exists(path):    # keep the lines of the steps before the resume
-            with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= self.start_step]
-            self.history = [json.loads(line) for line in kept]
+            records, dropped = read_jsonl(path)          # a line cut by a crash is dropped
+            if dropped:
+                self.log(f"note: {path}: dropped {len(dropped)} unreadable line(s) (line {', '.join(map(str, dropped))}; "
+                         f"a write cut short by the crash)")
+            self.history = [r for r in records if r.get("step", 0) <= self.start_step]
+            kept = [json.dumps(r) + "\n" for r in self.history]
         # rewrite through a temporary file: a crash here must not lose the lines kept
         with open(path + ".tmp", "w") as tmp:
             tmp.writelines(kept)
@@ -192,6 +220,14 @@ class Trainer:
         return open(path, "a")
 
     def train(self):
+        """The run; the output_dir lock is released however it ends."""
+        try:
+            return self._train()
+        finally:
+            if self.run.lock is not None:
+                self.run.lock.release()
+
+    def _train(self):
         cfg, pgm = self.cfg, self.pgm
         for note in self.run.notes:
             self.log(note)

@@ -2,10 +2,14 @@
 
     flat_param.py     the flat buffer of a unit: which slot holds which parameter, padding, shards
     shard_manager.py  the hooks that gather a unit before its forward and backward, prefetch the
-                      next one, free it after, and reduce-scatter its gradients
+                      next one, free it after
+    grad_reduce.py    reduce-scatter of each unit's gradient, or (no_sync) unsharded accumulation
 
     from minipar.zero3 import fully_shard
-    fully_shard(model, pgm, unit_classes=(LlamaDecoderLayer,), prefetch=1)
+    fully_shard(model, pgm, unit_classes=(VocabParallelEmbedding, LlamaDecoderLayer), prefetch=1)
+    with model.zero3.no_sync():       # accumulate without communicating (or set_requires_gradient_sync)
+        model(micro_batch_1).backward()
+    model(micro_batch_2).backward()   # one reduce-scatter of the sum
 """
 from .flat_param import FlatLayout, ShardedStateDicts, merge_sharded_state_dicts, plan_units
 from .shard_manager import Unit, Zero3, fully_shard

@@ -214,8 +214,10 @@ def merge_sharded_state_dicts(sharded: Sequence[dict], key: str = "flat_shard") 
 def plan_units(model, unit_classes):
     """Which parameters go into which flat buffer: [(unit name, module, [(HF name, param)],
     [[(module, attr), ...] per param])], the root unit ("") first. A unit is an outermost module
-    of `unit_classes`; the root takes every parameter outside them. Every place a (tied or shared)
-    parameter is referenced is listed, so all of them can be pointed at the gathered view."""
+    of `unit_classes`; the root takes every parameter outside them. A unit that shares a parameter
+    with the root (a tied embedding: lm_head.weight is embed_tokens.weight) joins the root, since
+    one parameter lives in one flat buffer. Every place a (tied or shared) parameter is referenced
+    is listed, so all of them can be pointed at the gathered view."""
     unit_names: List[str] = []
     for name, m in model.named_modules():
         inside = any(name.startswith(u + ".") for u in unit_names)   # nested: part of the outer unit
@@ -223,15 +225,20 @@ def plan_units(model, unit_classes):
             unit_names.append(name)
     names = {id(p): n for n, p in model.named_parameters()}          # a tied parameter: its first name
     params = {id(p): p for _, p in model.named_parameters()}
-    refs: Dict[int, list] = {i: [] for i in names}
-    owner: Dict[int, set] = {i: set() for i in names}
-    for mname, m in model.named_modules(remove_duplicate=False):    # a shared module: every path
-        unit = next((u for u in unit_names if mname == u or mname.startswith(u + ".")), "")
-        for attr, p in m._parameters.items():
-            if p is not None:
-                if not any(m is m2 and attr == a2 for m2, a2 in refs[id(p)]):
-                    refs[id(p)].append((m, attr))
-                owner[id(p)].add(unit)
+    while True:
+        refs: Dict[int, list] = {i: [] for i in names}
+        owner: Dict[int, set] = {i: set() for i in names}
+        for mname, m in model.named_modules(remove_duplicate=False):    # a shared module: every path
+            unit = next((u for u in unit_names if mname == u or mname.startswith(u + ".")), "")
+            for attr, p in m._parameters.items():
+                if p is not None:
+                    if not any(m is m2 and attr == a2 for m2, a2 in refs[id(p)]):
+                        refs[id(p)].append((m, attr))
+                    owner[id(p)].add(unit)
+        tied_to_root = {u for units_of in owner.values() if "" in units_of for u in units_of} - {""}
+        if not tied_to_root:
+            break
+        unit_names = [u for u in unit_names if u not in tied_to_root]
     for i, units_of in owner.items():
         if len(units_of) > 1:
             raise ValueError(f"fully_shard: parameter {names[i]} is shared by units {sorted(units_of)}; "
@@ -290,6 +297,12 @@ class ShardedStateDicts:
         """Load shards saved on the SAME layout. Another layout: merge_sharded_state_dicts(all
         ranks' dicts), then load_full_state_dict."""
         mine = self.sharded_state_dict()
+        if set(sd.get("units", {})) != set(mine["units"]):
+            raise ValueError(f"sharded state dict holds units {sorted(sd.get('units', {}))}, this model "
+                             f"{sorted(mine['units'])}: it was saved with another grouping into units "
+                             f"(another unit_classes, or before the embedding became its own unit); "
+                             f"merge_sharded_state_dicts() the files of all ranks and call "
+                             f"load_full_state_dict()")
         for key in ("format", "tp_rank", "tp_size", "dp_shard_cp_rank", "dp_shard_cp_size"):
             if sd.get(key) != mine[key]:
                 raise ValueError(f"sharded state dict has {key}={sd.get(key)!r}, this rank {mine[key]!r}: it "

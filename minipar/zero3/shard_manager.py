@@ -2,10 +2,11 @@
 only while it computes.
 
 Rajbhandari et al., "ZeRO" (2020), stage 3; the unit-by-unit schedule of PyTorch FSDP (Zhao et
-al., 2023). Each unit (a decoder layer; the root unit holds what is left: embedding, final norm,
-lm_head) keeps its parameters in one flat buffer (minipar/zero3/flat_param.py), and rank r of the N
-ranks of pgm.dp_shard_cp keeps only shard r of it, an fp32 nn.Parameter: the only parameter that
-model.parameters() yields, so the optimizer holds states for 1/N of the model.
+al., 2023) and FSDP2. Each unit (the embedding, each decoder layer; the root unit holds what is
+left: the final norm and lm_head, and the embedding too when tied to lm_head) keeps its parameters
+in one flat buffer (minipar/zero3/flat_param.py), and rank r of the N ranks of pgm.dp_shard_cp
+keeps only shard r of it, an fp32 nn.Parameter: the only parameter that model.parameters()
+yields, so the optimizer holds states for 1/N of the model.
 
     shard (P/N,) fp32 --all-gather--> flat (P,) param_dtype --split/view--> q_proj.weight, ...
                                         | forward / backward of the unit
@@ -13,16 +14,34 @@ model.parameters() yields, so the optimizer holds states for 1/N of the model.
                                                                            dp_replicate: HSDP)
 One step, unit by unit (prefetch = 1; "AG" is an async all-gather, "RS" a reduce-scatter):
 
-    forward   root: AG root, AG L0 | L0: AG L1 (prefetch), compute, free | L1: ... | root: free
-    backward  root: AG root, AG L1 | L1: AG L0, compute, RS L1, free     | L0: ... | root: RS, free
-              a RS is waited for when the next one starts, then all-reduced over dp_replicate
-              (HSDP); the end-of-backward callback waits for what is still in flight
+    forward   root: AG root, AG emb | emb: AG L0, compute, free | L0: AG L1, compute, free | ...
+              root (norm, lm_head, loss) computes last and is NOT freed: it is the first unit of
+              backward, so it stays gathered into it (FSDP2's default for its root)
+    backward  root: AG L(n-1) | L(n-1): AG L(n-2), compute, RS, free | ... | L0 | emb: RS
+              the embedding is not gathered for backward: its gradient is a scatter-add of the
+              output gradient and never reads the weight (LOOKUPS below)
+              root's RS and free come as soon as its gradient is complete (right after lm_head's
+              and the norm's backward); a RS is waited for when the next one starts, then
+              all-reduced over dp_replicate (HSDP); the end-of-backward callback waits for the rest
 
-Communication per step and rank, P = parameter bytes (in param_dtype), G = gradient bytes (in
-reduce_dtype), N = dp_shard_cp size: all-gather 2 P (N-1)/N (once before forward, once before
-backward), reduce-scatter G (N-1)/N; with HSDP an all-reduce of the shard gradients, 2 (G/N) (R-1)/R
-over dp_replicate (size R). Memory: the shards, plus at most the root and 1 + prefetch other units
-gathered at any time.
+Communication per micro-batch and rank, exact: a unit's bytes are its PADDED flat buffer,
+B_u = ceil(numel_u / N) * N elements (numel_u summed over its tp-local tensors) times the element
+size. P = sum_u B_u in param_dtype, G = sum_u B_u in reduce_dtype, P_root = B_root in param_dtype
+(norm + lm_head untied; embedding + norm + lm_head tied), N = dp_shard_cp size, R = dp_replicate:
+
+    all-gather      2 P - P_root - P_emb per forward+backward: every unit twice, the root and an
+                    untied embedding unit once (P_emb = B_emb in param_dtype; 0 when tied, the
+                    embedding then being in the root); wire (N-1)/N of that;
+                    reshard_after_forward=False: P (every unit once)
+    reduce-scatter  G per synced backward, wire (N-1)/N; under no_sync() (grad_reduce.py) none:
+                    M micro-batches cost G once per step instead of M G
+    HSDP            an all-reduce of the shard gradients, G/N, wire 2 (G/N)(R-1)/R, per synced backward
+
+These are the bytes of torch FSDP2 with its defaults, whose root (embedding, norm, lm_head) is
+gathered once too. Memory per rank: the fp32 shards, their grads and AdamW states, plus the gathered
+buffers: the root from the start of forward to its backward, and 1 + prefetch other units at a
+time; under no_sync() also the unsharded accumulated gradients (G, from the first micro-batch's
+backward to the last one's).
 
 How the hooks find their moments, for any model:
   - before forward:  a forward pre-hook on the unit module gathers (waits for a prefetched
@@ -36,8 +55,10 @@ How the hooks find their moments, for any model:
     once all gradients of the unit are in its .grad: reduce-scatter, free;
   - end of backward: a callback queued on the autograd engine waits for the outstanding
     reduce-scatters, so when loss.backward() returns the shard gradients are final.
-The execution orders are recorded during the first forward and the first backward, and
-prefetching follows them (`prefetch` units ahead; 0 turns it off). Activation checkpointing
+Prefetching follows the execution orders (`prefetch` units ahead; 0 turns it off). Before the
+first step they are a static guess, the registration order forward and its reverse (root first)
+backward, so step 1 prefetches too; each forward and backward records the order it really ran and
+replaces the guess when it differs (a model that runs units out of order, or skips one). Activation checkpointing
 re-runs a unit's forward inside its backward: the hooks see that the unit is already in its
 backward and leave its gathered parameters alone. Units unused in a step are never gathered.
 A gathered buffer is written through an alias (`.data`) with its own version counter: refilling
@@ -51,7 +72,15 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..tensor_parallel import VocabParallelEmbedding
+from .grad_reduce import GradientReduction
 from .flat_param import FlatLayout, ShardedStateDicts, merge_sharded_state_dicts, plan_units  # noqa: F401
+
+
+# modules whose backward never reads their weight (an embedding's gradient is a scatter-add of the
+# output gradient at the looked-up rows): a unit that is exactly one of them is not gathered again
+# for backward. Exact types only: a subclass may compute something else with its weight.
+LOOKUPS = (nn.Embedding, VocabParallelEmbedding)
 
 
 class Unit:
@@ -79,9 +108,10 @@ class Unit:
             self.point_params_at(self.layout.views(self.flat))
         self.buffer.untyped_storage().resize_(0)
         self.work = self.work_src = None
-        self.unsharded_grad = None           # accumulated while gradient sync is off (no_sync)
         self.state = "sharded"               # -> "gathering" -> "gathered" -> "sharded"
         self.in_backward = False
+        self.accumulated_grad = None         # the unsharded gradient summed under no_sync
+        self.gather_for_backward = type(module) not in LOOKUPS
 
     @property
     def empty(self) -> bool:
@@ -132,40 +162,33 @@ def _tensors(out):
             yield from _tensors(o)
 
 
-class Zero3(ShardedStateDicts):
+class Zero3(GradientReduction, ShardedStateDicts):
     """The shard manager that fully_shard attaches as `model.zero3`; its state-dict methods
     (full_state_dict, sharded_state_dict, load_*, full_from_shards, shards_from_full) are in
-    flat_param.ShardedStateDicts."""
+    flat_param.ShardedStateDicts, its gradient side (reduce-scatter, no_sync(),
+    set_requires_gradient_sync) in grad_reduce.GradientReduction."""
 
     def __init__(self, model, pgm, units: List[Unit], param_names, prefetch, reshard_after_forward):
         self.model, self.pgm, self.units, self.root = model, pgm, units, units[0]
         self.param_names = param_names           # HF names in model order (tied once)
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.shards = [u.shard for u in units if not u.empty]
-        self.forward_order: Optional[List[Unit]] = None    # learned in the first forward
-        self.backward_order: Optional[List[Unit]] = None   # and the first backward
+        # the static guess, so that step 1 prefetches too: forward in registration order, backward
+        # the reverse (the root first: the loss is its output); relearned whenever a step differs
+        self.forward_order: List[Unit] = list(units)
+        self.backward_order: List[Unit] = [self.root] + [u for u in reversed(units[1:]) if u.gather_for_backward]
         self._fwd_seen: List[Unit] = []
         self._bwd_seen: List[Unit] = []
         self._backward_running = False
+        self.requires_gradient_sync = True       # False: accumulate unsharded (grad_reduce.py)
         self._pending = []                       # (unit, work, out, src): reduce-scatters in flight
         self._replica_pending = []               # (unit, work, out): HSDP all-reduces in flight
         self.peak_gathered_bytes = 0
-        self.requires_gradient_sync = True
         for u in units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
             if u.flat.requires_grad:
                 u.flat.register_post_accumulate_grad_hook(lambda flat, u=u: self._post_backward(u))
-
-    # ------------------------------------------------------------------ gradient accumulation
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool):
-        """FSDP2's switch for gradient accumulation without communication. False: each unit's
-        backward keeps its UNSHARDED gradient (reduce_dtype, the unit's full size) and adds the
-        next backward's into it, with no reduce-scatter. True (the default): the next backward of
-        the unit adds what was kept and reduce-scatters the sum, so a step of m micro-batches
-        reduce-scatters once instead of m times, at the price of holding the unsharded gradients
-        meanwhile. The pipeline schedules switch it on for each chunk's last micro-batch."""
-        self.requires_gradient_sync = bool(requires_gradient_sync)
 
     # ------------------------------------------------------------------ memory accounting
     def gathered_units(self) -> List[str]:
@@ -178,12 +201,12 @@ class Zero3(ShardedStateDicts):
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
     def _prefetch(self, order, position):
-        for u in (order or [])[position + 1:position + 1 + self.prefetch]:
+        for u in order[position + 1:position + 1 + self.prefetch]:
             u.start_gather()
 
     def _gather_now(self, u: Unit, order, position):
         u.start_gather()
-        if order is not None and position < len(order) and order[position] is u:
+        if position < len(order) and order[position] is u:
             self._prefetch(order, position)      # in flight while u computes
         u.wait_gather()
         self._note_memory()
@@ -196,6 +219,8 @@ class Zero3(ShardedStateDicts):
             return
         if u is self.root:
             self._fwd_seen = []
+            for v in self.units:                 # left gathered by a forward without backward: the
+                v.free()                         # shards may have changed since (optimizer step)
         self._fwd_seen.append(u)
         comm.mark(f"zero3.forward {u.name}")
         self._gather_now(u, self.forward_order, len(self._fwd_seen) - 1)
@@ -205,15 +230,22 @@ class Zero3(ShardedStateDicts):
         if u.in_backward:
             return
         comm.mark(f"zero3.forward_end {u.name}")
-        if torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if grad:
             for t in _tensors(out):
                 if t.requires_grad:
                     t.register_hook(lambda grad, u=u: self._pre_backward(u))
-        if self.reshard_after_forward or not torch.is_grad_enabled():
-            for v in (self.units if u is self.root else [u]):   # the root also frees prefetched,
-                v.free()                                        # unused units
-        if u is self.root and self.forward_order is None and torch.is_grad_enabled():
-            self.forward_order = list(self._fwd_seen)
+        if u is not self.root:
+            if self.reshard_after_forward or not grad:
+                u.free()
+            return
+        # the root ends the forward: it is the first unit of backward, so (FSDP2's default) it
+        # stays gathered into backward; units prefetched but unused are freed
+        for v in self.units:
+            if (v is not self.root and self.reshard_after_forward) or not grad:
+                v.free()
+        if grad and self._fwd_seen != self.forward_order:
+            self.forward_order = list(self._fwd_seen)           # relearn: this step ran otherwise
 
     def _pre_backward(self, u: Unit):
         if not self._backward_running:
@@ -223,55 +255,20 @@ class Zero3(ShardedStateDicts):
         if u.in_backward:
             return
         u.in_backward = True
+        if not u.gather_for_backward:            # an embedding: its backward needs no weights
+            return
         self._bwd_seen.append(u)
         comm.mark(f"zero3.backward {u.name}")
         self._gather_now(u, self.backward_order, len(self._bwd_seen) - 1)
 
-    def _post_backward(self, u: Unit):
-        grad, u.flat.grad = u.flat.grad, None
-        u.free()
-        src = grad.to(u.reduce_dtype)
-        if u.unsharded_grad is not None:         # what earlier micro-batches kept (no sync)
-            src, u.unsharded_grad = u.unsharded_grad.add_(src), None
-        if not self.requires_gradient_sync:
-            u.unsharded_grad = src
-            return
-        out = torch.empty(u.layout.shard_numel, dtype=u.reduce_dtype, device=grad.device)
-        comm.mark(f"zero3.reduce_scatter {u.name}")
-        work = comm.reduce_scatter_into(out, src, u.dim, async_op=True)
-        self._pending.append((u, work, out, src))
-        self._drain(keep=1)                      # finish the previous unit's while this one runs
-
-    def _drain(self, keep: int = 0):
-        replicate = self.pgm.dp_replicate
-        while len(self._pending) > keep:
-            u, work, out, _ = self._pending.pop(0)
-            work.wait()
-            if replicate.size > 1:               # HSDP: the replicas sum their shard gradients
-                self._replica_pending.append((u, comm.all_reduce(out, replicate, async_op=True), out))
-            else:
-                self._accumulate(u, out)
-        if keep == 0:
-            for u, work, out in self._replica_pending:
-                work.wait()
-                self._accumulate(u, out)
-            self._replica_pending = []
-
-    @staticmethod
-    def _accumulate(u: Unit, out: torch.Tensor):
-        g = out.to(u.shard.dtype)
-        if u.shard.grad is None:                 # gradient accumulation adds into the shard grad
-            u.shard.grad = g
-        else:
-            u.shard.grad.add_(g)
-
     def _finish_backward(self):
+        self._sync_leftovers()
         self._drain(keep=0)
         for u in self.units:                     # prefetched but unused, or kept by reshard=False
             u.free()
             u.in_backward = False
-        if self.backward_order is None:
-            self.backward_order = list(self._bwd_seen)
+        if self._bwd_seen != self.backward_order:
+            self.backward_order = list(self._bwd_seen)          # relearn
         self._backward_running = False
 
 
@@ -279,8 +276,11 @@ def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
                 reshard_after_forward: bool = True, param_dtype: Optional[torch.dtype] = None,
                 reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Shard `model` in place over pgm.dp_shard_cp (HSDP over pgm.dp_replicate); returns it, with
-    the manager as `model.zero3`. unit_classes defaults to (LlamaDecoderLayer,). Call it after
-    moving the model to its device and BEFORE creating the optimizer (which must see the shards)."""
+    the manager as `model.zero3`. unit_classes defaults to (VocabParallelEmbedding,
+    LlamaDecoderLayer): the embedding and each decoder layer are units (as torchtitan wraps Llama),
+    the root keeps the final norm and lm_head (and the embedding too when it is tied to lm_head).
+    Call it after moving the model to its device and BEFORE creating the optimizer (which must see
+    the shards)."""
     if getattr(model, "zero3", None) is not None:
         raise ValueError("fully_shard: this model is already sharded (model.zero3 exists)")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -290,7 +290,8 @@ def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
             raise ValueError(f"fully_shard: {what} must be a floating torch.dtype or None, got {dt!r}")
     if unit_classes is None:
         from models.llama import LlamaDecoderLayer    # lazily: minipar does not depend on models/
-        unit_classes = (LlamaDecoderLayer,)
+        from ..tensor_parallel import VocabParallelEmbedding
+        unit_classes = (VocabParallelEmbedding, LlamaDecoderLayer)
     unit_classes = tuple(unit_classes) if isinstance(unit_classes, (tuple, list, set)) else (unit_classes,)
     if not all(isinstance(c, type) for c in unit_classes):
         raise ValueError(f"fully_shard: unit_classes must be module classes, got {unit_classes!r}")

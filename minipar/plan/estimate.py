@@ -1,0 +1,188 @@
+"""From the counts of model.py to a plan: which groups cross nodes, step time, MFU, the search.
+
+Placement. Ranks sit on the grid of mesh.py, tp fastest (global_rank = ((r S + s) C + c) T + t),
+and node k holds ranks [k g, (k+1) g) for g GPUs per node. A group crosses nodes when its members
+lie on more than one node; its collectives then run at the inter-node bandwidth.
+
+The time model (stated, simple, and the same for every layout so that the ranking is fair):
+
+    compute     FLOPs executed by the rank / (peak x efficiency)        efficiency: large bf16 GEMMs
+    tp          wire bytes / bandwidth, NOT overlapped (each TP collective sits between two matmuls)
+    cp          wire bytes / bandwidth, overlapped with the attention compute of the rank
+    dp          ZeRO-3 all-gather + reduce-scatter, HSDP / DDP all-reduce: wire bytes / bandwidth,
+                overlapped with the whole compute (prefetch >= 1; buckets); not at prefetch 0
+    step        compute + tp + max(0, cp - attention) + max(0, dp - compute)
+    MFU         model FLOPs (6 N tokens + causal attention) / (step x world x peak)
+
+    bandwidth   intra-node (NVLink) for a group inside one node, inter-node (IB, per GPU) otherwise
+    defaults    H100 SXM: 989 TFLOP/s dense bf16, NVLink ~450 GB/s per direction effective,
+                IB 400 Gb/s = 50 GB/s per GPU, 80 GB, 8 GPUs per node; efficiency 0.6
+Latency of small collectives, kernel launch gaps and the optimizer step are not modelled.
+
+Fits: persistent + gathered + activations (with or without checkpointing) + transient (ZeRO-3:
+two units' unsharded fp32 gradients in flight; the loss: the logits and their fp32 softmax) must
+stay under `gpu_memory` x (1 - reserve); reserve (default 0.1) stands for the CUDA context, NCCL
+buffers and allocator fragmentation.
+
+The search ranks every layout that divides the world, passes the trainer's checks and fits (with
+sequence parallelism whenever tp > 1: the same bytes, less memory; checkpointing only where the
+activations would not fit without it) by estimated step time, and recommends by these rules, each
+applied while some candidate still satisfies it:
+    1. TP within a node (tp <= GPUs per node): its collectives are on the critical path.
+    2. CP only when the activations do not fit otherwise (the smallest cp that fits).
+    3. Across nodes, HSDP rather than pure ZeRO-3: shard groups (dp_shard x cp) inside one node if
+       that fits; else at least replicas (dp_replicate > 1) over shard groups that span nodes, so no
+       all-gather spans the whole job.
+    then the fastest estimate; among those within 1 % of it, the one with the most memory free.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from . import model as pm
+from .model import Batch, Layout, ModelShape, Options
+
+AXES = {"tp": (3,), "cp": (2,), "dp_shard_cp": (1, 2), "dp_replicate": (0,), "dp_cp": (0, 1, 2)}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0
+    peak_tflops: float = 989.0
+    intra_gbps: float = 450.0      # GB/s per GPU per direction, inside a node
+    inter_gbps: float = 50.0       # GB/s per GPU, between nodes
+    efficiency: float = 0.6
+    reserve: float = 0.1
+
+
+def crosses_nodes(layout: Layout, gpus_per_node: int) -> Dict[str, bool]:
+    shape = (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+    node = (np.arange(layout.world) // gpus_per_node).reshape(shape)
+    out = {}
+    for group, axes in AXES.items():
+        rest = [a for a in range(4) if a not in axes]
+        members = node.transpose(rest + list(axes)).reshape(-1, int(np.prod([shape[a] for a in axes])))
+        out[group] = bool((members.min(axis=1) != members.max(axis=1)).any())
+    return out
+
+
+def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster: Cluster) -> dict:
+    """Everything the planner knows about one layout, as plain values (what --json prints)."""
+    problems = pm.check(model, layout, batch)
+    if problems:
+        raise ValueError(f"layout {layout} cannot run this model and batch: " + "; ".join(problems))
+    mem = pm.memory(model, layout, opts)
+    act = pm.activations(model, layout, batch, opts)
+    coll = pm.collectives(model, layout, batch, opts)
+    fl = pm.flops(model, layout, batch, opts)
+    cross = crosses_nodes(layout, cluster.gpus_per_node)
+    sizes = layout.sizes()
+    groups: Dict[str, dict] = {}
+    for (op, group), (calls, nbytes) in sorted(coll.items()):
+        g = groups.setdefault(group, dict(size=sizes[group], crosses_nodes=cross[group], ops={},
+                                          wire_bytes=0.0))
+        wire = pm.wire_bytes(op, sizes[group], nbytes)
+        g["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
+        g["wire_bytes"] += wire
+    seconds = {}
+    for group, g in groups.items():
+        bw = (cluster.inter_gbps if g["crosses_nodes"] else cluster.intra_gbps) * 1e9
+        seconds[group] = g["seconds"] = g["wire_bytes"] / bw
+    peak = cluster.peak_tflops * 1e12
+    compute = fl["rank"] / (peak * cluster.efficiency)
+    attention = fl["attention_rank"] / (peak * cluster.efficiency)
+    dp = sum(seconds.get(k, 0.0) for k in ("dp_shard_cp", "dp_replicate", "dp_cp"))
+    exposed_dp = max(0.0, dp - compute) if opts.prefetch > 0 else dp
+    step = compute + seconds.get("tp", 0.0) + max(0.0, seconds.get("cp", 0.0) - attention) + exposed_dp
+    e = pm.DTYPE_BYTES[opts.dtype]
+    n = batch.micro(layout) * batch.sequence_len // layout.cp
+    transient = n * model.vocab_size // layout.tp * (e + 4)
+    if layout.sharded:
+        transient += 2 * 4 * max(u.numel for u in pm.units(model, layout))
+    activation = act["checkpointed_peak" if opts.gradient_checkpointing else "full"]
+    total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
+    budget = cluster.gpu_memory_gb * 1e9 * (1 - cluster.reserve)
+    tokens = batch.global_batch_size * batch.sequence_len
+    return dict(
+        layout=dataclasses.asdict(layout), layout_str=str(layout), world=layout.world,
+        nodes=-(-layout.world // cluster.gpus_per_node), micro_steps=batch.micro_steps(layout),
+        batch=dataclasses.asdict(batch), micro_batch=batch.micro(layout), options=dataclasses.asdict(opts),
+        params=fl["params"],
+        memory=dict(mem, activations=act, transient=transient, total=total, budget=budget,
+                    fits=total <= budget),
+        comm=groups,
+        time=dict(compute_s=compute, tp_s=seconds.get("tp", 0.0), cp_s=seconds.get("cp", 0.0),
+                  dp_s=dp, step_s=step, tokens_per_s=tokens / step,
+                  mfu=fl["model"] / (step * layout.world * peak), model_flops=fl["model"]))
+
+
+def layouts(world: int) -> List[Layout]:
+    """Every (R, S, C, T) whose product is `world`, SP on whenever tp > 1."""
+    divs = [k for k in range(1, world + 1) if world % k == 0]
+    return [Layout(r, world // (r * c * t), c, t, t > 1) for t in divs for c in divs for r in divs
+            if world % (r * c * t) == 0]
+
+
+def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, world: int) -> dict:
+    """Every layout that runs and fits, fastest first, and the recommendation by the rules above."""
+    fitting = []
+    for lay in layouts(world):
+        if pm.check(model, lay, batch):
+            continue
+        for ac in (False, True):      # checkpointing only when needed
+            p = plan(model, lay, batch, dataclasses.replace(opts, gradient_checkpointing=ac), cluster)
+            if p["memory"]["fits"]:
+                fitting.append(p)
+                break
+    fitting.sort(key=lambda p: p["time"]["step_s"])
+    g = cluster.gpus_per_node
+    rules = [("TP within a node", lambda p, pool: p["layout"]["tp"] <= g),
+             ("CP only when activations do not fit",
+              lambda p, pool: p["layout"]["cp"] == min(q["layout"]["cp"] for q in pool))]
+    if world > g:
+        rules.append(("shard groups inside a node",
+                      lambda p, pool: not p["comm"].get("dp_shard_cp", {}).get("crosses_nodes", False)))
+        rules.append(("HSDP rather than ZeRO-3 across nodes",
+                      lambda p, pool: p["layout"]["dp_replicate"] > 1))
+    pool, applied = list(fitting), []
+    for name, rule in rules:
+        kept = [p for p in pool if rule(p, pool)]
+        if kept:
+            pool = kept
+            applied.append(name)
+    if pool:       # near-ties (1 %): the most memory left free
+        best = pool[0]["time"]["step_s"]
+        near = [p for p in pool if p["time"]["step_s"] <= 1.01 * best]
+        pool = sorted(near, key=lambda p: p["memory"]["total"])
+    return dict(ranked=fitting, recommended=pool[0] if pool else None, rules_applied=applied,
+                considered=len(layouts(world)), params=model.num_params())
+
+
+def smallest_world(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, start: int,
+                   limit: int = 4096) -> Optional[int]:
+    """The fewest whole nodes (more than `start` GPUs) on which some layout fits; None up to `limit`."""
+    g = cluster.gpus_per_node
+    budget = cluster.gpu_memory_gb * 1e9 * (1 - cluster.reserve)
+    state_only = -(-16 * model.num_params() // int(budget))      # the persistent state, sharded over all
+    world = max(start + 1, state_only)
+    world = -(-world // g) * g
+    while world <= limit:
+        if any(search_fits(model, lay, batch, opts, cluster) for lay in layouts(world)
+               if not pm.check(model, lay, batch)):
+            return world
+        world += g
+    return None
+
+
+def search_fits(model, lay, batch, opts, cluster) -> bool:
+    checkpointed = dataclasses.replace(opts, gradient_checkpointing=True)
+    return plan(model, lay, batch, checkpointed, cluster)["memory"]["fits"]
+
+
+def default_world(layout: Optional[Layout]) -> int:
+    return layout.world if layout else 1

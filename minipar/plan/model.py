@@ -1,0 +1,328 @@
+"""What one training step costs a rank, from the shapes alone: memory, collectives, FLOPs.
+
+A pure function of (model shape, layout, batch, dtype): no process group, no tensor. Every count
+follows minipar's code path by path, so tests/test_plan.py holds it EXACTLY against real forked
+runs (persistent state, the comm ledger) and within 15 % for activations.
+
+Notation: d hidden, f intermediate, L layers, H / K query / KV heads, D head_dim, V vocab,
+T = tp, C = cp, S = dp_shard, R = dp_replicate, N = S * C (the ZeRO-3 shard group dp_shard_cp),
+b micro-batch rows, s = seq / C local tokens per row, n = b * s local tokens, e = bytes of the
+compute dtype (4 fp32, 2 bf16), M micro-batches per step.
+
+Persistent state per rank (what lives between steps, after backward):
+    parameters  fp32 masters                4 B x P_rank
+    gradients   fp32                        4 B x P_rank
+    AdamW       exp_avg, exp_avg_sq fp32    8 B x P_rank, + 4 B per tensor (torch's `step` counter)
+  P_rank = the TP-local parameters; under ZeRO-3 (S > 1) the sum over units of ceil(P_unit / N),
+  each unit's flat buffer padded to a multiple of N, and one tensor per unit.
+Gathered (ZeRO-3 only): full unit buffers in the compute dtype: the root (final norm, lm_head) from
+  the start of forward into its backward, plus a window of 1 + prefetch units (the embedding, then
+  decoder layers) moving through the forward and backward orders. With fsdp.sync_each_batch false
+  (no_sync) the unsharded fp32 gradients of every unit are held between micro-batches as well.
+
+Activations: the bytes autograd saves for backward in one micro-batch's forward, counted
+storage by storage (what `torch.autograd.graph.saved_tensors_hooks` sees), parameters excluded:
+    per layer, no SP:  2 norms x (4nd + 4n + 2 e nd)      fp32 copy of x, rsqrt, x_hat, output
+                       attention  e n (2 H + 2 K') D / T + 4 b H s / T   q, k, v, out; fp32 lse
+                                  (K' = H: SDPA gets K/V repeated to the query heads; under cp
+                                   ring attention keeps K heads and o_proj's input is a copy: + e n H D / T)
+                       MLP        4 e n f / T                gate, silu(gate), up, product
+    under SP the norms see n / T tokens and save their input's gathered copy (e n d) instead
+    of their output; with activation checkpointing a layer keeps only its input, and one layer's
+    activations come back during its recompute in backward.
+    root: ids, cos/sin (2 e n D), final norm, and the vocab-parallel loss's fp32 softmax 4 n V / T.
+
+Collectives per step (op, group) -> calls and buffer bytes as comm.py's ledger records them
+(all_reduce: the tensor; all_gather: the output; reduce_scatter: the input; send_recv: the
+message), see `collectives`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GROUPS = ("tp", "cp", "dp_shard_cp", "dp_replicate", "dp_cp")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelShape":
+        """From a Hugging Face config.json or minipar's LlamaConfig fields."""
+        heads = d["num_attention_heads"]
+        return cls(d["vocab_size"], d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], heads,
+                   d.get("num_key_value_heads") or heads, d.get("head_dim") or d["hidden_size"] // heads,
+                   bool(d.get("tie_word_embeddings", False)))
+
+    def tensors(self, tp: int) -> Tuple[List[int], List[int], List[int]]:
+        """TP-local element counts of (root-before-layers, one layer, root-after-layers) tensors,
+        in the model's parameter order."""
+        d, f, D, V = self.hidden_size, self.intermediate_size, self.head_dim, self.vocab_size
+        q, kv = self.num_attention_heads * D // tp, self.num_key_value_heads * D // tp
+        layer = [d, d * q, d * kv, d * kv, q * d, d, d * f // tp, d * f // tp, f // tp * d]
+        head = [d] + ([] if self.tie_word_embeddings else [V // tp * d])
+        return [V // tp * d], layer, head
+
+    def num_params(self) -> int:
+        """All parameters of the full model (tied ones once)."""
+        emb, layer, head = self.tensors(1)
+        return sum(emb) + self.num_hidden_layers * sum(layer) + sum(head)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def sharded(self) -> bool:         # the trainer runs ZeRO-3 exactly when dp_shard > 1
+        return self.dp_shard > 1
+
+    def sizes(self) -> Dict[str, int]:
+        return dict(tp=self.tp, cp=self.cp, dp_shard_cp=self.dp_shard * self.cp,
+                    dp_replicate=self.dp_replicate, dp_cp=self.dp_replicate * self.dp_shard * self.cp)
+
+    def __str__(self) -> str:
+        return (f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp}"
+                + (" +SP" if self.sp else ""))
+
+
+@dataclass(frozen=True)
+class Batch:
+    global_batch_size: int
+    micro_batch_size: Optional[int]   # rows per dp rank per forward; None: global / dp, no accumulation
+    sequence_len: int
+
+    def micro(self, layout: Layout) -> int:
+        dp = layout.dp_replicate * layout.dp_shard
+        return self.micro_batch_size or max(1, self.global_batch_size // dp)
+
+    def micro_steps(self, layout: Layout) -> int:
+        dp = layout.dp_replicate * layout.dp_shard
+        return max(1, self.global_batch_size // (dp * self.micro(layout)))
+
+
+@dataclass(frozen=True)
+class Options:
+    dtype: str = "bfloat16"        # compute dtype; masters, grads and AdamW states stay fp32
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    sync_each_batch: bool = True   # ZeRO-3: reduce-scatter every micro-batch (false: once per step)
+    gradient_checkpointing: bool = False
+    max_grad_norm: bool = True     # clipping measures the global norm (two tiny all-reduces)
+
+
+def check(model: ModelShape, layout: Layout, batch: Batch) -> List[str]:
+    """Why this layout cannot run (empty when it can): the trainer's own checks."""
+    T, C, m = layout.tp, layout.cp, model
+    out = [f"tp {T} does not divide {what} {v}" for what, v in
+           (("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", m.num_key_value_heads),
+            ("vocab_size", m.vocab_size), ("intermediate_size", m.intermediate_size)) if v % T]
+    if batch.sequence_len % (2 * C):
+        out.append(f"sequence_len {batch.sequence_len} is not divisible by 2 x cp = {2 * C}")
+    elif layout.sp and (batch.sequence_len // C) % T:
+        out.append(f"sequence parallelism needs sequence_len / cp = {batch.sequence_len // C} divisible "
+                   f"by tp {T}")
+    dp = layout.dp_replicate * layout.dp_shard
+    if batch.global_batch_size % (dp * batch.micro(layout)):
+        out.append(f"global_batch_size {batch.global_batch_size} is not a multiple of dp {dp} x "
+                   f"micro_batch_size {batch.micro(layout)}")
+    return out
+
+
+# --------------------------------------------------------------------------------------- memory
+@dataclass
+class Unit:
+    name: str
+    numel: int                     # TP-local elements in the flat buffer (before padding)
+    tensors: int
+    kind: str = "layer"            # "root", "embedding" or "layer"
+
+
+def units(model: ModelShape, layout: Layout) -> List[Unit]:
+    """ZeRO-3 units as the trainer builds them: the root (final norm, lm_head; the embedding too
+    when tied to lm_head) first, the embedding, then one per decoder layer."""
+    emb, layer, head = model.tensors(layout.tp)
+    if model.tie_word_embeddings:
+        out = [Unit("<root>", sum(emb) + sum(head), len(emb) + len(head), "root")]
+    else:
+        out = [Unit("<root>", sum(head), len(head), "root"),
+               Unit("model.embed_tokens", sum(emb), len(emb), "embedding")]
+    out += [Unit(f"model.layers.{i}", sum(layer), len(layer)) for i in range(model.num_hidden_layers)]
+    return out
+
+
+def gathers(u: Unit, opts: Options) -> int:
+    """All-gathers of a unit per micro-batch: the root stays gathered from forward into backward
+    and an embedding's backward never reads its weight (once each); a layer is gathered for its
+    forward and again for its backward (once without reshard_after_forward)."""
+    return 1 if u.kind != "layer" or not opts.reshard_after_forward else 2
+
+
+def _padded(numel: int, n: int) -> int:
+    return -(-numel // n) * n
+
+
+def memory(model: ModelShape, layout: Layout, opts: Options) -> Dict[str, int]:
+    """Bytes per rank: persistent params / grads / optimizer, and the gathered ZeRO-3 buffers."""
+    e = DTYPE_BYTES[opts.dtype]
+    us = units(model, layout)
+    accumulated = 0
+    if layout.sharded:
+        n = layout.dp_shard * layout.cp
+        elems, tensors = sum(_padded(u.numel, n) // n for u in us), len(us)
+        root, rest = _padded(us[0].numel, n), [_padded(u.numel, n) for u in us[1:]]
+        if not opts.reshard_after_forward:
+            gathered = root + sum(rest)
+        else:   # the root all along; a window of 1 + prefetch units moving through the forward order
+            w = 1 + opts.prefetch
+            gathered = root + max([sum(rest[i:i + w]) for i in range(len(rest))] or [0])
+        gathered *= e
+        if not opts.sync_each_batch:   # no_sync: unsharded fp32 gradients held between micro-batches
+            accumulated = 4 * (root + sum(rest))
+    else:
+        elems, tensors, gathered = sum(u.numel for u in us), sum(u.tensors for u in us), 0
+    return dict(params=4 * elems, grads=4 * elems, optimizer=8 * elems + 4 * tensors,
+                persistent=16 * elems + 4 * tensors, gathered=gathered, accumulated_grads=accumulated,
+                param_elements=elems)
+
+
+def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> Dict[str, int]:
+    """Saved-for-backward bytes of one micro-batch (see the module docstring)."""
+    m, T, C = model, layout.tp, layout.cp
+    e = DTYPE_BYTES[opts.dtype]
+    b, s = batch.micro(layout), batch.sequence_len // C
+    n, d, D, f = b * s, m.hidden_size, m.head_dim, m.intermediate_size
+    H, K = m.num_attention_heads // T, m.num_key_value_heads // T
+    ns = n // T if layout.sp else n                     # tokens the norms and residuals see
+
+    def norm(output_saved: bool) -> int:                # fp32 x, rsqrt, x_hat; output or gathered copy
+        return 4 * ns * d + 4 * ns + e * ns * d + e * n * d * (1 if output_saved or layout.sp else 0)
+
+    kv_heads = K if (C > 1 or H == K) else H
+    attention = e * n * (2 * H + 2 * kv_heads) * D + 4 * b * H * s + (e * n * H * D if C > 1 else 0)
+    layer = 2 * norm(True) + attention + 4 * e * n * f // T
+    root = 8 * n + 2 * e * n * D                        # ids (int64; under tp the local ids), cos, sin
+    if T > 1:
+        root += n                                       # the mask of ids outside the vocab shard
+    root += norm(True) + 4 * n * m.vocab_size // T + 8 * n + 2 * n   # softmax fp32, target, 2 masks
+    layer_input = e * ns * d
+    L = m.num_hidden_layers
+    return dict(per_layer=layer, root=root, full=L * layer + root,
+                checkpointed=L * layer_input + root, checkpointed_peak=L * layer_input + root + layer)
+
+
+# ---------------------------------------------------------------------------------- collectives
+def collectives(model: ModelShape, layout: Layout, batch: Batch,
+                opts: Options) -> Dict[Tuple[str, str], List[int]]:
+    """{(op, group): [calls, bytes]} of one optimizer step on one rank, as comm.py's ledger records
+    them (size-1 groups never communicate, so never appear)."""
+    out: Dict[Tuple[str, str], List[int]] = {}
+
+    def add(op, group, calls, nbytes):
+        if calls and layout.sizes()[group] > 1:
+            c = out.setdefault((op, group), [0, 0])
+            c[0] += calls
+            c[1] += calls * nbytes
+
+    m, T, C, L = model, layout.tp, layout.cp, model.num_hidden_layers
+    e = DTYPE_BYTES[opts.dtype]
+    M = batch.micro_steps(layout)
+    b, s = batch.micro(layout), batch.sequence_len // C
+    n, d = b * s, m.hidden_size
+    # layers whose forward runs again in backward; torch's checkpoint stops the recompute once the
+    # last saved tensor is back (early stop), so the collective after down_proj is not repeated
+    ac = L if opts.gradient_checkpointing else 0
+    # ZeRO-3 gathers parameters in the compute dtype; otherwise fp32 masters (and so fp32 norm grads)
+    pe = e if layout.sharded else 4
+    for micro in range(M):
+        act = n * d * e
+        if layout.sp:   # f / g become all-gather / reduce-scatter along the sequence
+            add("all_gather", "tp", (2 * L + 1) + (2 * L + 1) + 2 * ac, act)
+            add("reduce_scatter", "tp", (2 * L + 1) + (2 * L + 1) + ac, act)
+            add("all_reduce", "tp", 2 * L + 1, d * pe)  # norm weight grads (they saw n / tp tokens)
+        else:           # fwd: embedding, o_proj, down_proj; bwd: the f before qkv, gate/up, lm_head
+            add("all_reduce", "tp", (2 * L + 1) + (2 * L + 1) + ac, act)
+        add("all_reduce", "tp", 1, 4 * n)                 # loss: the max of the logits
+        add("all_reduce", "tp", 1, 8 * n)                 # loss: sum of exps and the target logit
+        kv = 2 * b * (m.num_key_value_heads // T) * s * m.head_dim
+        add("send_recv", "cp", (C - 1) * (2 * L + ac), kv * e)   # K/V hops, forward and backward
+        add("send_recv", "cp", (C - 1) * L, kv * 4)              # dK/dV hops, fp32
+        if layout.sharded:
+            N = layout.dp_shard * C
+            synced = opts.sync_each_batch or micro == M - 1      # no_sync: only the last micro-batch
+            for u in units(m, layout):
+                add("all_gather", "dp_shard_cp", gathers(u, opts), _padded(u.numel, N) * e)
+                add("reduce_scatter", "dp_shard_cp", int(synced), _padded(u.numel, N) * 4)
+                add("all_reduce", "dp_replicate", int(synced), _padded(u.numel, N) // N * 4)
+    if not layout.sharded:                                # DDP over dp_cp at the last micro-batch
+        for nbytes in ddp_buckets(m, layout):
+            add("all_reduce", "dp_cp", 1, nbytes)
+    add("all_reduce", "dp_cp", 1, 8)                      # the logged loss (fp64)
+    if opts.max_grad_norm:
+        add("all_reduce", "tp", 1, 16)                    # the global norm: 2 fp64 sums over tp
+        add("all_reduce", "dp_shard_cp", 1, 8)            # and 1 over the shard group
+    return out
+
+
+def ddp_buckets(model: ModelShape, layout: Layout, bucket_mb: float = 25) -> List[int]:
+    """Bytes of each gradient bucket of data_parallel.replicate (reverse order, about 25 MiB of
+    gradients), each followed by one 4-byte "used" flag per parameter (summed by the same all-reduce)."""
+    emb, layer, head = model.tensors(layout.tp)
+    sizes = [4 * x for x in emb + layer * model.num_hidden_layers + head]
+    out, current, count, limit = [], 0, 0, bucket_mb * 2 ** 20
+    for nbytes in reversed(sizes):
+        if current and current + nbytes > limit:
+            out.append(current + 4 * count)
+            current, count = 0, 0
+        current, count = current + nbytes, count + 1
+    return out + ([current + 4 * count] if current else [])
+
+
+WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
+
+
+def wire_bytes(op: str, group_size: int, nbytes: float) -> float:
+    """Bytes a rank puts on the wire for `nbytes` of buffer (ring algorithms, as comm.py)."""
+    return WIRE[op](group_size) * nbytes
+
+
+# ---------------------------------------------------------------------------------------- FLOPs
+def flops(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> Dict[str, float]:
+    """FLOPs of one step: `model` (6 x matmul params x tokens + 6 x L x H x D x seq x tokens, the
+    causal half of attention; what MFU divides), `rank` (executed by one rank, + the forward again
+    under activation checkpointing)."""
+    m, L = model, model.num_hidden_layers
+    _, layer, head = m.tensors(1)
+    matmul = L * (sum(layer) - 2 * m.hidden_size) + m.vocab_size * m.hidden_size   # no norms, no lookup
+    tokens = batch.global_batch_size * batch.sequence_len
+    attn = 6 * L * m.num_attention_heads * m.head_dim * batch.sequence_len    # per token, causal
+    per_token = 6 * matmul + attn
+    model_flops = per_token * tokens
+    layers_share = (6 * L * (sum(layer) - 2 * m.hidden_size) + attn) / per_token
+    recompute = (layers_share / 3) if opts.gradient_checkpointing else 0.0
+    rank = model_flops * (1 + recompute) / layout.world
+    attn_rank = attn * tokens * (1 + (1 / 3 if opts.gradient_checkpointing else 0)) / layout.world
+    return dict(model=model_flops, rank=rank, attention_rank=attn_rank, params=m.num_params())

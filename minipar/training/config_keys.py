@@ -1,0 +1,195 @@
+"""Axolotl's names for what minipar does, and the sizes that follow from other sizes.
+
+An Axolotl YAML should load as it is. Its keys map onto minipar's with their meaning, or are
+refused with the values minipar supports; none is silently ignored:
+
+    Axolotl / accelerate                    minipar
+    gradient_accumulation_steps  A          global_batch_size G = micro_batch_size M x A x dp
+                                            (any two of G, M, A imply the third; three that
+                                             disagree are refused, naming all three and dp)
+    num_epochs  E                           max_steps = ceil(E x samples per epoch / G)
+                                            (samples per epoch: the sampler's windows; an explicit
+                                             max_steps wins, as in Axolotl)
+    bf16: true | false | auto               dtype bfloat16 | float32 | bfloat16 where the GPU has it
+    lr_scheduler: cosine                    linear warmup over warmup_steps, cosine to min_lr_ratio
+    optimizer: adamw_torch[_fused]          AdamW (torch's fused kernel with _fused)
+    fsdp_version: 1 | 2                     minipar's ZeRO-3 over dp_shard (flat shards per decoder
+                                            layer, FSDP2's reshard_after_forward)
+    fsdp: [full_shard, auto_wrap]           the same (the list form of Axolotl's FSDP1 configs)
+    fsdp_config:                            fsdp: (accelerate's names, with or without `fsdp_`)
+      reshard_after_forward                   fsdp.reshard_after_forward
+      state_dict_type                         fsdp.state_dict_type
+      transformer_layer_cls_to_wrap           fsdp.wrap
+      activation_checkpointing                gradient_checkpointing
+      offload_params: true                    refused: minipar keeps parameters on the device
+      auto_wrap_policy, sharding_strategy,    accepted where they name what minipar does
+      backward_prefetch                         (TRANSFORMER_BASED_WRAP, FULL_SHARD, BACKWARD_PRE)
+      sync_module_states, use_orig_params,    no effect here (every rank draws the same weights from
+      limit_all_gathers,                        the seed; the optimizer steps the flat shards; the
+      cpu_ram_efficient_loading                 prefetch depth bounds the gathers in flight; no rank
+                                                holds more than one full tensor at a time): a note
+
+translate() runs on the raw mapping of each source (YAML file, command line) before its keys are
+applied; resolve() runs once after, with the set of keys the user gave; resolve_batch() and
+resolve_max_steps() run in run_setup once the data-parallel size and the dataset are known.
+Nothing here communicates.
+"""
+from __future__ import annotations
+
+import math
+from typing import List
+
+LR_SCHEDULERS = ("cosine",)
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+FSDP_VERSIONS = (1, 2)
+FSDP_LIST_ITEMS = ("full_shard", "auto_wrap")
+# fsdp_config key (without the fsdp_ prefix) -> key of minipar's fsdp mapping
+FSDP_MAPPED = {"reshard_after_forward": "reshard_after_forward", "state_dict_type": "state_dict_type",
+               "transformer_layer_cls_to_wrap": "wrap"}
+FSDP_ACCEPTED = {"auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",), "sharding_strategy": ("FULL_SHARD", 1),
+                 "backward_prefetch": ("BACKWARD_PRE",)}
+FSDP_NO_EFFECT = ("sync_module_states", "use_orig_params", "limit_all_gathers", "cpu_ram_efficient_loading")
+FSDP_CONFIG_KEYS = (*FSDP_MAPPED, "offload_params", "activation_checkpointing", "version", *FSDP_ACCEPTED,
+                    *FSDP_NO_EFFECT)
+
+
+def translate(data: dict, unknown: list, notes: List[str]) -> dict:
+    """A copy of one source's mapping with `fsdp_config` (and the list form of `fsdp`) folded into
+    minipar's `fsdp` mapping. Unknown fsdp_config keys are appended to `unknown`."""
+    data = dict(data)
+    fsdp = data.get("fsdp")
+    if isinstance(fsdp, (list, str)):
+        items = fsdp.split() if isinstance(fsdp, str) else fsdp
+        bad = [i for i in items if i not in FSDP_LIST_ITEMS]
+        if "offload" in bad:
+            raise ValueError("fsdp: offload (CPU offload of parameters) is not supported: minipar keeps "
+                             "parameters on the device; remove `offload`")
+        if bad:
+            raise ValueError(f"fsdp: {bad} not supported; minipar's ZeRO-3 is {list(FSDP_LIST_ITEMS)} (use "
+                             f"fsdp_config.reshard_after_forward: false for SHARD_GRAD_OP, dp_replicate_size "
+                             f"for HYBRID_SHARD, dp_shard_size: 1 for none)")
+        data.pop("fsdp")
+        fsdp = None
+    config = data.pop("fsdp_config", None)
+    if config is None:
+        return data
+    if not isinstance(config, dict):
+        raise ValueError(f"fsdp_config must be a mapping of accelerate's FSDP settings, got {config!r}")
+    merged = dict(fsdp) if isinstance(fsdp, dict) else {}
+    ignored = []
+    for raw_key, value in config.items():
+        key = raw_key[len("fsdp_"):] if raw_key.startswith("fsdp_") else raw_key
+        if key in FSDP_MAPPED:
+            if key == "transformer_layer_cls_to_wrap" and isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            merged[FSDP_MAPPED[key]] = value
+        elif key == "offload_params":
+            if value not in (False, None):
+                raise ValueError(f"fsdp_config.{raw_key}: {value!r} (CPU offload of parameters) is not supported: "
+                                 f"minipar keeps parameters and optimizer states on the device; set it to false")
+        elif key == "activation_checkpointing":
+            if "gradient_checkpointing" in data and data["gradient_checkpointing"] != value:
+                raise ValueError(f"fsdp_config.{raw_key}: {value!r} contradicts gradient_checkpointing: "
+                                 f"{data['gradient_checkpointing']!r}; set one of them")
+            data["gradient_checkpointing"] = value
+        elif key == "version":
+            data.setdefault("fsdp_version", value)
+        elif key in FSDP_ACCEPTED:
+            if value not in FSDP_ACCEPTED[key]:
+                raise ValueError(f"fsdp_config.{raw_key}: {value!r} is not supported; minipar's ZeRO-3 does "
+                                 f"{FSDP_ACCEPTED[key][0]} (for other sharding use dp_replicate_size / "
+                                 f"dp_shard_size and fsdp_config.reshard_after_forward)")
+        elif key in FSDP_NO_EFFECT:
+            ignored.append(raw_key)
+        else:
+            unknown.append((raw_key, list(FSDP_CONFIG_KEYS), "fsdp_config."))
+    if ignored:
+        notes.append(f"fsdp_config: {', '.join(ignored)} have no effect in minipar (every rank draws the same "
+                     f"weights, the optimizer steps the flat shards, the prefetch depth bounds the gathers)")
+    data["fsdp"] = merged
+    return data
+
+
+def resolve(cfg, given: set, notes: List[str]) -> None:
+    """Axolotl's keys once every source is applied; `given` holds the top-level keys the user set."""
+    if cfg.bf16 not in (None, True, False, "auto"):
+        raise ValueError(f"bf16 must be true, false or auto, got {cfg.bf16!r}")
+    if cfg.bf16 in (True, False):
+        want = "bfloat16" if cfg.bf16 else "float32"
+        if "dtype" in given and cfg.dtype != want:
+            raise ValueError(f"bf16: {str(cfg.bf16).lower()} contradicts dtype: {cfg.dtype}; set one of them "
+                             f"(dtype: {want}, or remove bf16)")
+        cfg.dtype = want
+    elif cfg.bf16 == "auto" and "dtype" not in given:
+        import torch
+        cfg.dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+        notes.append(f"bf16: auto -> dtype {cfg.dtype}"
+                     + ("" if cfg.dtype == "bfloat16" else " (no GPU with bfloat16 here)"))
+    if cfg.lr_scheduler not in LR_SCHEDULERS:
+        raise ValueError(f"lr_scheduler {cfg.lr_scheduler!r} is not supported; supported: {list(LR_SCHEDULERS)} "
+                         f"(linear warmup over warmup_steps, then cosine decay to min_lr_ratio x learning_rate)")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {cfg.optimizer!r} is not supported; supported: {list(OPTIMIZERS)}")
+    if cfg.fsdp_version is not None and cfg.fsdp_version not in FSDP_VERSIONS:
+        raise ValueError(f"fsdp_version {cfg.fsdp_version!r} is not supported; supported: {list(FSDP_VERSIONS)} "
+                         f"(both mean minipar's ZeRO-3 over dp_shard_size)")
+    if cfg.gradient_accumulation_steps is not None and cfg.gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {cfg.gradient_accumulation_steps}")
+    if cfg.num_epochs is not None and not cfg.num_epochs > 0:
+        raise ValueError(f"num_epochs must be > 0, got {cfg.num_epochs}")
+    # the derived sizes: None until run_setup knows the dp size and the dataset
+    if cfg.gradient_accumulation_steps is not None and "global_batch_size" not in given:
+        cfg.global_batch_size = None
+    if cfg.num_epochs is not None and "max_steps" not in given:
+        cfg.max_steps = None
+    if cfg.max_steps is None and cfg.num_epochs is None:
+        raise ValueError("max_steps is null: set max_steps, or num_epochs to derive it from the dataset size")
+
+
+def resolve_batch(cfg, dp: int) -> int:
+    """Fill in global_batch_size, micro_batch_size and gradient_accumulation_steps from the ones
+    given and the data-parallel size; return the number of micro-batches per step. Refuses
+    values that cannot hold together, naming them all."""
+    G, M, A = cfg.global_batch_size, cfg.micro_batch_size, cfg.gradient_accumulation_steps
+    named = f"global_batch_size={G}, micro_batch_size={M}, gradient_accumulation_steps={A}"
+    if G is None:
+        if M is None:
+            raise ValueError(f"{named}: set micro_batch_size (samples per forward per rank) so that "
+                             f"global_batch_size = micro_batch_size x gradient_accumulation_steps x dp ({dp})")
+        G = M * (A or 1) * dp
+    elif M is None and A is None:
+        if G % dp:
+            raise ValueError(f"global_batch_size {G} is not divisible by the data-parallel size dp_replicate x "
+                             f"dp_shard = {dp}; use a multiple of {dp}")
+        M, A = G // dp, 1
+    elif M is None:
+        if G % (A * dp):
+            raise ValueError(f"{named}: global_batch_size is not divisible by gradient_accumulation_steps x dp = "
+                             f"{A} x {dp} = {A * dp}; change one of them")
+        M = G // (A * dp)
+    elif A is None:
+        if G % (M * dp):
+            raise ValueError(f"global_batch_size {G} is not a multiple of micro_batch_size {M} x data-parallel "
+                             f"size {dp} = {M * dp}; use a global_batch_size that is a multiple of {M * dp}, "
+                             f"or change micro_batch_size")
+        A = G // (M * dp)
+    elif G != M * A * dp:
+        raise ValueError(f"{named} contradict each other: micro_batch_size x gradient_accumulation_steps x dp = "
+                         f"{M} x {A} x {dp} = {M * A * dp}, not {G}; give two of the three and the third follows "
+                         f"(null derives it, e.g. --global_batch_size null)")
+    cfg.global_batch_size, cfg.micro_batch_size, cfg.gradient_accumulation_steps = G, M, A
+    return A
+
+
+def resolve_max_steps(cfg, samples_per_epoch: int, notes: List[str]) -> None:
+    """max_steps from num_epochs: ceil(num_epochs x samples per epoch / global batch)."""
+    if cfg.num_epochs is None:
+        return
+    if cfg.max_steps is not None:
+        notes.append(f"max_steps {cfg.max_steps} given: num_epochs {cfg.num_epochs:g} is not used "
+                     f"(max_steps wins, as in Axolotl; max_steps: null trains by epochs)")
+        return
+    cfg.max_steps = max(1, math.ceil(cfg.num_epochs * samples_per_epoch / cfg.global_batch_size))
+    notes.append(f"num_epochs {cfg.num_epochs:g}: max_steps = ceil({cfg.num_epochs:g} x {samples_per_epoch} samples "
+                 f"per epoch / global batch {cfg.global_batch_size}) = {cfg.max_steps}")
+

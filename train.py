@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 8 train.py                  dp_shard 2 x cp 2 x tp 2
     torchrun --nproc-per-node 4 train.py configs/hsdp.yaml --max_steps 20
 
-The order of a run (torchtitan's: parallelisms applied to a plain model in a clear order):
+The order of a run (as torchtitan's, one step after the other; TP and CP are built into the
+decoder, data parallelism wraps it from outside):
   1. config: YAML + `--key value` overrides; every check that needs no communication (sizes
      against the world, the model against tp/cp, the batch against dp, the dataset file) runs on
      every rank before the first collective, so a mistake is a clear error, never a hang;
@@ -16,15 +17,20 @@ The order of a run (torchtitan's: parallelisms applied to a plain model in a cle
   5. AdamW on the local shards, warmup + cosine, global-norm clipping;
   6. the loop: each step reads its global batch (a pure function of seed and step), keeps this
      rank's share (dp samples, micro-batch, cp zigzag chunks), accumulates gradients, clips,
-     steps; logs, evaluates and checkpoints (atomically) on schedule; resumes exactly.
+     steps; logs, evaluates and checkpoints (atomically) on schedule; resumes exactly;
+  7. the end: on SIGTERM the ranks finish the step, save it and exit 143; at the end every group
+     is destroyed before Python exits (lifecycle.py).
+
+Exit status: 0 done, 1 crashed (or a collective failed: a peer stuck past ddp_timeout, or dead),
+2 bad config or input, 143 stopped on SIGTERM after saving (resume_from_checkpoint: latest).
 """
 from __future__ import annotations
 
 import os
 import sys
 
-import torch.distributed as dist
-
+from minipar.comm import CollectiveError
+from minipar.training import lifecycle
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
@@ -58,17 +64,28 @@ def main(argv=None):
         print(_usage())
         return
     run = setup_run(argv)           # raises ValueError/FileNotFoundError on every rank, before any collective
+    clean = False
     try:
         Trainer(run).train()
+        clean = True
+    except lifecycle.Preempted:
+        clean = True                # every rank stopped after the same step and saved it
+        raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # every group destroyed and its threads joined while Python is whole (lifecycle.py);
+        # after an error no barrier: a peer may be dead or stuck
+        lifecycle.teardown(run.pgm, clean=clean)
 
 
 if __name__ == "__main__":
+    rank = os.environ.get("RANK", "0")
     try:
         main()
     except (ValueError, FileNotFoundError) as err:
-        rank = os.environ.get("RANK", "0")
         print(f"[rank {rank}] error: {err}", file=sys.stderr)
         sys.exit(2)
+    except lifecycle.Preempted:
+        sys.exit(lifecycle.EXIT_PREEMPTED)      # 143: saved; relaunch with resume_from_checkpoint latest
+    except CollectiveError as err:             # a peer stuck past ddp_timeout, or dead
+        print(f"[rank {rank}] error: {err}", file=sys.stderr)
+        sys.exit(1)

@@ -4,9 +4,12 @@
     pgm = minipar.init(minipar.ParallelismConfig(tp_size=2))   # under torchrun, or on one process
     pgm.tp.rank, pgm.dp_shard_cp.group, pgm.cp.next_rank, ...
 
-The pieces, one idea per file: config (the sizes), mesh (the grid and its groups), comm (the
-collectives and their ledger), tensor_parallel, data_parallel, zero3, context_parallel,
-pipeline_parallel, checkpoint, data, optim. models/llama.py composes them into the reference decoder.
+The pieces: config.py (the five sizes), mesh.py (the grid and its groups), comm.py (the
+collectives and their ledger); one subpackage per technique, data_parallel/, zero3/,
+tensor_parallel/, context_parallel/,
+pipeline_parallel/; the training program's parts in training/ (config keys,
+checks, the loop, data, optimizer, checkpoints, export). models/llama.py builds the reference
+decoder from them; docs/README.md gives the reading order.
 """
 from __future__ import annotations
 
@@ -15,6 +18,12 @@ import os
 
 import torch
 import torch.distributed as dist
+# Before any group exists: this module binds `group=group.WORLD` as default arguments when first
+# imported. Imported later (torch.optim pulls it in through torch._dynamo with the first
+# optimizer), it would hold the default group, and its gloo threads, past destroy_process_group
+# until interpreter shutdown, where a thread dropping a finished work's tensor aborts the process
+# ("terminate called without an active exception"). See training/lifecycle.py.
+import torch.distributed.nn.functional  # noqa: F401,E402
 
 from .config import ParallelismConfig
 
@@ -47,15 +56,17 @@ def init(config: ParallelismConfig = None, timeout_s: float = 1800) -> "ProcessG
     without it, one process forms a world of one. NCCL when CUDA is there, gloo otherwise. The
     config is resolved (an unset dp_shard_size takes the remainder) and checked against the world
     size on every rank before any group is created, so a bad config raises instead of hanging.
+    `timeout_s` (the trainer's `ddp_timeout`) bounds every collective, on the default group and on
+    every group of the grid: a rank whose peer is stuck fails after it instead of waiting forever.
     """
     config = config if config is not None else ParallelismConfig.from_env()
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         config.resolve(world_size)          # fail before any rendezvous
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(default_device())
-        timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
@@ -63,4 +74,4 @@ def init(config: ParallelismConfig = None, timeout_s: float = 1800) -> "ProcessG
                 raise ValueError(f"WORLD_SIZE={world_size} but no RANK/MASTER_ADDR: launch with torchrun")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     from .mesh import ProcessGroupManager
-    return ProcessGroupManager(config)
+    return ProcessGroupManager(config, timeout=timeout)

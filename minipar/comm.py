@@ -8,7 +8,6 @@ which group a call went over.
     all_reduce          x: [N]                 -> [N] summed    2 (n-1)/n * bytes(x)
     all_gather          x: [N/n] per rank      -> [N]           (n-1)/n * bytes(out)
     reduce_scatter      x: [N]                 -> [N/n] summed  (n-1)/n * bytes(in)
-    all_to_all          x: [N] in n slices     -> [N]           (n-1)/n * bytes(x)
     ring send/recv      x -> next rank, y <- previous rank      bytes(x)
     send / recv         x -> any member (pipeline stages)      bytes(x), counted on the sender
 
@@ -21,6 +20,14 @@ group size, element count, bytes of the full buffer, and the bytes this rank put
 the table above). Tests and benchmarks compare it against theory. It is an opt-in recorder, not a
 setting: nothing in the model reads it. `comm.mark("label")` adds a marker to the record, so an
 order of events (a prefetch issued before a forward ends, say) can be checked.
+
+Failures are named. A collective whose peer is stuck (stopped, swapped out, deadlocked) waits for
+the group's timeout (`ddp_timeout`, given to every group by mesh.py) and then fails; one whose peer
+died fails at once. gloo's own messages say neither which collective nor which group ("Timed out
+waiting 5000ms for recv operation to complete", "Connection closed by peer"), so every call here,
+and every wait() on an async one, re-raises such an error as a `CollectiveError` that names the
+operation, the group and its ranks: "all_reduce over dp_cp (ranks [0, 2, 4, 6]) on rank 2 failed
+...". (NCCL raises its timeouts from a watchdog thread instead, unless TORCH_NCCL_BLOCKING_WAIT=1.)
 """
 from __future__ import annotations
 
@@ -123,6 +130,58 @@ def _reduce_op(op):
     return op
 
 
+# ------------------------------------------------------------------------------ named failures
+class CollectiveError(RuntimeError):
+    """A collective that failed or timed out, with the operation, the group and its ranks."""
+
+
+def _describe(op: str, dim, err: BaseException) -> str:
+    ranks = dim.ranks if len(dim.ranks) <= 16 else f"{dim.ranks[:8]}... ({len(dim.ranks)} ranks)"
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    low = text.lower()
+    if "timed out" in low or "timeout" in low:
+        why = "a peer did not take part within the timeout (ddp_timeout): it is stuck, stopped or far behind"
+    elif "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
+        why = "a peer's connection closed: that rank exited or crashed (its own error is the first one)"
+    else:
+        why = "see the error above"
+    return f"{op} over {dim.name} (ranks {ranks}) failed on rank {dim.global_rank}: {why}. [{text}]"
+
+
+@contextlib.contextmanager
+def _named(op: str, dim):
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as err:     # gloo and NCCL raise RuntimeError (DistBackendError is one)
+        raise CollectiveError(_describe(op, dim, err)) from err
+
+
+class _NamedWork:
+    """An async work whose wait() names the collective when it fails. Holds the work only until
+    it completes: a finished gloo work kept alive keeps its group's I/O thread alive with it."""
+
+    def __init__(self, work, op: str, dim):
+        self._work, self.op, self.dim = work, op, dim
+
+    def wait(self, timeout=None):
+        if self._work is None:
+            return True
+        work, self._work = self._work, None
+        with _named(self.op, self.dim):
+            return work.wait() if timeout is None else work.wait(timeout)
+
+    def is_completed(self):
+        return self._work is None or self._work.is_completed()
+
+
+def _run(op: str, dim, call, async_op: bool):
+    with _named(op, dim):
+        work = call()
+    return _NamedWork(work, op, dim) if async_op else work
+
+
 # ----------------------------------------------------------------------------------- collectives
 def all_reduce(tensor: torch.Tensor, dim, op="sum", async_op: bool = False):
     """In place. op "avg" is a sum then a division (gloo has no AVG)."""
@@ -134,9 +193,10 @@ def all_reduce(tensor: torch.Tensor, dim, op="sum", async_op: bool = False):
     if op == "avg":
         if async_op:
             raise ValueError("all_reduce(op='avg') cannot be async; sum asynchronously and divide after wait()")
-        dist.all_reduce(tensor, op=ReduceOp.SUM, group=dim.group)
+        _run("all_reduce", dim, lambda: dist.all_reduce(tensor, op=ReduceOp.SUM, group=dim.group), False)
         return tensor.div_(n)
-    work = dist.all_reduce(tensor, op=op, group=dim.group, async_op=async_op)
+    work = _run("all_reduce", dim, lambda: dist.all_reduce(tensor, op=op, group=dim.group, async_op=async_op),
+                async_op)
     return work if async_op else tensor
 
 
@@ -149,7 +209,9 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, dim, async_op: bo
         output.copy_(input)
         return _Done() if async_op else output
     _record("all_gather", dim, output, (dim.size - 1) / dim.size)
-    work = _all_gather_single(output, input.contiguous(), group=dim.group, async_op=async_op)
+    src = input.contiguous()
+    work = _run("all_gather", dim, lambda: _all_gather_single(output, src, group=dim.group, async_op=async_op),
+                async_op)
     return work if async_op else output
 
 
@@ -175,7 +237,9 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, dim, op="sum"
     op = _reduce_op(op)
     if op == "avg":
         raise ValueError("reduce_scatter: use op='sum' and scale; gloo has no AVG")
-    work = _reduce_scatter_single(output, input.contiguous(), op=op, group=dim.group, async_op=async_op)
+    src = input.contiguous()
+    work = _run("reduce_scatter", dim,
+                lambda: _reduce_scatter_single(output, src, op=op, group=dim.group, async_op=async_op), async_op)
     return work if async_op else output
 
 
@@ -192,22 +256,12 @@ def reduce_scatter(tensor: torch.Tensor, dim, scatter_dim: int = 0) -> torch.Ten
     return out.movedim(0, scatter_dim)
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, dim, async_op: bool = False):
-    """Slice i of dim 0 of `input` goes to rank i; slice j of `output` comes from rank j."""
-    if dim.size == 1:
-        output.copy_(input)
-        return _Done() if async_op else output
-    _record("all_to_all", dim, input, (dim.size - 1) / dim.size)
-    work = dist.all_to_all_single(output, input.contiguous(), group=dim.group, async_op=async_op)
-    return work if async_op else output
-
-
 def broadcast(tensor: torch.Tensor, dim, src_group_rank: int = 0):
     """In place, from the member with group rank `src_group_rank`."""
     if dim.size == 1:
         return tensor
     _record("broadcast", dim, tensor, 1.0 if dim.rank == src_group_rank else 0.0)
-    dist.broadcast(tensor, src=dim.ranks[src_group_rank], group=dim.group)
+    _run("broadcast", dim, lambda: dist.broadcast(tensor, src=dim.ranks[src_group_rank], group=dim.group), False)
     return tensor
 
 
@@ -225,7 +279,8 @@ def ring_shift(send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], dim) 
         _record("send_recv", dim, s, 1.0)
         ops.append(dist.P2POp(dist.isend, s.contiguous(), dim.next_rank, group=dim.group))
         ops.append(dist.P2POp(dist.irecv, r, dim.prev_rank, group=dim.group))
-    return dist.batch_isend_irecv(ops)
+    works = _run("send_recv", dim, lambda: dist.batch_isend_irecv(ops), False)
+    return [_NamedWork(w, "send_recv", dim) for w in works]
 
 
 def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], dim) -> list:
@@ -248,3 +303,14 @@ def wait_all(works) -> None:
         w.wait()
     if isinstance(works, list):
         works.clear()
+
+
+def barrier(dim) -> None:
+    """Return once every rank of `dim` has called it. On NCCL the GPU is named: torch 2.4's
+    barrier otherwise guesses it (global rank % GPUs), which can pick another process's device."""
+    if dim.size == 1:
+        return
+    kwargs = {}
+    if "nccl" in str(dist.get_backend(dim.group)):
+        kwargs["device_ids"] = [torch.cuda.current_device()]
+    _run("barrier", dim, lambda: dist.barrier(group=dim.group, **kwargs), False)

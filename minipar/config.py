@@ -29,6 +29,7 @@ ENV_PREFIX = "PARALLELISM_CONFIG_"
 # outermost first (the grid order of mesh.py); pp_size is the dataclass's last field, so that the
 # positional ParallelismConfig(dp_replicate, dp_shard, cp, tp) of a 4D layout still reads the same
 SIZE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
+CP_LAYOUTS = ("zigzag", "contiguous")
 
 
 @dataclass
@@ -42,6 +43,12 @@ class ParallelismConfig:
     sequence_parallel: bool = False
     # pipeline stages, the outermost dimension (minipar.pipeline_parallel)
     pp_size: Optional[int] = None
+    # The column-parallel linears' backward launches the input-gradient collective before the
+    # weight-gradient matmul and waits after it (tensor_parallel/async_linear.py); tp_size > 1 only.
+    tp_async_overlap: bool = False
+    # How cp splits the sequence: "zigzag" (balanced, the default) or "contiguous" (rank c keeps
+    # chunk c of cp: the textbook split, causal work unbalanced). context_parallel/ring_attention.py.
+    cp_layout: str = "zigzag"
 
     def __post_init__(self):
         for name in SIZE_FIELDS:
@@ -50,6 +57,8 @@ class ParallelismConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelismConfig.{name} must be a positive integer or None, got {value!r}")
+        if self.cp_layout not in CP_LAYOUTS:
+            raise ValueError(f"ParallelismConfig.cp_layout must be one of {CP_LAYOUTS}, got {self.cp_layout!r}")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -109,6 +118,8 @@ class ParallelismConfig:
                 f"dp_shard_size unset to take the remainder, or launch {resolved.total_size} processes.")
         if resolved.sequence_parallel and resolved.tp_size == 1:
             resolved = dataclasses.replace(resolved, sequence_parallel=False)
+        if resolved.tp_async_overlap and resolved.tp_size == 1:
+            resolved = dataclasses.replace(resolved, tp_async_overlap=False)
         return resolved
 
     # ------------------------------------------------------------------ model checks

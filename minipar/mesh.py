@@ -42,12 +42,14 @@ prints the whole grid and every group without launching anything.
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from . import comm
 from .config import ParallelismConfig
 
 COORDS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -147,10 +149,13 @@ class ProcessGroupManager:
     """All groups of this rank, as attributes: pgm.tp, pgm.cp, pgm.dp_shard_cp, ...
 
     Needs an initialised default process group (see minipar.init). Pass it explicitly to every
-    parallel piece; there is no module-level singleton.
+    parallel piece; there is no module-level singleton. `timeout` is how long a collective on any
+    of the groups waits for its peers before it fails (torch's new_group does not inherit the
+    default group's: without it every group would wait 30 minutes for a stuck rank).
     """
 
-    def __init__(self, config: ParallelismConfig, backend: Optional[str] = None):
+    def __init__(self, config: ParallelismConfig, backend: Optional[str] = None,
+                 timeout: Optional[datetime.timedelta] = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ProcessGroupManager needs torch.distributed initialised first: call "
                                "minipar.init(config), or torch.distributed.init_process_group()")
@@ -167,7 +172,7 @@ class ProcessGroupManager:
             for members in groups:
                 key = tuple(members)
                 if key not in created:
-                    created[key] = dist.new_group(ranks=members, backend=backend)
+                    created[key] = dist.new_group(ranks=members, backend=backend, timeout=timeout)
                 if rank in members:
                     mine[name] = members
         for name, members in mine.items():
@@ -179,12 +184,7 @@ class ProcessGroupManager:
             # gloo connects a new group's members lazily in the background of new_group: a rank
             # that races ahead (or exits) could leave a peer's connection half made. One barrier
             # makes "every group exists on every rank" true when the constructor returns.
-            # On NCCL, name the GPU: torch 2.4's barrier otherwise guesses it (global rank % GPUs),
-            # which can pick another process's device.
-            if "nccl" in str(dist.get_backend()):
-                dist.barrier(device_ids=[torch.cuda.current_device()])
-            else:
-                dist.barrier()
+            comm.barrier(self.world)
 
     @classmethod
     def local(cls) -> "ProcessGroupManager":

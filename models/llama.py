@@ -14,22 +14,27 @@ Where the parallelisms plug in (all through `pgm`, passed explicitly; pgm=None i
       heads, intermediate/tp MLP columns); o and down are row-parallel (one all-reduce each);
       the vocabulary is split in the embedding and the lm_head. With sequence_parallel the
       residual stream between them is split along the sequence instead of replicated.
-  cp  attention runs as ring attention over pgm.cp; the sequence arrives in the zigzag layout and
-      position_ids carry the true positions, so RoPE is right on every chunk.
+  cp  attention runs as ring attention over pgm.cp; the sequence arrives in the zigzag layout (or
+      contiguous, pgm.config.cp_layout) and position_ids carry the true positions, so RoPE is
+      right on every chunk.
   packing  document_ids (b, s), one id per token, keep attention inside each packed example (a
       block-diagonal causal mask; under cp the ids travel with K/V round the ring), and
       position_ids restart at each example, so a packed row computes what its examples alone do.
   dp / ZeRO-3 act on the parameters from outside (minipar.data_parallel, minipar.zero3).
 
 Initialisation is layout-independent: every full tensor is drawn from `seed` in parameter order
-(normal(0, initializer_range) as HF does, ones for the norms) and then sliced for this rank, so a
-1-rank and a 16-rank run start from the same weights. Labels arrive already shifted (label[t] is
+(normal(0, initializer_range) as HF does, ones for the norms, zeros for biases) and then sliced for
+this rank, so a 1-rank and a 16-rank run start from the same weights. `device="meta"` builds the
+model without storage; models/llama_init.py then fills only what this rank keeps, from the seed or
+from a Hugging Face checkpoint (minipar/training/hf_checkpoint.py). Labels arrive already shifted (label[t] is
 the token at t + 1), because under cp the next token of a chunk may live on another rank.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -41,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minipar import comm
 from minipar import tensor_parallel as tpl
-from minipar.context_parallel import ring_attention, zigzag_positions
+from minipar.context_parallel import ring_attention, sequence_positions
 from minipar.mesh import ProcessGroupManager
 
 
@@ -59,6 +64,9 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     head_dim: Optional[int] = None
+    attention_bias: bool = False          # biases on q/k/v/o_proj (HF's key)
+    mlp_bias: bool = False                # biases on gate/up/down_proj
+    rope_scaling: Optional[dict] = None   # None (default RoPE) or {"rope_type": "llama3", "factor": ...}
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -71,24 +79,34 @@ class LlamaConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
+            if kind != "llama3" or missing:
+                raise ValueError(f"rope_scaling {self.rope_scaling}: only rope_type 'llama3' (with "
+                                 f"{', '.join(LLAMA3_ROPE_KEYS)}) or default RoPE (null) is supported")
 
     @classmethod
     def from_dict(cls, d: dict) -> "LlamaConfig":
         """From a Hugging Face config.json (transformers 4 writes rope_theta, 5 rope_parameters)."""
         d = dict(d)
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if "rope_theta" not in d and isinstance(rope, dict) and "rope_theta" in rope:
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        if "rope_theta" not in d and "rope_theta" in rope:
             d["rope_theta"] = rope["rope_theta"]
-        if isinstance(rope, dict) and rope.get("rope_type", "default") not in ("default", None):
-            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; only default RoPE")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", None, "llama3"):
+            raise ValueError(f"rope_type {kind!r} is not supported: only default RoPE and 'llama3'")
+        d["rope_scaling"] = (dict({k: v for k, v in rope.items() if k not in ("rope_theta", "type")},
+                                  rope_type="llama3") if kind == "llama3" else None)
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in fields})
 
     def to_hf_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        scaling = dict(self.rope_scaling) if self.rope_scaling else None
         d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                 attention_bias=False, mlp_bias=False, torch_dtype="float32", rope_scaling=None,
-                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                 torch_dtype="float32", rope_scaling=scaling,
+                 rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta},
                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
         return d
 
@@ -109,9 +127,28 @@ class RMSNorm(nn.Module):
         return tpl.sequence_parallel_weight(self.weight, self.tp, self.sequence_parallel) * x.to(dtype)
 
 
-def rotary_tables(position_ids, head_dim, theta, dtype):
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def llama3_inv_freq(inv_freq, scaling: dict):
+    """Llama 3.1's RoPE scaling (as transformers' _compute_llama3_parameters): wavelengths longer
+    than original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
+    shorter than .../ high_freq_factor are kept, and the band between is interpolated smoothly."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_tables(position_ids, head_dim, theta, dtype, rope_scaling: Optional[dict] = None):
     """cos, sin of shape (b, s, head_dim) at the given (true) positions, HF's rotate-half layout."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    if rope_scaling:
+        inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
     freqs = position_ids.float().unsqueeze(-1) * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -147,25 +184,27 @@ def causal_attention(q, k, v, document_ids=None):
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
         super().__init__()
-        tp, sp = pgm.tp, pgm.config.sequence_parallel
+        tp, sp, overlap = pgm.tp, pgm.config.sequence_parallel, pgm.config.tp_async_overlap
         self.pgm, self.sp, self.head_dim = pgm, sp, config.head_dim
         self.local_heads = config.num_attention_heads // tp.size
         self.local_kv_heads = config.num_key_value_heads // tp.size
-        d, hd = config.hidden_size, config.head_dim
-        self.q_proj = tpl.ColumnParallelLinear(d, config.num_attention_heads * hd, tp, sequence_parallel=sp)
-        self.k_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, sequence_parallel=sp)
-        self.v_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, sequence_parallel=sp)
-        self.o_proj = tpl.RowParallelLinear(config.num_attention_heads * hd, d, tp, sequence_parallel=sp)
+        d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
+        col = dict(bias=bias, sequence_parallel=sp, async_overlap=overlap)
+        self.q_proj = tpl.ColumnParallelLinear(d, config.num_attention_heads * hd, tp, **col)
+        self.k_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
+        self.v_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
+        self.o_proj = tpl.RowParallelLinear(config.num_attention_heads * hd, d, tp, bias=bias, sequence_parallel=sp)
 
     def forward(self, x, cos, sin, document_ids=None):
-        x = tpl.enter_tp_region(x, self.pgm.tp, self.sp)        # one collective for q, k and v
-        b, s, _ = x.shape
-        q = self.q_proj(x, skip_input_comm=True).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x, skip_input_comm=True).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x, skip_input_comm=True).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = tpl.column_parallel_group(x, (self.q_proj, self.k_proj, self.v_proj))   # one collective
+        b, s, _ = q.shape
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.pgm.cp.size > 1:
-            out = ring_attention(q, k, v, self.pgm.cp, causal=True, document_ids=document_ids)
+            out = ring_attention(q, k, v, self.pgm.cp, causal=True, layout=self.pgm.config.cp_layout,
+                                 document_ids=document_ids)
         else:
             out = causal_attention(q, k, v, document_ids)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
@@ -176,14 +215,15 @@ class LlamaMLP(nn.Module):
         super().__init__()
         tp, sp = pgm.tp, pgm.config.sequence_parallel
         self.tp, self.sp = tp, sp
-        d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = tpl.ColumnParallelLinear(d, f, tp, sequence_parallel=sp)
-        self.up_proj = tpl.ColumnParallelLinear(d, f, tp, sequence_parallel=sp)
-        self.down_proj = tpl.RowParallelLinear(f, d, tp, sequence_parallel=sp)
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        col = dict(bias=bias, sequence_parallel=sp, async_overlap=pgm.config.tp_async_overlap)
+        self.gate_proj = tpl.ColumnParallelLinear(d, f, tp, **col)
+        self.up_proj = tpl.ColumnParallelLinear(d, f, tp, **col)
+        self.down_proj = tpl.RowParallelLinear(f, d, tp, bias=bias, sequence_parallel=sp)
 
     def forward(self, x):
-        x = tpl.enter_tp_region(x, self.tp, self.sp)            # one collective for gate and up
-        return self.down_proj(F.silu(self.gate_proj(x, skip_input_comm=True)) * self.up_proj(x, skip_input_comm=True))
+        gate, up = tpl.column_parallel_group(x, (self.gate_proj, self.up_proj))   # one collective
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -211,30 +251,32 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: LlamaConfig, pgm: Optional[ProcessGroupManager] = None, seed: int = 0):
+    def __init__(self, config: LlamaConfig, pgm: Optional[ProcessGroupManager] = None, seed: int = 0,
+                 device: Optional[str] = None):
+        """device="meta": shapes only, no storage and no init; fill it with llama_init.materialize
+        or fully_shard(..., init=source), which keep only this rank's TP slice / ZeRO-3 shard."""
         super().__init__()
         self.config = config
         self.pgm = pgm if pgm is not None else ProcessGroupManager.local()
         self.pgm.config.validate_model(config)
-        self.model = LlamaModel(config, self.pgm)
-        self.lm_head = tpl.ColumnParallelLinear(config.hidden_size, config.vocab_size, self.pgm.tp,
-                                                sequence_parallel=self.pgm.config.sequence_parallel)
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            self.model = LlamaModel(config, self.pgm)
+            self.lm_head = tpl.ColumnParallelLinear(config.hidden_size, config.vocab_size, self.pgm.tp,
+                                                    sequence_parallel=self.pgm.config.sequence_parallel,
+                                                    async_overlap=self.pgm.config.tp_async_overlap)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight   # same (V/tp, d) rows on every layout
         self.gradient_checkpointing = False
-        self.init_weights(seed)
+        if str(device) != "meta":
+            self.init_weights(seed)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def init_weights(self, seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
-        for _, p in self.named_parameters():    # a fixed order, tied weights once
-            full = torch.empty(p.tp_full_shape, device="cpu")   # where gen lives, whatever the default device
-            if p.dim() == 1:
-                full.fill_(1.0)                  # the norms
-            else:
-                full.normal_(0.0, self.config.initializer_range, generator=gen)
-            p.copy_(tpl.shard_tensor(full, p.tp_split_dim, self.pgm.tp))
+        from models.llama_init import SeededInit
+        init = SeededInit(self, seed)            # full tensors from the seed, in parameter order
+        for name, p in self.named_parameters():
+            p.copy_(init.tp_local(name, p.tp_full_shape, p.tp_split_dim))
 
     def gradient_checkpointing_enable(self):
         self.gradient_checkpointing = True
@@ -243,13 +285,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, position_ids=None, labels=None, num_items_in_batch=None, document_ids=None):
         pgm, cfg = self.pgm, self.config
         if position_ids is None:
-            if pgm.cp.size > 1:
-                position_ids = zigzag_positions(input_ids.shape[1] * pgm.cp.size, pgm.cp, device=input_ids.device)
-            else:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            position_ids = sequence_positions(input_ids.shape[1] * pgm.cp.size, pgm.cp, pgm.config.cp_layout,
+                                              device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype)
+        cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype, cfg.rope_scaling)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin, document_ids, use_reentrant=False)
@@ -296,21 +336,16 @@ class LlamaForCausalLM(nn.Module):
             p.copy_(tpl.shard_tensor(t.to(p.dtype), p.tp_split_dim, self.pgm.tp))
 
     @classmethod
-    def from_pretrained(cls, directory: str, pgm: Optional[ProcessGroupManager] = None) -> "LlamaForCausalLM":
-        """Load a Hugging Face model directory (config.json + model.safetensors)."""
-        from safetensors.torch import load_file
-        cfg_path, weights = os.path.join(directory, "config.json"), os.path.join(directory, "model.safetensors")
-        for path in (cfg_path, weights):
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"{path} not found: a Hugging Face directory needs config.json and "
-                                        f"model.safetensors (sharded safetensors are not supported)")
-        with open(cfg_path) as f:
-            config = LlamaConfig.from_dict(json.load(f))
-        model = cls(config, pgm)
-        full = load_file(weights)
-        if config.tie_word_embeddings:
-            full.pop("lm_head.weight", None)
-        model.load_full_state_dict(full, source=weights)
+    def from_pretrained(cls, directory: str, pgm: Optional[ProcessGroupManager] = None,
+                        device=None) -> "LlamaForCausalLM":
+        """Load a Hugging Face directory (config.json + model.safetensors, or its sharded form):
+        built on the meta device, then each tensor read as this rank's TP slice only."""
+        from minipar.training.hf_checkpoint import HFCheckpoint   # the reader (checks, slices)
+        from models.llama_init import materialize
+        ckpt = HFCheckpoint(directory)
+        model = cls(ckpt.config, pgm, device="meta")
+        ckpt.check(model)
+        materialize(model, ckpt.source(model.pgm.tp, device or torch.device("cpu")))
         return model
 
     def save_pretrained(self, directory: str):

@@ -1,3 +1,5 @@
+"""pytest set-up: the worktree's own minipar first on the path, and CUDA hidden from the gloo worlds."""
+
 import os
 import sys
 

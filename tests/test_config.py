@@ -1,3 +1,6 @@
+"""ParallelismConfig (minipar/config.py) and the training config's keys (minipar/training/train_config.py):
+sizes, the remainder rule, model checks, accelerate's size variables, command-line values."""
+
 import pytest
 
 from minipar import ParallelismConfig
@@ -57,3 +60,29 @@ def test_model_checks_name_the_value_to_change():
         cfg.validate_model(_model(vocab_size=258, num_key_value_heads=4))
     with pytest.raises(ValueError, match="sequence length 60 is not divisible by 2 \\* cp_size = 8.*56 or 64"):
         ParallelismConfig(cp_size=4).resolve(4).validate_model(_model(), sequence_len=60)
+
+
+def test_accelerate_size_variables_fill_the_sizes_not_set(monkeypatch, tmp_path):
+    """PARALLELISM_CONFIG_*_SIZE: the command line wins, then the variables, then the config file's
+    unset keys; the implicit default layout gives way to them as to command-line sizes."""
+    from minipar.training.run_setup import DEFAULT_CONFIG, _sizes_from_env
+    from minipar.training.train_config import load_config
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "4")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    cfg, notes = load_config(DEFAULT_CONFIG, ["--context_parallel_size", "1"]), []
+    assert _sizes_from_env(cfg, DEFAULT_CONFIG, True, {"context_parallel_size"}, notes) == {"tensor_parallel_size"}
+    assert (cfg.tensor_parallel_size, cfg.context_parallel_size) == (4, 1) and "ignored" in notes[0]
+    path = tmp_path / "c.yaml"
+    path.write_text("tensor_parallel_size: 2\n")
+    cfg, notes = load_config(str(path)), []
+    assert _sizes_from_env(cfg, str(path), False, set(), notes) == {"context_parallel_size"}
+    assert (cfg.tensor_parallel_size, cfg.context_parallel_size) == (2, 2)
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
+    with pytest.raises(ValueError, match="PARALLELISM_CONFIG_TP_SIZE"):
+        _sizes_from_env(load_config(str(path)), str(path), False, set(), [])
+
+
+def test_command_line_numbers_without_a_dot():
+    """YAML 1.1 reads 1e-3 as a string; the README's `--learning_rate 1e-3` means a number."""
+    from minipar.training.train_config import load_config
+    assert load_config(None, ["--learning_rate", "1e-3", "--min_lr_ratio", "5E-2"]).learning_rate == 1e-3

@@ -119,10 +119,10 @@ def test_eval_batches_in_file_order():
 
 # ---------------------------------------------------------------------- split over dp, micro, cp
 def _fake_pgm(dp_rank, dp, cp_rank, cp):
-    """The three dims local_batch reads; it never communicates, so no groups are needed."""
+    """The dims and the cp layout local_batch reads; it never communicates, so no groups are needed."""
     return types.SimpleNamespace(dp=MeshDim("dp", list(range(dp)), dp_rank, None),
                                  cp=MeshDim("cp", list(range(cp)), cp_rank, None),
-                                 tp=MeshDim("tp", [0], 0, None))
+                                 tp=MeshDim("tp", [0], 0, None), config=ParallelismConfig())
 
 
 @pytest.mark.parametrize("dp,cp,micro", [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 2), (4, 2, 1),

@@ -165,7 +165,8 @@ def test_packing_keeps_whole_examples_with_their_positions(example):
 def test_local_batch_cuts_positions_and_documents_like_tokens():
     rows = {k: torch.arange(4 * 8).reshape(4, 8) * m for k, m in
             (("input_ids", 1), ("labels", 2), ("position_ids", 3), ("document_ids", 4))}
-    pgm = SimpleNamespace(dp=MeshDim("dp", [0, 1], 1, None), cp=MeshDim("cp", [0, 1], 1, None))
+    pgm = SimpleNamespace(dp=MeshDim("dp", [0, 1], 1, None), cp=MeshDim("cp", [0, 1], 1, None),
+                          config=ParallelismConfig())
     got = mdata.local_batch(rows["input_ids"], rows["labels"], pgm, position_ids=rows["position_ids"],
                             document_ids=rows["document_ids"])
     for k, m in (("input_ids", 1), ("labels", 2), ("position_ids", 3), ("document_ids", 4)):

@@ -1,3 +1,5 @@
+"""tests/harness.py: a failing rank fails the world with its traceback, a deadlock times out."""
+
 import time
 
 import pytest

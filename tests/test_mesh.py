@@ -1,3 +1,5 @@
+"""The grid and its groups (minipar/mesh.py) and the collectives with their ledger (minipar/comm.py)."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -85,16 +87,13 @@ def _collectives():
         x = torch.arange(8.0) + 10 * r
         gathered = comm.all_gather(x.view(2, 4), d, gather_dim=1)       # (2, 16)
         scattered = comm.reduce_scatter(torch.ones(8, 3) * (r + 1), d)   # (2, 3) of 1+2+3+4
-        out = torch.empty(8)
-        comm.all_to_all(out, torch.full((8,), float(r)), d)
         recv = torch.empty(3)
         comm.wait_all(comm.ring_shift([torch.full((3,), float(r))], [recv], d))
         comm.mark("end")
     assert gathered.shape == (2, 16) and gathered[0, 4:8].tolist() == [10.0, 11, 12, 13]
     assert scattered.shape == (2, 3) and scattered.eq(10).all()
-    assert out.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert recv.eq((r - 1) % 4).all()
-    assert [e.op for e in led.records] == ["all_gather", "reduce_scatter", "all_to_all", "send_recv"]
+    assert [e.op for e in led.records] == ["all_gather", "reduce_scatter", "send_recv"]
     assert led.events[-1] == "end"
     assert led.records[0].bytes == 32 * 4 and led.records[0].wire_bytes == 32 * 4 * 3 / 4
     return True

@@ -19,6 +19,7 @@ import math
 import os
 
 import pytest
+import yaml
 import torch
 
 from harness import run_world
@@ -136,16 +137,23 @@ def _check_world(world, runs, tmp_path):
 
 
 def _sizes(config):
-    import yaml
     with open(os.path.join(ROOT, "configs", config)) as f:
         d = yaml.safe_load(f)
     return {k: d.get(k) or 1 for k in ("dp_replicate_size", "dp_shard_size", "context_parallel_size",
                                        "tensor_parallel_size", "pipeline_parallel_size")}
 
 
+def _base_model(config):
+    with open(os.path.join(ROOT, "configs", config)) as f:
+        return (yaml.safe_load(f) or {}).get("base_model")
+
+
 ALL_CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 PIPELINE = [c for c in ALL_CONFIGS if _sizes(c)["pipeline_parallel_size"] > 1]   # not planned yet
-CONFIGS = [c for c in ALL_CONFIGS if c not in PIPELINE]
+# finetune.yaml's model is the directory `python -m minipar.training.make_example` writes (its
+# loading is held against one process in tests/test_hf_load.py); here every model is the tiny one
+FROM_BASE_MODEL = [c for c in ALL_CONFIGS if _base_model(c)]
+CONFIGS = [c for c in ALL_CONFIGS if c not in PIPELINE and c not in FROM_BASE_MODEL]
 WORLDS = {c: math.prod(_sizes(c).values()) for c in CONFIGS}
 WORLDS["default.yaml"] = 8          # dp_shard takes the remainder: 2 x cp 2 x tp 2, as its comment says
 # beyond the configs: sequence parallelism, bf16 ZeRO-3, activation checkpointing (its recompute
@@ -233,10 +241,22 @@ def test_results_file_is_current():
         "benchmarks/results/plan.md is stale: run python benchmarks/plan_llama.py"
 
 
-def test_every_config_is_planned_or_refused(capsys):
+def test_every_config_is_planned_or_refused(capsys, tmp_path, monkeypatch):
     """The configs that test_plan_matches_* does not run are pipeline ones, which the planner
-    refuses with a clear error instead of planning them wrong."""
-    assert sorted(CONFIGS + PIPELINE) == ALL_CONFIGS and all(WORLDS[c] in (4, 8, 16) for c in CONFIGS)
+    refuses with a clear error instead of planning them wrong, and those whose model is a
+    generated base_model directory: planned once it exists, refused clearly before."""
+    assert sorted(CONFIGS + PIPELINE + FROM_BASE_MODEL) == ALL_CONFIGS and all(WORLDS[c] in (4, 8, 16) for c in CONFIGS)
     for config in PIPELINE:
         assert plan_main([os.path.join(ROOT, "configs", config)]) == 2
         assert "does not model pipeline parallelism" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    for config in FROM_BASE_MODEL:
+        assert plan_main([os.path.join(ROOT, "configs", config), "--world", "8"]) == 2
+        assert f"base_model '{_base_model(config)}'" in capsys.readouterr().err
+    if FROM_BASE_MODEL:
+        from minipar.training.make_example import make_example
+        make_example("out/example")                   # what the README runs before fine-tuning
+        capsys.readouterr()
+        for config in FROM_BASE_MODEL:
+            assert plan_main([os.path.join(ROOT, "configs", config), "--world", "8"]) == 0
+            assert "dp_shard 2 x cp 2 x tp 2 on 8 GPUs" in capsys.readouterr().out

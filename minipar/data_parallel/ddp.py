@@ -1,5 +1,6 @@
 """Data parallelism: every replica holds the whole model, reads its own samples, and the replicas
-sum their gradients, bucket by bucket, while backward is still running.
+sum their gradients, bucket by bucket, while backward is still running. (The rung below it,
+naive.py, reduces parameter by parameter after backward; `ddp: naive | bucketed`.)
 
 Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB 2020),
 the design of torch's DistributedDataParallel. One all-reduce per parameter would pay the
@@ -23,7 +24,7 @@ Gradients are SUMMED, not averaged: the loss is already divided by the token cou
 batch, so the sum over replicas is the single-process gradient. `dim` is the group of ranks that
 hold the same parameters and see different tokens: pgm.dp_cp when nothing is sharded (replicas and
 context-parallel ranks alike), pgm.dp_replicate in general. (HSDP, sharded within a replica and
-replicated across, is zero3.py's business: it all-reduces its shard gradients itself.)
+replicated across, is minipar/zero3/'s business: it all-reduces its shard gradients itself.)
 
 Gradient accumulation: inside `with sync.no_sync():` the hooks do nothing and gradients add up
 locally; the backward of the last micro-batch, outside it, reduces the accumulated sum, so a step
@@ -60,33 +61,22 @@ class Bucket:
         self.work = self.flat = None
 
 
-class GradSync:
-    """The gradient all-reduce of a replicated model; what `replicate` returns (and attaches as
-    `model.grad_sync`). After loss.backward() returns, every p.grad holds the sum over `dim`."""
+class ReplicaSync:
+    """What both rungs of the DDP ladder share (naive.py's per-parameter version and the bucketed
+    GradSync below): the parameters, the two gradient hooks, no_sync(), and the rule that a gradient
+    already holding a reduced sum R becomes R / n before the next backward adds to it. Subclasses
+    say what happens when a gradient is ready (`_after_accumulate`) and at the end of backward."""
 
-    def __init__(self, model: nn.Module, dim, bucket_size_mb: float = 25):
-        if not bucket_size_mb > 0:
-            raise ValueError(f"replicate: bucket_size_mb must be > 0, got {bucket_size_mb!r}")
+    def __init__(self, model: nn.Module, dim):
         self.dim = dim
-        params = [p for p in model.parameters() if p.requires_grad]     # tied parameters once
-        self.buckets: List[Bucket] = []
-        current, nbytes, limit = [], 0, bucket_size_mb * 2 ** 20
-        for p in reversed(params):
-            if current and (nbytes + p.numel() * p.element_size() > limit or p.dtype != current[0].dtype
-                            or p.device != current[0].device):
-                self.buckets.append(Bucket(current))
-                current, nbytes = [], 0
-            current.append(p)
-            nbytes += p.numel() * p.element_size()
-        if current:
-            self.buckets.append(Bucket(current))
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.params = [p for p in model.parameters() if p.requires_grad]    # tied parameters once
         self._sync = True
-        self._next = 0                           # the next bucket to launch (index order)
         self._callback_queued = False
         self._holds_sum: set = set()             # ids of params whose .grad is an already-reduced sum
-        if dim.size > 1:
-            for p in params:
+
+    def _register_hooks(self):
+        if self.dim.size > 1:
+            for p in self.params:
                 p.register_hook(lambda grad, p=p: self._before_accumulate(p))
                 p.register_post_accumulate_grad_hook(self._after_accumulate)
 
@@ -99,7 +89,6 @@ class GradSync:
         finally:
             self._sync = previous
 
-    # ------------------------------------------------------------------ hooks
     def _before_accumulate(self, p):
         if id(p) in self._holds_sum:
             self._holds_sum.discard(id(p))
@@ -107,11 +96,55 @@ class GradSync:
                 p.grad.div_(self.dim.size)
 
     def _after_accumulate(self, p):
-        if not self._sync:
-            return
+        raise NotImplementedError
+
+    def _queue_finish(self):
+        """Once per backward: run _finish when autograd is done."""
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _finish(self):
+        raise NotImplementedError
+
+
+def attach(model: nn.Module, sync: ReplicaSync, who: str) -> ReplicaSync:
+    """Attach `sync` as model.grad_sync, refusing a model ZeRO-3 already reduces."""
+    if getattr(model, "zero3", None) is not None:
+        raise ValueError(f"{who}: the model is sharded by ZeRO-3, which already reduces over "
+                         "dp_replicate (HSDP); use one of the two, not both")
+    model.grad_sync = sync
+    return sync
+
+
+class GradSync(ReplicaSync):
+    """The gradient all-reduce of a replicated model; what `replicate` returns (and attaches as
+    `model.grad_sync`). After loss.backward() returns, every p.grad holds the sum over `dim`."""
+
+    def __init__(self, model: nn.Module, dim, bucket_size_mb: float = 25):
+        if not bucket_size_mb > 0:
+            raise ValueError(f"replicate: bucket_size_mb must be > 0, got {bucket_size_mb!r}")
+        super().__init__(model, dim)
+        self.buckets: List[Bucket] = []
+        current, nbytes, limit = [], 0, bucket_size_mb * 2 ** 20
+        for p in reversed(self.params):
+            if current and (nbytes + p.numel() * p.element_size() > limit or p.dtype != current[0].dtype
+                            or p.device != current[0].device):
+                self.buckets.append(Bucket(current))
+                current, nbytes = [], 0
+            current.append(p)
+            nbytes += p.numel() * p.element_size()
+        if current:
+            self.buckets.append(Bucket(current))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0                           # the next bucket to launch (index order)
+        self._register_hooks()
+
+    # ------------------------------------------------------------------ hooks
+    def _after_accumulate(self, p):
+        if not self._sync:
+            return
+        self._queue_finish()
         bucket = self._bucket_of[id(p)]
         bucket.ready.add(id(p))
         self._launch_ready()
@@ -153,9 +186,4 @@ def replicate(model: nn.Module, dim, bucket_size_mb: float = 25) -> GradSync:
     """Sum gradients of `model` over the MeshDim `dim` (pgm.dp_replicate, or pgm.dp_cp when nothing
     is sharded), overlapped with backward. Every rank must start from the same weights (minipar's
     seeded initialisation gives that). Returns the GradSync, also attached as `model.grad_sync`."""
-    if getattr(model, "zero3", None) is not None:
-        raise ValueError("replicate: the model is sharded by ZeRO-3, which already reduces over "
-                         "dp_replicate (HSDP); use one of the two, not both")
-    sync = GradSync(model, dim, bucket_size_mb)
-    model.grad_sync = sync
-    return sync
+    return attach(model, GradSync(model, dim, bucket_size_mb), "replicate")

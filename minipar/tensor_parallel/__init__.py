@@ -2,16 +2,20 @@
 
     layers.py               Megatron's f/g conjugate functions, the sequence-parallel pairs,
                             Column/RowParallelLinear, VocabParallelEmbedding, the shard layout
+    async_linear.py         the column-parallel backward with its input-gradient collective
+                            overlapped with the weight-gradient matmul (tp_async_overlap)
     vocab_parallel_loss.py  cross-entropy over logits whose vocabulary is split across tp
 
     from minipar import tensor_parallel as tpl
     tpl.ColumnParallelLinear(hidden, 3 * hidden, pgm.tp), tpl.vocab_parallel_cross_entropy(...)
 """
+from .async_linear import AsyncColumnParallelLinear, async_column_parallel
 from .layers import (SEQ_DIM, ColumnParallelLinear, CopyToTPRegion, GatherFromSequenceParallelRegion,
                      GatherFromTPRegion, ReduceFromTPRegion, ReduceScatterToSequenceParallelRegion,
-                     RowParallelLinear, ScatterToTPRegion, VocabParallelEmbedding, copy_to_tp_region,
+                     RowParallelLinear, ScatterToTPRegion, VocabParallelEmbedding, column_parallel_group,
+                     copy_to_tp_region,
                      enter_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                      gather_tensor, reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
-                     scatter_to_sequence_parallel_region, scatter_to_tp_region, sequence_parallel_weight,
+                     scatter_to_tp_region, sequence_parallel_weight,
                      shard_tensor)
 from .vocab_parallel_loss import vocab_parallel_cross_entropy

@@ -18,6 +18,8 @@ sums the partial outputs:
 f and g are conjugate: each is the other's backward. Attention splits the same way by heads (q, k,
 v column-parallel, each rank keeps heads/tp heads; o row-parallel). Per block: 2 all-reduces of
 b*s*h forward (after o_proj and down_proj), 2 backward (the f before q/k/v and before gate/up).
+The next rung, async_linear.py (`tp_async_overlap`), fuses f with the column-parallel matmuls and
+overlaps that backward all-reduce with the weight-gradient matmul.
 
 Sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation", 2022): between
 the tensor-parallel regions the activations are replicated, so the norms and residuals repeat the
@@ -30,11 +32,11 @@ through f (identity forward, all-reduce backward).
 
 The vocabulary is split too: VocabParallelEmbedding keeps rows of the embedding table (ids outside
 the local range give zeros, the partial outputs are summed), the lm_head is column-parallel, and
-vocab_parallel_cross_entropy computes the loss from the local logits (b, s, V/tp) with three
-small all-reduces of b*s numbers: the max, the sum of exponentials, the target logit. The full
-(b, s, V) logits never exist on one rank (vocab_parallel_loss.py).
+vocab_parallel_cross_entropy computes the loss from the local logits (b, s, V/tp) with two
+small all-reduces: the max (b*s numbers), then the sum of exponentials and the target logit
+together (2*b*s numbers). The full (b, s, V) logits never exist on one rank (vocab_parallel_loss.py).
 
-Shard layout (DESIGN.md): column-parallel weight = full.chunk(tp, dim=0)[rank], row-parallel
+Shard layout (docs/design.md): column-parallel weight = full.chunk(tp, dim=0)[rank], row-parallel
 weight = full.chunk(tp, dim=1)[rank], embedding = full.chunk(tp, dim=0)[rank]. Every parameter
 carries `tp_split_dim` (None when replicated) so checkpoints and clipping can find the layout.
 """
@@ -45,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import comm
+from .async_linear import async_column_parallel
 
 SEQ_DIM = 1   # activations are (batch, seq, hidden)
 
@@ -178,11 +181,6 @@ def reduce_scatter_to_sequence_parallel_region(x, tp):
     return ReduceScatterToSequenceParallelRegion.apply(x, tp) if tp.size > 1 else x
 
 
-def scatter_to_sequence_parallel_region(x, tp):
-    """Split along the sequence (the gradient is all-gathered back): enters the SP region."""
-    return ScatterToTPRegion.apply(x, tp, SEQ_DIM) if tp.size > 1 else x
-
-
 def enter_tp_region(x, tp, sequence_parallel: bool):
     """The input communication of column-parallel layers: f, or SP's all-gather. Done once by a
     caller whose input feeds several column-parallel layers (q, k, v; gate, up), so a block costs
@@ -216,6 +214,8 @@ class _TPLinear(nn.Module):
         """Draw the full weight (same on every rank for the same generator state), keep the slice."""
         with torch.no_grad():
             for p in self.parameters():
+                if p.is_meta:                # built on the meta device: filled later, by a weight source
+                    continue
                 # on the CPU, where `generator` lives (a CUDA default device would refuse it)
                 full = torch.empty(p.tp_full_shape, device="cpu")
                 if p.dim() == 1 and p is getattr(self, "bias", None):
@@ -232,20 +232,40 @@ class _TPLinear(nn.Module):
 class ColumnParallelLinear(_TPLinear):
     """Y_i = X A_i^T (+ b_i): the weight (out/tp, in) is full.chunk(tp, dim=0)[rank]."""
 
-    def __init__(self, in_features, out_features, tp, bias=False, gather_output=False, sequence_parallel=False):
+    def __init__(self, in_features, out_features, tp, bias=False, gather_output=False, sequence_parallel=False,
+                 async_overlap=False):
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel and tp.size > 1
+        self.async_overlap = async_overlap and tp.size > 1    # async_linear.py: overlapped backward
         local_out = _check_divisible("out_features", out_features, tp)
         self.weight = _param((local_out, in_features), 0, (out_features, in_features))
         self.bias = _param((local_out,), 0, (out_features,)) if bias else None
         self.reset_parameters()
 
     def forward(self, x, skip_input_comm: bool = False):
-        if not skip_input_comm:   # (b, s/tp, h) -> (b, s, h) under SP; f otherwise
-            x = enter_tp_region(x, self.tp, self.sequence_parallel)
-        y = F.linear(x, self.weight, self.bias)
+        if self.async_overlap and not skip_input_comm:
+            y, = async_column_parallel(x, [self.weight], self.tp, self.sequence_parallel, [self.bias])
+        else:
+            if not skip_input_comm:   # (b, s/tp, h) -> (b, s, h) under SP; f otherwise
+                x = enter_tp_region(x, self.tp, self.sequence_parallel)
+            y = F.linear(x, self.weight, self.bias)
         return gather_from_tp_region(y, self.tp, dim=-1) if self.gather_output else y
+
+
+def column_parallel_group(x, layers):
+    """The outputs of column-parallel layers that read the same x (q, k, v; gate, up), with ONE
+    input collective for all of them: enter_tp_region then the layers, or, with async_overlap,
+    one async_linear Function whose backward overlaps that collective with the weight gradients."""
+    first = layers[0]
+    if any((l.tp, l.sequence_parallel, l.async_overlap) != (first.tp, first.sequence_parallel, first.async_overlap)
+           for l in layers):
+        raise ValueError("column_parallel_group: the layers must share tp, sequence_parallel and async_overlap")
+    if first.async_overlap:
+        return async_column_parallel(x, [l.weight for l in layers], first.tp, first.sequence_parallel,
+                                     [l.bias for l in layers])
+    x = enter_tp_region(x, first.tp, first.sequence_parallel)
+    return tuple(l(x, skip_input_comm=True) for l in layers)
 
 
 class RowParallelLinear(_TPLinear):

@@ -332,9 +332,22 @@ def _load_optimizer(model, optimizer, pgm, full, scalars, groups, source):
 
 
 # ------------------------------------------------------------------------------------ export
-def export_hf(directory: str, model) -> str:
+def export_hf(directory: str, model, tokenizer_dir: Optional[str] = None) -> str:
     """A Hugging Face directory (config.json + model.safetensors) for transformers'
-    LlamaForCausalLM.from_pretrained. Collective: every rank calls it; global rank 0 writes."""
+    LlamaForCausalLM.from_pretrained, with the tokenizer files of `tokenizer_dir` (the base model's)
+    copied next to it. Collective: every rank calls it; global rank 0 writes."""
     model.save_pretrained(directory)
+    if tokenizer_dir and model.pgm.global_rank == 0:
+        copy_tokenizer(tokenizer_dir, directory)
     cio.agree(False, model.pgm, _device(model))  # the files exist when any rank returns
     return directory
+
+
+def copy_tokenizer(src: str, directory: str) -> list:
+    """Copy the tokenizer files of a Hugging Face directory (whichever exist) into `directory`."""
+    import shutil
+    from minipar.training.hf_checkpoint import TOKENIZER_FILES
+    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
+    for f in copied:
+        shutil.copyfile(os.path.join(src, f), os.path.join(directory, f))
+    return copied

@@ -268,20 +268,25 @@ def verify(directory: str, checksums: bool = True) -> dict:
 def list_checkpoints(output_dir: str) -> List[str]:
     """Complete step-N directories under output_dir, oldest first. Complete means a valid manifest
     whose files are all present with the right sizes (checksums are left to load time)."""
-    if not os.path.isdir(output_dir):
-        return []
     found = []
-    for name in os.listdir(output_dir):
-        m = _STEP_RE.match(name)
-        if not m:
-            continue                      # step-N.tmp-... (a crashed save) and anything else
-        path = os.path.join(output_dir, name)
+    for path in _step_dirs(output_dir):
         try:
             verify(path, checksums=False)
         except ValueError:
             continue
-        found.append((int(m.group(1)), path))
-    return [p for _, p in sorted(found)]
+        found.append(path)
+    return found
+
+
+def _step_dirs(output_dir: str) -> List[str]:
+    """The step-N directories under output_dir, oldest first (step-N.tmp-... of a crashed save and
+    anything else left out)."""
+    steps = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        m = _STEP_RE.match(name)
+        if m and os.path.isdir(os.path.join(output_dir, name)):
+            steps.append((int(m.group(1)), os.path.join(output_dir, name)))
+    return [p for _, p in sorted(steps)]
 
 
 def find_latest_checkpoint(output_dir: str) -> Optional[str]:
@@ -294,13 +299,8 @@ def find_latest_verified(output_dir: str):
     """(the newest output_dir/step-N whose every file checks out, sha256 included, or None;
     [(path, why)] of the newer ones skipped). What `resume_from_checkpoint: latest` resumes from:
     a truncated and a bit-flipped newest checkpoint are skipped alike, and named."""
-    steps = []
-    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        m = _STEP_RE.match(name)
-        if m and os.path.isdir(os.path.join(output_dir, name)):
-            steps.append((int(m.group(1)), os.path.join(output_dir, name)))
     skipped = []
-    for _, path in sorted(steps, reverse=True):
+    for path in reversed(_step_dirs(output_dir)):
         try:
             verify(path, checksums=True)
             return path, skipped

@@ -18,7 +18,7 @@ perm_{i // W}[i % W]. So the global batch of a step is a pure function of (seed,
 start at any step, a resumed run reads exactly what the uninterrupted one would have, and the
 data position in a checkpoint is just the step number. There is no iterator state to save.
 
-The split of one step's global batch (B samples x T tokens), as in DESIGN.md:
+The split of one step's global batch (B samples x T tokens), as in docs/design.md:
 
     global batch  B x T                       (every rank builds it: it is cheap, and every rank
       |                                        then knows num_items_in_batch without talking)
@@ -180,12 +180,16 @@ class BatchSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Check that a resumed run reads the same data order; the sampler has nothing else to load."""
-        mine = self.state_dict()
-        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
-        if diff:
-            what = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diff.items())
-            raise ValueError(f"the checkpoint's data order differs from this run ({what}); resume with "
-                             f"the same dataset, sequence_len, global_batch_size and seed")
+        check_same_data_order(state, self.state_dict(), "dataset, sequence_len, global_batch_size and seed")
+
+
+def check_same_data_order(saved: dict, mine: dict, what_to_keep: str) -> None:
+    """A sampler's resume check: the checkpoint's order-fixing state must equal this run's."""
+    diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+    if diff:
+        what = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diff.items())
+        raise ValueError(f"the checkpoint's data order differs from this run ({what}); resume with "
+                         f"the same {what_to_keep}")
 
 
 def eval_batches(tokens: torch.Tensor, sequence_len: int, batch_size: int,
@@ -235,10 +239,10 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
                 document_ids: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """This rank's share of the global batch: dict(input_ids, labels, position_ids), each
     (B / (dp * num_micro_steps), T / cp) long; position_ids are the true positions of the kept
-    tokens (zigzag under cp). Packed rows (packing.py) bring their own position_ids (restarting at
-    each example) and document_ids: both are cut exactly like the tokens, and document_ids is
-    added to the dict. No communication."""
-    from ..context_parallel import zigzag_positions, zigzag_shard
+    tokens (zigzag under cp, or contiguous with cp_layout). Packed rows (packing.py) bring their own
+    position_ids (restarting at each example) and document_ids: both are cut exactly like the tokens,
+    and document_ids is added to the dict. No communication."""
+    from ..context_parallel import sequence_positions, shard_sequence
     B, T = input_ids.shape
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} "
@@ -251,13 +255,14 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
     first = pgm.dp.rank * per_rank + micro_step * per_micro
     rows = slice(first, first + per_micro)
     device = input_ids.device if device is None else device
-    ids = zigzag_shard(input_ids[rows], 1, pgm.cp).to(device)
-    lab = zigzag_shard(labels[rows], 1, pgm.cp).to(device)
+    layout = pgm.config.cp_layout              # zigzag (default) or contiguous: context_parallel/layouts.py
+    ids = shard_sequence(input_ids[rows], 1, pgm.cp, layout).to(device)
+    lab = shard_sequence(labels[rows], 1, pgm.cp, layout).to(device)
     if position_ids is None:
-        pos = zigzag_positions(T, pgm.cp, device=device).unsqueeze(0).expand(per_micro, -1).contiguous()
+        pos = sequence_positions(T, pgm.cp, layout, device=device).unsqueeze(0).expand(per_micro, -1).contiguous()
     else:
-        pos = zigzag_shard(position_ids[rows], 1, pgm.cp).to(device).contiguous()
+        pos = shard_sequence(position_ids[rows], 1, pgm.cp, layout).to(device).contiguous()
     out = dict(input_ids=ids.contiguous(), labels=lab.contiguous(), position_ids=pos)
     if document_ids is not None:
-        out["document_ids"] = zigzag_shard(document_ids[rows], 1, pgm.cp).to(device).contiguous()
+        out["document_ids"] = shard_sequence(document_ids[rows], 1, pgm.cp, layout).to(device).contiguous()
     return out

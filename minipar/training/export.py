@@ -1,6 +1,7 @@
 """Export a minipar checkpoint (sharded or full, from any layout) as a Hugging Face directory.
 
     python -m minipar.training.export out/default/step-300 out/default/hf-step-300
+    python -m minipar.training.export out/finetune/step-100 out/finetune/hf-100 --tokenizer out/example/model
 
 Runs on one process: the checkpoint's manifest holds the model config, every shard file is read,
 the full tensors are rebuilt by HF name (checkpoint.py does the resharding), and
@@ -16,7 +17,7 @@ from . import checkpoint as ckpt
 from .checkpoint_io import read_manifest
 
 
-def export_checkpoint(checkpoint_dir: str, hf_dir: str) -> str:
+def export_checkpoint(checkpoint_dir: str, hf_dir: str, tokenizer: str = None) -> str:
     from models.llama import LlamaConfig, LlamaForCausalLM
     manifest = read_manifest(checkpoint_dir)     # refuses a partial or foreign directory, naming it
     config = manifest.get("model_config")
@@ -25,6 +26,8 @@ def export_checkpoint(checkpoint_dir: str, hf_dir: str) -> str:
     model = LlamaForCausalLM(LlamaConfig.from_dict(config))
     ckpt.load_checkpoint(checkpoint_dir, model, None, model.pgm)   # verifies sizes and checksums
     model.save_pretrained(hf_dir)
+    if tokenizer:                                # e.g. the base_model the run fine-tuned
+        ckpt.copy_tokenizer(tokenizer, hf_dir)
     return hf_dir
 
 
@@ -32,8 +35,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Export a minipar checkpoint as a Hugging Face directory.")
     parser.add_argument("checkpoint", help="a step-N checkpoint directory")
     parser.add_argument("hf_dir", help="where to write config.json and model.safetensors")
+    parser.add_argument("--tokenizer", help="a directory whose tokenizer files to copy beside (the base_model)")
     args = parser.parse_args(argv)
-    print(f"exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.hf_dir)}")
+    print(f"exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.hf_dir, args.tokenizer)}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from .data import IGNORE_INDEX
+from .data import IGNORE_INDEX, check_same_data_order
 from .datasets import Examples
 
 LOOK_BACK = 64       # open rows first-fit searches; bounds the packing time at len(examples) * 64
@@ -149,12 +149,8 @@ class RowSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Check that a resumed run reads the same rows in the same order."""
-        mine = self.state_dict()
-        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
-        if diff:
-            what = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diff.items())
-            raise ValueError(f"the checkpoint's data order differs from this run ({what}); resume with the "
-                             f"same datasets, tokenizer, sequence_len, sample_packing, global_batch_size and seed")
+        check_same_data_order(state, self.state_dict(),
+                              "datasets, tokenizer, sequence_len, sample_packing, global_batch_size and seed")
 
 
 def eval_batches(data: Optional[PackedData], batch_size: int,

@@ -6,7 +6,8 @@ minipar.init creates a single group, so a mistake is the same clear error everyw
     argv -> load_config (YAML + --key value, unknown keys, types)       train_config.py
          -> the layout: the config's sizes, resolved against the world   config.py
               (a world of one runs any config with all sizes 1; without a config file, sizes on
-               the command line replace the default layout)
+               the command line replace the default layout; accelerate's PARALLELISM_CONFIG_*_SIZE
+               variables set the sizes that neither the command line nor the config file sets)
          -> the tokenizer and the `datasets` rows (tokenizer.py, datasets.py, packing.py), or
             the byte corpus
          -> the model against tp/cp and the sequence, the batch against dp (global = micro x
@@ -14,6 +15,7 @@ minipar.init creates a single group, so a mistake is the same clear error everyw
             resume from                                                  config_keys.py
          -> output_dir writable, and no live run holding it (rank 0 locks it)  run_lock.py
          -> minipar.init(layout): the groups                              mesh.py
+         -> the same resolved config on every rank? (one all-gather)      lifecycle.py
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import minipar
 from minipar import ParallelismConfig
 from minipar.training import config_keys
 from minipar.training import data as mdata
+from minipar.training import lifecycle
 from minipar.training import run_lock
 from minipar.training.packing import prepare as prepare_datasets
 from minipar.training.tokenizer import HFTokenizer, load_tokenizer, padded_vocab_size, tokenizer_path
@@ -36,6 +39,10 @@ from minipar.training.train_config import REPO_ROOT, TrainConfig, load_config, p
 
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size",
              "pipeline_parallel_size")
+# ParallelismConfig's field (and PARALLELISM_CONFIG_<FIELD> variable) -> the training config's key
+ENV_SIZE_KEYS = dict(dp_replicate_size="dp_replicate_size", dp_shard_size="dp_shard_size",
+                     cp_size="context_parallel_size", tp_size="tensor_parallel_size",
+                     pp_size="pipeline_parallel_size")
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "default.yaml")
 
 
@@ -50,6 +57,7 @@ class Run:
     datasets: Optional[object] = None     # packing.DatasetRun when `datasets` is set, else the byte corpus
     tokenizer: Optional[object] = None
     lock: Optional[run_lock.RunLock] = None     # rank 0 holds output_dir/minipar.lock until the run ends
+    base_model: Optional[object] = None   # the checked hf_checkpoint.HFCheckpoint of cfg.base_model
 
 
 def _world_size() -> int:
@@ -72,6 +80,8 @@ def setup_run(argv: List[str]) -> Run:
     from_cli = set(parse_overrides(argv)) & set(SIZE_KEYS)
     notes = []
     cfg = load_config(path, argv, notes)
+    from_env = _sizes_from_env(cfg, path, default_config, from_cli, notes)
+    from_cli = from_cli | from_env          # accelerate's variables count as sizes given for this launch
     if default_config and from_cli:
         # The default config's layout (cp 2 x tp 2) is the 8-process showcase. Sizes given on the
         # command line replace that layout instead of combining with it, so that
@@ -101,7 +111,8 @@ def setup_run(argv: List[str]) -> Run:
         notes.append(f"one process: the config's parallel sizes ({_fmt(sizes)}) apply to torchrun "
                      f"launches; running with all sizes 1")
         sizes = dict.fromkeys(sizes, 1)
-    pconf = ParallelismConfig(**sizes, sequence_parallel=cfg.sequence_parallel)
+    pconf = ParallelismConfig(**sizes, sequence_parallel=cfg.sequence_parallel,
+                              tp_async_overlap=cfg.tp_async_overlap, cp_layout=cfg.cp_layout)
     try:
         pconf = pconf.resolve(world)
     except ValueError as err:
@@ -131,9 +142,17 @@ def setup_run(argv: List[str]) -> Run:
     if resume and resume != "latest" and not os.path.isdir(resume):
         raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")
     run_lock.check_writable(cfg.output_dir, cfg.metrics_path)    # every rank, before anything is written
+    base = _check_base_model(cfg) if cfg.base_model else None
     lock = run_lock.acquire(cfg.output_dir, _rank(), notes)
-    pgm = minipar.init(pconf)
-    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, datasets, tokenizer, lock)
+    pgm = minipar.init(pconf, timeout_s=cfg.ddp_timeout)
+    try:
+        lifecycle.check_same_config(cfg, pgm)   # launchers given different flags: an error, not a hang
+    except ValueError:
+        if lock is not None:
+            lock.release()
+        lifecycle.teardown(pgm, clean=False)
+        raise
+    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, datasets, tokenizer, lock, base_model=base)
 
 
 def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str], default_config: bool) -> str:
@@ -147,6 +166,37 @@ def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str
     args = " ".join(([] if default_config else [path]) + list(argv))
     launches = " or ".join(f"`torchrun --nproc-per-node {n} train.py{' ' + args if args else ''}`" for n in counts)
     return f"config {path}; launch {launches}, or change the sizes so that they fit {world} processes"
+
+
+def _check_base_model(cfg: TrainConfig):
+    """Read base_model's headers and match every tensor against the model (meta-built: no memory)."""
+    from minipar.training.hf_checkpoint import HFCheckpoint
+    from models.llama import LlamaForCausalLM
+    ckpt = HFCheckpoint(cfg.base_model)
+    ckpt.check(LlamaForCausalLM(cfg.model, None, device="meta"))
+    return ckpt
+
+
+def _sizes_from_env(cfg: TrainConfig, path: str, default_config: bool, from_cli: set, notes: list) -> set:
+    """Apply accelerate's PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,CP,TP,PP}_SIZE to the sizes that
+    the command line does not give and an explicit config file does not set; returns the keys set.
+    (The command line wins over the variables, the variables over the file's unset keys and over
+    the implicit default layout.)"""
+    env = {ENV_SIZE_KEYS[k]: v for k, v in ParallelismConfig.from_env().sizes.items() if v is not None}
+    if not env:
+        return set()
+    in_file = set()
+    if not default_config:
+        import yaml
+        with open(path) as f:
+            in_file = set(yaml.safe_load(f) or {}) & set(SIZE_KEYS)
+    applied = {k: v for k, v in env.items() if k not in from_cli and k not in in_file}
+    for key, value in applied.items():
+        setattr(cfg, key, value)
+    ignored = sorted(set(env) - set(applied))
+    notes.append(f"sizes from PARALLELISM_CONFIG_* variables: {_fmt(applied) or 'none applied'}"
+                 + (f" (ignored for {', '.join(ignored)}: set by the command line or {path})" if ignored else ""))
+    return set(applied)
 
 
 def _fmt(sizes: dict) -> str:

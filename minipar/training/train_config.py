@@ -83,6 +83,12 @@ class TrainConfig:
     pipeline_schedule: str = "1f1b"       # afab | 1f1b | interleaved_1f1b
     pipeline_virtual_stages: Optional[int] = None   # model chunks per rank; None: 2 if interleaved, else 1
     pipeline_layers: Optional[List[int]] = None     # layers per (virtual) stage; None: the even split
+    ddp_timeout: int = 1800               # seconds a collective waits for a stuck peer (Axolotl's name)
+    # the ladder's rungs (docs/ladder.md): naive | bucketed gradient all-reduce when nothing is
+    # sharded; TP's async input-gradient overlap; CP's sequence split (zigzag | contiguous)
+    ddp: str = "bucketed"
+    tp_async_overlap: bool = False
+    cp_layout: str = "zigzag"
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     fsdp_version: Optional[int] = None    # Axolotl's; 1 or 2: both are minipar's ZeRO-3 over dp_shard
     output_dir: str = "out/default"
@@ -96,6 +102,9 @@ class TrainConfig:
     resume_from_checkpoint: Optional[str] = None   # a path, or "latest"
     export_hf: bool = True                # write <output_dir>/hf at the end
     progress_bar: bool = True
+    # a Hugging Face directory (Axolotl's key): the model config comes from its config.json and the
+    # weights from its safetensors, each rank reading only its slices (hf_checkpoint.py)
+    base_model: Optional[str] = None
     model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
         hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024))
@@ -276,12 +285,26 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
         if derived not in explicit_model_keys:
             model.pop(derived)
     cfg.model = LlamaConfig(**model)
+    if cfg.base_model:
+        cfg.model = _base_model_config(cfg, explicit_model_keys)
     root = REPO_ROOT
     if not os.path.isabs(cfg.dataset) and not os.path.exists(cfg.dataset) \
             and os.path.exists(os.path.join(root, cfg.dataset)):
         cfg.dataset = os.path.join(root, cfg.dataset)   # the bundled corpus, from any directory
     check(cfg)
     return cfg
+
+
+def _base_model_config(cfg: TrainConfig, explicit: set) -> LlamaConfig:
+    """base_model's config.json is the model: a `model.*` key that says otherwise is refused."""
+    from minipar.training.hf_checkpoint import read_config
+    model = read_config(cfg.base_model)
+    clash = {k: getattr(cfg.model, k) for k in sorted(explicit) if getattr(cfg.model, k) != getattr(model, k)}
+    if clash:
+        got = ", ".join(f"model.{k}={v!r} (config.json: {getattr(model, k)!r})" for k, v in clash.items())
+        raise ValueError(f"base_model {cfg.base_model!r} fixes the model shape, but the config also sets {got}: "
+                         f"remove the model section (configs/finetune.yaml has none)")
+    return model
 
 
 def check(cfg: TrainConfig) -> None:
@@ -291,6 +314,8 @@ def check(cfg: TrainConfig) -> None:
     for key in positive:                  # (None: derived later, from the world or the dataset)
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.ddp_timeout < 1:
+        raise ValueError(f"ddp_timeout is in seconds and must be >= 1, got {cfg.ddp_timeout}")
     for key in ("save_steps", "eval_steps"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"{key} must be >= 0 (0 = {'only at the end' if key == 'save_steps' else 'never'}), "
@@ -302,6 +327,10 @@ def check(cfg: TrainConfig) -> None:
                          f"got {cfg.fsdp.state_dict_type!r}")
     if cfg.fsdp.wrap != ["LlamaDecoderLayer"]:
         raise ValueError(f"fsdp.wrap: only [LlamaDecoderLayer] units are known, got {cfg.fsdp.wrap}")
+    if cfg.ddp not in ("naive", "bucketed"):
+        raise ValueError(f"ddp must be naive or bucketed, got {cfg.ddp!r}")
+    if cfg.cp_layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"cp_layout must be zigzag or contiguous, got {cfg.cp_layout!r}")
     if cfg.fsdp.prefetch < 0:
         raise ValueError(f"fsdp.prefetch must be >= 0, got {cfg.fsdp.prefetch}")
     if cfg.model.vocab_size < 256 and not (cfg.tokenizer_config or getattr(cfg, "base_model", None)):

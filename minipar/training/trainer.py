@@ -28,25 +28,12 @@ import torch
 import minipar
 from minipar import comm
 from minipar.training import data as mdata
+from minipar.training import lifecycle
+from minipar.training import metrics_file
 from minipar.training import optim as moptim
 from minipar.training.packing import RowSampler, eval_batches as packed_eval_batches
 from minipar.mesh import describe_grid
 from minipar.training.run_setup import Run
-
-
-def read_jsonl(path: str):
-    """(records, numbers of the lines that are not JSON) of a metrics file: a crash mid-write leaves
-    a partial last line, which must not block the resume."""
-    records, dropped = [], []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                dropped.append(number)
-    return records, dropped
 
 
 class Trainer:
@@ -57,8 +44,11 @@ class Trainer:
         self.is_main = pgm.global_rank == 0
         self.device = minipar.default_device()
         self.bf16 = cfg.dtype == "bfloat16"
-        model = LlamaForCausalLM(cfg.model, pgm, seed=cfg.seed).to(self.device)
+        # built on the meta device; each rank then materialises only what it keeps (its TP slice,
+        # under ZeRO-3 only its shard of each unit), from the seed or from base_model's files
+        model = LlamaForCausalLM(cfg.model, pgm, seed=cfg.seed, device="meta")
         self.n_params = sum(math.prod(p.tp_full_shape) for p in model.parameters())
+        source, t_load = self._weight_source(model), time.time()
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if pgm.pp.size > 1:                       # pipeline parallelism: keep this rank's stage only
@@ -72,14 +62,19 @@ class Trainer:
             fully_shard(model, pgm, unit_classes=(VocabParallelEmbedding, LlamaDecoderLayer), prefetch=cfg.fsdp.prefetch,
                         reshard_after_forward=cfg.fsdp.reshard_after_forward,
                         param_dtype=torch.bfloat16 if self.bf16 else None,
-                        reduce_dtype=torch.float32 if self.bf16 else None)
-        elif pgm.dp_cp.size > 1:                  # replicas (and cp ranks) all-reduce gradients
-            from minipar.data_parallel import replicate
-            self.grad_sync = replicate(model, pgm.dp_cp)
+                        reduce_dtype=torch.float32 if self.bf16 else None, init=source)
+        else:
+            from models.llama_init import materialize
+            materialize(model, source)
+        if pgm.dp_cp.size > 1 and not self.sharded:   # replicas (and cp ranks) all-reduce gradients
+            from minipar.data_parallel import replicate, replicate_naive
+            self.grad_sync = replicate_naive(model, pgm.dp_cp) if cfg.ddp == "naive" else replicate(model, pgm.dp_cp)
         # whose no_sync() the micro-batches before the last run under (None: sync every one)
         self.no_sync_owner = self.grad_sync if not self.sharded else \
             (None if cfg.fsdp.sync_each_batch else model.zero3)
         self.model = model
+        if run.base_model is not None:
+            self.log(f"loaded {run.base_model.directory} in {time.time() - t_load:.1f} s")
         fused = dict(fused=True) if cfg.optimizer == "adamw_torch_fused" else {}   # torch's fused kernel
         self.optimizer = moptim.build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                                 betas=(cfg.adam_beta1, cfg.adam_beta2), **fused)
@@ -94,6 +89,15 @@ class Trainer:
         if pgm.pp.size > 1:
             from minipar.training.pipeline_step import PipelineStep
             self.pipeline = PipelineStep(self)
+
+    def _weight_source(self, model):
+        if self.run.base_model is None:
+            from models.llama_init import SeededInit
+            return SeededInit(model, self.cfg.seed, self.pgm.tp, self.device)
+        ckpt = self.run.base_model
+        self.log(f"loading {ckpt.directory}: {len(ckpt.tensors)} tensors, {ckpt.nbytes / 2**30:.2f} GiB; each "
+                 f"rank reads only its slices")
+        return ckpt.source(self.pgm.tp, self.device)
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str):
@@ -180,6 +184,7 @@ class Trainer:
                              state_dict_type=self.cfg.fsdp.state_dict_type,
                              keep_last=self.cfg.save_total_limit)
         self.log(f"saved checkpoint {path}")
+        return path
 
     def maybe_resume(self):
         resume = self.cfg.resume_from_checkpoint
@@ -203,21 +208,8 @@ class Trainer:
     def _open_metrics(self):
         if not self.is_main:
             return None
-        path = self.cfg.metrics_path
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        kept = []
-        if self.start_step > 0 and os.path.exists(path):    # keep the lines of the steps before the resume
-            records, dropped = read_jsonl(path)          # a line cut by a crash is dropped
-            if dropped:
-                self.log(f"note: {path}: dropped {len(dropped)} unreadable line(s) (line {', '.join(map(str, dropped))}; "
-                         f"a write cut short by the crash)")
-            self.history = [r for r in records if r.get("step", 0) <= self.start_step]
-            kept = [json.dumps(r) + "\n" for r in self.history]
-        # rewrite through a temporary file: a crash here must not lose the lines kept
-        with open(path + ".tmp", "w") as tmp:
-            tmp.writelines(kept)
-        os.replace(path + ".tmp", path)
-        return open(path, "a")
+        handle, self.history = metrics_file.open_metrics(self.cfg.metrics_path, self.start_step, self.log)
+        return handle
 
     def train(self):
         """The run; the output_dir lock is released however it ends."""
@@ -242,6 +234,7 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True,
                    disable=not (self.is_main and cfg.progress_bar))
         start, last_val = time.time(), None
+        stop = lifecycle.StopFlag().install()     # SIGTERM: finish the step, save it, leave (lifecycle.py)
         for step in range(self.start_step, cfg.max_steps):
             t0 = time.time()
             out = self.train_step(step)
@@ -267,6 +260,10 @@ class Trainer:
                          f"grad_norm {out['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
             if cfg.save_steps and done % cfg.save_steps == 0 and done != cfg.max_steps:
                 self.save(done)
+            signum = stop.agreed(pgm, self.device)   # the same answer on every rank
+            if signum and done != cfg.max_steps:
+                self._stop_early(done, signum, stop, bar, metrics)
+        stop.restore()
         bar.close()
         if metrics:
             metrics.close()
@@ -282,6 +279,19 @@ class Trainer:
         self.summary(time.time() - start, last_val)
         return self.history
 
+    def _stop_early(self, done: int, signum: int, stop, bar, metrics):
+        """Every rank saw a stop signal by the end of step `done`: save that step (unless save_steps
+        just did) and leave with lifecycle.Preempted, before the launcher's grace period ends."""
+        bar.close()
+        if metrics:
+            metrics.close()
+        saved = self.cfg.save_steps and done % self.cfg.save_steps == 0
+        path = os.path.join(self.cfg.output_dir, f"step-{done}") if saved else self.save(done)
+        stop.restore()                            # (a repeated SIGTERM during the save is absorbed)
+        err = lifecycle.Preempted(done, path, signum)
+        self.log(str(err))
+        raise err
+
     def summary(self, elapsed: float, last_val: Optional[float]):
         if self.device.type == "cuda":            # (a gloo run on a GPU machine trains on the CPU)
             peak = torch.cuda.max_memory_allocated(self.device) / 2 ** 20
@@ -292,7 +302,7 @@ class Trainer:
         peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=self.device), self.pgm.world)
         if not self.is_main:
             return
-        png = self.plot()
+        png = metrics_file.plot_loss_curve(self.history, self.cfg.output_dir, self.pgm.grid_shape, self.log)
         first = self.history[0]["loss"] if self.history else float("nan")
         final = self.history[-1]["loss"] if self.history else float("nan")
         lines = [f"done: {len(self.history)} steps in {elapsed:.1f} s, loss {first:.4f} -> {final:.4f}"
@@ -300,29 +310,3 @@ class Trainer:
                  f"metrics: {self.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),
                  f"{what} per rank (MiB): " + " ".join(f"r{i}={p:.0f}" for i, p in enumerate(peaks.tolist()))]
         self.log("\n".join(lines))
-
-    def plot(self) -> Optional[str]:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            self.log("matplotlib is not installed: no loss-curve PNG (pip install -e '.[plot]')")
-            return None
-        if not self.history:
-            return None
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r["step"] for r in self.history], [r["loss"] for r in self.history], label="train")
-        val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
-        if val:
-            ax.plot(*zip(*val), "o-", label="validation")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/token)")
-        ax.set_title(f"minipar {'x'.join(map(str, self.pgm.grid_shape))} (pp x dp_rep x dp_shard x cp x tp)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        path = os.path.join(self.cfg.output_dir, "loss_curve.png")
-        os.makedirs(self.cfg.output_dir, exist_ok=True)
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
-        return path

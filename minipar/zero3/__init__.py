@@ -11,8 +11,7 @@
         model(micro_batch_1).backward()
     model(micro_batch_2).backward()   # one reduce-scatter of the sum
 """
-from .flat_param import FlatLayout, ShardedStateDicts, merge_sharded_state_dicts, plan_units
+from .flat_param import FlatLayout, ShardedStateDicts, plan_units
 from .shard_manager import Unit, Zero3, fully_shard
 
-__all__ = ["FlatLayout", "ShardedStateDicts", "merge_sharded_state_dicts", "plan_units", "Unit", "Zero3",
-           "fully_shard"]
+__all__ = ["FlatLayout", "ShardedStateDicts", "plan_units", "Unit", "Zero3", "fully_shard"]

@@ -22,8 +22,8 @@ Metadata carried for the optimizer and clipping (element ranges inside THIS rank
     no_decay_segments   ranges of 1-D tensors (norm weights): AdamW does not decay them
 
 A sharded state dict is the shard plus this layout (name, TP-local shape, offset, tp_split_dim,
-full shape per tensor), enough to rebuild full tensors from the shards of any other layout
-(`merge_sharded_state_dicts`). Here too: `plan_units` (which parameters go into which unit) and
+full shape per tensor), enough to rebuild full tensors from the shards of any other layout:
+training/checkpoint.py writes it as segments and reshards on load. Here too: `plan_units` (which parameters go into which unit) and
 `ShardedStateDicts`, the manager's conversions between full tensors and this rank's shards.
 """
 from __future__ import annotations
@@ -95,6 +95,22 @@ class FlatLayout:
             flat[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
         return flat
 
+    def shard_from_source(self, source, dtype, device) -> torch.Tensor:
+        """This rank's shard (shard_numel,), filled from a weight source (models/llama_init.py)
+        without building the flat buffer: only the tensors that overlap [start, stop) are asked
+        for (their TP slice), each copied in and dropped, so the peak is the shard plus one tensor."""
+        shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        for s in self.slots:
+            a, b = max(s.offset, self.start), min(s.offset + s.numel, self.stop)
+            if b <= a:
+                continue                                  # lies in another rank's shard
+            t = source.tp_local(s.name, s.full_shape, s.tp_split_dim)
+            if tuple(t.shape) != tuple(s.local_shape):
+                raise ValueError(f"{s.name}: the weight source gave shape {tuple(t.shape)}, this rank's "
+                                 f"slice is {tuple(s.local_shape)}")
+            shard[a - self.start:b - self.start].copy_(t.reshape(-1)[a - s.offset:b - s.offset])
+        return shard
+
     def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """One view per slot, shaped like the original parameter. A single torch.split (not one
         slice per tensor) so that autograd's backward of it is ONE concatenation into a flat
@@ -165,50 +181,6 @@ class FlatLayout:
 def gather_flat(shard: torch.Tensor, dim) -> torch.Tensor:
     """The whole padded flat buffer from every rank's shard (all-gather over the shard group)."""
     return comm.all_gather(shard.detach().contiguous(), dim)
-
-
-def merge_sharded_state_dicts(sharded: Sequence[dict], key: str = "flat_shard") -> Dict[str, torch.Tensor]:
-    """{HF name: full tensor} from the `sharded_state_dict()`s of all ranks of one run, offline (no
-    process group needed). `key` names the shard-shaped tensor to assemble per unit: the weights, or
-    an optimizer state (exp_avg, ...) stored in the same layout. Used to resume on another layout:
-    merge, then `load_full_state_dict` on the new one. Replicas (dp_replicate) may repeat shards."""
-    if not sharded:
-        raise ValueError("merge_sharded_state_dicts: no sharded state dicts given")
-    tp_size = sharded[0]["tp_size"]
-    flats: Dict[Tuple[int, str], torch.Tensor] = {}
-    covered: Dict[Tuple[int, str], set] = {}
-    slots: Dict[str, list] = {}
-    for sd in sharded:
-        if sd.get("format") != FORMAT or sd["tp_size"] != tp_size:
-            raise ValueError(f"merge_sharded_state_dicts: expected format {FORMAT} and one tp_size "
-                             f"({tp_size}), got {sd.get('format')} with tp_size {sd.get('tp_size')}")
-        for unit, u in sd["units"].items():
-            k = (sd["tp_rank"], unit)
-            if k not in flats:
-                flats[k] = torch.zeros(u["padded_numel"], dtype=u[key].dtype)
-                covered[k] = set()
-            flats[k][u["start"]:u["stop"]] = u[key].reshape(-1).to(flats[k].dtype)
-            covered[k].add(u["start"])
-            slots[unit] = u["params"]
-    full: Dict[str, torch.Tensor] = {}
-    for unit, params in slots.items():
-        pieces: Dict[str, list] = {}
-        for t in range(tp_size):
-            k = (t, unit)
-            if k not in flats:
-                raise ValueError(f"merge_sharded_state_dicts: unit {unit!r} has no shards of tp rank {t}")
-            count = next(sd["units"][unit]["shard_count"] for sd in sharded if sd["tp_rank"] == t)
-            if len(covered[k]) != count:
-                raise ValueError(f"merge_sharded_state_dicts: unit {unit!r} (tp rank {t}) has "
-                                 f"{len(covered[k])} of its {count} shards: a rank's file is missing")
-            for p in params:
-                local = flats[k][p["offset"]:p["offset"] + p["numel"]].view(p["local_shape"])
-                pieces.setdefault(p["name"], []).append(local)
-        for p in params:
-            parts = pieces[p["name"]]
-            split = p["tp_split_dim"]
-            full[p["name"]] = parts[0].clone() if split is None else torch.cat(parts, dim=split)
-    return full
 
 
 def plan_units(model, unit_classes):
@@ -286,31 +258,9 @@ class ShardedStateDicts:
             shard.copy_(t)
 
     def sharded_state_dict(self) -> dict:
-        """This rank's shards and the layout to place them from any other layout."""
+        """This rank's shards and the layout to place them from any other layout (what
+        training/checkpoint.py saves as segments; it reshards them on load)."""
         return dict(format=FORMAT, tp_rank=self.pgm.tp.rank, tp_size=self.pgm.tp.size,
                     dp_shard_cp_rank=self.pgm.dp_shard_cp.rank, dp_shard_cp_size=self.pgm.dp_shard_cp.size,
                     units={u.name: dict(flat_shard=u.shard.detach(), **u.layout.metadata())
                            for u in self.units if not u.empty})
-
-    @torch.no_grad()
-    def load_sharded_state_dict(self, sd: dict):
-        """Load shards saved on the SAME layout. Another layout: merge_sharded_state_dicts(all
-        ranks' dicts), then load_full_state_dict."""
-        mine = self.sharded_state_dict()
-        if set(sd.get("units", {})) != set(mine["units"]):
-            raise ValueError(f"sharded state dict holds units {sorted(sd.get('units', {}))}, this model "
-                             f"{sorted(mine['units'])}: it was saved with another grouping into units "
-                             f"(another unit_classes, or before the embedding became its own unit); "
-                             f"merge_sharded_state_dicts() the files of all ranks and call "
-                             f"load_full_state_dict()")
-        for key in ("format", "tp_rank", "tp_size", "dp_shard_cp_rank", "dp_shard_cp_size"):
-            if sd.get(key) != mine[key]:
-                raise ValueError(f"sharded state dict has {key}={sd.get(key)!r}, this rank {mine[key]!r}: it "
-                                 f"was saved on another layout; merge_sharded_state_dicts() the files of "
-                                 f"all ranks and call load_full_state_dict()")
-        for name, u in mine["units"].items():
-            saved = sd["units"].get(name)
-            if saved is None or saved["params"] != u["params"] or saved["start"] != u["start"]:
-                raise ValueError(f"sharded state dict: unit {name!r} differs from this model's "
-                                 f"(another model shape, or another layout)")
-            u["flat_shard"].copy_(saved["flat_shard"])

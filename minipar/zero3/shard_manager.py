@@ -60,7 +60,8 @@ first step they are a static guess, the registration order forward and its rever
 backward, so step 1 prefetches too; each forward and backward records the order it really ran and
 replaces the guess when it differs (a model that runs units out of order, or skips one). Activation checkpointing
 re-runs a unit's forward inside its backward: the hooks see that the unit is already in its
-backward and leave its gathered parameters alone. Units unused in a step are never gathered.
+backward and leave its gathered parameters alone. A unit unused in a step is never reduced (a
+learned prefetch may still gather it; it is freed again at the end of backward).
 A gathered buffer is written through an alias (`.data`) with its own version counter: refilling
 it before backward is not an in-place change of the tensors autograd saved, it restores them.
 """
@@ -74,7 +75,7 @@ import torch.nn as nn
 from .. import comm
 from ..tensor_parallel import VocabParallelEmbedding
 from .grad_reduce import GradientReduction
-from .flat_param import FlatLayout, ShardedStateDicts, merge_sharded_state_dicts, plan_units  # noqa: F401
+from .flat_param import FlatLayout, ShardedStateDicts, plan_units  # noqa: F401
 
 
 # modules whose backward never reads their weight (an embedding's gradient is a scatter-add of the
@@ -86,7 +87,7 @@ LOOKUPS = (nn.Embedding, VocabParallelEmbedding)
 class Unit:
     """One unit: its module, flat layout, shard (the nn.Parameter) and gathered buffer."""
 
-    def __init__(self, name, module, params, refs, pgm, param_dtype, reduce_dtype):
+    def __init__(self, name, module, params, refs, pgm, param_dtype, reduce_dtype, init=None):
         self.name, self.module, self.refs, self.dim = name or "<root>", module, refs, pgm.dp_shard_cp
         self.layout = FlatLayout.build(params, self.dim.size, self.dim.rank, pgm.tp.size)
         tensors = [p.detach() for _, p in params]
@@ -94,8 +95,13 @@ class Unit:
         device = tensors[0].device if tensors else torch.device("cpu")
         trainable = any(p.requires_grad for _, p in params)
         with torch.no_grad():
-            flat = self.layout.flatten(tensors, dtype) if tensors else torch.zeros(0)
-            self.shard = nn.Parameter(self.layout.shard(flat).clone(), requires_grad=trainable)
+            if init is not None:             # a meta-built model: fill only this rank's shard
+                device = init.device
+                shard = self.layout.shard_from_source(init, dtype, device)
+            else:
+                flat = self.layout.flatten(tensors, dtype) if tensors else torch.zeros(0)
+                shard = self.layout.shard(flat).clone()
+            self.shard = nn.Parameter(shard, requires_grad=trainable)
         self.shard.zero3_shard, self.shard.zero3_unit = True, self.name
         self.shard.tp_split_segments = self.layout.tp_split_segments()
         self.shard.no_decay_segments = self.layout.no_decay_segments()
@@ -274,13 +280,15 @@ class Zero3(GradientReduction, ShardedStateDicts):
 
 def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
                 reshard_after_forward: bool = True, param_dtype: Optional[torch.dtype] = None,
-                reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
+                reduce_dtype: Optional[torch.dtype] = None, init=None) -> nn.Module:
     """Shard `model` in place over pgm.dp_shard_cp (HSDP over pgm.dp_replicate); returns it, with
     the manager as `model.zero3`. unit_classes defaults to (VocabParallelEmbedding,
     LlamaDecoderLayer): the embedding and each decoder layer are units (as torchtitan wraps Llama),
     the root keeps the final norm and lm_head (and the embedding too when it is tied to lm_head).
     Call it after moving the model to its device and BEFORE creating the optimizer (which must see
-    the shards)."""
+    the shards).
+    init: a weight source (models/llama_init.py) for a model built on the meta device; each unit's
+    shard is then filled from it, unit by unit, on init.device, and nothing else is materialised."""
     if getattr(model, "zero3", None) is not None:
         raise ValueError("fully_shard: this model is already sharded (model.zero3 exists)")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -296,6 +304,10 @@ def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
     if not all(isinstance(c, type) for c in unit_classes):
         raise ValueError(f"fully_shard: unit_classes must be module classes, got {unit_classes!r}")
 
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta and init is None:
+        raise ValueError(f"fully_shard: {len(meta)} parameters are on the meta device (e.g. {meta[0]}): "
+                         f"pass init=<weight source> (models/llama_init.py) to fill the shards")
     plan = plan_units(model, unit_classes)                 # checks everything before any change
     names = [n for n, _ in model.named_parameters()]       # HF names, model order, tied once
     units = []
@@ -303,7 +315,7 @@ def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
         for ref in refs:
             for m, attr in ref:                            # the original Parameters go away
                 del m._parameters[attr]
-        unit = Unit(uname, module, params, refs, pgm, param_dtype, reduce_dtype)
+        unit = Unit(uname, module, params, refs, pgm, param_dtype, reduce_dtype, init)
         if not unit.empty:
             module.register_parameter("zero3_flat_shard", unit.shard)
         units.append(unit)

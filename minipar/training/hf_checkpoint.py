@@ -1,0 +1,165 @@
+"""A Hugging Face model directory, read slice by slice: each rank reads only the part it keeps.
+
+    base_model/
+      config.json                                  -> LlamaConfig (architecture and RoPE checked)
+      model.safetensors                            one file, or the sharded form:
+      model-00001-of-00002.safetensors ...         + model.safetensors.index.json {"weight_map":
+      model.safetensors.index.json                     {tensor name: file name}}
+
+A safetensors file is an 8-byte header length, a JSON header ({name: dtype, shape, byte offsets})
+and the raw tensors back to back. `safe_open` memory-maps the file and parses only the header, and
+`get_slice(name)[a:b]` copies out just rows a..b of one tensor; nothing else of the file is read.
+So a rank that keeps the TP slice `full.chunk(tp, dim)[t]` of a tensor reads exactly that slice:
+
+    q_proj.weight (H*hd, d)   column-parallel, dim 0:  rows  [t*H*hd/tp, (t+1)*H*hd/tp)   contiguous
+    o_proj.weight (d, H*hd)   row-parallel, dim 1:     columns of every row               strided
+    norm weights, row biases  replicated:              the whole (small) tensor
+
+and under ZeRO-3 it reads only the tensors that overlap its flat shard (zero3's shard_from_source).
+Each read opens the file, copies the slice and closes it again, so the memory map never keeps pages
+of tensors that belong to other ranks resident (benchmarks/bench_load.py measures the peak).
+
+Everything that can be wrong is found from config.json and the headers alone, before the process
+groups exist, and raised as a ValueError on every rank: another architecture, an unsupported RoPE
+scaling, a missing or unexpected tensor, a shape that does not match the config, a dtype other than
+bf16/fp16/fp32. Tied embeddings: the model has one `model.embed_tokens.weight`; a checkpoint that
+also stores `lm_head.weight` loads (transformers ignores it too), as do stale `rotary_emb.inv_freq`
+buffers. The core imports this file without transformers: nothing here needs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from models.llama import LlamaConfig
+
+ARCHITECTURE = "LlamaForCausalLM"
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+# files of a tokenizer that an export copies next to the weights (whatever the tokenizer kind)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def read_config(directory: str) -> LlamaConfig:
+    """DIR/config.json -> LlamaConfig; refuses another architecture or an unsupported RoPE."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"base_model {directory!r}: {path} not found; a Hugging Face model directory "
+                                f"holds config.json and model.safetensors (or its sharded form)")
+    with open(path) as f:
+        d = json.load(f)
+    archs, kind = d.get("architectures") or [ARCHITECTURE], d.get("model_type", "llama")
+    if kind != "llama" or archs != [ARCHITECTURE]:
+        raise ValueError(f"base_model {directory!r} is a {'/'.join(archs)} (model_type {kind!r}); minipar "
+                         f"loads only {ARCHITECTURE} (model_type 'llama') checkpoints")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"base_model {directory!r}: hidden_act {d['hidden_act']!r}; the Llama MLP here is "
+                         f"SwiGLU (silu)")
+    try:
+        return LlamaConfig.from_dict(d)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"base_model {directory!r}: config.json: {err}") from None
+
+
+class HFCheckpoint:
+    """The directory's config and tensor index (name -> file, shape, dtype), from the headers only."""
+
+    def __init__(self, directory: str):
+        from safetensors import safe_open
+        self.directory = directory
+        self.config = read_config(directory)
+        index_path, single = os.path.join(directory, INDEX), os.path.join(directory, SINGLE)
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f).get("weight_map") or {}
+            files = sorted(set(weight_map.values()))
+        elif os.path.isfile(single):
+            weight_map, files = None, [SINGLE]
+        else:
+            raise FileNotFoundError(f"base_model {directory!r}: neither {SINGLE} nor {INDEX} found (only "
+                                    f"safetensors checkpoints load; convert .bin files with transformers first)")
+        self.tensors: Dict[str, Tuple[str, tuple, str]] = {}
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"base_model {directory!r}: {INDEX} names {name}, which is missing")
+            with safe_open(path, framework="pt") as f:          # parses the header only
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    self.tensors[key] = (path, tuple(sl.get_shape()), sl.get_dtype())
+        if weight_map is not None:
+            lost = sorted(k for k, v in weight_map.items() if self.tensors.get(k, (None,))[0] !=
+                          os.path.join(directory, v))
+            if lost:
+                raise ValueError(f"base_model {directory!r}: {INDEX} places {len(lost)} tensors in files that "
+                                 f"do not hold them, e.g. {lost[:3]}")
+
+    @property
+    def nbytes(self) -> int:
+        size = {"BF16": 2, "F16": 2, "F32": 4}
+        total = 0
+        for _, shape, dtype in self.tensors.values():
+            n = size.get(dtype, 4)
+            for s in shape:
+                n *= s
+            total += n
+        return total
+
+    def check(self, model) -> None:
+        """Refuse (ValueError) a checkpoint whose tensors are not exactly this model's parameters.
+        `model` may be built on the meta device; its tp_full_shape are compared. Local, no collective."""
+        want = {n: tuple(p.tp_full_shape) for n, p in model.named_parameters()}   # tied weights once
+        where = f"base_model {self.directory!r}"
+        missing = sorted(set(want) - set(self.tensors))
+        ignorable = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        extra = sorted(n for n in set(self.tensors) - set(want)
+                       if n not in ignorable and not n.endswith("rotary_emb.inv_freq"))
+        if missing:
+            raise ValueError(f"{where} lacks {len(missing)} tensors the config implies, e.g. {missing[:3]} "
+                             f"(config.json and the weights disagree, or the file is incomplete)")
+        if extra:
+            raise ValueError(f"{where} has {len(extra)} tensors this Llama does not have, e.g. {extra[:3]} "
+                             f"(another architecture, or attention_bias/mlp_bias/tie_word_embeddings unset)")
+        for n, shape in want.items():
+            _, got, dtype = self.tensors[n]
+            if got != shape:
+                raise ValueError(f"{where}: {n} has shape {got}, config.json implies {shape}: the weights "
+                                 f"do not match the config")
+            if dtype not in DTYPES:
+                raise ValueError(f"{where}: {n} is stored as {dtype}; only {', '.join(DTYPES)} load "
+                                 f"(quantized checkpoints are not supported)")
+
+    def source(self, tp, device=None) -> "SlicedReader":
+        return SlicedReader(self, tp, device)
+
+
+class SlicedReader:
+    """The weight source (models/llama_init.py) of a checked HFCheckpoint: this rank's TP slice of
+    any tensor, read with get_slice; returned in the file's dtype (the caller casts)."""
+
+    def __init__(self, ckpt: HFCheckpoint, tp, device=None):
+        self.ckpt, self.tp = ckpt, tp
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.bytes_read = 0
+
+    def tp_local(self, name: str, full_shape, tp_split_dim: Optional[int]) -> torch.Tensor:
+        from safetensors import safe_open
+        path, shape, _ = self.ckpt.tensors[name]
+        if tuple(shape) != tuple(full_shape):
+            raise ValueError(f"{path}: {name} has shape {shape}, the model expects {tuple(full_shape)}")
+        with safe_open(path, framework="pt") as f:   # opened per tensor: the map is released at once
+            sl = f.get_slice(name)
+            if tp_split_dim is None or self.tp.size == 1:
+                t = sl[:]
+            else:
+                n = shape[tp_split_dim] // self.tp.size
+                index = [slice(None)] * len(shape)
+                index[tp_split_dim] = slice(self.tp.rank * n, (self.tp.rank + 1) * n)
+                t = sl[tuple(index)]
+        self.bytes_read += t.numel() * t.element_size()
+        return t.to(self.device)

@@ -1,0 +1,105 @@
+"""Write a small Hugging Face Llama checkpoint to fine-tune, offline: the first command of the
+README's "Fine-tune a Hugging Face model".
+
+    python -m minipar.training.make_example out/example
+      out/example/model/    config.json, model-0000k-of-0000n.safetensors + model.safetensors.index.json
+                            (random weights, as `save_pretrained` shards them), and the tokenizer
+      then: torchrun --nproc-per-node 8 train.py configs/finetune.yaml
+
+The checkpoint is written tensor by tensor with safetensors (no transformers model is built, so a
+checkpoint of any size can be made in the memory of one shard file): the HF names and full shapes
+come from minipar's own Llama built on the meta device, the values from the same seeded
+initialisation as a fresh run (models/llama_init.py). benchmarks/bench_load.py makes its 300 M
+parameter checkpoint with `write_checkpoint` too. With `datasets` in the tree, the example's
+tokenizer and chat data come from minipar/training/example_data.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Optional
+
+import torch
+
+from models.llama import LlamaConfig, LlamaForCausalLM
+from models.llama_init import SeededInit
+
+# a small Llama (about 4 M parameters) with what real ones carry: GQA, llama3 RoPE scaling
+EXAMPLE = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048, rope_theta=500000.0,
+               rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=256))
+
+
+def write_checkpoint(directory: str, config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                     max_shard_bytes: int = 2 ** 30, progress: bool = False) -> dict:
+    """config.json + safetensors shards (+ index when more than one) of a randomly initialised
+    Llama; returns the index's weight_map. Holds at most one shard's tensors in memory."""
+    from safetensors.torch import save_file
+    model = LlamaForCausalLM(config, device="meta")
+    init = SeededInit(model, seed)
+    names = [(n, tuple(p.tp_full_shape)) for n, p in model.named_parameters()]   # tied weights once
+    groups, size = [[]], 0
+    for name, shape in names:                    # consecutive tensors, cut at max_shard_bytes
+        nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    os.makedirs(directory, exist_ok=True)
+    weight_map, n = {}, len(groups)
+    for k, group in enumerate(groups, 1):
+        fname = "model.safetensors" if n == 1 else f"model-{k:05d}-of-{n:05d}.safetensors"
+        tensors = {name: init.full(name).to(dtype).contiguous() for name in group}
+        save_file(tensors, os.path.join(directory, fname + ".tmp"), metadata={"format": "pt"})
+        os.replace(os.path.join(directory, fname + ".tmp"), os.path.join(directory, fname))
+        weight_map.update(dict.fromkeys(group, fname))
+        del tensors
+        if progress:
+            print(f"  wrote {fname} ({len(group)} tensors)", flush=True)
+    if n > 1:
+        total = sum(torch.Size(s).numel() for _, s in names) * torch.tensor([], dtype=dtype).element_size()
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(dict(metadata=dict(total_size=total), weight_map=weight_map), f, indent=2)
+    hf = config.to_hf_dict()
+    hf["torch_dtype"] = str(dtype).replace("torch.", "")
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    return weight_map
+
+
+def make_example(directory: str, seed: int = 0, num_conversations: int = 2000,
+                 tokenizer_chars: Optional[int] = None) -> dict:
+    """out/model (checkpoint + tokenizer) and, when the datasets code is present, the chat data."""
+    model_dir = os.path.join(directory, "model")
+    paths = dict(model=model_dir)
+    config = LlamaConfig(**EXAMPLE)
+    try:
+        from minipar.training import example_data
+    except ImportError:                          # no datasets code: the model trains on the byte corpus
+        example_data = None
+    if example_data is not None:
+        data = example_data.make_example(directory, num_conversations=num_conversations,
+                                         vocab_size=config.vocab_size, seed=seed, tokenizer_chars=tokenizer_chars)
+        paths.update(data)
+    write_checkpoint(model_dir, config, seed=seed, max_shard_bytes=4 * 2 ** 20)
+    if example_data is not None:                 # the tokenizer beside the weights, as on the Hub
+        from minipar.training.checkpoint import copy_tokenizer
+        copy_tokenizer(paths["tokenizer"], model_dir)
+    return paths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory", nargs="?", default="out/example")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for what, path in make_example(args.directory, args.seed).items():
+        print(f"{what:>10}: {path}")
+    print(f"next: torchrun --nproc-per-node 8 train.py configs/finetune.yaml")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""The prose cannot drift from the code: every file, function and module the docs name exists, and
+every command they show parses.
+
+Scanned: README.md, docs/*.md, and the docstrings (module, class, function) of every Python file
+of the project. In them:
+
+    path.py, dir/path.py, page.md, dir/page.md          exists (relative to the page, to a folder
+                                                        above it, or to the root; a bare name
+                                                        anywhere in the repository, nearest first)
+    configs/x.yaml, benchmarks/results/x.json           exists, when its first folder is one of
+                                                        the repository's (a name like
+                                                        index/rank-R.json is what a run writes)
+    path.py:function                                    `function` (or class) is defined in it
+    minipar.x.y, models.llama.Name                      imports, and the attributes exist
+
+And every command of the code blocks of README.md and docs/*.md:
+
+    make target                                         the Makefile has the target
+    [torchrun --nproc-per-node N] train.py ARGS         the config and overrides load and the
+                                                        layout fits N processes: run_setup's
+                                                        every check, up to (not into) minipar.init
+    python -m module ARGS / python script.py ARGS       exists, has an argparse command line that
+                                                        accepts the options shown (minipar.mesh,
+                                                        which needs no world, is run)
+
+A name that the project cites but does not hold (a file of another repository, say) must be
+written with that repository in front (picotron/..., torch/...): EXTERNAL lists the prefixes.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import glob
+import importlib
+import io
+import os
+import functools
+import re
+import shlex
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY_DIRS = ("minipar", "models", "benchmarks", "tests")
+# paths that name files of other projects, written with their project in front
+EXTERNAL = ("torch/", "picotron/", "nanotron/", "torchtitan/", "megatron/", "Megatron-LM/", "transformers/",
+            "accelerate/", "axolotl/", "shksprdata/", "ring-flash-attention/", "flash-attention/")
+PATH_RE = re.compile(r"(?<![\w/.-])((?:\.\./|\./)?[\w.-]*(?:/[\w.-]+)*\.(?:py|md|yaml|json))(?::(\w+))?(?![\w/])")
+MODULE_RE = re.compile(r"(?<![\w./])((?:minipar|models)(?:\.[A-Za-z_]\w*)+)")   # not output_dir/minipar.lock
+
+
+def _python_files():
+    files = [os.path.join(ROOT, "train.py")]
+    for d in PY_DIRS:
+        files += glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)
+    # this file's own docstring shows the patterns with placeholder names
+    return sorted(f for f in files if os.path.abspath(f) != os.path.abspath(__file__))
+
+
+def _docstrings(path):
+    tree = ast.parse(open(path).read())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield doc
+
+
+def _pages():
+    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
+@functools.lru_cache(maxsize=None)
+def _texts():
+    """(where, text) for every page and every docstring."""
+    out = [(page, open(page).read()) for page in _pages()]
+    for path in _python_files():
+        out += [(path, doc) for doc in _docstrings(path)]
+    return tuple(out)
+
+
+_ALL_FILES = None
+
+
+def _repo_files():
+    global _ALL_FILES
+    if _ALL_FILES is None:
+        _ALL_FILES = []
+        for base, dirs, files in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("out", "__pycache__")]
+            _ALL_FILES += [os.path.join(base, f) for f in files]
+    return _ALL_FILES
+
+
+def _resolve(ref, where):
+    """The file `ref` names, seen from the file `where`, or None."""
+    here = os.path.dirname(where)
+    above, d = [], here
+    while d.startswith(ROOT):                             # the page's folder, then each one above it
+        above.append(d)
+        d = os.path.dirname(d)
+    # ...and the package root: docstrings write training/data.py for minipar/training/data.py
+    candidates = [os.path.join(a, ref) for a in above] + [os.path.join(ROOT, "minipar", ref)]
+    if "/" not in ref:                                    # a bare name: the nearest one of that name
+        near = [f for f in _repo_files() if os.path.basename(f) == ref]
+        near.sort(key=lambda f: (not f.startswith(here + os.sep), len(f)))
+        candidates += near
+    return next((os.path.normpath(c) for c in candidates if os.path.isfile(c)), None)
+
+
+def _defined(path):
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _rel(path):
+    return os.path.relpath(path, ROOT)
+
+
+def test_named_files_and_functions_exist():
+    missing = []
+    for where, text in _texts():
+        for ref, func in PATH_RE.findall(text):
+            if ref.startswith(EXTERNAL) or ref.startswith(("http", "www.")) or "://" in ref:
+                continue
+            if ref.startswith(("out/", "/")) or "<" in ref:    # what a run writes; a template
+                continue
+            if ref.endswith((".yaml", ".json")):
+                first = ref.split("/")[0]
+                if "/" not in ref or not (first == ".." or os.path.isdir(os.path.join(ROOT, first))):
+                    continue                                  # a file name, not a path of this repository
+            target = _resolve(ref, where)
+            if target is None:
+                missing.append(f"{_rel(where)}: {ref} does not exist")
+            elif func and target.endswith(".py") and func not in _defined(target):
+                missing.append(f"{_rel(where)}: {ref}:{func}: no {func} in {_rel(target)}")
+    assert not missing, "\n".join(sorted(set(missing)))
+
+
+def _import_chain(dotted):
+    """Import the longest module prefix of `dotted`, then follow the rest as attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        base = os.path.join(ROOT, *parts[:i])
+        if os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py")):
+            obj = importlib.import_module(name)
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+            return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_named_modules_and_attributes_exist():
+    missing = []
+    for where, text in _texts():
+        for dotted in set(MODULE_RE.findall(text)):
+            dotted = dotted.rstrip(".")
+            if dotted.endswith((".py", ".md", ".yaml")):       # a path written with dots: checked above
+                continue
+            try:
+                _import_chain(dotted)
+            except (ImportError, AttributeError) as err:
+                missing.append(f"{_rel(where)}: {dotted}: {type(err).__name__}: {err}")
+    assert not missing, "\n".join(sorted(set(missing)))
+
+
+COPIED_RE = re.compile(r"<!-- the tables below are copied from (benchmarks/results/[\w./-]+\.md)")
+
+
+def test_copied_tables_match_their_results_files():
+    """A page that shows a benchmark's tables (marked by the comment above them) shows the rows of
+    the results file that the benchmark last wrote, unchanged."""
+    stale = []
+    for page in _pages():
+        text = open(page).read()
+        for ref in COPIED_RE.findall(text):
+            rows = [line for line in open(os.path.join(ROOT, ref)).read().splitlines() if line.startswith("|")]
+            assert rows, f"{ref} holds no table"
+            stale += [f"{_rel(page)}: row not in {ref}'s tables: {line}"
+                      for line in text.splitlines() if line.startswith("| ") and "---" not in line
+                      and text.index(line) > text.index(ref) and line not in rows]
+            stale += [f"{_rel(page)} lacks a row of {ref}: {row}" for row in rows if row not in text]
+    assert not stale, "\n".join(stale)
+
+
+# ------------------------------------------------------------------------------------- commands
+COMMAND_START = re.compile(r"^(?:\$ )?(?:\S*/)?(?:python3?|torchrun|make) ")
+
+
+def _code_lines(text):
+    """Lines of fenced (```) and indented (4 spaces, after a blank line) code blocks."""
+    lines, out, fenced, indented = text.splitlines(), [], False, False
+    for i, line in enumerate(lines):
+        if line.strip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            out.append(line.strip())
+            continue
+        if line.startswith("    ") and (indented or i == 0 or not lines[i - 1].strip()):
+            indented = True
+            out.append(line.strip())
+        elif line.strip():
+            indented = False
+    return out
+
+
+def _commands():
+    found = []
+    for page in _pages():
+        lines, joined = _code_lines(open(page).read()), []
+        for line in lines:                                   # a trailing backslash continues the line
+            if joined and joined[-1].endswith("\\"):
+                joined[-1] = joined[-1][:-1].rstrip() + " " + line
+            else:
+                joined.append(line)
+        for line in joined:
+            line = line.split("  #")[0].split(" # ")[0].strip()
+            if COMMAND_START.match(line):
+                found.append((_rel(page), line))
+    return found
+
+
+def _makefile_targets():
+    return set(re.findall(r"^([\w-]+):", open(os.path.join(ROOT, "Makefile")).read(), re.M))
+
+
+class _Stop(Exception):
+    pass
+
+
+def _check_train(args, world, monkeypatch, page=None, line=""):
+    """run_setup.setup_run on these arguments, for `world` processes, stopped at minipar.init. A
+    command that reads what an earlier command of its page writes under out/ (an example dataset,
+    say) is checked up to its keys and their types (the files do not exist yet), and the page must
+    show the command that writes them before it."""
+    import minipar
+    from minipar.training.run_setup import setup_run
+    config = {}
+    if args and not args[0].startswith("--"):
+        with open(os.path.join(ROOT, args[0])) as f:
+            config = yaml.safe_load(f) or {}
+    refs = [a for a in args if "out/" in a] + [v for k, v in config.items() if k not in WRITTEN_KEYS for v in _strings(v) if "out/" in v]
+    outputs = sorted({"/".join(a.split("out/", 1)[1].split("/")[:1]) for a in refs})
+    if outputs:
+        earlier = [l for p, l in _commands() if p == page]
+        earlier = earlier[:earlier.index(line)]
+        for out in outputs:
+            assert any(f"out/{out}" in e for e in earlier), f"{line}: nothing before it on {page} writes out/{out}"
+        from minipar.training.train_config import TrainConfig, _apply, parse_overrides
+        overrides = args[1:] if args and not args[0].startswith("--") else args
+        cfg = TrainConfig()
+        _apply(cfg, config)                                       # unknown keys and wrong types raise
+        _apply(cfg, parse_overrides(overrides))
+        return
+    seen = {}
+
+    def fake_init(config, *a, **k):
+        seen["config"] = config
+        raise _Stop
+
+    monkeypatch.setattr(minipar, "init", fake_init)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    for var in [v for v in os.environ if v.startswith("PARALLELISM_CONFIG_")]:
+        monkeypatch.delenv(var)
+    if args and not args[0].startswith("--"):
+        args = [os.path.join(ROOT, args[0])] + args[1:]
+    with pytest.raises(_Stop):
+        setup_run(args)
+    assert seen["config"].total_size == world
+
+
+WRITTEN_KEYS = ("output_dir", "metrics_file")    # what a run writes, not what it reads
+
+
+def _strings(value):
+    """Every string inside a loaded YAML value (mappings and lists walked)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _argparse_options(path):
+    """The option strings a script's argparse parser accepts, read from its source (importing a
+    benchmark would pull in everything it compares against)."""
+    tree = ast.parse(open(path).read())
+    has_parser = any(isinstance(n, ast.Attribute) and n.attr == "ArgumentParser" for n in ast.walk(tree))
+    options = {"-h", "--help"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            options |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")}
+    return has_parser, options
+
+
+def _check_python(argv):
+    """`python -m X ...` or `python script.py ...`: the file exists, has an argparse command line
+    (so it answers --help) that accepts every option shown; minipar.mesh, which needs no world
+    and no files, is also run with the arguments shown."""
+    if argv[0] == "-m":
+        target, args = argv[1], argv[2:]
+        base = os.path.join(ROOT, *target.split("."))
+        path = base + ".py" if os.path.isfile(base + ".py") else os.path.join(base, "__main__.py")
+    else:
+        target, args = argv[0], argv[1:]
+        path = os.path.join(ROOT, target)
+    assert os.path.isfile(path), f"{target}: no such script or module in the repository"
+    has_parser, options = _argparse_options(path)
+    runs = re.search(r"^from (\w+) import main\b", open(path).read(), re.M)
+    if not has_parser and path.endswith("__main__.py") and runs:   # a package's __main__ running a sibling's main()
+        has_parser, options = _argparse_options(os.path.join(os.path.dirname(path), runs.group(1) + ".py"))
+    assert has_parser, f"{target} has no argparse command line"
+    unknown = [a.split("=")[0] for a in args if a.startswith("-") and a.split("=")[0] not in options]
+    assert not unknown, f"{target} does not accept {unknown} (it accepts {sorted(options)})"
+    if target == "minipar.mesh":
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            importlib.import_module("minipar.mesh").main(args)
+        assert "groups" in out.getvalue()
+
+
+@pytest.mark.parametrize("page,line", _commands(), ids=lambda v: v if len(str(v)) < 60 else str(v)[:60])
+def test_commands_in_code_blocks_parse(page, line, monkeypatch):
+    argv = shlex.split(line.replace("$ ", "", 1))
+    argv = [a for a in argv if not re.match(r"^\w+=", a)] if argv[0] != "make" else argv   # VAR=1 prefixes
+    prog = os.path.basename(argv[0])
+    if prog == "make":
+        assert set(a for a in argv[1:] if "=" not in a) <= _makefile_targets(), line
+        return
+    world, nodes = 1, 1
+    if prog == "torchrun":
+        rest = argv[1:]
+        while rest and rest[0].startswith("--"):
+            opt, _, value = rest[0].partition("=")
+            if opt in ("--nproc-per-node", "--nproc_per_node"):
+                world = int(value or rest[1])
+            if opt == "--nnodes":
+                nodes = int(value or rest[1])
+            rest = rest[1:] if value or opt in ("--standalone",) else rest[2:]
+        argv = rest
+    elif prog.startswith("python"):
+        argv = argv[1:]
+    world *= nodes                    # torchrun --nnodes N: the world spans N launchers
+    if argv[0] == "train.py":
+        return _check_train(argv[1:], world, monkeypatch, page, line)
+    assert world == 1, f"{line}: only train.py is launched with torchrun here"
+    _check_python(argv)
+
+
+def test_the_scanner_sees_what_it_must():
+    """The patterns find the forms the pages use, and a stale name does not resolve."""
+    text = "see [x](../minipar/comm.py), minipar/training/optim.py:clip_grad_norm_ and zero3.py; NOWHERE.md"
+    assert PATH_RE.findall(text) == [("../minipar/comm.py", ""), ("minipar/training/optim.py", "clip_grad_norm_"),
+                                     ("zero3.py", ""), ("NOWHERE.md", "")]
+    page = os.path.join(ROOT, "docs", "x.md")
+    assert _resolve("../minipar/comm.py", page) and _resolve("training/data.py", page)
+    assert _resolve("zero3.py", page) is None and _resolve("NOWHERE.md", page) is None
+    assert "clip_grad_norm_" in _defined(_resolve("minipar/training/optim.py", page))
+    assert MODULE_RE.findall("call minipar.training.optim.build_optimizer.") == ["minipar.training.optim.build_optimizer"]
+
+
+def test_commands_are_found():
+    """The scan above sees the README's quick start (a regression in the block parser would
+    otherwise pass silently)."""
+    lines = [line for page, line in _commands() if page == "README.md"]
+    assert any(line.startswith("make train") for line in lines)
+    assert any("torchrun" in line and "train.py" in line for line in lines)

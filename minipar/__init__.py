@@ -4,9 +4,10 @@
     pgm = minipar.init(minipar.ParallelismConfig(tp_size=2))   # under torchrun, or on one process
     pgm.tp.rank, pgm.dp_shard_cp.group, pgm.cp.next_rank, ...
 
-The pieces: config.py (the four sizes), mesh.py (the grid and its groups), comm.py (the
+The pieces: config.py (the five sizes), mesh.py (the grid and its groups), comm.py (the
 collectives and their ledger); one subpackage per technique, data_parallel/, zero3/,
-tensor_parallel/, context_parallel/; the training program's parts in training/ (config keys,
+tensor_parallel/, context_parallel/,
+pipeline_parallel/; the training program's parts in training/ (config keys,
 checks, the loop, data, optimizer, checkpoints, export). models/llama.py builds the reference
 decoder from them; docs/README.md gives the reading order.
 """

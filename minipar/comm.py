@@ -9,6 +9,7 @@ which group a call went over.
     all_gather          x: [N/n] per rank      -> [N]           (n-1)/n * bytes(out)
     reduce_scatter      x: [N]                 -> [N/n] summed  (n-1)/n * bytes(in)
     ring send/recv      x -> next rank, y <- previous rank      bytes(x)
+    send / recv         x -> any member (pipeline stages)      bytes(x), counted on the sender
 
 torch 2.13 deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` in favour of
 `all_gather_single` / `reduce_scatter_single`; older releases (2.4 ...) only have the first pair.
@@ -280,6 +281,20 @@ def ring_shift(send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], dim) 
         ops.append(dist.P2POp(dist.irecv, r, dim.prev_rank, group=dim.group))
     works = _run("send_recv", dim, lambda: dist.batch_isend_irecv(ops), False)
     return [_NamedWork(w, "send_recv", dim) for w in works]
+
+
+def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], dim) -> list:
+    """Point-to-point between members of `dim`: start every (tensor, peer global rank, tag) of
+    `sends` and of `recvs` in one batch_isend_irecv; returns the works to wait on. Sends are
+    posted before receives, in the order given, so two ranks that exchange several tensors match
+    them in that order even where the backend ignores tags (NCCL). The ledger counts each send."""
+    ops = []
+    for t, peer, tag in sends:
+        _record("send", dim, t, 1.0)
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group=dim.group, tag=tag))
+    for t, peer, tag in recvs:
+        ops.append(dist.P2POp(dist.irecv, t, peer, group=dim.group, tag=tag))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def wait_all(works) -> None:

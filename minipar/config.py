@@ -1,16 +1,17 @@
-"""ParallelismConfig: how many ranks each of the four dimensions gets.
+"""ParallelismConfig: how many ranks each of the five dimensions gets.
 
-The world is a 4D grid of ranks (see mesh.py for the layout):
+The world is a grid of ranks (see mesh.py for the layout): pp_size pipeline stages, each a 4D grid
 
-    world_size = dp_replicate_size x dp_shard_size x cp_size x tp_size
+    world_size = pp_size x dp_replicate_size x dp_shard_size x cp_size x tp_size
 
+    pp_size             pipeline stages; each holds a contiguous run of layers   (pipeline parallel)
     dp_replicate_size   copies of the model; gradients all-reduced            (DDP, HSDP's outer dim)
     dp_shard_size       ZeRO-3 shards; params/grads/optimizer states split    (FSDP, HSDP's inner dim)
     cp_size             the sequence split; attention as ring attention       (context parallel)
     tp_size             weight matrices and heads split; activations reduced  (tensor parallel)
 
 The names are HF accelerate's `ParallelismConfig`; sizes may also come from accelerate's
-environment variables PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,CP,TP}_SIZE. A dp_shard_size left
+environment variables PARALLELISM_CONFIG_{PP,DP_REPLICATE,DP_SHARD,CP,TP}_SIZE. A dp_shard_size left
 unset (None) takes whatever is left of the world after the other three, as Axolotl does, so
 `torchrun --nproc-per-node 8 train.py --tensor_parallel_size 2` shards over the remaining 4.
 
@@ -25,7 +26,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 ENV_PREFIX = "PARALLELISM_CONFIG_"
-SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
+# outermost first (the grid order of mesh.py); pp_size is the dataclass's last field, so that the
+# positional ParallelismConfig(dp_replicate, dp_shard, cp, tp) of a 4D layout still reads the same
+SIZE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
 CP_LAYOUTS = ("zigzag", "contiguous")
 
 
@@ -38,6 +41,8 @@ class ParallelismConfig:
     # Megatron sequence parallelism inside the tp group (activations split along the sequence
     # between the tensor-parallel regions); only meaningful when tp_size > 1.
     sequence_parallel: bool = False
+    # pipeline stages, the outermost dimension (minipar.pipeline_parallel)
+    pp_size: Optional[int] = None
     # The column-parallel linears' backward launches the input-gradient collective before the
     # weight-gradient matmul and waits after it (tensor_parallel/async_linear.py); tp_size > 1 only.
     tp_async_overlap: bool = False
@@ -77,7 +82,7 @@ class ParallelismConfig:
 
     @property
     def total_size(self) -> int:
-        """Product of the four sizes, unset ones counted as 1."""
+        """Product of the five sizes, unset ones counted as 1."""
         total = 1
         for value in self.sizes.values():
             total *= value or 1
@@ -89,18 +94,18 @@ class ParallelismConfig:
     def resolve(self, world_size: int) -> "ParallelismConfig":
         """A copy with every size set, checked against the world size.
 
-        Unset dp_replicate/cp/tp become 1; an unset dp_shard takes the remainder of the world.
+        Unset pp/dp_replicate/cp/tp become 1; an unset dp_shard takes the remainder of the world.
         """
         if world_size < 1:
             raise ValueError(f"world size must be >= 1, got {world_size}")
         fixed = {k: (v if v is not None else 1) for k, v in self.sizes.items() if k != "dp_shard_size"}
-        others = fixed["dp_replicate_size"] * fixed["cp_size"] * fixed["tp_size"]
+        others = fixed["pp_size"] * fixed["dp_replicate_size"] * fixed["cp_size"] * fixed["tp_size"]
         shard = self.dp_shard_size
         if shard is None:
             if world_size % others != 0:
                 raise ValueError(
                     f"cannot fit the parallel sizes ({self._describe()}) to world size {world_size}: "
-                    f"dp_replicate_size x cp_size x tp_size = {others} does not divide {world_size}, so "
+                    f"pp_size x dp_replicate_size x cp_size x tp_size = {others} does not divide {world_size}, so "
                     f"dp_shard_size cannot take the remainder. Launch a multiple of {others} processes "
                     f"or change the sizes.")
             shard = world_size // others
@@ -109,7 +114,7 @@ class ParallelismConfig:
             raise ValueError(
                 f"parallel sizes do not multiply to the world size: {resolved._describe()} multiply to "
                 f"{resolved.total_size}, but the world size is {world_size}. Change the sizes so that "
-                f"dp_replicate_size x dp_shard_size x cp_size x tp_size = {world_size}, leave "
+                f"pp_size x dp_replicate_size x dp_shard_size x cp_size x tp_size = {world_size}, leave "
                 f"dp_shard_size unset to take the remainder, or launch {resolved.total_size} processes.")
         if resolved.sequence_parallel and resolved.tp_size == 1:
             resolved = dataclasses.replace(resolved, sequence_parallel=False)

@@ -1,11 +1,14 @@
-"""The process-group manager: the 4D grid of ranks and its groups, built by hand.
+"""The process-group manager: the 5D grid of ranks and its groups, built by hand.
 
-Every rank has four coordinates (r, s, c, t) = (dp_replicate, dp_shard, cp, tp) and sits at
+Every rank has five coordinates (p, r, s, c, t) = (pp, dp_replicate, dp_shard, cp, tp) and sits at
 
-    global_rank = ((r * S + s) * C + c) * T + t
+    global_rank = (((p * R + r) * S + s) * C + c) * T + t
 
 so tp varies fastest (neighbouring ranks, the same node, the fastest links: TP talks every layer)
-and dp_replicate slowest (across nodes: it talks once per step). For R=S=C=T=2 on 16 ranks:
+and pp slowest: pipeline stages usually span nodes, and they only pass activations between
+neighbours (torchtitan puts pp outermost too). Within one stage the grid is the 4D one,
+`((r * S + s) * C + c) * T + t`, offset by p * R * S * C * T; with pp = 1 every rank and group is
+what it was without pipeline parallelism. For R=S=C=T=2 on 16 ranks (one stage):
 
     rank:  0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
     r:     0  0  0  0  0  0  0  0  1  1  1  1  1  1  1  1
@@ -14,18 +17,25 @@ and dp_replicate slowest (across nodes: it talks once per step). For R=S=C=T=2 o
     t:     0  1  0  1  0  1  0  1  0  1  0  1  0  1  0  1
 
 A group of a dimension holds the ranks that differ only in that coordinate (tp group of rank 5:
-[4, 5]; cp group: [5, 7]). Three flattened groups let several coordinates vary at once:
+[4, 5]; cp group: [5, 7]; with pp = 2 on 32 ranks, the pp group of rank 5 is [5, 21]). Three
+flattened groups let several coordinates vary at once, all INSIDE one stage (p fixed), because
+they serve the model state and the batch, which are per stage:
 
     dp           (r, s)      which samples of the global batch a rank reads
     dp_shard_cp  (s, c)      the ZeRO-3 shard group: params are replicated over cp, so shard over it too
     dp_cp        (r, s, c)   averaging the loss over every token of the global batch
+
+`pgm.pp` is the chain of stages a micro-batch flows through: pgm.pp.next_rank / prev_rank are the
+neighbouring stages' global ranks (a ring, which the interleaved schedule uses: the last stage
+feeds the first one's second model chunk), is_first_stage / is_last_stage say where this rank is.
+`pgm.world` is every rank (the few calls that span the whole job).
 
 `torch.distributed.new_group` is collective over the whole world: every rank must call it for
 every group, members or not, in the same order. So each rank walks all groups of all dimensions
 in one fixed order, creates each, and keeps the ones that contain it. Groups with the same members
 (dp_shard_cp and dp_shard when cp = 1, say) are created once and shared.
 
-    python -m minipar.mesh --dp-replicate 2 --dp-shard 2 --cp 2 --tp 2
+    python -m minipar.mesh --pp 2 --dp-replicate 2 --dp-shard 2 --cp 2 --tp 2
 
 prints the whole grid and every group without launching anything.
 """
@@ -42,9 +52,10 @@ import torch.distributed as dist
 from . import comm
 from .config import ParallelismConfig
 
-COORDS = ("dp_replicate", "dp_shard", "cp", "tp")
+COORDS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # dimension name -> coordinates that vary inside one of its groups
 DIMENSIONS: Dict[str, Tuple[str, ...]] = {
+    "pp": ("pp",),
     "dp_replicate": ("dp_replicate",),
     "dp_shard": ("dp_shard",),
     "cp": ("cp",),
@@ -55,35 +66,42 @@ DIMENSIONS: Dict[str, Tuple[str, ...]] = {
 }
 
 
-def _shape(config: ParallelismConfig) -> Tuple[int, int, int, int]:
-    return (config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.tp_size)
+def _shape(config: ParallelismConfig) -> Tuple[int, int, int, int, int]:
+    """(P, R, S, C, T), outermost first."""
+    return (config.pp_size, config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.tp_size)
 
 
-def rank_of(coords: Tuple[int, int, int, int], shape: Tuple[int, int, int, int]) -> int:
-    (r, s, c, t), (_, S, C, T) = coords, shape
-    return ((r * S + s) * C + c) * T + t
+def rank_of(coords: Tuple[int, ...], shape: Tuple[int, ...]) -> int:
+    """The global rank at `coords` in a grid of `shape` (outermost first, the last varies fastest):
+    (p, r, s, c, t) in (P, R, S, C, T), or a 4D (r, s, c, t) in (R, S, C, T), which is stage 0."""
+    rank = 0
+    for c, n in zip(coords, shape):
+        rank = rank * n + c
+    return rank
 
 
-def coords_of(rank: int, shape: Tuple[int, int, int, int]) -> Tuple[int, int, int, int]:
-    _, S, C, T = shape
-    t, rank = rank % T, rank // T
-    c, rank = rank % C, rank // C
-    s, r = rank % S, rank // S
-    return (r, s, c, t)
+def coords_of(rank: int, shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The inverse of rank_of: as many coordinates as `shape` has dimensions."""
+    out = []
+    for n in reversed(shape):
+        out.append(rank % n)
+        rank //= n
+    return tuple(reversed(out))
 
 
 def all_groups(config: ParallelismConfig) -> Dict[str, List[List[int]]]:
     """Every group of every dimension as sorted lists of global ranks; pure arithmetic, no torch."""
     shape = _shape(config)
+    n = len(COORDS)
     out: Dict[str, List[List[int]]] = {}
     for name, varying in DIMENSIONS.items():
         vary = [COORDS.index(v) for v in varying]
-        fixed = [i for i in range(4) if i not in vary]
+        fixed = [i for i in range(n) if i not in vary]
         groups = []
         for fixed_vals in itertools.product(*(range(shape[i]) for i in fixed)):
             members = []
             for vary_vals in itertools.product(*(range(shape[i]) for i in vary)):
-                coords = [0] * 4
+                coords = [0] * n
                 for i, v in zip(fixed, fixed_vals):
                     coords[i] = v
                 for i, v in zip(vary, vary_vals):
@@ -114,6 +132,15 @@ class MeshDim:
     def prev_rank(self) -> int:
         return self.ranks[(self.rank - 1) % self.size]
 
+    # For pgm.pp: where this rank's stage sits in the pipeline.
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
     def __repr__(self) -> str:
         return f"{self.name}(rank {self.rank}/{self.size}, ranks {self.ranks})"
 
@@ -135,8 +162,9 @@ class ProcessGroupManager:
         world_size, rank = dist.get_world_size(), dist.get_rank()
         self.config = config.resolve(world_size)
         self.world_size, self.global_rank = world_size, rank
-        self.shape = _shape(self.config)
-        self.coords = dict(zip(COORDS, coords_of(rank, self.shape)))
+        self.grid_shape = _shape(self.config)          # (P, R, S, C, T)
+        self.shape = self.grid_shape[1:]               # the 4D grid of one stage, (R, S, C, T)
+        self.coords = dict(zip(COORDS, coords_of(rank, self.grid_shape)))
 
         created: Dict[Tuple[int, ...], object] = {}
         mine: Dict[str, List[int]] = {}
@@ -165,7 +193,7 @@ class ProcessGroupManager:
         self = cls.__new__(cls)
         self.config = ParallelismConfig().resolve(1)
         self.world_size, self.global_rank = 1, 0
-        self.shape = (1, 1, 1, 1)
+        self.grid_shape, self.shape = (1, 1, 1, 1, 1), (1, 1, 1, 1)
         self.coords = dict.fromkeys(COORDS, 0)
         for name in list(DIMENSIONS) + ["world"]:
             setattr(self, name, MeshDim(name, [0], 0, None))
@@ -175,11 +203,19 @@ class ProcessGroupManager:
     def dims(self) -> Dict[str, MeshDim]:
         return {name: getattr(self, name) for name in DIMENSIONS}
 
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.is_first
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.is_last
+
     def __repr__(self) -> str:
         coords = " ".join(f"{k}={v}" for k, v in self.coords.items())
-        shape = "x".join(map(str, self.shape))
+        shape = "x".join(map(str, self.grid_shape))
         lines = [f"ProcessGroupManager(rank {self.global_rank} of {self.world_size}, grid "
-                 f"dp_replicate x dp_shard x cp x tp = {shape}, coords {coords}"]
+                 f"pp x dp_replicate x dp_shard x cp x tp = {shape}, coords {coords}"]
         lines += [f"  {d!r}" for d in self.dims.values()]
         return "\n".join(lines) + ")"
 
@@ -189,8 +225,8 @@ def describe_grid(config: ParallelismConfig) -> str:
     world = config.total_size
     config = config.resolve(world)
     shape = _shape(config)
-    lines = [f"grid dp_replicate x dp_shard x cp x tp = {'x'.join(map(str, shape))} = {world} ranks",
-             "global_rank = ((r * S + s) * C + c) * T + t", "",
+    lines = [f"grid pp x dp_replicate x dp_shard x cp x tp = {'x'.join(map(str, shape))} = {world} ranks",
+             "global_rank = (((p * R + r) * S + s) * C + c) * T + t", "",
              "rank  " + "  ".join(f"{c:>12}" for c in COORDS)]
     for rank in range(world):
         lines.append(f"{rank:>4}  " + "  ".join(f"{v:>12}" for v in coords_of(rank, shape)))
@@ -202,13 +238,14 @@ def describe_grid(config: ParallelismConfig) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Print minipar's 4D rank grid and its groups.")
+    parser = argparse.ArgumentParser(description="Print minipar's rank grid and its groups.")
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp-replicate", type=int, default=1)
     parser.add_argument("--dp-shard", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args(argv)
-    config = ParallelismConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp)
+    config = ParallelismConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp, pp_size=args.pp)
     print(describe_grid(config))
 
 

@@ -104,3 +104,58 @@ def test_collectives_and_ledger():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert all(run_world(_collectives, 4))
+
+
+# ------------------------------------------------------------------ the fifth dimension: pp outermost
+def _check_pp_groups(shape):
+    """shape (P, R, S, C, T): every group against the 5D formula, the pp chain, a send along it."""
+    pgm = minipar.init(ParallelismConfig(*shape[1:], pp_size=shape[0]))
+    rank, (P, R, S, C, T) = dist.get_rank(), shape
+    p = rank // (R * S * C * T)
+    assert pgm.coords["pp"] == p and rank_of(coords_of(rank, shape), shape) == rank
+    assert coords_of(rank, shape)[1:] == coords_of(rank % (R * S * C * T), shape[1:])   # a 4D grid per stage
+    for name, d in pgm.dims.items():
+        assert d.ranks == _expected_members_5d(rank, shape, name), name
+    # every group except pp lies inside this stage; pp holds one rank per stage, same 4D coordinates
+    stage = range(p * R * S * C * T, (p + 1) * R * S * C * T)
+    assert all(set(d.ranks) <= set(stage) for n, d in pgm.dims.items() if n != "pp")
+    assert pgm.pp.ranks == [rank % (R * S * C * T) + q * R * S * C * T for q in range(P)]
+    assert pgm.is_first_stage == (p == 0) and pgm.is_last_stage == (p == P - 1)
+    assert pgm.pp.next_rank == pgm.pp.ranks[(p + 1) % P] and pgm.pp.prev_rank == pgm.pp.ranks[(p - 1) % P]
+    # an activation forward along the chain: stage p sends its rank to stage p + 1
+    got = torch.full((2,), -1.0)
+    sends = [(torch.full((2,), float(rank)), pgm.pp.next_rank, 7)] if not pgm.pp.is_last else []
+    recvs = [(got, pgm.pp.prev_rank, 7)] if not pgm.pp.is_first else []
+    with comm.ledger() as led:
+        comm.wait_all(comm.send_recv(sends, recvs, pgm.pp))
+    assert got.tolist() == ([-1.0, -1.0] if pgm.pp.is_first else [float(pgm.pp.prev_rank)] * 2)
+    assert led.count("send") == len(sends) and led.total_bytes("send") == 8 * len(sends)
+    return True
+
+
+def _expected_members_5d(rank, shape, name):
+    names, mine = ("pp", "dp_replicate", "dp_shard", "cp", "tp"), coords_of(rank, shape)
+    n = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+    return [o for o in range(n) if all(coords_of(o, shape)[i] == mine[i]
+                                       for i in range(5) if names[i] not in DIMENSIONS[name])]
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1, 1, 1), (4, 1, 1, 1, 1), (2, 1, 2, 1, 2), (2, 2, 1, 2, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_pp_is_the_outermost_dimension(shape):
+    assert all(run_world(_check_pp_groups, shape[0] * shape[1] * shape[2] * shape[3] * shape[4], shape,
+                         timeout=120))
+
+
+def test_pp_size_from_env_cli_and_grid_text(capsys, monkeypatch):
+    monkeypatch.setenv("PARALLELISM_CONFIG_PP_SIZE", "2")
+    config = ParallelismConfig.from_env(tp_size=2)
+    assert config.pp_size == 2 and config.resolve(8).dp_shard_size == 2     # the remainder after pp x tp
+    with pytest.raises(ValueError, match="pp_size x dp_replicate_size x cp_size x tp_size = 4 does not divide 6"):
+        config.resolve(6)
+    main(["--pp", "2", "--dp-shard", "2", "--cp", "2", "--tp", "2"])
+    text = capsys.readouterr().out
+    assert "pp x dp_replicate x dp_shard x cp x tp = 2x1x2x2x2 = 16 ranks" in text
+    assert "pp groups (size 2, varying pp):\n  [0, 8] [1, 9]" in text
+    # pp 1: the same grid, the same groups as before the fifth dimension existed
+    assert rank_of((0, 1, 0, 1), (2, 2, 2, 2)) == rank_of((0, 0, 1, 0, 1), (1, 2, 2, 2, 2)) == 5

@@ -19,6 +19,9 @@ and exp_avg_sq; `step` is a scalar), so one mechanism moves all of them:
     loading (either)    every rank reads the files, rebuilds FULL tensors by name (concatenated
                         over tp along tp_split_dim), and cuts its own layout with local_from_full():
                         saved on 2x2x2, resumed on 4x1x2 or on one process, with or without ZeRO-3.
+    pipeline stages     a stage's layers carry their global HF names (model.layers.6...), so each
+                        stage writes its own shards and loading is the same; the manifest lists the
+                        whole model (stage.full_param_shapes). FULL_STATE_DICT gathers over pp too.
 
     step-N/  manifest.json   trainer_state.pt (step, scheduler, extra, optimizer hyper-parameters)
              rng/rank-R.pt (every rank)   shards/rank-R.pt  or  model.safetensors + optimizer.pt
@@ -97,7 +100,12 @@ def layout(model, pgm) -> List[Tuple[torch.nn.Parameter, List[Segment]]]:
 
 
 def _param_shapes(model, pgm) -> Dict[str, list]:
-    """{name: full shape} of every parameter, not only of those this rank's shards touch."""
+    """{name: full shape} of every parameter, not only of those this rank's shards touch. A
+    pipeline stage holds some layers only, but describes the whole model (its layers' names carry
+    their global index), so a checkpoint of any pp size loads on any other."""
+    whole = getattr(model, "full_param_shapes", None)
+    if whole is not None:
+        return {n: list(shape) for n, shape in whole.items()}
     return {n: list(shape) for _, _, carried in _tensors(model, pgm) for n, shape in carried}
 
 
@@ -228,6 +236,11 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
     if full:                                     # the collectives come first: nothing can fail before them
         model_full = {n: t.detach().cpu().contiguous() for n, t in model.full_state_dict().items()}
         optim_full = full_optimizer_state(model, optimizer, pgm) if optimizer is not None else None
+        pp = getattr(pgm, "pp", None)
+        if pp is not None and pp.size > 1 and optim_full is not None:   # each stage has its layers' states
+            from ..pipeline_parallel.stage import gather_over_stages
+            kinds = {k: gather_over_stages(v, pgm) for k, v in optim_full[0].items()}
+            optim_full = (kinds, gather_over_stages(optim_full[1], pgm))
 
     def write(tmp: str) -> dict:
         rank = pgm.global_rank

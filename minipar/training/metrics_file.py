@@ -65,7 +65,7 @@ def plot_loss_curve(history: List[dict], output_dir: str, shape, log: Callable[[
         ax.plot(*zip(*val), "o-", label="validation")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title(f"minipar {'x'.join(map(str, shape))} (dp_rep x dp_shard x cp x tp)")
+    ax.set_title(f"minipar {'x'.join(map(str, shape))} (pp x dp_rep x dp_shard x cp x tp)")
     ax.grid(alpha=0.3)
     ax.legend()
     path = os.path.join(output_dir, "loss_curve.png")

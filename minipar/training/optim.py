@@ -14,6 +14,8 @@ once, so a rank sorts the squares of what it holds into four sums:
 
     ||g||^2 = plain_repl + sum_tp plain_split + sum_dp_shard_cp (shard_repl + sum_tp shard_split)
 
+and with pipeline parallelism that sum of one stage is summed over pp (the stages hold disjoint layers).
+
 A ZeRO-3 flat shard (attribute zero3_shard=True) is this rank's 1/N slice of a flat buffer that
 concatenates a unit's local (already TP-sliced) parameters plus zero padding; its attribute
 tp_split_segments lists the (start, stop) element ranges of the shard that belong to TP-split
@@ -21,8 +23,8 @@ weights. A replicated-over-dp copy (DDP, or HSDP across dp_replicate) holds the 
 every replica after the gradient all-reduce, so it is counted once. Parameters without those
 attributes count as replicated and unsharded.
 
-Communication per step: one all-reduce of 2 numbers over tp and one of 1 number over
-dp_shard_cp (float64, so the sum is as exact as one process's), then a local scaling.
+Communication per step: one all-reduce of 2 numbers over tp, one of 1 number over
+dp_shard_cp and one of 1 number over pp (float64, so the sum is as exact as one process's), then a local scaling.
 
 Weight decay. AdamW (Loshchilov & Hutter, 2019) decays decoupled from the gradient:
 p <- p * (1 - lr * wd) before the Adam update. As in GPT-2 / Llama recipes, matrices are decayed and
@@ -186,7 +188,11 @@ def global_grad_norm(params: Iterable[torch.Tensor], pgm) -> torch.Tensor:
     comm.all_reduce(split, pgm.tp)
     shard = shard_repl + split[1]
     comm.all_reduce(shard, pgm.dp_shard_cp)
-    return (plain_repl + split[0] + shard).sqrt().float()
+    total = plain_repl + split[0] + shard
+    pp = getattr(pgm, "pp", None)
+    if pp is not None:                  # pipeline stages hold disjoint layers: their squares add up
+        comm.all_reduce(total, pp)
+    return total.sqrt().float()
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float], pgm) -> torch.Tensor:

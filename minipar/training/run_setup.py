@@ -37,10 +37,12 @@ from minipar.training.tokenizer import HFTokenizer, load_tokenizer, padded_vocab
 from minipar.training.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
 
 
-SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size")
+SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size",
+             "pipeline_parallel_size")
 # ParallelismConfig's field (and PARALLELISM_CONFIG_<FIELD> variable) -> the training config's key
 ENV_SIZE_KEYS = dict(dp_replicate_size="dp_replicate_size", dp_shard_size="dp_shard_size",
-                     cp_size="context_parallel_size", tp_size="tensor_parallel_size")
+                     cp_size="context_parallel_size", tp_size="tensor_parallel_size",
+                     pp_size="pipeline_parallel_size")
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "default.yaml")
 
 
@@ -102,7 +104,8 @@ def setup_run(argv: List[str]) -> Run:
                          f"model.vocab_size {cfg.model.vocab_size}: use the model's own tokenizer")
     world = _world_size()
     sizes = dict(dp_replicate_size=cfg.dp_replicate_size, dp_shard_size=cfg.dp_shard_size,
-                 cp_size=cfg.context_parallel_size, tp_size=cfg.tensor_parallel_size)
+                 cp_size=cfg.context_parallel_size, tp_size=cfg.tensor_parallel_size,
+                 pp_size=cfg.pipeline_parallel_size)
     if world == 1 and not from_cli and any((v or 1) > 1 for v in sizes.values()):
         # `python train.py` on a config written for a torchrun launch: run it on one process
         notes.append(f"one process: the config's parallel sizes ({_fmt(sizes)}) apply to torchrun "
@@ -117,6 +120,9 @@ def setup_run(argv: List[str]) -> Run:
     pconf.validate_model(cfg.model, cfg.sequence_len)
     dp = pconf.dp_replicate_size * pconf.dp_shard_size
     num_micro = config_keys.resolve_batch(cfg, dp)      # global = micro x accumulation x dp
+    if pconf.pp_size > 1:                         # the split and the schedule, before any group exists
+        from minipar.training.pipeline_step import check_pipeline
+        check_pipeline(cfg, pconf.pp_size, num_micro)
     if cfg.sequence_len > cfg.model.max_position_embeddings:
         raise ValueError(f"sequence_len {cfg.sequence_len} exceeds model.max_position_embeddings "
                          f"{cfg.model.max_position_embeddings}")
@@ -172,7 +178,7 @@ def _check_base_model(cfg: TrainConfig):
 
 
 def _sizes_from_env(cfg: TrainConfig, path: str, default_config: bool, from_cli: set, notes: list) -> set:
-    """Apply accelerate's PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,CP,TP}_SIZE to the sizes that
+    """Apply accelerate's PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,CP,TP,PP}_SIZE to the sizes that
     the command line does not give and an explicit config file does not set; returns the keys set.
     (The command line wins over the variables, the variables over the file's unset keys and over
     the implicit default layout.)"""

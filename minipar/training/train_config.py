@@ -78,6 +78,11 @@ class TrainConfig:
     context_parallel_size: int = 1        # [cp_size]
     tensor_parallel_size: int = 1         # [tp_size]
     sequence_parallel: bool = False
+    # pipeline parallelism, the outermost dimension [pp_size] (minipar/pipeline_parallel/)
+    pipeline_parallel_size: int = 1
+    pipeline_schedule: str = "1f1b"       # afab | 1f1b | interleaved_1f1b
+    pipeline_virtual_stages: Optional[int] = None   # model chunks per rank; None: 2 if interleaved, else 1
+    pipeline_layers: Optional[List[int]] = None     # layers per (virtual) stage; None: the even split
     ddp_timeout: int = 1800               # seconds a collective waits for a stuck peer (Axolotl's name)
     # the ladder's rungs (docs/ladder.md): naive | bucketed gradient all-reduce when nothing is
     # sharded; TP's async input-gradient overlap; CP's sequence split (zigzag | contiguous)
@@ -305,7 +310,7 @@ def _base_model_config(cfg: TrainConfig, explicit: set) -> LlamaConfig:
 def check(cfg: TrainConfig) -> None:
     """Value checks that need no world: every message names the key and a fix."""
     positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
-                "dp_replicate_size", "context_parallel_size", "tensor_parallel_size"]
+                "dp_replicate_size", "context_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"]
     for key in positive:                  # (None: derived later, from the world or the dataset)
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
@@ -344,6 +349,11 @@ def check(cfg: TrainConfig) -> None:
         raise ValueError(f"val_set_size must be >= 0 (a fraction below 1, or a count), got {cfg.val_set_size}")
     if cfg.micro_batch_size is not None and cfg.micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 or null, got {cfg.micro_batch_size}")
+    if cfg.pipeline_layers is not None and not isinstance(cfg.pipeline_layers, list):
+        raise ValueError(f"pipeline_layers must be a list of layer counts, e.g. [3, 5], got {cfg.pipeline_layers!r}")
+    v = cfg.pipeline_virtual_stages
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"pipeline_virtual_stages must be >= 1 or null, got {cfg.pipeline_virtual_stages}")
     if not os.path.exists(cfg.dataset):
         raise FileNotFoundError(f"dataset file {cfg.dataset!r} not found: set `dataset` to a text file "
                                 f"(the bundled corpus is data/shakespeare.txt)")

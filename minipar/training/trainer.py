@@ -51,6 +51,9 @@ class Trainer:
         source, t_load = self._weight_source(model), time.time()
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if pgm.pp.size > 1:                       # pipeline parallelism: keep this rank's stage only
+            from minipar.training.pipeline_step import build_pipeline_model
+            model = build_pipeline_model(model, cfg, pgm)
         self.grad_sync = None
         self.sharded = pgm.config.dp_shard_size > 1
         if self.sharded:                          # ZeRO-3 over dp_shard_cp, HSDP over dp_replicate
@@ -82,6 +85,10 @@ class Trainer:
             self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size,
                                               cfg.seed)
         self.start_step, self.history = 0, []
+        self.pipeline = None                      # the schedule runs the step (pipeline_step.py)
+        if pgm.pp.size > 1:
+            from minipar.training.pipeline_step import PipelineStep
+            self.pipeline = PipelineStep(self)
 
     def _weight_source(self, model):
         if self.run.base_model is None:
@@ -130,6 +137,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict:
+        if self.pipeline is not None:
+            return self.pipeline.train_step(step)
         gb = self._global_batch(step)
         n_items = mdata.count_label_tokens(gb["labels"])
         M = self.run.num_micro_steps
@@ -152,6 +161,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        if self.pipeline is not None:
+            return self.pipeline.evaluate()
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
@@ -291,7 +302,7 @@ class Trainer:
         peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=self.device), self.pgm.world)
         if not self.is_main:
             return
-        png = metrics_file.plot_loss_curve(self.history, self.cfg.output_dir, self.pgm.shape, self.log)
+        png = metrics_file.plot_loss_curve(self.history, self.cfg.output_dir, self.pgm.grid_shape, self.log)
         first = self.history[0]["loss"] if self.history else float("nan")
         final = self.history[-1]["loss"] if self.history else float("nan")
         lines = [f"done: {len(self.history)} steps in {elapsed:.1f} s, loss {first:.4f} -> {final:.4f}"

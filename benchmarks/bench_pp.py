@@ -1,0 +1,217 @@
+"""Pipeline schedules as they really run: bubble, activation memory and bytes sent per stage,
+next to the theory, and the timeline of one step drawn from the recorded events.
+
+    python benchmarks/bench_pp.py [--stages 2 4] [--micro 4 8] [--hidden 256] [--seq 256] [--iters 3]
+
+For each schedule (afab, 1f1b, interleaved_1f1b with v = 2), p stages and m micro-batches: a Llama
+of p x v x --layers-per-chunk decoder layers (so every schedule runs the same model), split with
+minipar.pipeline_parallel.build_stage, one step run by run_schedule on p forked gloo ranks (one
+torch thread each). Per stage, from the executor's Recorder and the comm ledger:
+
+    bubble       1 - (time in forward/backward compute) / (step time)       theory (p-1)/(m+p-1),
+                                                                           interleaved (p-1)/(v m+p-1)
+    live         the most micro-batch chunks whose forward ran and whose backward has not
+                 (AFAB m, 1F1B p - rank, interleaved 2 (p - rank - 1) + (v - 1) p + 1 chunks of 1/v)
+    saved MiB    the peak of the bytes autograd holds for backward (saved_tensors_hooks count
+                 every saved tensor that is not a parameter, while it is alive)
+    sent         the bytes the ledger saw this rank send; over the pipeline it must be
+                 2 (p - 1) m x bytes(h) (interleaved: 2 (v p - 1) m), h = (micro_batch, seq, hidden) fp32
+
+A step's numbers are from the iteration whose slowest stage was fastest (the machine is shared).
+The figure: one row per stage, time across, F and B boxes labelled with the micro-batch, for
+p = max(--stages) and m = max(--micro), each schedule; written to benchmarks/results/bench_pp.png.
+On a machine with fewer cores than p, ranks share cores: a stage's compute then stretches while
+its neighbour computes, and the measured bubble reads lower or higher than the ideal one; the
+"ideal" column runs the same action lists through schedules.simulate with the measured mean
+forward and backward times, which is what the stage would see on its own core.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import minipar  # noqa: E402
+from minipar import ParallelismConfig, comm  # noqa: E402
+from minipar.pipeline_parallel import Recorder, build_stage, run_schedule, schedule_order, simulate  # noqa: E402
+from minipar.pipeline_parallel.schedules import peak_in_flight, theory_bubble  # noqa: E402
+from harness import run_world  # noqa: E402
+from models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+SCHEDULE_V = (("afab", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+
+
+class SavedBytes:
+    """Live bytes autograd saved for backward (parameters excluded), and their peak."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def _free(self, n):
+        self.live -= n
+
+    def pack(self, t):
+        if t.requires_grad and t.is_leaf:         # a parameter: not an activation
+            return t
+        n = t.numel() * t.element_size()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        holder = _Holder(t)
+        weakref.finalize(holder, self._free, n)
+        return holder
+
+    @staticmethod
+    def unpack(x):
+        return x.t if isinstance(x, _Holder) else x
+
+
+class _Holder:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+def _rank(args, schedule, p, m, v):
+    torch.set_num_threads(1)
+    pgm = minipar.init(ParallelismConfig(pp_size=p, dp_shard_size=1))
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                      num_hidden_layers=p * v * args.layers_per_chunk,
+                      num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128),
+                      max_position_embeddings=args.seq)
+    stage = build_stage(LlamaForCausalLM(cfg, pgm, seed=0), pgm, v)
+    order = schedule_order(schedule, p, m, pgm.pp.rank, v)
+    gen = torch.Generator().manual_seed(0)
+    batches = [dict(input_ids=torch.randint(0, 256, (args.micro_batch, args.seq), generator=gen),
+                    labels=torch.randint(0, 256, (args.micro_batch, args.seq), generator=gen),
+                    position_ids=torch.arange(args.seq).expand(args.micro_batch, -1)) for _ in range(m)]
+    n_items = m * args.micro_batch * args.seq
+    runs = []
+    for it in range(args.iters + 1):
+        rec, mem = Recorder(), SavedBytes()
+        dist.barrier()
+        with comm.ledger() as led, torch.autograd.graph.saved_tensors_hooks(mem.pack, mem.unpack):
+            run_schedule(stage, order, pgm, batches, n_items, recorder=rec)
+        stage.zero_grad(set_to_none=True)
+        if it:                                   # the first step warms up allocator and gloo
+            runs.append(dict(t0=rec.t0, step=rec.t_end, events=rec.events, live=rec.peak_live,
+                             saved=mem.peak, sent=led.total_bytes("send"), peak_theory=peak_in_flight(order)))
+    return runs
+
+
+def _measure(args, schedule, p, m, v):
+    per_rank = run_world(_rank, p, args, schedule, p, m, v, timeout=1800)
+    best = min(range(args.iters), key=lambda i: max(r[i]["step"] for r in per_rank))
+    rows = [r[best] for r in per_rank]
+    t0 = min(r["t0"] for r in rows)
+    for r in rows:                               # one time axis for all stages
+        r["events"] = [(k, c, mi, s + r["t0"] - t0, e + r["t0"] - t0) for k, c, mi, s, e in r["events"]]
+    step = max(r["events"][-1][4] for r in rows)
+    f = [e - s for r in rows for k, _, _, s, e in r["events"] if k == "F"]
+    b = [e - s for r in rows for k, _, _, s, e in r["events"] if k == "B"]
+    orders = [schedule_order(schedule, p, m, rank, v) for rank in range(p)]
+    ideal_events, ideal_step = simulate(orders, v, t_f=v * sum(f) / len(f), t_b=v * sum(b) / len(b))
+    for rank, r in enumerate(rows):
+        busy = sum(e - s for _, _, _, s, e in r["events"])
+        r["bubble"] = 1 - busy / step
+        r["ideal"] = 1 - sum(e - s for _, s, e in ideal_events[rank]) / ideal_step
+    return dict(schedule=schedule, p=p, m=m, v=v, step=step, rows=rows)
+
+
+def _draw(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.0 + 0.55 * sum(r["p"] for r in results)), squeeze=False)
+    for ax, res in zip(axes[:, 0], results):
+        for rank, row in enumerate(res["rows"]):
+            for kind, chunk, micro, s, e in row["events"]:
+                color = ("#4c72b0", "#8fb0e0")[chunk % 2] if kind == "F" else ("#55a868", "#a5d6a7")[chunk % 2]
+                ax.barh(rank, (e - s) * 1e3, left=s * 1e3, color=color, edgecolor="black", linewidth=0.4)
+                if (e - s) / res["step"] > 0.012:
+                    label = f"{kind}{micro}" + ("ab"[chunk] if res["v"] > 1 else "")
+                    ax.text((s + e) / 2 * 1e3, rank, label, ha="center", va="center", fontsize=6)
+        ax.set_yticks(range(res["p"]), [f"stage {r}" for r in range(res["p"])])
+        ax.invert_yaxis()
+        bubble = sum(r["bubble"] for r in res["rows"]) / res["p"]
+        ax.set_title(f"{res['schedule']}  p={res['p']} m={res['m']}" + (f" v={res['v']}" if res["v"] > 1 else "")
+                     + f": step {res['step'] * 1e3:.0f} ms, mean bubble {bubble:.2f} (theory "
+                     f"{theory_bubble(res['schedule'], res['p'], res['m'], res['v']):.2f}); F blue, B green"
+                     + (", lighter = chunk b" if res["v"] > 1 else ""), fontsize=8)
+        ax.set_xlabel("ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--micro", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--layers-per-chunk", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_pp.md"))
+    args = ap.parse_args(argv)
+    act = args.micro_batch * args.seq * args.hidden * 4
+    results, t_start = [], time.time()
+    for p in args.stages:
+        for m in args.micro:
+            for schedule, v in SCHEDULE_V:
+                if schedule != "afab" and m < p or (schedule == "interleaved_1f1b" and m % p):
+                    continue
+                results.append(_measure(args, schedule, p, m, v))
+                print(f"  {schedule} p={p} m={m}: step {results[-1]['step'] * 1e3:.0f} ms", flush=True)
+    lines = [
+        "# Pipeline schedules benchmark (bench_pp.py)", "",
+        f"One training step of a Llama (hidden {args.hidden}, p x v x {args.layers_per_chunk} layers, so "
+        f"{args.layers_per_chunk * 1} layer(s) per virtual stage), micro-batches of {args.micro_batch} x "
+        f"{args.seq} tokens, fp32, CPU, gloo, one torch thread per forked rank, torch {torch.__version__}; "
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} when run. bytes(h) = "
+        f"{act / 2 ** 20:.2f} MiB. Best of {args.iters} steps. `bubble` is measured (idle / step time), "
+        f"`ideal` the same action lists simulated with the measured mean F and B times, `theory` the formula. "
+        f"`live` is the peak count of micro-batch chunks held for backward (theory in brackets); `saved` "
+        f"the peak bytes autograd held for them.", "",
+        "| schedule | p | m | v | stage | step ms | bubble | ideal | theory | live (theory) | saved MiB | sent MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    totals = []
+    for res in results:
+        th = theory_bubble(res["schedule"], res["p"], res["m"], res["v"])
+        for rank, r in enumerate(res["rows"]):
+            lines.append(f"| {res['schedule']} | {res['p']} | {res['m']} | {res['v']} | {rank} | "
+                         f"{res['step'] * 1e3:.0f} | {r['bubble']:.3f} | {r['ideal']:.3f} | {th:.3f} | "
+                         f"{r['live']} ({r['peak_theory']}) | {r['saved'] / 2 ** 20:.1f} | {r['sent'] / 2 ** 20:.2f} |")
+        boundaries = res["v"] * res["p"] - 1
+        totals.append(f"| {res['schedule']} | {res['p']} | {res['m']} | {res['v']} | "
+                      f"{sum(r['sent'] for r in res['rows']) / 2 ** 20:.2f} | "
+                      f"2 x {boundaries} x {res['m']} x {act / 2 ** 20:.2f} = "
+                      f"{2 * boundaries * res['m'] * act / 2 ** 20:.2f} |")
+    lines += ["", "Bytes sent per step over the whole pipeline (ledger) against 2 x boundaries x m x bytes(h):", "",
+              "| schedule | p | m | v | sent MiB | theory MiB |", "|---|---|---|---|---|---|", *totals]
+    big_p, big_m = max(args.stages), max(args.micro)
+    drawn = [r for r in results if r["p"] == big_p and r["m"] == big_m]
+    png = os.path.splitext(args.out)[0] + ".png"
+    if drawn:
+        _draw(drawn, png)
+        lines += ["", f"Timeline of p={big_p}, m={big_m} as recorded: `{os.path.relpath(png, ROOT)}`."]
+    lines += ["", f"Regenerate: `{' '.join(['python benchmarks/bench_pp.py', *(argv or sys.argv[1:])])}` "
+              f"({time.time() - t_start:.0f} s)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Run a schedule: walk this rank's action list, compute, and move tensors between stages.
+
+    for action in schedule_order(...):                      schedules.py: F / B, chunk, micro-batch
+        F(c, m):  x = input ids (first virtual stage) or recv_forward()       blocks until h arrives
+                  out = stage(x, chunk=c)  -> h, or the loss on the last virtual stage
+                  send_forward(h) (async); keep (x, out) for the backward
+        B(c, m):  g = recv_backward() (not on the last virtual stage)         blocks until dL/dh arrives
+                  autograd.backward(out, g)  -> x.grad
+                  send_backward(x.grad) (async) unless x were the input ids; free (x, out)
+
+A stage keeps (x, out) and everything autograd saved between F(c, m) and B(c, m): that is the
+activation memory the schedules differ in (schedules.py). Only receives block, so a rank waits
+exactly when the data it needs has not been computed yet: the bubble.
+
+Gradient accumulation over the m micro-batches: parameters used by several micro-batches add up
+their gradients. Data parallelism must reduce once per step, not per micro-batch: the caller's
+`before_backward(action, last)` hook learns which backward is this rank's last of the step (the
+caller keeps DDP and ZeRO-3 in no_sync until then; that backward reduces everything once). The loss (sum over micro-batches of sum / num_items_in_batch) is returned on
+the last stage, zero elsewhere: the caller sums it over dp_cp and pp.
+
+`recorder`, when given, receives (action, start, end) of every compute with wall-clock times and the
+count of live micro-batch chunks: what benchmarks/bench_pp.py draws and measures.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .p2p import StageLink, activation_shape
+from .schedules import Action
+
+
+class Recorder:
+    """What a step really did on this rank: compute events and the peak of live activations.
+    Times are seconds after t0, the step's start (perf_counter: one clock for every process of
+    a machine, so the ranks' rows can be drawn on one axis); t_end is when the step returned."""
+
+    def __init__(self):
+        self.events: List[tuple] = []           # (kind, chunk, micro, start, end)
+        self.live = self.peak_live = 0
+        self.t0 = self.t_end = None
+
+    def start(self):
+        self.t0 = time.perf_counter()
+        self.events, self.live, self.peak_live = [], 0, 0
+
+    def stop(self):
+        self.t_end = time.perf_counter() - self.t0
+
+    def note(self, a: Action, start: float, end: float):
+        self.live += 1 if a.kind == "F" else -1
+        self.peak_live = max(self.peak_live, self.live)
+        self.events.append((a.kind, a.chunk, a.micro, start - self.t0, end - self.t0))
+
+
+def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, torch.Tensor]],
+                 num_items_in_batch, *, act_dtype: torch.dtype = torch.float32,
+                 before_backward: Optional[Callable[[Action, bool], None]] = None,
+                 autocast=contextlib.nullcontext, recorder: Optional[Recorder] = None) -> torch.Tensor:
+    """One training step's forwards and backwards of `stage` in the order `order`; returns this
+    rank's share of the loss (a float64 0-d tensor; zero off the last stage)."""
+    p, r, m = pgm.pp.size, pgm.pp.rank, len(micro_batches)
+    device = micro_batches[0]["input_ids"].device
+    link = StageLink(pgm, activation_shape(micro_batches[0], pgm, stage.config.hidden_size), act_dtype,
+                     device, m)
+    final = max(i for i, a in enumerate(order) if a.kind == "B")     # this rank's last backward
+    saved: Dict[tuple, tuple] = {}              # (chunk, micro) -> (input, output) awaiting backward
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    if recorder is not None:
+        recorder.start()
+    for i, a in enumerate(order):
+        vs, mb = a.chunk * p + r, micro_batches[a.micro]
+        if a.kind == "F":
+            if stage.is_first_virtual(a.chunk):
+                x = mb["input_ids"]
+            else:
+                x = link.recv_forward(vs, a.micro).requires_grad_()
+            t = time.perf_counter()
+            with autocast():
+                out = stage(x, mb["position_ids"], labels=mb["labels"], num_items_in_batch=num_items_in_batch,
+                            chunk=a.chunk, document_ids=mb.get("document_ids"))
+            if recorder is not None:
+                recorder.note(a, t, time.perf_counter())
+            if stage.is_last_virtual(a.chunk):
+                loss += out.detach().double()
+            else:
+                link.send_forward(out, vs + 1, a.micro)
+            saved[(a.chunk, a.micro)] = (x, out)
+        else:
+            x, out = saved.pop((a.chunk, a.micro))
+            grad = None if stage.is_last_virtual(a.chunk) else link.recv_backward(vs, a.micro).to(out.dtype)
+            if before_backward is not None:
+                before_backward(a, i == final)
+            t = time.perf_counter()
+            torch.autograd.backward(out, grad)
+            if recorder is not None:
+                recorder.note(a, t, time.perf_counter())
+            if not stage.is_first_virtual(a.chunk):
+                link.send_backward(x.grad, vs - 1, a.micro)
+            del x, out
+    link.finish()
+    if recorder is not None:
+        recorder.stop()
+    if saved:
+        raise RuntimeError(f"pipeline schedule left {len(saved)} micro-batches without a backward: {sorted(saved)}")
+    return loss
+
+
+@torch.no_grad()
+def forward_only(stage, pgm, micro_batch: Dict[str, torch.Tensor], num_items_in_batch, *,
+                 act_dtype: torch.dtype = torch.float32, autocast=contextlib.nullcontext) -> torch.Tensor:
+    """Evaluation: one micro-batch through every virtual stage, no backward; returns this rank's
+    loss share (float64; zero off the last stage)."""
+    p, r = pgm.pp.size, pgm.pp.rank
+    link = StageLink(pgm, activation_shape(micro_batch, pgm, stage.config.hidden_size), act_dtype,
+                     micro_batch["input_ids"].device, 1)
+    loss = torch.zeros((), dtype=torch.float64, device=micro_batch["input_ids"].device)
+    for chunk in range(stage.num_chunks):
+        vs = chunk * p + r
+        x = micro_batch["input_ids"] if stage.is_first_virtual(chunk) else link.recv_forward(vs, 0)
+        with autocast():
+            out = stage(x, micro_batch["position_ids"], labels=micro_batch["labels"],
+                        num_items_in_batch=num_items_in_batch, chunk=chunk,
+                        document_ids=micro_batch.get("document_ids"))
+        if stage.is_last_virtual(chunk):
+            loss += out.double()
+        else:
+            link.send_forward(out, vs + 1, 0)
+    link.finish()
+    return loss

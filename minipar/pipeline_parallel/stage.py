@@ -1,0 +1,180 @@
+"""A pipeline stage: the part of the decoder that one rank of pgm.pp holds and runs.
+
+The L decoder layers are cut into n = pp x v contiguous runs, one per VIRTUAL stage (v model
+chunks per rank, v = 1 except for the interleaved schedule). The rule, as Megatron's and
+torchtitan's even split, with the remainder going to the earliest stages (the last stage also
+runs the final norm, the lm_head and the loss, the widest matmul of a small model):
+
+    virtual stage k of n gets  L // n + (1 if k < L % n else 0)  layers, in order
+    pipeline_layers: [a, b, ...]   an explicit split instead (n numbers, each >= 1, summing to L)
+
+    L = 8, pp = 2:              stage 0: layers 0-3 + embed_tokens | stage 1: layers 4-7 + norm, lm_head
+    L = 8, pp = 2, v = 2:       rank 0: chunk 0 = layers 0-1 (+ embed_tokens), chunk 1 = layers 4-5
+                                rank 1: chunk 0 = layers 2-3, chunk 1 = layers 6-7 (+ norm, lm_head)
+    (virtual stage k = chunk k // pp of rank k % pp: a micro-batch visits rank 0, 1, 0, 1)
+
+The stage is built from the whole LlamaForCausalLM (so its weights are the seeded ones of every
+other layout) by dropping what other stages hold. The layers it keeps sit in an nn.ModuleDict keyed
+by their GLOBAL index, so its parameter names are the Hugging Face names of the whole model
+(model.layers.6.mlp.up_proj.weight on rank 1 above): checkpoints and exports need no renaming,
+and a checkpoint saved on one pp size loads on any other, or on none. ZeRO-3, DDP, TP and CP see
+a stage as just a smaller model: its units shard over its own dp_shard_cp, its TP/CP groups are
+its own (mesh.py puts pp outermost, so every other group lies inside one stage).
+
+What crosses stages is the residual stream h, (micro_batch, sequence_len / cp, hidden) per rank
+(sequence / cp / tp under sequence parallelism), forward, and its gradient, backward (p2p.py).
+Every stage reads the same micro-batch from the sampler, so position_ids (for RoPE), document_ids
+(packed examples) and labels never travel: the first stage embeds the input ids, the last one
+computes the loss.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+
+def split_layers(num_layers: int, num_stages: int, pipeline_layers: Optional[List[int]] = None) -> List[List[int]]:
+    """The global layer indices of each virtual stage (see the rule above). Raises a ValueError
+    naming the values when the split cannot work; no communication."""
+    if pipeline_layers is not None:
+        counts = list(pipeline_layers)
+        if len(counts) != num_stages or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+            raise ValueError(f"pipeline_layers={counts} must list {num_stages} positive layer counts, one per "
+                             f"(virtual) stage (pipeline_parallel_size x pipeline_virtual_stages = {num_stages})")
+        if sum(counts) != num_layers:
+            raise ValueError(f"pipeline_layers={counts} sums to {sum(counts)}, but the model has "
+                             f"num_hidden_layers={num_layers}: the counts must add up to {num_layers}")
+    else:
+        if num_layers < num_stages:
+            raise ValueError(f"num_hidden_layers={num_layers} cannot be split over {num_stages} (virtual) pipeline "
+                             f"stages: every stage needs at least one layer; use pipeline_parallel_size (x "
+                             f"pipeline_virtual_stages) <= {num_layers}, or more layers")
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if k < extra else 0) for k in range(num_stages)]
+    out, first = [], 0
+    for c in counts:
+        out.append(list(range(first, first + c)))
+        first += c
+    return out
+
+
+def stage_chunks(num_layers: int, pp_size: int, pp_rank: int, virtual_stages: int = 1,
+                 pipeline_layers: Optional[List[int]] = None) -> List[List[int]]:
+    """The layers of each model chunk of rank `pp_rank`: chunk j is virtual stage j * pp + rank."""
+    split = split_layers(num_layers, pp_size * virtual_stages, pipeline_layers)
+    return [split[j * pp_size + pp_rank] for j in range(virtual_stages)]
+
+
+class PipelineStage(nn.Module):
+    """One rank's stage of a LlamaForCausalLM: forward(x, position_ids, labels, num_items_in_batch,
+    chunk) runs model chunk `chunk` on x (input ids on the first virtual stage, the residual stream
+    h otherwise) and returns h, or on the last virtual stage the loss (sum of token losses /
+    num_items_in_batch)."""
+
+    def __init__(self, model: nn.Module, pgm, chunks: List[List[int]]):
+        super().__init__()
+        self.config, self.pgm, self.chunks = model.config, pgm, [list(c) for c in chunks]
+        self.num_chunks = len(chunks)
+        self.is_first, self.is_last = pgm.pp.is_first, pgm.pp.is_last
+        # the whole model's names and full shapes: what a checkpoint of any stage must describe
+        self.full_param_shapes: Dict[str, list] = {
+            n: list(getattr(p, "tp_full_shape", None) or p.shape) for n, p in model.named_parameters()}
+        body = model.model
+        kept = [i for c in chunks for i in c]
+        body.layers = nn.ModuleDict({str(i): body.layers[i] for i in kept})
+        if not self.is_first:
+            body.embed_tokens = None
+        if not self.is_last:
+            body.norm = None
+        self.model = body
+        self.lm_head = model.lm_head if self.is_last else None
+        self.gradient_checkpointing = getattr(model, "gradient_checkpointing", False)
+
+    def gradient_checkpointing_enable(self):
+        self.gradient_checkpointing = True
+
+    def is_first_virtual(self, chunk: int) -> bool:
+        return self.is_first and chunk == 0
+
+    def is_last_virtual(self, chunk: int) -> bool:
+        return self.is_last and chunk == self.num_chunks - 1
+
+    def forward(self, x, position_ids, labels=None, num_items_in_batch=None, chunk: int = 0, document_ids=None):
+        from models.llama import rotary_tables          # lazily: minipar does not depend on models/
+        from ..tensor_parallel import vocab_parallel_cross_entropy
+        cfg = self.config
+        h = self.model.embed_tokens(x) if self.is_first_virtual(chunk) else x
+        cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype)
+        for i in self.chunks[chunk]:
+            layer = self.model.layers[str(i)]
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, document_ids, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, document_ids)
+        if not self.is_last_virtual(chunk):
+            return h
+        local_logits = self.lm_head(self.model.norm(h))          # (b, s, V/tp)
+        loss_sum = vocab_parallel_cross_entropy(local_logits, labels, self.pgm.tp, reduction="sum")
+        return loss_sum / num_items_in_batch
+
+    # ------------------------------------------------------------------ whole-model state dicts
+    def full_state_dict(self) -> dict:
+        """{HF name: full tensor} of the WHOLE model on every rank: each stage gathers its own
+        (over tp, and its ZeRO-3 shards), then the stages exchange theirs over pgm.pp. Collective."""
+        from ..tensor_parallel import gather_tensor
+        if getattr(self, "zero3", None) is not None:
+            mine = self.zero3.full_state_dict()
+        else:
+            mine = {n: gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp).clone()
+                    for n, p in self.named_parameters()}
+        return gather_over_stages({n: t.cpu() for n, t in mine.items()}, self.pgm)
+
+    def save_pretrained(self, directory: str):
+        """config.json + model.safetensors of the whole model (global rank 0 writes; collective)."""
+        from models.llama import LlamaForCausalLM
+        LlamaForCausalLM.save_pretrained(self, directory)     # only needs full_state_dict/config/pgm
+
+
+def gather_over_stages(mine: dict, pgm) -> dict:
+    """Merge the {name: CPU tensor} dicts of all stages of pgm.pp (each stage holds other names);
+    every rank gets the union. Objects over the pp group: a one-off at save/export time."""
+    if pgm.pp.size == 1:
+        return mine
+    parts = [None] * pgm.pp.size
+    dist.all_gather_object(parts, mine, group=pgm.pp.group)
+    out = {}
+    for part in parts:
+        out.update(part)
+    order = {n: i for i, n in enumerate(_hf_order(out))}
+    return {n: out[n] for n in sorted(out, key=order.get)}
+
+
+def _hf_order(names):
+    """embed_tokens, layers in numeric order, norm, lm_head: the order of the whole model."""
+    def key(n):
+        parts = n.split(".")
+        if n.startswith("model.embed_tokens"):
+            return (0, 0, n)
+        if n.startswith("model.layers."):
+            return (1, int(parts[2]), n)
+        if n.startswith("model.norm"):
+            return (2, 0, n)
+        return (3, 0, n)
+    return sorted(names, key=key)
+
+
+def build_stage(model: nn.Module, pgm, virtual_stages: int = 1,
+                pipeline_layers: Optional[List[int]] = None) -> PipelineStage:
+    """This rank's PipelineStage of a freshly built LlamaForCausalLM (call before fully_shard /
+    replicate and before the optimizer, which must only see the stage's parameters)."""
+    if model.config.tie_word_embeddings:
+        raise ValueError("tie_word_embeddings with pipeline parallelism is not supported: the embedding "
+                         "(first stage) and the lm_head (last stage) would share one weight across stages; "
+                         "set model.tie_word_embeddings false or pipeline_parallel_size 1")
+    chunks = stage_chunks(model.config.num_hidden_layers, pgm.pp.size, pgm.pp.rank, virtual_stages,
+                          pipeline_layers)
+    return PipelineStage(model, pgm, chunks)

@@ -1,0 +1,313 @@
+"""Pipeline parallelism: the split rule, the schedules, and training runs equal to one process.
+
+Fast (default suite): the split and schedule checks (pure), every schedule on pp 2 for 3 steps,
+pp 2 x dp_shard 2 with activation checkpointing and clipping (ZeRO-3 reduce-scatters once per
+step; its FULL_STATE_DICT checkpoint resumes on one process), a sharded checkpoint saved on pp 2
+and resumed on one process (on pp 4: slow), the export of a pp run, bad settings refused on every rank.
+Slow (make test-slow): 20 steps of every schedule on pp 2 and pp 4, and pp 2 composed with
+tp (with and without sp), cp, dp_shard, DDP, and all of them on 16 ranks (configs/5d.yaml).
+"""
+import os
+
+import pytest
+import torch
+
+from harness import run_world
+from minipar import comm
+from minipar.pipeline_parallel import (SCHEDULES, check_schedule, schedule_order, simulate, split_layers,
+                                       stage_chunks, theory_bubble)
+from minipar.pipeline_parallel.schedules import peak_in_flight
+from minipar.training.pipeline_step import check_pipeline
+from minipar.training.run_setup import setup_run
+from minipar.training.train_config import load_config
+from minipar.training.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "data", "shakespeare.txt")
+
+
+def _tiny(layers=4, steps=3):
+    # warmup 25 > steps: the learning rate of a step does not depend on max_steps, so a 3-step
+    # run and the first 3 steps of a 5-step run are the same run. global batch 8 in
+    # micro-batches of 2: m = 4 per step at dp 1, 2 at dp 2. Clipping at 1.0 (the default) is
+    # active: the gradient norms of these steps are 2-5.
+    return ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_hidden_layers",
+            str(layers), "--model.num_attention_heads", "4", "--model.num_key_value_heads", "2",
+            "--sequence_len", "32", "--global_batch_size", "8", "--micro_batch_size", "2",
+            "--max_steps", str(steps), "--warmup_steps", "25", "--eval_steps", str(steps), "--eval_batches", "1",
+            "--logging_steps", "100", "--progress_bar", "false", "--save_steps", "0",
+            "--save_final_checkpoint", "false", "--export_hf", "false", "--dataset", DATA]
+
+
+def _argv(out, *extra, config="ddp.yaml", layers=4, steps=3):
+    return [os.path.join(ROOT, "configs", config), *_tiny(layers, steps), "--dp_replicate_size", "1",
+            "--output_dir", str(out), *extra]
+
+
+def _curve(history):
+    return [(r["step"], r["loss"], r.get("val_loss"), r["grad_norm"]) for r in history]
+
+
+def _train(argv):
+    torch.set_num_threads(1)
+    return _curve(Trainer(setup_run(argv)).train())
+
+
+def _train_counting(argv):
+    """The curve, and what the ledger saw: reduce-scatters, sends, bytes sent."""
+    torch.set_num_threads(1)
+    trainer = Trainer(setup_run(argv))
+    with comm.ledger() as led:
+        history = trainer.train()
+    zero3 = getattr(trainer.model, "zero3", None)
+    return _curve(history), dict(reduce_scatters=led.count("reduce_scatter"), sends=led.count("send"),
+                                 units=len(zero3.shards) if zero3 else 0, pp_rank=trainer.pgm.pp.rank)
+
+
+def _same(ref, got, rel=1e-4):
+    assert len(got) <= len(ref) and got
+    for (s, a, va, ga), (s2, b, vb, gb) in zip(ref, got):
+        assert s == s2
+        assert abs(a - b) <= rel * abs(a), f"step {s}: loss {b} vs single-process {a}"
+        assert abs(ga - gb) <= 1e-3 * abs(ga) + 1e-6, f"step {s}: grad_norm {gb} vs {ga}"
+        if va is not None and vb is not None:
+            assert abs(va - vb) <= rel * abs(va), f"step {s}: val_loss {vb} vs {va}"
+
+
+_REFS = {}
+
+
+def _reference(tmp_path_factory, layers=4, steps=5, *extra):
+    key = (layers, steps, extra)
+    if key not in _REFS:
+        out = tmp_path_factory.mktemp("single")
+        _REFS[key] = run_world(_train, 1, _argv(out, *extra, layers=layers, steps=steps), timeout=600)[0]
+        assert all(g > 1.0 for *_, g in _REFS[key])        # clipping at 1.0 really engages
+    return _REFS[key]
+
+
+# ------------------------------------------------------------------------------ pure checks
+def test_split_rule_and_uneven_split():
+    assert split_layers(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_layers(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]          # the earliest stages take the extra
+    assert split_layers(6, 2, [1, 5]) == [[0], [1, 2, 3, 4, 5]]
+    # interleaved: chunk j of rank r is virtual stage j * pp + r
+    assert stage_chunks(8, 2, 0, 2) == [[0, 1], [4, 5]] and stage_chunks(8, 2, 1, 2) == [[2, 3], [6, 7]]
+    with pytest.raises(ValueError, match="num_hidden_layers=2 cannot be split over 4"):
+        split_layers(2, 4)
+    with pytest.raises(ValueError, match="sums to 5, but the model has num_hidden_layers=6"):
+        split_layers(6, 2, [2, 3])
+    with pytest.raises(ValueError, match="must list 2 positive"):
+        split_layers(6, 2, [6])
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_schedules_complete_with_the_bubble_and_memory_of_theory(name):
+    for p in (2, 3, 4):
+        for m in (p, 2 * p, 3 * p):
+            for v in ((2, 3) if name == "interleaved_1f1b" else (1,)):
+                orders = [schedule_order(name, p, m, r, v) for r in range(p)]
+                for order in orders:              # every chunk of every micro-batch: one F, then one B
+                    assert sorted(order) == sorted({(k, c, i) for k in "FB" for c in range(v) for i in range(m)})
+                    for c in range(v):
+                        for i in range(m):
+                            assert order.index(("F", c, i)) < order.index(("B", c, i))
+                events, total = simulate(orders, v, t_f=1.0, t_b=1.0)   # raises on a deadlock
+                for r in range(p):
+                    busy = sum(e - s for _, s, e in events[r])
+                    assert abs((1 - busy / total) - theory_bubble(name, p, m, v)) < 1e-9
+                peaks = [peak_in_flight(o) for o in orders]
+                if name == "afab":
+                    assert peaks == [m] * p
+                elif name == "1f1b":
+                    assert peaks == [p - r for r in range(p)]       # independent of m
+                else:
+                    assert peaks == [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
+
+
+def _link_messages(name, p, m, v):
+    """{(sender, receiver): [message]} in the order the executor posts the sends, and the same
+    for the receives: (kind, receiving virtual stage, micro-batch)."""
+    sends, recvs, last = {}, {}, p * v - 1
+    for r in range(p):
+        for a in schedule_order(name, p, m, r, v):
+            vs = a.chunk * p + r
+            if a.kind == "F":
+                if vs > 0:
+                    recvs.setdefault(((r - 1) % p, r), []).append(("h", vs, a.micro))
+                if vs < last:
+                    sends.setdefault((r, (r + 1) % p), []).append(("h", vs + 1, a.micro))
+            else:
+                if vs < last:
+                    recvs.setdefault(((r + 1) % p, r), []).append(("dh", vs, a.micro))
+                if vs > 0:
+                    sends.setdefault((r, (r - 1) % p), []).append(("dh", vs - 1, a.micro))
+    return sends, recvs
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_link_sends_in_the_order_it_receives(name):
+    # what a backend that ignores tags (NCCL) needs to pair the messages
+    for p in (2, 3, 4):
+        for m in (p, 2 * p):
+            for v in ((2, 3) if name == "interleaved_1f1b" else (1,)):
+                sends, recvs = _link_messages(name, p, m, v)
+                assert sends == recvs
+
+
+def test_too_few_micro_batches_and_bad_settings_are_refused():
+    check_schedule("afab", 4, 1, 1)
+    with pytest.raises(ValueError, match="needs at least 4 micro-batches per step.*has 3"):
+        check_schedule("1f1b", 4, 3, 1)
+    with pytest.raises(ValueError, match="multiple of pipeline_parallel_size 4"):
+        check_schedule("interleaved_1f1b", 4, 6, 2)
+    with pytest.raises(ValueError, match="pipeline_virtual_stages=2 only applies"):
+        check_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="use one of afab, 1f1b, interleaved_1f1b"):
+        check_schedule("gpipe", 2, 4, 1)
+    cfg = load_config(None, _tiny(4) + ["--pipeline_layers", "[1, 2]"])
+    with pytest.raises(ValueError, match="sums to 3"):
+        check_pipeline(cfg, 2, 4)
+    cfg = load_config(None, _tiny(4) + ["--model.tie_word_embeddings", "true"])
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        check_pipeline(cfg, 2, 4)
+    cfg = load_config(None, _tiny(4) + ["--pipeline_schedule", "interleaved_1f1b"])
+    with pytest.raises(ValueError, match="num_hidden_layers=4 cannot be split over 8"):
+        check_pipeline(cfg, 4, 4)                # 2 chunks x 4 stages = 8 virtual stages
+
+
+def _bad_world(argv):
+    try:
+        setup_run(argv)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_bad_pipeline_refused_on_every_rank_before_any_collective(tmp_path):
+    out = run_world(_bad_world, 2, _argv(tmp_path, "--pipeline_parallel_size", "2", layers=1), timeout=120)
+    assert all("num_hidden_layers=1 cannot be split over 2" in o for o in out), out[0]
+    out = run_world(_bad_world, 2, _argv(tmp_path, "--pipeline_parallel_size", "2", "--micro_batch_size", "8"),
+                    timeout=120)
+    assert all("needs at least 2 micro-batches" in o for o in out), out[0]
+
+
+# ------------------------------------------------------------------- equal to one process (fast)
+@pytest.mark.parametrize("schedule", ["afab", "interleaved_1f1b"])   # 1f1b: the checkpoint test's run
+def test_each_schedule_on_pp2_matches_single_process(tmp_path_factory, tmp_path, schedule):
+    ref = _reference(tmp_path_factory)
+    got = run_world(_train, 2, _argv(tmp_path, "--pipeline_parallel_size", "2", "--pipeline_schedule", schedule),
+                    timeout=300)
+    for g in got:                              # every stage logs the same loss
+        _same(ref, g)
+
+
+def test_pp2_zero3_checkpointing_reduce_scatters_once_per_step(tmp_path_factory, tmp_path):
+    # interleaved: two chunks per rank, each unit reduce-scattered in its own chunk's last backward
+    ref = _reference(tmp_path_factory)
+    save = tmp_path / "pp2-shard2"
+    got = run_world(_train_counting, 4, _argv(save, "--pipeline_parallel_size", "2", "--dp_shard_size", "2",
+                                              "--pipeline_schedule", "interleaved_1f1b",
+                                              "--gradient_checkpointing", "true", "--save_final_checkpoint", "true",
+                                              "--fsdp.state_dict_type", "FULL_STATE_DICT"), timeout=300)
+    steps, m = 3, 2                            # 8 samples / (micro_batch_size 2 x dp 2)
+    for curve, led in got:
+        _same(ref, curve)
+        assert led["units"] > 0 and led["reduce_scatters"] == steps * led["units"], led   # not x m
+        # v p - 1 = 3 boundaries: rank 0 sends 2 activations and 1 gradient per micro-batch, rank 1 the
+        # reverse; an evaluation sends one activation per boundary (rank 0: 2, rank 1: 1)
+        assert led["sends"] == steps * m * 3 + (2 if led["pp_rank"] == 0 else 1), led
+    # the full checkpoint (gathered over the shards and the stages) resumes on one process
+    resumed = run_world(_train, 1, _argv(tmp_path / "one", "--resume_from_checkpoint", str(save / "step-3"),
+                                         steps=5), timeout=300)[0]
+    _same(ref[3:], resumed)
+
+
+def _save_on_pp2(tmp_path_factory, tmp_path):
+    """3 steps of 1F1B on pp 2 (equal to one process), saved (sharded) and exported at the end."""
+    ref = _reference(tmp_path_factory)           # 5 uninterrupted steps on one process
+    save = tmp_path / "pp2"
+    got = run_world(_train, 2, _argv(save, "--pipeline_parallel_size", "2", "--pipeline_schedule", "1f1b",
+                                     "--save_final_checkpoint", "true", "--export_hf", "true"), timeout=300)
+    for g in got:
+        _same(ref, g)
+    return ref, save
+
+
+def _resume(ref, step3, out, world, *extra):
+    got = run_world(_train, world, _argv(out, *extra, "--resume_from_checkpoint", step3, steps=5), timeout=300)[0]
+    assert [g[0] for g in got] == [4, 5]
+    _same(ref[3:], got)
+
+
+def test_checkpoint_saved_on_pp2_resumes_on_one_process_and_exports(tmp_path_factory, tmp_path):
+    from safetensors.torch import load_file
+    from minipar.training.export import export_checkpoint
+    ref, save = _save_on_pp2(tmp_path_factory, tmp_path)
+    _resume(ref, str(save / "step-3"), tmp_path / "resume1", 1)
+    # the run's own export (gathered over the stages) is the whole model, as a 1-process export
+    export_checkpoint(str(save / "step-3"), str(tmp_path / "hf1"))
+    mine = load_file(str(save / "hf" / "model.safetensors"))
+    one = load_file(str(tmp_path / "hf1" / "model.safetensors"))
+    assert sorted(mine) == sorted(one) and "model.layers.3.mlp.up_proj.weight" in mine
+    for name in one:
+        torch.testing.assert_close(mine[name], one[name], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_on_pp2_resumes_on_pp4(tmp_path_factory, tmp_path):
+    ref, save = _save_on_pp2(tmp_path_factory, tmp_path)
+    _resume(ref, str(save / "step-3"), tmp_path / "resume4", 4, "--pipeline_parallel_size", "4")
+
+
+# ------------------------------------------------------------------- 20 steps (make test-slow)
+def _pp(world, layers, name, *extra):
+    return pytest.param(world, layers, ["--pipeline_parallel_size", *extra], id=name)
+
+
+SLOW = [
+    _pp(2, 4, "pp2-afab", "2", "--pipeline_schedule", "afab"),
+    _pp(2, 4, "pp2-1f1b", "2", "--pipeline_schedule", "1f1b"),
+    _pp(2, 4, "pp2-interleaved", "2", "--pipeline_schedule", "interleaved_1f1b"),
+    _pp(4, 8, "pp4-afab", "4", "--pipeline_schedule", "afab"),
+    _pp(4, 8, "pp4-1f1b", "4", "--pipeline_schedule", "1f1b"),
+    _pp(4, 8, "pp4-interleaved", "4", "--pipeline_schedule", "interleaved_1f1b"),
+    _pp(4, 4, "pp2-tp2", "2", "--tensor_parallel_size", "2"),
+    _pp(4, 4, "pp2-tp2-sp", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"),
+    _pp(4, 4, "pp2-cp2", "2", "--context_parallel_size", "2"),
+    _pp(4, 4, "pp2-shard2-checkpointing", "2", "--dp_shard_size", "2", "--gradient_checkpointing", "true"),
+    _pp(4, 4, "pp2-ddp2-interleaved", "2", "--dp_replicate_size", "2", "--dp_shard_size", "1",
+        "--pipeline_schedule", "interleaved_1f1b"),
+    _pp(8, 4, "pp2-hsdp2x2", "2", "--dp_replicate_size", "2", "--dp_shard_size", "2", "--micro_batch_size", "1"),
+    _pp(16, 4, "pp2-shard2-cp2-tp2-sp", "2", "--dp_shard_size", "2", "--context_parallel_size", "2",
+        "--tensor_parallel_size", "2", "--sequence_parallel", "true"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layers,extra", SLOW)
+def test_twenty_steps_match_single_process(tmp_path_factory, tmp_path, world, layers, extra):
+    ref = _reference(tmp_path_factory, layers, 20)
+    got = run_world(_train, world, _argv(tmp_path, *extra, layers=layers, steps=20), timeout=1800)
+    for g in got:
+        assert len(g) == 20
+        _same(ref, g)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,world", [("pp.yaml", 4), ("5d.yaml", 16)])
+def test_pipeline_configs_match_single_process(tmp_path_factory, tmp_path, config, world):
+    ref = _reference(tmp_path_factory, 4, 20)
+    got = run_world(_train, world, _argv(tmp_path, config=config, steps=20), timeout=1800)
+    _same(ref, got[0])
+    assert len(got[0]) == 20
+
+
+@pytest.mark.slow
+def test_packed_finetune_on_pp2_matches_one_process(tmp_path_factory, tmp_path):
+    # packed chat rows: document_ids reach every stage's attention (tests/test_datasets.py's run)
+    from test_datasets import _packed_run, make_example, load_tokenizer
+    d = tmp_path_factory.mktemp("example")
+    paths = make_example(str(d), num_conversations=120, vocab_size=2048, tokenizer_chars=200_000)
+    example = dict(paths, dir=str(d), tok=load_tokenizer(paths["tokenizer"]))
+    _packed_run(example, tmp_path, 3, 4, pipeline_parallel_size=2, dp_shard_size=2, micro_batch_size=2)

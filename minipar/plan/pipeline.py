@@ -39,7 +39,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from minipar.pipeline_parallel.schedules import check_schedule, schedule_order
+from minipar.pipeline_parallel.schedules import check_schedule, peak_in_flight, schedule_order
 from minipar.pipeline_parallel.stage import stage_chunks
 
 from . import model as pm
@@ -222,7 +222,7 @@ def plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, bat
     acts = dict(per_micro=per_micro, per_micro_checkpointed=sum(chunk_bytes(c, True) for c in range(len(st.chunks))),
                 full=in_flight(False), checkpointed=in_flight(True),
                 checkpointed_peak=in_flight(True) + act["per_layer"],
-                in_flight=max(_live_counts(order)))
+                in_flight=peak_in_flight(order))
 
     # ---- TP / CP inside the stage, per micro-batch
     L, fst, lst = st.num_layers, int(st.first), int(st.last)
@@ -266,14 +266,6 @@ def message_bytes(model: ModelShape, layout: Layout, batch: Batch, opts: Options
     return batch.micro(layout) * s * model.hidden_size * e
 
 
-def _live_counts(order) -> List[int]:
-    live, out = 0, [0]
-    for a in order:
-        live += 1 if a.kind == "F" else -1
-        out.append(live)
-    return out
-
-
 def _buckets(sizes: List[int], bucket_mb: float = 25) -> List[int]:
     """data_parallel.replicate's buckets over the stage's gradients (as model.ddp_buckets)."""
     out, current, count, limit = [], 0, 0, bucket_mb * 2 ** 20
@@ -306,5 +298,72 @@ def critical_sends(pipe: Pipeline, m: int) -> int:
     return 2 * (m * pipe.virtual_stages + pipe.pp - 1)
 
 
-def replace_layers(model: ModelShape, n: int) -> ModelShape:
-    return dataclasses.replace(model, num_hidden_layers=n)
+def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batch, opts: Options,
+                  cluster) -> dict:
+    """estimate.plan's answer for pp x layout: one entry per stage under "stages", and the worst
+    stage's (the most memory) at the top level, so that what prints for 4D prints for it too."""
+    from .estimate import crosses_nodes               # the placement of the 4D groups of a stage
+    problems = pm.check(model, layout, batch) + check(model, layout, pipe, batch)
+    if problems:
+        raise ValueError(f"layout {pipe} x {layout} cannot run this model and batch: " + "; ".join(problems))
+    W, g, e = layout.world, cluster.gpus_per_node, DTYPE_BYTES[opts.dtype]
+    world, M = W * pipe.pp, batch.micro_steps(layout)
+    cross = crosses_nodes(layout, g)
+    cross["pp"] = any(len({(w + k * W) // g for k in range(pipe.pp)}) > 1 for w in range(W))
+    sizes = dict(layout.sizes(), pp=pipe.pp)
+    peak = cluster.peak_tflops * 1e12
+    speed = peak * cluster.efficiency
+    _, layer, _ = model.tensors(1)
+    tokens = batch.global_batch_size * batch.sequence_len
+    attn = 6 * model.num_attention_heads * model.head_dim * batch.sequence_len     # per token, layer
+    full = pm.flops(model, layout, batch, opts)["model"]
+    budget = cluster.gpu_memory_gb * 1e9 * (1 - cluster.reserve)
+    out = []
+    for st in stages(model, pipe):
+        p = plan_stage(model, layout, pipe, st, batch, opts)
+        groups: Dict[str, dict] = {}
+        for (op, group), (calls, nbytes) in sorted(p.pop("collectives").items()):
+            gr = groups.setdefault(group, dict(size=sizes[group], crosses_nodes=cross[group], ops={},
+                                               wire_bytes=0.0))
+            wire = nbytes if op == "send" else pm.wire_bytes(op, sizes[group], nbytes)   # p2p: as is
+            gr["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
+            gr["wire_bytes"] += wire
+        sec = {k: gr["wire_bytes"] / ((cluster.inter_gbps if gr["crosses_nodes"] else cluster.intra_gbps) * 1e9)
+               for k, gr in groups.items()}
+        for k, gr in groups.items():
+            gr["seconds"] = sec[k]
+        L = st.num_layers
+        lay_fl = 6 * L * (sum(layer) - 2 * model.hidden_size) + L * attn
+        per_token = lay_fl + (6 * model.vocab_size * model.hidden_size if st.last else 0)
+        recompute = lay_fl / 3 if opts.gradient_checkpointing else 0
+        compute = (per_token + recompute) * tokens / W / speed
+        attention = L * attn * tokens / W / speed
+        dp = sum(sec.get(k, 0.0) for k in ("dp_shard_cp", "dp_replicate", "dp_cp"))
+        work = compute + sec.get("tp", 0.0) + max(0.0, sec.get("cp", 0.0) - attention) + \
+            (max(0.0, dp - compute) if opts.prefetch > 0 else dp)
+        n = batch.micro(layout) * batch.sequence_len // layout.cp
+        transient = n * model.vocab_size // layout.tp * (e + 4) if st.last else 0
+        if layout.sharded:
+            transient += 2 * 4 * max(u.numel for u in stage_units(model, layout, st))
+        mem, acts = p["memory"], p["activations"]
+        activation = acts["checkpointed_peak" if opts.gradient_checkpointing else "full"]
+        total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
+        p.update(memory=dict(mem, activations=acts, transient=transient, total=total, budget=budget,
+                             fits=total <= budget),
+                 comm=groups, time=dict(compute_s=compute, tp_s=sec.get("tp", 0.0), cp_s=sec.get("cp", 0.0),
+                                        dp_s=dp, work_s=work))
+        out.append(p)
+    bub = bubble(pipe, M)
+    bw = (cluster.inter_gbps if cross["pp"] else cluster.intra_gbps) * 1e9
+    pp_s = critical_sends(pipe, M) * message_bytes(model, layout, batch, opts) / bw
+    slowest = max(out, key=lambda p: p["time"]["work_s"])
+    step = slowest["time"]["work_s"] / (1 - bub) + pp_s
+    worst = max(out, key=lambda p: p["memory"]["total"])
+    t = dict(slowest["time"], step_s=step, bubble=bub, pp_s=pp_s, slowest_stage=slowest["rank"],
+             tokens_per_s=tokens / step, mfu=full / (step * world * peak), model_flops=full)
+    return dict(layout=dict(dataclasses.asdict(layout), pp=pipe.pp), pipeline=dataclasses.asdict(pipe),
+                layout_str=f"{pipe} x {layout}", world=world, nodes=-(-world // g), micro_steps=M,
+                batch=dataclasses.asdict(batch), micro_batch=batch.micro(layout),
+                options=dataclasses.asdict(opts), params=model.num_params(), worst_stage=worst["rank"],
+                memory=worst["memory"], comm=worst["comm"], time=t, stages=out,
+                fits=all(p["memory"]["fits"] for p in out))

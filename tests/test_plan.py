@@ -201,19 +201,22 @@ VARIANTS = [("fsdp_tp.yaml", ["--sequence_parallel", "true", "--gradient_checkpo
                            "--tensor_parallel_size", "1"])]
 # pipeline parallelism beyond pp.yaml (pp 4, 1F1B, no dp): every pp path of minipar/plan/pipeline.py
 # on 4 ranks: ZeRO-3 per stage in bf16 (bf16 messages, the empty root of the first stage), TP + SP
-# inside the stages under AFAB with checkpointing, DDP per stage under the interleaved schedule
+# inside the stages under AFAB with checkpointing, DDP and ZeRO-3 per stage under the interleaved schedule
 PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16",
                               "--micro_batch_size", "1"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel",
                             "true", "--pipeline_schedule", "afab", "--gradient_checkpointing", "true"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2", "--pipeline_schedule",
-                            "interleaved_1f1b", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"])]
+                            "interleaved_1f1b", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"]),
+               # ZeRO-3 prefetch under interleaving: the learned unit order alternates between chunks
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
+                            "interleaved_1f1b", "--micro_batch_size", "1", "--model.num_hidden_layers", "8"])]
 
 
 def test_plan_matches_runs_on_4_ranks(tmp_path):
     """Every 4-rank config, and the variants, in one forked world of 4."""
     runs = [(c, []) for c in CONFIGS if WORLDS[c] == 4] + VARIANTS + PP_VARIANTS
-    assert len(runs) >= 13 and "pp.yaml" in [c for c, _ in runs]
+    assert len(runs) >= 14 and "pp.yaml" in [c for c, _ in runs]
     _check_world(4, runs, tmp_path)
 
 

@@ -133,14 +133,15 @@ class _Zero3Replay:
         if seen != self.fwd_order:
             self.fwd_order = seen
 
-    def backward(self, seq: List[Unit]):
+    def backward(self, seq: List[Unit], head: bool):
         seen = []
         for u in seq:
             if u.kind == "embedding":
                 continue
             seen.append(u)
             self._gather_now(u, self.bwd_order, len(seen) - 1)
-            self.gathered.discard(u.name)                  # post-backward: the unit's grads are in
+            if u is not self.root or head:                 # post-backward: the unit's grads are in
+                self.gathered.discard(u.name)              # (the root has none in a headless chunk)
         self.gathered.clear()                              # end of backward: free everything
         if seen != self.bwd_order:
             self.bwd_order = seen
@@ -178,7 +179,15 @@ def plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, bat
                               opts.reshard_after_forward)
         for a in order:
             seq = _chunk_units(us, st, a.chunk)
-            replay.forward(seq) if a.kind == "F" else replay.backward([seq[0]] + seq[:0:-1])
+            if a.kind == "F":
+                replay.forward(seq)
+                continue
+            # the backward reaches the units in the order their hooks sit on the chunk's output:
+            # the loss is the root's own output (root first); h is the last layer's output too,
+            # whose hook was registered before the root's (that layer first, then the root)
+            head = st.last and a.chunk == len(st.chunks) - 1
+            back = seq[:0:-1]
+            replay.backward([seq[0]] + back if head else back[:1] + [seq[0]] + back[1:], head)
         gathered = replay.peak
         for u in us:
             add("all_gather", "dp_shard_cp", replay.calls[u.name], padded[u.name] * e)

@@ -3,9 +3,11 @@
     python -m minipar.plan configs/fsdp.yaml                       the config's model, layout, batch
     python -m minipar.plan --model configs/models/llama-3.1-8b.json --world 16 --tp 8 --sp
     python -m minipar.plan --model configs/models/llama-3.1-70b.json --world 1024 --search
+    python -m minipar.plan configs/5d.yaml                         pipeline: one line per stage, the worst in full
     ... --json                                                     the same, as JSON for scripts
 
-The counts are minipar's own code paths (minipar/plan/model.py), held exactly against real runs by
+The counts are minipar's own code paths (minipar/plan/model.py; per pipeline stage
+minipar/plan/pipeline.py), held exactly against real runs by
 tests/test_plan.py; the time is a stated model (minipar/plan/estimate.py), not a measurement.
 """
 from __future__ import annotations

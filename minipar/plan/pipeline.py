@@ -9,7 +9,7 @@ on the first stage, the final norm + lm_head + loss on the last. Inside a stage 
                  stage's tensors; under ZeRO-3 its units: <root> = norm + lm_head on the last stage
                  (EMPTY elsewhere: an empty unit never gathers), the embedding on the first, then
                  one per layer of the stage in chunk order
-    gathered     ZeRO-3's buffers, from a replay of zero3's hooks (`_Zero3Replay`) over the
+    gathered     ZeRO-3's buffers, from a replay of zero3's hooks (zero3_replay.py) over the
                  schedule's action list: the root is re-gathered at every chunk forward, prefetch
                  follows the learned order, which alternates between chunks under interleaving
     accumulated  pipeline_step.py keeps ZeRO-3 / DDP in no_sync until the rank's last backward:
@@ -44,6 +44,7 @@ from minipar.pipeline_parallel.stage import stage_chunks
 
 from . import model as pm
 from .model import DTYPE_BYTES, Batch, Layout, ModelShape, Options, Unit
+from .zero3_replay import Zero3Replay
 
 
 @dataclass(frozen=True)
@@ -94,59 +95,6 @@ def stage_units(model: ModelShape, layout: Layout, st: Stage) -> List[Unit]:
     return out + [Unit(f"model.layers.{i}", sum(layer), len(layer)) for c in st.chunks for i in c]
 
 
-class _Zero3Replay:
-    """zero3/shard_manager.py's hooks, replayed on unit names: which all-gathers a step launches
-    and the peak of gathered bytes (start_gather is a no-op on a gathered or empty unit)."""
-
-    def __init__(self, us: List[Unit], nbytes: Dict[str, int], prefetch: int, reshard: bool):
-        self.us, self.nbytes, self.prefetch, self.reshard = us, nbytes, prefetch, reshard
-        self.root = us[0]
-        self.fwd_order = list(us)
-        self.bwd_order = [self.root] + [u for u in reversed(us[1:]) if u.kind != "embedding"]
-        self.gathered = set()
-        self.calls: Dict[str, int] = {u.name: 0 for u in us}
-        self.peak = 0
-
-    def _start(self, u):
-        if u.name not in self.gathered and u.numel:
-            self.gathered.add(u.name)
-            self.calls[u.name] += 1
-
-    def _gather_now(self, u, order, pos):
-        self._start(u)
-        if pos < len(order) and order[pos] is u:
-            for v in order[pos + 1:pos + 1 + self.prefetch]:
-                self._start(v)
-        self.peak = max(self.peak, sum(self.nbytes[n] for n in self.gathered))
-
-    def forward(self, seq: List[Unit]):
-        seen = []
-        for u in seq:
-            if u is self.root:
-                self.gathered.clear()
-            seen.append(u)
-            self._gather_now(u, self.fwd_order, len(seen) - 1)
-            if u is not self.root and self.reshard:
-                self.gathered.discard(u.name)
-        if self.reshard:
-            self.gathered &= {self.root.name}
-        if seen != self.fwd_order:
-            self.fwd_order = seen
-
-    def backward(self, seq: List[Unit], head: bool):
-        seen = []
-        for u in seq:
-            if u.kind == "embedding":
-                continue
-            seen.append(u)
-            self._gather_now(u, self.bwd_order, len(seen) - 1)
-            if u is not self.root or head:                 # post-backward: the unit's grads are in
-                self.gathered.discard(u.name)              # (the root has none in a headless chunk)
-        self.gathered.clear()                              # end of backward: free everything
-        if seen != self.bwd_order:
-            self.bwd_order = seen
-
-
 def _chunk_units(us: List[Unit], st: Stage, c: int) -> List[Unit]:
     by = {u.name: u for u in us}
     seq = [us[0]] + ([by["model.embed_tokens"]] if st.first and c == 0 else [])
@@ -175,7 +123,7 @@ def plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, bat
         N = layout.dp_shard * C
         padded = {u.name: pm._padded(u.numel, N) for u in us}
         elems, tensors = sum(padded[u.name] // N for u in us), sum(1 for u in us if u.numel)
-        replay = _Zero3Replay(us, {k: v * e for k, v in padded.items()}, opts.prefetch,
+        replay = Zero3Replay(us, {k: v * e for k, v in padded.items()}, opts.prefetch,
                               opts.reshard_after_forward)
         for a in order:
             seq = _chunk_units(us, st, a.chunk)

@@ -174,13 +174,14 @@ def describe_pipeline(p: dict, model: ModelShape) -> str:
              f"activations = per micro-batch x in flight):",
              f"  {'stage':<7}{'layers':<18}{'persistent':>11}{'gathered':>10}{'activations':>12}{'in flight':>10}"
              f"{'total':>10}{'sends':>7}"]
+    chosen = "checkpointed_peak" if p["options"]["gradient_checkpointing"] else "full"
     for s in p["stages"]:
         m, a = s["memory"], s["activations"]
         layers = "+".join(f"{c[0]}-{c[-1]}" for c in s["layers"]) + (" +emb" if s["first"] else "") + \
             (" +head" if s["last"] else "")
         sends = s["comm"].get("pp", {}).get("ops", {}).get("send", {}).get("calls", 0)
         lines.append(f"  {s['rank']:<7}{layers:<18}{m['persistent'] / size:11.3f}{m['gathered'] / size:10.3f}"
-                     f"{a['full'] / size:12.3f}{a['in_flight']:10d}{m['total'] / size:10.3f}{sends:7d}")
+                     f"{a[chosen] / size:12.3f}{a['in_flight']:10d}{m['total'] / size:10.3f}{sends:7d}")
     body = describe(p, model).split("\n")[:-1]        # the 4D step line does not apply
     body[1] = f"layout: {p['layout_str']} on {p['world']} GPUs ({p['nodes']} node(s)); the worst stage: " \
               f"{p['worst_stage']}, shown below"

@@ -163,7 +163,10 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_pp.md"))
     args = ap.parse_args(argv)
+    if args.hidden < 64 or args.hidden % 64:       # head_dim 64: hidden / 64 query heads
+        raise ValueError(f"--hidden must be a positive multiple of 64 (heads of 64), got {args.hidden}")
     act = args.micro_batch * args.seq * args.hidden * 4
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)   # the table and the PNG
     results, t_start = [], time.time()
     for p in args.stages:
         for m in args.micro:
@@ -208,9 +211,9 @@ def main(argv=None):
               f"({time.time() - t_start:.0f} s)."]
     text = "\n".join(lines) + "\n"
     print(text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
+    return results
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def _deadlock():
 def test_deadlock_fails_by_timeout():
     start = time.monotonic()
     with pytest.raises(WorldTimeout) as info:
-        run_world(_deadlock, 2, timeout=5)
+        run_world(_deadlock, 2, timeout=2)
     assert "[0, 1]" in str(info.value)
     assert time.monotonic() - start < 20
 

@@ -303,3 +303,31 @@ def test_every_config_is_planned_or_refused(capsys, tmp_path, monkeypatch):
         for config in FROM_BASE_MODEL:
             assert plan_main([os.path.join(ROOT, "configs", config), "--world", "8"]) == 0
             assert "dp_shard 2 x cp 2 x tp 2 on 8 GPUs" in capsys.readouterr().out
+
+
+def test_cli_pipeline_json_bubble_and_errors(capsys):
+    """A pipeline config prints every stage; the time carries the bubble of its schedule; bad
+    pipeline settings are refused with the trainer's own messages, and --search stays pp 1."""
+    import json
+    assert plan_main([os.path.join(ROOT, "configs", "5d.yaml"), "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["world"] == 16 and p["layout"]["pp"] == 2 and [s["rank"] for s in p["stages"]] == [0, 1]
+    first, last = p["stages"]
+    assert first["first"] and last["last"] and first["layers"] == [[0, 1]] and last["layers"] == [[2, 3]]
+    m = p["micro_steps"]
+    assert p["time"]["bubble"] == pytest.approx(1 / (m + 1)) and p["time"]["pp_s"] > 0
+    assert p["comm"]["pp"]["crosses_nodes"] and first["comm"]["pp"]["ops"]["send"]["calls"] == m
+    assert first["activations"]["in_flight"] == min(m, 2) and last["activations"]["in_flight"] == 1
+    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--pipeline-schedule", "interleaved_1f1b",
+                      "--json"]) == 2          # 4 layers cannot fill 4 stages x 2 chunks
+    assert "cannot be split over 8 (virtual) pipeline stages" in capsys.readouterr().err
+    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--global-batch-size", "4"]) == 2
+    assert "needs at least 4 micro-batches" in capsys.readouterr().err
+    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--search"]) == 2
+    assert "--search ranks layouts without pipeline parallelism" in capsys.readouterr().err
+    llama = os.path.join(LLAMA, "llama-3.1-8b.json")
+    assert plan_main(["--model", llama, "--world", "16", "--pp", "4", "--pipeline-schedule", "interleaved_1f1b",
+                      "--global-batch-size", "16", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["time"]["bubble"] == pytest.approx(3 / (2 * p["micro_steps"] + 3))
+    assert [len(s["layers"]) for s in p["stages"]] == [2] * 4     # 32 layers: 8 virtual stages of 4

@@ -213,7 +213,7 @@ def plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, bat
         add("all_reduce", "dp_shard_cp", 1, 8)
         add("all_reduce", "pp", 1, 8)
     return dict(rank=st.rank, layers=[list(c) for c in st.chunks], first=st.first, last=st.last,
-                memory=mem, activations=acts, collectives=coll, order=[tuple(a) for a in order])
+                memory=mem, activations=acts, collectives=coll)
 
 
 def message_bytes(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> int:

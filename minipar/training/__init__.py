@@ -13,5 +13,6 @@
     example_data.py   a small offline example: a BPE tokenizer with a chat template, chat rows
     optim.py          AdamW on the shards, warmup + cosine, global-norm clipping across shards
     checkpoint.py     sharded and full checkpoints, resharding on load (checkpoint_io.py: atomic
-                      directories, manifest, checksums); export.py: a checkpoint -> a HF directory
+                      directories, manifest; checkpoint_verify.py: checksums, the latest;
+                      checkpoint_files.py: the file formats); export.py: a checkpoint -> a HF directory
 """

@@ -31,7 +31,7 @@ all-reduces (barriers that also tell every rank whether any rank failed); FULL_S
 gathers of the model and of each optimizer state (an all-gather of the model's size per tensor
 kind). A load costs one status all-reduce: every rank checks the files itself first, so all refuse
 a damaged checkpoint together and none is left waiting in a collective. Atomicity, the manifest
-and the checksums are checkpoint_io.py. The scheme is torch.distributed.checkpoint's (save local
+and the checksums are checkpoint_io.py and checkpoint_verify.py. The scheme is torch.distributed.checkpoint's (save local
 shards with their global placement, reshard at load) in miniature; ZeRO-3 is Rajbhandari et al.
 (2020). Each loading rank holds the full model and optimizer in CPU memory for a moment: simple and
 fine at minipar's sizes, where DCP would read only the overlapping pieces.

@@ -22,45 +22,43 @@ touched and a half-written one never looks complete:
 rename(2) of a directory is atomic on POSIX file systems, so a reader sees either no step-N or the
 whole of it. The manifest is written last, so "manifest present" means "every file was written";
 its sizes and sha256 checksums catch what happened after (a truncated copy, a flipped bit, a
-file from another save). Files first, the record that makes them valid last: the commit rule of
-databases, and of torch.distributed.checkpoint (its .metadata file is written after the shards).
+file from another save: checkpoint_verify.py checks them, and finds the latest good step-N).
+Files first, the record that makes them valid last: the commit rule of databases, and of
+torch.distributed.checkpoint (its .metadata file is written after the shards).
 
 Communication per save: a broadcast of the temporary name (rank 0 draws it) and the two barriers,
 which are all-reduces of a failure flag: if any rank fails to write (a full disk), every rank
-learns it, rank 0 removes the temporary directory and all raise; none is left waiting. The small
-per-rank pieces live here too, as they are only file formats: the RNG states (torch CPU and CUDA,
-python, numpy) that make a resumed run draw the same numbers, and torch.save to bytes (hashed
-before they reach the disk). Everything but atomic_save and agree works on one process, no groups.
+learns it, rank 0 removes the temporary directory and all raise; none is left waiting. Everything
+but atomic_save and agree works on one process, no groups.
 
-Loading runs no code: every file is read with torch.load(weights_only=True), which unpickles
-tensors and plain containers only. A file that needs more (a pickle that would call a function,
-even one whose checksum was rewritten to match) is refused with a ValueError naming it.
+What goes inside the directory, and how it is read back, is checkpoint_files.py: torch.save to
+bytes (hashed before they reach the disk), loading with torch.load(weights_only=True), which runs
+no code, the RNG states, and the check that a checkpoint is of the loading model (re-exported
+here, so cio.load and cio.to_bytes keep working).
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import io
 import json
 import os
-import pickle
 import random
 import re
 import shutil
 import socket
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
 import torch
 
 from .. import comm
 from .run_lock import LOCK_NAME, process_alive
+# reading and verifying a checkpoint directory, finding the latest (checkpoint_verify.py), re-exported
+from .checkpoint_verify import (FORMAT, MANIFEST, VERSION, find_latest_checkpoint,  # noqa: F401
+                                find_latest_verified, list_checkpoints, read_manifest, sha256_file, verify)
+# the formats of the files inside (checkpoint_files.py), re-exported: cio.load, cio.to_bytes, ...
+from .checkpoint_files import (check_model, config_dict, load, rng_state, set_rng_state,  # noqa: F401
+                               to_bytes)
 
-FORMAT = "minipar-checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
 INDEX_DIR = "index"
-_STEP_RE = re.compile(r"^step-(\d+)$")
 # step-N.tmp-<host>-<pid>-<token>: the owner (rank 0 of the saving run) is optional for the
 # names of older minipar versions, which are always stale
 _TMP_RE = re.compile(r"^(.+?)\.tmp-(?:([A-Za-z0-9._]+)-(\d+)-)?([0-9a-f]{16})$")
@@ -95,14 +93,6 @@ def _owner_gone(host: Optional[str], pid: Optional[str], parent: str) -> bool:
         return lock.get("pid") == os.getpid() and lock.get("host") == socket.gethostname()
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def sha256_file(path: str, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:
@@ -226,89 +216,6 @@ def clean_stale(parent: str, keep: Optional[str] = None) -> List[str]:
     return removed
 
 
-def read_manifest(directory: str) -> dict:
-    """The parsed manifest, or a ValueError that names the file and what is wrong with it."""
-    path = os.path.join(directory, MANIFEST)
-    if not os.path.isdir(directory):
-        raise ValueError(f"checkpoint directory {directory} does not exist")
-    if not os.path.exists(path):
-        raise ValueError(f"{path} is missing: {directory} is not a complete checkpoint (a save that "
-                         f"did not finish, or not a minipar checkpoint); resume from an earlier step-N")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} cannot be read as JSON ({e}): the checkpoint is damaged") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
-        raise ValueError(f"{path} is not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise ValueError(f"{path} has format version {manifest.get('version')}, this minipar reads version "
-                         f"{VERSION}")
-    return manifest
-
-
-def verify(directory: str, checksums: bool = True) -> dict:
-    """Check the manifest and every file it lists (presence, size, and sha256 when `checksums`);
-    returns the manifest or raises a ValueError naming the first bad file."""
-    manifest = read_manifest(directory)
-    for rel, entry in manifest["files"].items():
-        path = os.path.join(directory, rel)
-        if not os.path.isfile(path):
-            raise ValueError(f"checkpoint file {path} is missing (listed in {MANIFEST}): the checkpoint "
-                             f"is incomplete")
-        size = os.path.getsize(path)
-        if size != entry["bytes"]:
-            raise ValueError(f"checkpoint file {path} has {size} bytes, the manifest says {entry['bytes']}: "
-                             f"the file is truncated or damaged")
-        if checksums and sha256_file(path) != entry["sha256"]:
-            raise ValueError(f"checkpoint file {path} fails its sha256 checksum: the file is damaged")
-    return manifest
-
-
-def list_checkpoints(output_dir: str) -> List[str]:
-    """Complete step-N directories under output_dir, oldest first. Complete means a valid manifest
-    whose files are all present with the right sizes (checksums are left to load time)."""
-    found = []
-    for path in _step_dirs(output_dir):
-        try:
-            verify(path, checksums=False)
-        except ValueError:
-            continue
-        found.append(path)
-    return found
-
-
-def _step_dirs(output_dir: str) -> List[str]:
-    """The step-N directories under output_dir, oldest first (step-N.tmp-... of a crashed save and
-    anything else left out)."""
-    steps = []
-    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        m = _STEP_RE.match(name)
-        if m and os.path.isdir(os.path.join(output_dir, name)):
-            steps.append((int(m.group(1)), os.path.join(output_dir, name)))
-    return [p for _, p in sorted(steps)]
-
-
-def find_latest_checkpoint(output_dir: str) -> Optional[str]:
-    """The newest complete output_dir/step-N, or None."""
-    done = list_checkpoints(output_dir)
-    return done[-1] if done else None
-
-
-def find_latest_verified(output_dir: str):
-    """(the newest output_dir/step-N whose every file checks out, sha256 included, or None;
-    [(path, why)] of the newer ones skipped). What `resume_from_checkpoint: latest` resumes from:
-    a truncated and a bit-flipped newest checkpoint are skipped alike, and named."""
-    skipped = []
-    for path in reversed(_step_dirs(output_dir)):
-        try:
-            verify(path, checksums=True)
-            return path, skipped
-        except ValueError as e:
-            skipped.append((path, str(e)))
-    return None, skipped
-
-
 def rotate_checkpoints(output_dir: str, save_total_limit: Optional[int]) -> List[str]:
     """Delete the oldest complete checkpoints beyond `save_total_limit` (rank 0 only; None or 0
     keeps all), and stale temporary directories. Returns what was removed."""
@@ -318,76 +225,3 @@ def rotate_checkpoints(output_dir: str, save_total_limit: Optional[int]) -> List
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-# ------------------------------------------------------------------------- formats of the files
-def to_bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def load(path: str):
-    """A checkpoint file, unpickled with weights_only=True: tensors and plain containers (dict,
-    list, tuple, str, numbers, None), never code. Anything else is refused, naming the file."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"checkpoint file {path} holds more than tensors and plain data, and loading it "
-                         f"could run code: refused ({first})") from None
-
-
-def rng_state() -> dict:
-    """This process's random number generators, in types that torch.load(weights_only) accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = dict(torch=torch.get_rng_state(), python=random.getstate(),
-                 numpy=(kind, keys.tolist(), int(pos), int(has_gauss), float(cached)))
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()      # the current device's generator
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def config_dict(model) -> Optional[dict]:
-    """model.config as JSON-able values (for the manifest and the shape check), or None."""
-    cfg = getattr(model, "config", None)
-    if dataclasses.is_dataclass(cfg):
-        d = dataclasses.asdict(cfg)
-    elif hasattr(cfg, "to_dict"):
-        d = cfg.to_dict()
-    else:
-        return None
-    return json.loads(json.dumps(d, default=str))
-
-
-def check_model(directory: str, manifest: dict, config: Optional[dict], shapes: Dict[str, list],
-                optimizer_groups: Optional[int] = None) -> None:
-    """Refuse a checkpoint of another model (config fields, parameter names, full shapes), or one
-    without the optimizer state asked for (optimizer_groups: the loading optimizer's group count)."""
-    saved = manifest.get("model_config")
-    if saved is not None and config is not None and saved != config:
-        diff = [f"{k}: checkpoint {saved.get(k)!r}, model {config.get(k)!r}"
-                for k in sorted(set(saved) | set(config)) if saved.get(k) != config.get(k)]
-        raise ValueError(f"checkpoint {directory} is of another model shape: " + "; ".join(diff))
-    theirs = manifest["params"]
-    bad = sorted(set(shapes) ^ set(theirs)) + [n for n in shapes if n in theirs and shapes[n] != theirs[n]]
-    if bad:
-        raise ValueError(f"checkpoint {directory} is of another model shape: parameters missing, extra or "
-                         f"of another shape: {bad[:5]}")
-    if optimizer_groups is None:
-        return
-    if manifest.get("optimizer") is None:
-        raise ValueError(f"checkpoint {directory} holds no optimizer state; pass optimizer=None to load "
-                         f"the model only")
-    if manifest["optimizer_groups"] != optimizer_groups:
-        raise ValueError(f"checkpoint {directory}: its optimizer has {manifest['optimizer_groups']} "
-                         f"parameter groups, this one {optimizer_groups}")

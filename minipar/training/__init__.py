@@ -1,6 +1,7 @@
 """The training program's parts, composed by train.py:
 
     train_config.py   the YAML keys (Axolotl's names) and --key value overrides
+    config_values.py  a value checked against its key's type; one error for every unknown key
     config_keys.py    Axolotl's keys mapped onto minipar's; the batch triple, max_steps from num_epochs
     run_setup.py      every check that needs no communication, then the process groups
     run_lock.py       output_dir writable, and one run per output_dir (a lock file)

@@ -6,25 +6,24 @@
 Every key has a typed default below; keys that are not among them are ONE error that lists all
 of them, each with the nearest valid key ("did you mean 'learning_rate'?"). Values from the
 command line are parsed as YAML scalars (20, true, null, [a, b]) and checked against the key's
-type: a float key takes 3e-4, 1E-3 and 2e-5 as people write them (PyYAML reads an exponent
-without a dot as a string, so float keys parse strings themselves); an int key refuses 2.5 and
-"3e-4"; a bool key takes only true/false. Axolotl's names (gradient_accumulation_steps,
+type (config_values.py): a float key takes 3e-4, 1E-3 and 2e-5 as people write them (PyYAML
+reads an exponent without a dot as a string, so float keys parse strings themselves); an int key
+refuses 2.5 and "3e-4"; a bool key takes only true/false. Axolotl's names (gradient_accumulation_steps,
 num_epochs, bf16, fsdp_config, ...) are mapped onto these keys by config_keys.py. Nothing here
 touches torch.distributed, so a bad config fails on every rank before the first collective.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
 import yaml
 
 from models.llama import LlamaConfig
+# typed values and the applying of a mapping, with one error for every unknown key (config_values.py)
+from .config_values import _apply, _coerce, _parse_float, unknown_keys_error  # noqa: F401
 
 # the checkout's root (minipar/training/ is two levels below it): configs/ and data/ live there
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -115,105 +114,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-_NESTED = {"fsdp": FSDPConfig, "model": LlamaConfig}
-
-
-def _valid_keys(cls) -> List[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def unknown_keys_error(unknown: List[tuple]) -> ValueError:
-    """One error for every unknown key: [(key, valid keys of its mapping, prefix)] -> ValueError
-    naming each with its nearest valid key, then the valid keys."""
-    parts, valid_lists = [], {}
-    for key, valid, prefix in unknown:
-        near = difflib.get_close_matches(key, valid, n=1)
-        hint = f" Did you mean '{prefix}{near[0]}'?" if near else ""
-        parts.append((f"'{prefix}{key}'", hint))
-        valid_lists[prefix] = valid
-    lists = "; ".join(f"Valid keys{' of ' + p[:-1] if p else ''}: {', '.join(v)}" for p, v in valid_lists.items())
-    if len(parts) == 1:
-        return ValueError(f"unknown config key {parts[0][0]}.{parts[0][1]} {lists}")
-    listed = ", ".join(f"{name}{' (' + hint.strip() + ')' if hint else ''}" for name, hint in parts)
-    return ValueError(f"{len(parts)} unknown config keys: {listed}. {lists}")
-
-
-def _field_types(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
-def _parse_float(key: str, value) -> float:
-    """A float as people write it: 3e-4, 1E-3, 2.5, 3 (YAML gives '3e-4' as a string)."""
-    if isinstance(value, bool):
-        raise ValueError(f"config key '{key}' must be a number, got {value!r}")
-    if isinstance(value, (int, float)):
-        out = float(value)
-    elif isinstance(value, str):
-        try:
-            out = float(value.strip())
-        except ValueError:
-            raise ValueError(f"config key '{key}' must be a number (e.g. 3e-4), got {value!r}") from None
-    else:
-        raise ValueError(f"config key '{key}' must be a number (e.g. 3e-4), got {value!r}")
-    if not math.isfinite(out):
-        raise ValueError(f"config key '{key}' must be a finite number, got {value!r}")
-    return out
-
-
-def _coerce(key: str, value, typ):
-    """Check a value against the key's annotated type. Optional keys take null; floats take ints
-    and the strings YAML leaves unparsed (3e-4); ints and bools are strict."""
-    args = typing.get_args(typ)
-    optional = typing.get_origin(typ) is Union and type(None) in args
-    if value is None:
-        if optional:
-            return None
-        raise ValueError(f"config key '{key}' cannot be null")
-    if optional:
-        rest = [a for a in args if a is not type(None)]
-        typ = rest[0] if len(rest) == 1 else Union[tuple(rest)]
-    if typ is float:
-        return _parse_float(key, value)
-    if typ is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"config key '{key}' must be true or false, got {value!r}")
-        return value
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"config key '{key}' must be an integer, got {value!r}")
-        return value
-    if typ is str:
-        if not isinstance(value, str):
-            raise ValueError(f"config key '{key}' must be a string, got {value!r}")
-        return value
-    if typing.get_origin(typ) in (list, List):
-        item = (typing.get_args(typ) or (object,))[0]
-        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
-            raise ValueError(f"config key '{key}' must be a list of {getattr(item, '__name__', item)}s, got {value!r}")
-        return value
-    return value                              # unions (bf16: true/false/auto) are checked where used
-
-
-def _apply(obj, updates: dict, prefix: str = "", unknown: Optional[list] = None):
-    """Set the keys of `updates` on the dataclass `obj`; unknown keys are appended to `unknown`
-    (raised at once when it is None)."""
-    collect = [] if unknown is None else unknown
-    valid, types = _valid_keys(type(obj)), _field_types(type(obj))
-    for key, value in updates.items():
-        if key not in valid:
-            collect.append((key, valid, prefix))
-            continue
-        current = getattr(obj, key)
-        if key in _NESTED and not prefix:
-            if not isinstance(value, dict):
-                raise ValueError(f"config key '{key}' must be a mapping of {', '.join(_valid_keys(_NESTED[key]))}")
-            _apply(current, value, prefix=key + ".", unknown=collect)
-        else:
-            setattr(obj, key, _coerce(prefix + key, value, types[key]))
-    if unknown is None and collect:
-        raise unknown_keys_error(collect)
 
 
 def _example(key: str) -> str:

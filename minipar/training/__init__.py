@@ -13,7 +13,8 @@
     packing.py        rows of sequence_len: whole examples packed with document ids, the row sampler
     example_data.py   a small offline example: a BPE tokenizer with a chat template, chat rows
     optim.py          AdamW on the shards, warmup + cosine, global-norm clipping across shards
-    checkpoint.py     sharded and full checkpoints, resharding on load (checkpoint_io.py: atomic
-                      directories, manifest; checkpoint_verify.py: checksums, the latest;
-                      checkpoint_files.py: the file formats); export.py: a checkpoint -> a HF directory
+    checkpoint.py     sharded and full checkpoints, resharding on load (checkpoint_layout.py: the
+                      segments, full <-> local; checkpoint_io.py: atomic directories, manifest;
+                      checkpoint_verify.py: checksums, the latest; checkpoint_files.py: the file
+                      formats); export.py: a checkpoint -> a HF directory
 """

@@ -1,0 +1,132 @@
+"""The planner's question: a model shape, a layout, a batch and the run's options, and whether
+that layout can run the model at all. The counts that answer it are model.py's.
+
+    ModelShape  from a Hugging Face config.json or minipar's LlamaConfig: d, f, L, H, K, D, V, and
+                tensors(tp): the TP-local element counts of every parameter, in the model's order
+                (root-before-layers [embedding], one layer [9 tensors], root-after-layers [norm,
+                lm_head]), the list every memory and ledger count is summed from
+    Layout      dp_replicate R x dp_shard S x cp C x tp T (+ sequence_parallel); sizes() gives the
+                process groups the trainer builds: tp, cp, dp_shard_cp (N = S C, ZeRO-3's shard
+                group), dp_replicate, dp_cp (DDP's group when nothing is sharded)
+    Batch       global_batch_size, micro_batch_size, sequence_len: b rows per dp rank per forward,
+                M = global / (dp b) micro-batches per step
+    Options     compute dtype, ZeRO-3's prefetch / reshard_after_forward / sync_each_batch,
+                activation checkpointing, gradient clipping
+
+check() repeats the trainer's own divisibility checks (heads, vocab and f by tp; sequence by 2 cp,
+and by tp under SP; the batch by dp x micro) so that a plan is only made for a layout that runs.
+Pure data: no process group, no tensor, no communication.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GROUPS = ("tp", "cp", "dp_shard_cp", "dp_replicate", "dp_cp")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelShape":
+        """From a Hugging Face config.json or minipar's LlamaConfig fields."""
+        heads = d["num_attention_heads"]
+        return cls(d["vocab_size"], d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], heads,
+                   d.get("num_key_value_heads") or heads, d.get("head_dim") or d["hidden_size"] // heads,
+                   bool(d.get("tie_word_embeddings", False)))
+
+    def tensors(self, tp: int) -> Tuple[List[int], List[int], List[int]]:
+        """TP-local element counts of (root-before-layers, one layer, root-after-layers) tensors,
+        in the model's parameter order."""
+        d, f, D, V = self.hidden_size, self.intermediate_size, self.head_dim, self.vocab_size
+        q, kv = self.num_attention_heads * D // tp, self.num_key_value_heads * D // tp
+        layer = [d, d * q, d * kv, d * kv, q * d, d, d * f // tp, d * f // tp, f // tp * d]
+        head = [d] + ([] if self.tie_word_embeddings else [V // tp * d])
+        return [V // tp * d], layer, head
+
+    def num_params(self) -> int:
+        """All parameters of the full model (tied ones once)."""
+        emb, layer, head = self.tensors(1)
+        return sum(emb) + self.num_hidden_layers * sum(layer) + sum(head)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def sharded(self) -> bool:         # the trainer runs ZeRO-3 exactly when dp_shard > 1
+        return self.dp_shard > 1
+
+    def sizes(self) -> Dict[str, int]:
+        return dict(tp=self.tp, cp=self.cp, dp_shard_cp=self.dp_shard * self.cp,
+                    dp_replicate=self.dp_replicate, dp_cp=self.dp_replicate * self.dp_shard * self.cp)
+
+    def __str__(self) -> str:
+        return (f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp}"
+                + (" +SP" if self.sp else ""))
+
+
+@dataclass(frozen=True)
+class Batch:
+    global_batch_size: int
+    micro_batch_size: Optional[int]   # rows per dp rank per forward; None: global / dp, no accumulation
+    sequence_len: int
+
+    def micro(self, layout: Layout) -> int:
+        dp = layout.dp_replicate * layout.dp_shard
+        return self.micro_batch_size or max(1, self.global_batch_size // dp)
+
+    def micro_steps(self, layout: Layout) -> int:
+        dp = layout.dp_replicate * layout.dp_shard
+        return max(1, self.global_batch_size // (dp * self.micro(layout)))
+
+
+@dataclass(frozen=True)
+class Options:
+    dtype: str = "bfloat16"        # compute dtype; masters, grads and AdamW states stay fp32
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    sync_each_batch: bool = True   # ZeRO-3: reduce-scatter every micro-batch (false: once per step)
+    gradient_checkpointing: bool = False
+    max_grad_norm: bool = True     # clipping measures the global norm (two tiny all-reduces)
+
+
+def check(model: ModelShape, layout: Layout, batch: Batch) -> List[str]:
+    """Why this layout cannot run (empty when it can): the trainer's own checks."""
+    T, C, m = layout.tp, layout.cp, model
+    out = [f"tp {T} does not divide {what} {v}" for what, v in
+           (("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", m.num_key_value_heads),
+            ("vocab_size", m.vocab_size), ("intermediate_size", m.intermediate_size)) if v % T]
+    if batch.sequence_len % (2 * C):
+        out.append(f"sequence_len {batch.sequence_len} is not divisible by 2 x cp = {2 * C}")
+    elif layout.sp and (batch.sequence_len // C) % T:
+        out.append(f"sequence parallelism needs sequence_len / cp = {batch.sequence_len // C} divisible "
+                   f"by tp {T}")
+    dp = layout.dp_replicate * layout.dp_shard
+    if batch.global_batch_size % (dp * batch.micro(layout)):
+        out.append(f"global_batch_size {batch.global_batch_size} is not a multiple of dp {dp} x "
+                   f"micro_batch_size {batch.micro(layout)}")
+    return out

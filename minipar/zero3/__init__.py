@@ -1,6 +1,7 @@
 """ZeRO-3 / FSDP: parameters, gradients and optimizer states sharded over dp_shard_cp.
 
     flat_param.py     the flat buffer of a unit: which slot holds which parameter, padding, shards
+    unit.py           one unit: its flat buffer, this rank's fp32 shard, the all-gather and the free
     shard_manager.py  the hooks that gather a unit before its forward and backward, prefetch the
                       next one, free it after
     grad_reduce.py    reduce-scatter of each unit's gradient, or (no_sync) unsharded accumulation

@@ -1,7 +1,7 @@
 """Tensor parallelism (Megatron-LM): weight matrices, heads and the vocabulary split over tp.
 
-    layers.py               Megatron's f/g conjugate functions, the sequence-parallel pairs,
-                            Column/RowParallelLinear, VocabParallelEmbedding, the shard layout
+    mappings.py             Megatron's f/g conjugate functions, the sequence-parallel pairs
+    layers.py               Column/RowParallelLinear, VocabParallelEmbedding, the shard layout
     async_linear.py         the column-parallel backward with its input-gradient collective
                             overlapped with the weight-gradient matmul (tp_async_overlap)
     vocab_parallel_loss.py  cross-entropy over logits whose vocabulary is split across tp

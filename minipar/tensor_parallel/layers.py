@@ -36,7 +36,8 @@ vocab_parallel_cross_entropy computes the loss from the local logits (b, s, V/tp
 small all-reduces: the max (b*s numbers), then the sum of exponentials and the target logit
 together (2*b*s numbers). The full (b, s, V) logits never exist on one rank (vocab_parallel_loss.py).
 
-Shard layout (docs/design.md): column-parallel weight = full.chunk(tp, dim=0)[rank], row-parallel
+The autograd Functions f and g, the sequence-parallel pair and their wrappers are mappings.py
+(Megatron's name for them); this file holds the modules that use them. Shard layout (docs/design.md): column-parallel weight = full.chunk(tp, dim=0)[rank], row-parallel
 weight = full.chunk(tp, dim=1)[rank], embedding = full.chunk(tp, dim=0)[rank]. Every parameter
 carries `tp_split_dim` (None when replicated) so checkpoints and clipping can find the layout.
 """
@@ -48,8 +49,12 @@ import torch.nn.functional as F
 
 from .. import comm
 from .async_linear import async_column_parallel
-
-SEQ_DIM = 1   # activations are (batch, seq, hidden)
+# f / g and the sequence-parallel pair (mappings.py), re-exported: layers.CopyToTPRegion, ...
+from .mappings import (SEQ_DIM, CopyToTPRegion, GatherFromSequenceParallelRegion, GatherFromTPRegion,  # noqa: F401
+                       ReduceFromTPRegion, ReduceScatterToSequenceParallelRegion, ScatterToTPRegion, _split,
+                       copy_to_tp_region, enter_tp_region, gather_from_sequence_parallel_region,
+                       gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
+                       scatter_to_tp_region, sequence_parallel_weight)
 
 
 # ------------------------------------------------------------------------- layout helpers
@@ -67,133 +72,6 @@ def gather_tensor(local: torch.Tensor, split_dim, tp) -> torch.Tensor:
     if split_dim is None or tp.size == 1:
         return local
     return comm.all_gather(local.contiguous(), tp, gather_dim=split_dim)
-
-
-def _split(x: torch.Tensor, dim: int, tp) -> torch.Tensor:
-    return x.chunk(tp.size, dim=dim)[tp.rank].contiguous()
-
-
-# -------------------------------------------------------------- the conjugate functions
-class CopyToTPRegion(torch.autograd.Function):
-    """f: identity forward, all-reduce of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        # A copy, not grad.contiguous(): autograd may hand the same gradient buffer to a sibling
-        # branch (z = f(x) + w gives dz to both), and an in-place all-reduce would corrupt it.
-        return comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.tp), None
-
-
-class ReduceFromTPRegion(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        # A copy: all_reduce works in place, and x may be saved by the op that made it
-        # (x = a.exp() keeps x for its backward), so reducing x itself would corrupt that gradient.
-        return comm.all_reduce(x.clone(memory_format=torch.contiguous_format), tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class GatherFromTPRegion(torch.autograd.Function):
-    """All-gather along `dim` forward; keep this rank's slice of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp, dim=-1):
-        ctx.tp, ctx.dim = tp, dim
-        return comm.all_gather(x, tp, gather_dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, ctx.dim, ctx.tp), None, None
-
-
-class ScatterToTPRegion(torch.autograd.Function):
-    """Keep this rank's slice along `dim` forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp, dim=-1):
-        ctx.tp, ctx.dim = tp, dim
-        return _split(x, dim, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_gather(grad, ctx.tp, gather_dim=ctx.dim), None, None
-
-
-class GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """SP's f: all-gather along the sequence forward, reduce-scatter of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        # contiguous once here: the gathered (b, s, h) is a movedim view, and each of the linears
-        # it feeds (q, k, v; gate, up) would otherwise save its own contiguous copy for backward
-        return comm.all_gather(x, tp, gather_dim=SEQ_DIM).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.reduce_scatter(grad, ctx.tp, scatter_dim=SEQ_DIM), None
-
-
-class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """SP's g: reduce-scatter along the sequence forward, all-gather of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return comm.reduce_scatter(x, tp, scatter_dim=SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_gather(grad, ctx.tp, gather_dim=SEQ_DIM), None
-
-
-def copy_to_tp_region(x, tp):
-    return CopyToTPRegion.apply(x, tp) if tp.size > 1 else x
-
-
-def reduce_from_tp_region(x, tp):
-    return ReduceFromTPRegion.apply(x, tp) if tp.size > 1 else x
-
-
-def gather_from_tp_region(x, tp, dim=-1):
-    return GatherFromTPRegion.apply(x, tp, dim) if tp.size > 1 else x
-
-
-def scatter_to_tp_region(x, tp, dim=-1):
-    return ScatterToTPRegion.apply(x, tp, dim) if tp.size > 1 else x
-
-
-def gather_from_sequence_parallel_region(x, tp):
-    return GatherFromSequenceParallelRegion.apply(x, tp) if tp.size > 1 else x
-
-
-def reduce_scatter_to_sequence_parallel_region(x, tp):
-    return ReduceScatterToSequenceParallelRegion.apply(x, tp) if tp.size > 1 else x
-
-
-def enter_tp_region(x, tp, sequence_parallel: bool):
-    """The input communication of column-parallel layers: f, or SP's all-gather. Done once by a
-    caller whose input feeds several column-parallel layers (q, k, v; gate, up), so a block costs
-    one collective here, not three; those layers then run with skip_input_comm=True."""
-    if sequence_parallel:
-        return gather_from_sequence_parallel_region(x, tp)
-    return copy_to_tp_region(x, tp)
-
-
-def sequence_parallel_weight(weight, tp, sequence_parallel: bool):
-    """A replicated weight used on a sequence shard sees only part of the tokens: pass it through
-    f so that its gradient is summed over tp and stays identical on every tp rank."""
-    return copy_to_tp_region(weight, tp) if sequence_parallel else weight
 
 
 # --------------------------------------------------------------------------------- layers

@@ -15,11 +15,11 @@ torch 2.13 deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` in favo
 `all_gather_single` / `reduce_scatter_single`; older releases (2.4 ...) only have the first pair.
 We pick whichever exists, so no deprecation warning is raised on any supported release.
 
-The ledger: `with comm.ledger() as led: ...` records every call made inside (op, group name,
-group size, element count, bytes of the full buffer, and the bytes this rank puts on the wire by
-the table above). Tests and benchmarks compare it against theory. It is an opt-in recorder, not a
-setting: nothing in the model reads it. `comm.mark("label")` adds a marker to the record, so an
-order of events (a prefetch issued before a forward ends, say) can be checked.
+The ledger (comm_ledger.py): `with comm.ledger() as led: ...` records every call made inside (op,
+group name, group size, element count, bytes of the full buffer, and the bytes this rank puts on
+the wire by the table above). Tests and benchmarks compare it against theory. It is an opt-in
+recorder, not a setting: nothing in the model reads it. `comm.mark("label")` adds a marker to the
+record, so an order of events (a prefetch issued before a forward ends, say) can be checked.
 
 Failures are named. A collective whose peer is stuck (stopped, swapped out, deadlocked) waits for
 the group's timeout (`ddp_timeout`, given to every group by mesh.py) and then fails; one whose peer
@@ -32,8 +32,7 @@ operation, the group and its ranks: "all_reduce over dp_cp (ranks [0, 2, 4, 6]) 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,74 +43,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# ---------------------------------------------------------------------------------------- ledger
-@dataclass
-class Record:
-    op: str
-    group: str
-    group_size: int
-    numel: int
-    bytes: int
-    wire_bytes: float
-    dtype: str = ""
-
-
-@dataclass
-class Ledger:
-    events: list = field(default_factory=list)   # Records and str markers, in call order
-
-    @property
-    def records(self) -> List[Record]:
-        return [e for e in self.events if isinstance(e, Record)]
-
-    def filter(self, op: Optional[str] = None, group: Optional[str] = None) -> List[Record]:
-        return [r for r in self.records if (op is None or r.op == op) and (group is None or r.group == group)]
-
-    def total_bytes(self, op: Optional[str] = None, group: Optional[str] = None) -> int:
-        return sum(r.bytes for r in self.filter(op, group))
-
-    def wire_bytes(self, op: Optional[str] = None, group: Optional[str] = None) -> float:
-        return sum(r.wire_bytes for r in self.filter(op, group))
-
-    def count(self, op: Optional[str] = None, group: Optional[str] = None) -> int:
-        return len(self.filter(op, group))
-
-    def summary(self) -> dict:
-        """{(op, group): (calls, bytes)}"""
-        out: dict = {}
-        for r in self.records:
-            calls, nbytes = out.get((r.op, r.group), (0, 0))
-            out[(r.op, r.group)] = (calls + 1, nbytes + r.bytes)
-        return out
-
-
-# The active ledgers. A list, not thread-local: backward hooks may run on autograd's device
-# threads and must still be counted.
-_ACTIVE: List[Ledger] = []
-
-
-@contextlib.contextmanager
-def ledger():
-    led = Ledger()
-    _ACTIVE.append(led)
-    try:
-        yield led
-    finally:
-        _ACTIVE.remove(led)
-
-
-def mark(label: str) -> None:
-    for led in _ACTIVE:
-        led.events.append(label)
-
-
-def _record(op: str, dim, tensor: torch.Tensor, wire_factor: float) -> None:
-    if not _ACTIVE:
-        return
-    nbytes = tensor.numel() * tensor.element_size()
-    rec = Record(op, dim.name, dim.size, tensor.numel(), nbytes, wire_factor * nbytes, str(tensor.dtype))
-    for led in _ACTIVE:
-        led.events.append(rec)
+# the ledger (comm_ledger.py), re-exported: comm.ledger(), comm.mark(), comm.Ledger, comm.Record
+from .comm_ledger import _ACTIVE, Ledger, Record, _record, ledger, mark  # noqa: F401
 
 
 class _Done:

@@ -5,7 +5,8 @@
     config_keys.py    Axolotl's keys mapped onto minipar's; the batch triple, max_steps from num_epochs
     run_setup.py      every check that needs no communication, then the process groups
     run_lock.py       output_dir writable, and one run per output_dir (a lock file)
-    trainer.py        the model, the parallel wrappers, the step, logs, evaluation, checkpoints
+    trainer.py        the model, the parallel wrappers, the step, evaluation, checkpoints
+    train_loop.py     the run around the step: resume, logs, metrics, saves, a SIGTERM stop, the summary
     metrics_file.py   metrics.jsonl (kept across a resume, a cut last line dropped) and the loss curve
     data.py           tokenizer, the step-indexed sampler, the dp/cp split of a batch
     tokenizer.py      the model's tokenizer (tokenizer_config, AutoTokenizer) or the bundled bytes

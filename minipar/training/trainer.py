@@ -1,4 +1,5 @@
-"""The training loop behind train.py: set-up checks, the parallel model, the step, logs, checkpoints.
+"""The trainer behind train.py: the parallel model, the optimizer, the step, checkpoints (the loop
+around them, with its logs and summary, is train_loop.py).
 
 One optimizer step on a rank (B = global_batch_size, M micro-batches, D = dp size, C = cp size):
 
@@ -16,27 +17,25 @@ Everything that can be checked without communicating is checked before, by run_s
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import resource
 import time
-from typing import Optional
 
 import torch
 
 import minipar
 from minipar import comm
 from minipar.training import data as mdata
-from minipar.training import lifecycle
-from minipar.training import metrics_file
 from minipar.training import optim as moptim
 from minipar.training.packing import RowSampler, eval_batches as packed_eval_batches
-from minipar.mesh import describe_grid
 from minipar.training.run_setup import Run
+from minipar.training.train_loop import TrainLoop   # the run around the step: train(), summary()
 
 
-class Trainer:
+class Trainer(TrainLoop):
+    """The model, its parallel wrappers, the optimizer and one step; the run around them is
+    train_loop.TrainLoop (train(), the summary)."""
+
     def __init__(self, run: Run):
         from models.llama import LlamaDecoderLayer, LlamaForCausalLM
         self.run, self.cfg, self.pgm = run, run.cfg, run.pgm
@@ -203,110 +202,3 @@ class Trainer:
         self.sampler.load_state_dict(extra["sampler"])
         self.start_step = int(extra["step"])
         self.log(f"resumed from {path} at step {self.start_step}")
-
-    # ------------------------------------------------------------------ the run
-    def _open_metrics(self):
-        if not self.is_main:
-            return None
-        handle, self.history = metrics_file.open_metrics(self.cfg.metrics_path, self.start_step, self.log)
-        return handle
-
-    def train(self):
-        """The run; the output_dir lock is released however it ends."""
-        try:
-            return self._train()
-        finally:
-            if self.run.lock is not None:
-                self.run.lock.release()
-
-    def _train(self):
-        cfg, pgm = self.cfg, self.pgm
-        for note in self.run.notes:
-            self.log(note)
-        self.log(describe_grid(pgm.config))
-        self.log(f"model: {self.n_params / 1e6:.2f} M parameters, {cfg.model.num_hidden_layers} layers, hidden "
-                 f"{cfg.model.hidden_size}; {cfg.global_batch_size} x {cfg.sequence_len} tokens per step in "
-                 f"{self.run.num_micro_steps} micro-batch(es) per rank; {cfg.dtype}")
-        self.maybe_resume()
-        metrics = self._open_metrics()
-        tokens_per_step = cfg.global_batch_size * cfg.sequence_len
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True,
-                   disable=not (self.is_main and cfg.progress_bar))
-        start, last_val = time.time(), None
-        stop = lifecycle.StopFlag().install()     # SIGTERM: finish the step, save it, leave (lifecycle.py)
-        for step in range(self.start_step, cfg.max_steps):
-            t0 = time.time()
-            out = self.train_step(step)
-            dt = time.time() - t0
-            record = dict(step=step + 1, loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"],
-                          tokens_per_s=tokens_per_step / dt, elapsed_s=time.time() - start)
-            done = step + 1
-            has_val = self.run.datasets is None or self.run.datasets.val is not None
-            if cfg.eval_steps and has_val and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
-                last_val = record["val_loss"] = self.evaluate()
-            if not math.isfinite(out["loss"]):
-                raise FloatingPointError(f"loss is {out['loss']} at step {done}: lower learning_rate "
-                                         f"or enable max_grad_norm")
-            if metrics:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-            self.history.append(record)
-            bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            bar.update(1)
-            if done % cfg.logging_steps == 0 or done == cfg.max_steps:
-                val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-                self.log(f"step {done:>5}/{cfg.max_steps}  loss {out['loss']:.4f}{val}  lr {out['lr']:.2e}  "
-                         f"grad_norm {out['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
-            if cfg.save_steps and done % cfg.save_steps == 0 and done != cfg.max_steps:
-                self.save(done)
-            signum = stop.agreed(pgm, self.device)   # the same answer on every rank
-            if signum and done != cfg.max_steps:
-                self._stop_early(done, signum, stop, bar, metrics)
-        stop.restore()
-        bar.close()
-        if metrics:
-            metrics.close()
-        if cfg.save_final_checkpoint and cfg.max_steps > self.start_step:
-            self.save(cfg.max_steps)
-        if cfg.export_hf:
-            from minipar.training import checkpoint as ckpt
-            hf_dir = os.path.join(cfg.output_dir, "hf")
-            ckpt.export_hf(hf_dir, self.model)
-            if self.is_main and hasattr(self.run.tokenizer, "save_pretrained"):
-                self.run.tokenizer.save_pretrained(hf_dir)      # the model's tokenizer beside its weights
-            self.log(f"exported Hugging Face model to {hf_dir}")
-        self.summary(time.time() - start, last_val)
-        return self.history
-
-    def _stop_early(self, done: int, signum: int, stop, bar, metrics):
-        """Every rank saw a stop signal by the end of step `done`: save that step (unless save_steps
-        just did) and leave with lifecycle.Preempted, before the launcher's grace period ends."""
-        bar.close()
-        if metrics:
-            metrics.close()
-        saved = self.cfg.save_steps and done % self.cfg.save_steps == 0
-        path = os.path.join(self.cfg.output_dir, f"step-{done}") if saved else self.save(done)
-        stop.restore()                            # (a repeated SIGTERM during the save is absorbed)
-        err = lifecycle.Preempted(done, path, signum)
-        self.log(str(err))
-        raise err
-
-    def summary(self, elapsed: float, last_val: Optional[float]):
-        if self.device.type == "cuda":            # (a gloo run on a GPU machine trains on the CPU)
-            peak = torch.cuda.max_memory_allocated(self.device) / 2 ** 20
-            what = "peak CUDA memory allocated"
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB -> MiB on Linux
-            what = "peak resident memory"
-        peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=self.device), self.pgm.world)
-        if not self.is_main:
-            return
-        png = metrics_file.plot_loss_curve(self.history, self.cfg.output_dir, self.pgm.grid_shape, self.log)
-        first = self.history[0]["loss"] if self.history else float("nan")
-        final = self.history[-1]["loss"] if self.history else float("nan")
-        lines = [f"done: {len(self.history)} steps in {elapsed:.1f} s, loss {first:.4f} -> {final:.4f}"
-                 + (f", val_loss {last_val:.4f}" if last_val is not None else ""),
-                 f"metrics: {self.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),
-                 f"{what} per rank (MiB): " + " ".join(f"r{i}={p:.0f}" for i, p in enumerate(peaks.tolist()))]
-        self.log("\n".join(lines))

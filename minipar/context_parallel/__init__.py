@@ -1,7 +1,8 @@
 """Context parallelism: the sequence split over cp ranks, attention as ring attention.
 
-    ring_attention.py   the zigzag split, the ring schedule, the forward merge and hand-written backward
+    ring_attention.py   the ring schedule, the forward merge and hand-written backward
     layouts.py          zigzag or contiguous: the sequence split the data, RoPE and the ring share
+                        (zigzag_shard, zigzag_unshard, zigzag_positions)
     block_attention.py  the reference math of one query block against one key/value block: out,
                         log-sum-exp, and the six-step flash-attention backward (the unit of work
                         the ring repeats), with causal and document masks

@@ -65,7 +65,8 @@ import torch
 
 from .. import comm
 from .fused_attention import IMPLS, block_backward, block_forward, default_scale
-from ..config import check_sequence_len
+# the zigzag split of the tokens (layouts.py), re-exported
+from .layouts import zigzag_positions, zigzag_shard, zigzag_unshard  # noqa: F401
 
 __all__ = ["zigzag_shard", "zigzag_unshard", "zigzag_positions", "ring_attention", "ring_schedule",
            "schedule_score_elements", "Block"]
@@ -75,47 +76,11 @@ LAYOUTS = ("zigzag", "contiguous")
 Block = namedtuple("Block", "q0 q1 k0 k1 causal")
 
 
-# ----------------------------------------------------------------------------------- zigzag sharding
+# ----------------------------------------------------------------------------------- the schedule
 def _size(cp) -> int:
     return getattr(cp, "size", cp)
 
 
-def zigzag_shard(x: torch.Tensor, dim: int, cp) -> torch.Tensor:
-    """This rank's zigzag share of a full-sequence tensor: chunks c and 2*cp-1-c of 2*cp, concatenated."""
-    if cp.size == 1:
-        return x
-    check_sequence_len(int(x.shape[dim]), cp.size)
-    chunks = x.chunk(2 * cp.size, dim=dim)
-    return torch.cat([chunks[cp.rank], chunks[2 * cp.size - 1 - cp.rank]], dim=dim)
-
-
-def zigzag_unshard(x_local: torch.Tensor, dim: int, cp) -> torch.Tensor:
-    """The full sequence back in order: all-gather the shares over cp, then undo the zigzag."""
-    if x_local.shape[dim] % 2:
-        raise ValueError(f"zigzag_unshard: local length {x_local.shape[dim]} along dim {dim} is odd, but a "
-                         f"zigzag share holds two equal chunks: pass what zigzag_shard returned")
-    n = cp.size
-    if n == 1:
-        return x_local
-    pieces = comm.all_gather(x_local, cp, gather_dim=dim).chunk(2 * n, dim=dim)   # [c0 c2n-1 | c1 c2n-2 | ..]
-    ordered = [None] * (2 * n)
-    for r in range(n):
-        ordered[r], ordered[2 * n - 1 - r] = pieces[2 * r], pieces[2 * r + 1]
-    return torch.cat(ordered, dim=dim)
-
-
-def zigzag_positions(seq_len: int, cp, device=None) -> torch.Tensor:
-    """True positions (long, seq_len / cp of them) of this rank's tokens, for rotary embeddings."""
-    if cp.size == 1:
-        return torch.arange(seq_len, device=device)
-    check_sequence_len(int(seq_len), cp.size)
-    chunk = seq_len // (2 * cp.size)
-    late = 2 * cp.size - 1 - cp.rank
-    return torch.cat([torch.arange(cp.rank * chunk, (cp.rank + 1) * chunk, device=device),
-                      torch.arange(late * chunk, (late + 1) * chunk, device=device)])
-
-
-# ----------------------------------------------------------------------------------- the schedule
 def ring_schedule(local_len: int, cp, rank: int, causal: bool = True,
                   layout: str = "zigzag") -> List[List[Block]]:
     """The blocks rank `rank` computes at each ring step (step i holds the K/V of rank rank - i).

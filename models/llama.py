@@ -37,7 +37,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -67,6 +67,11 @@ class LlamaConfig:
     attention_bias: bool = False          # biases on q/k/v/o_proj (HF's key)
     mlp_bias: bool = False                # biases on gate/up/down_proj
     rope_scaling: Optional[dict] = None   # None (default RoPE) or {"rope_type": "llama3", "factor": ...}
+    # the tokenizer's special ids, as config.json records them (HF's keys; eos may be a list, as in
+    # Llama 3's); read from a base model's config.json, filled from the run's tokenizer, exported
+    bos_token_id: Optional[Union[int, List[int]]] = None
+    eos_token_id: Optional[Union[int, List[int]]] = None
+    pad_token_id: Optional[Union[int, List[int]]] = None
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -79,6 +84,11 @@ class LlamaConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            ids = getattr(self, key)
+            if ids is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                           for i in (ids if isinstance(ids, list) else [ids])):
+                raise ValueError(f"{key}={ids!r}: a token id is an integer >= 0 (or, for eos, a list of them), or null")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
@@ -106,8 +116,7 @@ class LlamaConfig:
         scaling = dict(self.rope_scaling) if self.rope_scaling else None
         d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                  torch_dtype="float32", rope_scaling=scaling,
-                 rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta},
-                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                 rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta})
         return d
 
 

@@ -296,6 +296,12 @@ def test_another_model_shape_is_refused(two_saves):
              r"another model shape: intermediate_size: checkpoint 64, model 96")
     with pytest.raises(ValueError, match="state_dict_type"):
         ck.save_checkpoint(str(out / "x"), other, None, other.pgm, step=1, state_dict_type="FULL")
+    # token ids are no shape: a checkpoint without them (an older minipar's) loads into a model with them
+    manifest = cio.read_manifest(str(out / "step-4"))
+    same = dict(manifest["model_config"], eos_token_id=2)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        manifest["model_config"].pop(key, None)
+    cio.check_model(str(out / "step-4"), manifest, same, manifest["params"])
 
 
 def _load_damaged(directory):

@@ -56,6 +56,22 @@ def test_tokenizer_loads_through_autotokenizer(example):
     assert load_tokenizer(None).vocab_size == 256, "no tokenizer_config: the bundled bytes"
 
 
+def test_special_token_ids_fill_the_model_config(example):
+    from models.llama import LlamaConfig
+    from minipar.training.tokenizer import fill_special_token_ids
+    tok = example["tok"]
+    cfg = LlamaConfig(vocab_size=2048)
+    assert fill_special_token_ids(cfg, tok) == ["bos_token_id", "eos_token_id", "pad_token_id"]
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (tok.bos_token_id, tok.eos_token_id,
+                                                                      tok.tok.pad_token_id)
+    given = LlamaConfig(vocab_size=2048, eos_token_id=[5, 6])      # a base model's config.json wins
+    fill_special_token_ids(given, tok)
+    assert given.eos_token_id == [5, 6] and given.bos_token_id == tok.bos_token_id
+    plain = LlamaConfig()
+    assert fill_special_token_ids(plain, load_tokenizer(None)) == [], "bytes: no special tokens"
+    assert (plain.bos_token_id, plain.eos_token_id, plain.pad_token_id) == (None, None, None)
+
+
 # ------------------------------------------------------------------------------ labels
 def test_chat_labels_train_only_assistant_turns(example):
     tok = example["tok"]
@@ -308,3 +324,6 @@ def test_packed_resume_is_exact_and_export_carries_the_tokenizer(example, tmp_pa
     assert len(tok) == 2048 and tok.chat_template == example["tok"].tok.chat_template
     model = LlamaForCausalLM.from_pretrained(str(hf))
     assert model.config.vocab_size == 2048, "the model took the tokenizer's vocabulary"
+    ids = tuple(tok.convert_tokens_to_ids(t) for t in ("<s>", "</s>", "<pad>"))
+    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == ids, \
+        "config.json carries the tokenizer's special ids"

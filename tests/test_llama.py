@@ -54,6 +54,22 @@ def test_reads_rope_parameters_and_rope_theta():
         LlamaConfig.from_dict({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}})
 
 
+def test_special_token_ids_load_and_export(tmp_path):
+    hf = _hf_model(False)
+    hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id = 1, [2, 7], 0
+    hf.save_pretrained(tmp_path / "hf")
+    ours = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert (ours.config.bos_token_id, ours.config.eos_token_id, ours.config.pad_token_id) == (1, [2, 7], 0)
+    ours.save_pretrained(str(tmp_path / "ours"))
+    written = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert (written["bos_token_id"], written["eos_token_id"], written["pad_token_id"]) == (1, [2, 7], 0)
+    back = transformers.AutoConfig.from_pretrained(str(tmp_path / "ours"))
+    assert (back.bos_token_id, back.eos_token_id, back.pad_token_id) == (1, [2, 7], 0)
+    assert LlamaConfig().to_hf_dict()["eos_token_id"] is None, "none known: null, as before"
+    with pytest.raises(ValueError, match="eos_token_id"):
+        LlamaConfig(eos_token_id=-1)
+
+
 def test_init_is_seeded_and_hf_named():
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2)

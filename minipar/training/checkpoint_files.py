@@ -30,6 +30,10 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
+# config fields that name tokens, not shapes: a checkpoint of an older minipar (which recorded
+# none) or of another tokenizer's ids still loads
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
 def to_bytes(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -82,7 +86,8 @@ def check_model(directory: str, manifest: dict, config: Optional[dict], shapes: 
                 optimizer_groups: Optional[int] = None) -> None:
     """Refuse a checkpoint of another model (config fields, parameter names, full shapes), or one
     without the optimizer state asked for (optimizer_groups: the loading optimizer's group count)."""
-    saved = manifest.get("model_config")
+    saved, config = (None if c is None else {k: v for k, v in c.items() if k not in TOKEN_ID_KEYS}
+                     for c in (manifest.get("model_config"), config))
     if saved is not None and config is not None and saved != config:
         diff = [f"{k}: checkpoint {saved.get(k)!r}, model {config.get(k)!r}"
                 for k in sorted(set(saved) | set(config)) if saved.get(k) != config.get(k)]

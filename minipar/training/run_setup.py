@@ -34,6 +34,7 @@ from minipar.training import lifecycle
 from minipar.training import run_lock
 from minipar.training.packing import prepare as prepare_datasets
 from minipar.training.tokenizer import HFTokenizer, load_tokenizer, padded_vocab_size, tokenizer_path
+from minipar.training.tokenizer import fill_special_token_ids
 from minipar.training.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
 
 
@@ -99,6 +100,7 @@ def setup_run(argv: List[str]) -> Run:
             notes.append(f"model.vocab_size {cfg.model.vocab_size} -> {vocab}: the tokenizer's {tokenizer.vocab_size} "
                          f"tokens, padded to a multiple of 64")
             cfg.model.vocab_size = vocab
+    fill_special_token_ids(cfg.model, tokenizer)   # bos/eos/pad ids, for the exported config.json
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer ({tokenizer_path(cfg)}) has {tokenizer.vocab_size} tokens, more than "
                          f"model.vocab_size {cfg.model.vocab_size}: use the model's own tokenizer")

@@ -12,6 +12,8 @@ What a run takes from a Hugging Face tokenizer, and where it goes:
     pad_token_id               fills what packing or a short row leaves empty (labels -100 there);
                                the eos id when the tokenizer has no pad token, else 0
     chat_template              renders `messages` of type: chat_template rows (datasets.py)
+    (all three special ids)    the model config's bos/eos/pad_token_id where it has none, so the
+                               exported config.json carries them (fill_special_token_ids)
 
 transformers is imported here only, and only when a tokenizer directory is named, so the core
 package still imports with torch alone. Both tokenizers answer the same small interface:
@@ -81,6 +83,27 @@ def load_tokenizer(path: Optional[str]):
         raise ValueError(f"tokenizer_config={path!r} loaded a slow tokenizer; label masking needs the character "
                          f"offsets of a fast one (a tokenizer.json)")
     return HFTokenizer(tok, path)
+
+
+def special_token_ids(tokenizer) -> dict:
+    """{bos_token_id, eos_token_id, pad_token_id} as a config.json records them: the tokenizer's own
+    special tokens, None where it has none. The pad id is the tokenizer's pad token only, not the
+    eos / 0 that fills rows without one; the byte tokenizer has none of the three."""
+    tok = getattr(tokenizer, "tok", None)          # HFTokenizer's transformers tokenizer
+    return dict(bos_token_id=getattr(tokenizer, "bos_token_id", None),
+                eos_token_id=getattr(tokenizer, "eos_token_id", None),
+                pad_token_id=getattr(tok, "pad_token_id", None) if tok is not None else None)
+
+
+def fill_special_token_ids(model_config, tokenizer) -> List[str]:
+    """Set the model config's bos/eos/pad ids that are still None from the tokenizer (those a base
+    model's config.json gives are kept); returns the keys set. They reach the exported config.json."""
+    filled = []
+    for key, value in special_token_ids(tokenizer).items():
+        if getattr(model_config, key) is None and value is not None:
+            setattr(model_config, key, value)
+            filled.append(key)
+    return filled
 
 
 def padded_vocab_size(n: int, multiple: int = VOCAB_MULTIPLE) -> int:

@@ -5,7 +5,7 @@
     pgm.tp.rank, pgm.dp_shard_cp.group, pgm.cp.next_rank, ...
 
 The pieces: config.py (the five sizes), mesh.py (the grid and its groups), comm.py (the
-collectives and their ledger); one subpackage per technique, data_parallel/, zero3/,
+collectives; comm_ledger.py, their ledger); one subpackage per technique, data_parallel/, zero3/,
 tensor_parallel/, context_parallel/,
 pipeline_parallel/; the training program's parts in training/ (config keys,
 checks, the loop, data, optimizer, checkpoints, export). models/llama.py builds the reference

@@ -3,9 +3,10 @@
     from minipar.plan import ModelShape, Layout, Batch, Options, Cluster, plan, search
     python -m minipar.plan --help
 
-model.py holds the counts (what the tests hold exactly against the ledger and the measured state),
-estimate.py the placement on nodes, the stated time model and the search, pipeline.py the
-same per stage under pipeline parallelism (zero3_replay.py: ZeRO-3's gathers over a schedule).
+inputs.py holds the question (model shape, layout, batch, options), model.py the counts (what the
+tests hold exactly against the ledger and the measured state), estimate.py the placement on
+nodes, the stated time model and the search, pipeline.py the same under pipeline parallelism
+(pipeline_stage.py: one stage; zero3_replay.py: ZeRO-3's gathers over a schedule).
 """
 from .estimate import Cluster, crosses_nodes, layouts, plan, search
 from .model import Batch, Layout, ModelShape, Options, activations, collectives, flops, memory, units

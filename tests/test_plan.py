@@ -28,6 +28,8 @@ from minipar.plan import Layout, activations, collectives, memory, search
 from minipar.plan.__main__ import from_train_config, main as plan_main
 from minipar.plan.estimate import Cluster, crosses_nodes
 from minipar.plan.model import Batch, ModelShape, Options
+from minipar.plan.pipeline import Pipeline, plan_stage, stages
+from minipar.pipeline_parallel.p2p import activation_shape
 from minipar.training import data as mdata
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
@@ -44,9 +46,11 @@ def _tensor_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _saved_bytes(model, batch, n_items):
+def _saved_bytes(model, batch, n_items, h=None):
     """Distinct storages saved for backward by one forward, parameters excluded. (No backward: the
-    graph is dropped, which frees what it saved; ZeRO-3 has already resharded after forward.)"""
+    graph is dropped, which frees what it saved; ZeRO-3 has already resharded after forward.)
+    A pipeline stage runs each of its model chunks once, on a residual stream `h` of the shape and
+    dtype that p2p.py receives (the input ids on the first virtual stage): one micro-batch's bytes."""
     seen = {}
 
     def excluded():
@@ -62,9 +66,14 @@ def _saved_bytes(model, batch, n_items):
             seen[st.data_ptr()] = st.nbytes()
         return t
 
+    outs = []          # alive until the end: a freed graph's storages could be reused, and missed
+    if h is not None:  # a stage's micro-batch is its own (not a view of the global batch's storage)
+        batch = {k: v.clone() for k, v in batch.items()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-              num_items_in_batch=n_items)
+        for chunk in range(getattr(model, "num_chunks", 1)):
+            x = batch["input_ids"] if h is None or model.is_first_virtual(chunk) else h().requires_grad_()
+            outs.append(model(x, position_ids=batch["position_ids"], labels=batch["labels"],
+                              num_items_in_batch=n_items, **(dict(chunk=chunk) if h is not None else {})))
     return sum(seen.values())
 
 
@@ -95,7 +104,11 @@ def _measure(argv):
             g = torch.Generator().manual_seed(seq)
             ids = torch.randint(0, 256, (tr.cfg.global_batch_size, seq), generator=g)
             batch = mdata.local_batch(ids, ids.roll(-1, 1), pgm, 0, M)
-            acts[(checkpointing, seq)] = _saved_bytes(tr.model, batch, ids.numel())
+            h = None
+            if tr.pipeline is not None:          # what a stage receives: p2p.py's shape and dtype
+                shape = activation_shape(batch, pgm, tr.cfg.model.hidden_size)
+                h = lambda: torch.randn(shape).to(tr.pipeline.act_dtype)
+            acts[(checkpointing, seq)] = _saved_bytes(tr.model, batch, ids.numel(), h)
     return dict(state=state, ledger=ledger, acts=acts, cfg=tr.cfg, layout=pgm.config)
 
 
@@ -105,28 +118,49 @@ def _measure_all(argvs):
 
 
 def _argv(config, tmp, *extra):
-    return [os.path.join(ROOT, "configs", config), *TINY, "--output_dir", str(tmp),
+    layers = ["--model.num_hidden_layers", "4"] if _sizes(config)["pipeline_parallel_size"] > 2 else []
+    return [os.path.join(ROOT, "configs", config), *TINY, *layers, "--output_dir", str(tmp),
             "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"), *extra]
 
 
+def _plan_rank(model, layout, pipe, batch, opts, rank):
+    """(memory, ledger, one micro-batch's activations) planned for global rank `rank`: with
+    pipeline parallelism its stage's (pp is the outermost grid dimension: stage rank // W)."""
+    if pipe is None:
+        act = lambda b, ck: activations(model, layout, b, opts)["checkpointed" if ck else "full"]
+        return memory(model, layout, opts), collectives(model, layout, batch, opts), act
+    st = stages(model, pipe)[rank // layout.world]
+    p = plan_stage(model, layout, pipe, st, batch, opts)
+    act = lambda b, ck: plan_stage(model, layout, pipe, st, b, opts)["activations"][
+        "per_micro_checkpointed" if ck else "per_micro"]
+    return p["memory"], p["collectives"], act
+
+
 def _check(r0, results):
-    model, _, batch, opts = from_train_config(r0["cfg"])
+    model, sizes, batch, opts = from_train_config(r0["cfg"])
     lc = r0["layout"]
     layout = Layout(lc.dp_replicate_size, lc.dp_shard_size, lc.cp_size, lc.tp_size, lc.sequence_parallel)
-    mem = memory(model, layout, opts)
-    want = {k: [c, b] for k, (c, b) in collectives(model, layout, batch, opts).items()}
+    pipe = None
+    if sizes.get("pp", 1) > 1:
+        layers = sizes["pipeline_layers"]
+        pipe = Pipeline(sizes["pp"], sizes["pipeline_schedule"], sizes["virtual_stages"],
+                        tuple(layers) if layers else None)
     for rank, r in enumerate(results):
+        mem, coll, act = _plan_rank(model, layout, pipe, batch, opts, rank)
+        want = {k: [c, b] for k, (c, b) in coll.items()}
         got = r["state"]
+        where = f"{pipe or ''} {layout}, rank {rank}"
         assert (got["params"], got["grads"], got["optimizer"], got["gathered"]) == \
             (mem["params"], mem["grads"], mem["optimizer"], mem["gathered"]), \
-            f"{layout}, rank {rank}: measured state {got}, planned {mem}"
-        assert r["ledger"] == want, f"{layout}, rank {rank}: ledger {sorted(r['ledger'].items())}\n" \
+            f"{where}: measured state {got}, planned {mem}"
+        assert r["ledger"] == want, f"{where}: ledger {sorted(r['ledger'].items())}\n" \
                                     f"planned {sorted(want.items())}"
-    for (checkpointing, seq), got in r0["acts"].items():
-        act = activations(model, layout, dataclasses.replace(batch, sequence_len=seq), opts)
-        planned = act["checkpointed" if checkpointing else "full"]
-        assert abs(planned - got) <= 0.15 * got, \
-            f"{layout}, seq {seq}, checkpointing {checkpointing}: planned {planned} B, measured {got} B"
+        if rank % layout.world:              # activations: the first rank of each stage
+            continue
+        for (checkpointing, seq), measured in r["acts"].items():
+            planned = act(dataclasses.replace(batch, sequence_len=seq), checkpointing)
+            assert abs(planned - measured) <= 0.15 * measured, \
+                f"{where}, seq {seq}, checkpointing {checkpointing}: planned {planned} B, measured {measured} B"
 
 
 def _check_world(world, runs, tmp_path):
@@ -149,11 +183,10 @@ def _base_model(config):
 
 
 ALL_CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
-PIPELINE = [c for c in ALL_CONFIGS if _sizes(c)["pipeline_parallel_size"] > 1]   # not planned yet
 # finetune.yaml's model is the directory `python -m minipar.training.make_example` writes (its
 # loading is held against one process in tests/test_hf_load.py); here every model is the tiny one
 FROM_BASE_MODEL = [c for c in ALL_CONFIGS if _base_model(c)]
-CONFIGS = [c for c in ALL_CONFIGS if c not in PIPELINE and c not in FROM_BASE_MODEL]
+CONFIGS = [c for c in ALL_CONFIGS if c not in FROM_BASE_MODEL]
 WORLDS = {c: math.prod(_sizes(c).values()) for c in CONFIGS}
 WORLDS["default.yaml"] = 8          # dp_shard takes the remainder: 2 x cp 2 x tp 2, as its comment says
 # beyond the configs: sequence parallelism, bf16 ZeRO-3, activation checkpointing (its recompute
@@ -166,12 +199,24 @@ VARIANTS = [("fsdp_tp.yaml", ["--sequence_parallel", "true", "--gradient_checkpo
             ("cp_tp.yaml", ["--gradient_checkpointing", "true"]),
             ("fsdp.yaml", ["--context_parallel_size", "2", "--dp_shard_size", "2",
                            "--tensor_parallel_size", "1"])]
+# pipeline parallelism beyond pp.yaml (pp 4, 1F1B, no dp): every pp path of minipar/plan/pipeline.py
+# on 4 ranks: ZeRO-3 per stage in bf16 (bf16 messages, the empty root of the first stage), TP + SP
+# inside the stages under AFAB with checkpointing, DDP and ZeRO-3 per stage under the interleaved schedule
+PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16",
+                              "--micro_batch_size", "1"]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel",
+                            "true", "--pipeline_schedule", "afab", "--gradient_checkpointing", "true"]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2", "--pipeline_schedule",
+                            "interleaved_1f1b", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"]),
+               # ZeRO-3 prefetch under interleaving: the learned unit order alternates between chunks
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
+                            "interleaved_1f1b", "--micro_batch_size", "1", "--model.num_hidden_layers", "8"])]
 
 
 def test_plan_matches_runs_on_4_ranks(tmp_path):
     """Every 4-rank config, and the variants, in one forked world of 4."""
-    runs = [(c, []) for c in CONFIGS if WORLDS[c] == 4] + VARIANTS
-    assert len(runs) >= 9
+    runs = [(c, []) for c in CONFIGS if WORLDS[c] == 4] + VARIANTS + PP_VARIANTS
+    assert len(runs) >= 14 and "pp.yaml" in [c for c, _ in runs]
     _check_world(4, runs, tmp_path)
 
 
@@ -242,13 +287,11 @@ def test_results_file_is_current():
 
 
 def test_every_config_is_planned_or_refused(capsys, tmp_path, monkeypatch):
-    """The configs that test_plan_matches_* does not run are pipeline ones, which the planner
-    refuses with a clear error instead of planning them wrong, and those whose model is a
-    generated base_model directory: planned once it exists, refused clearly before."""
-    assert sorted(CONFIGS + PIPELINE + FROM_BASE_MODEL) == ALL_CONFIGS and all(WORLDS[c] in (4, 8, 16) for c in CONFIGS)
-    for config in PIPELINE:
-        assert plan_main([os.path.join(ROOT, "configs", config)]) == 2
-        assert "does not model pipeline parallelism" in capsys.readouterr().err
+    """The configs that test_plan_matches_* does not run are those whose model is a generated
+    base_model directory: planned once it exists, refused clearly before. Pipeline configs are
+    planned stage by stage."""
+    assert sorted(CONFIGS + FROM_BASE_MODEL) == ALL_CONFIGS and all(WORLDS[c] in (4, 8, 16) for c in CONFIGS)
+    assert any(_sizes(c)["pipeline_parallel_size"] > 1 for c in CONFIGS)
     monkeypatch.chdir(tmp_path)
     for config in FROM_BASE_MODEL:
         assert plan_main([os.path.join(ROOT, "configs", config), "--world", "8"]) == 2
@@ -260,3 +303,31 @@ def test_every_config_is_planned_or_refused(capsys, tmp_path, monkeypatch):
         for config in FROM_BASE_MODEL:
             assert plan_main([os.path.join(ROOT, "configs", config), "--world", "8"]) == 0
             assert "dp_shard 2 x cp 2 x tp 2 on 8 GPUs" in capsys.readouterr().out
+
+
+def test_cli_pipeline_json_bubble_and_errors(capsys):
+    """A pipeline config prints every stage; the time carries the bubble of its schedule; bad
+    pipeline settings are refused with the trainer's own messages, and --search stays pp 1."""
+    import json
+    assert plan_main([os.path.join(ROOT, "configs", "5d.yaml"), "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["world"] == 16 and p["layout"]["pp"] == 2 and [s["rank"] for s in p["stages"]] == [0, 1]
+    first, last = p["stages"]
+    assert first["first"] and last["last"] and first["layers"] == [[0, 1]] and last["layers"] == [[2, 3]]
+    m = p["micro_steps"]
+    assert p["time"]["bubble"] == pytest.approx(1 / (m + 1)) and p["time"]["pp_s"] > 0
+    assert p["comm"]["pp"]["crosses_nodes"] and first["comm"]["pp"]["ops"]["send"]["calls"] == m
+    assert first["activations"]["in_flight"] == min(m, 2) and last["activations"]["in_flight"] == 1
+    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--pipeline-schedule", "interleaved_1f1b",
+                      "--json"]) == 2          # 4 layers cannot fill 4 stages x 2 chunks
+    assert "cannot be split over 8 (virtual) pipeline stages" in capsys.readouterr().err
+    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--global-batch-size", "4"]) == 2
+    assert "needs at least 4 micro-batches" in capsys.readouterr().err
+    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--search"]) == 2
+    assert "--search ranks layouts without pipeline parallelism" in capsys.readouterr().err
+    llama = os.path.join(LLAMA, "llama-3.1-8b.json")
+    assert plan_main(["--model", llama, "--world", "16", "--pp", "4", "--pipeline-schedule", "interleaved_1f1b",
+                      "--global-batch-size", "16", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["time"]["bubble"] == pytest.approx(3 / (2 * p["micro_steps"] + 3))
+    assert [len(s["layers"]) for s in p["stages"]] == [2] * 4     # 32 layers: 8 virtual stages of 4

@@ -3,9 +3,11 @@
     python -m minipar.plan configs/fsdp.yaml                       the config's model, layout, batch
     python -m minipar.plan --model configs/models/llama-3.1-8b.json --world 16 --tp 8 --sp
     python -m minipar.plan --model configs/models/llama-3.1-70b.json --world 1024 --search
+    python -m minipar.plan configs/5d.yaml                         pipeline: one line per stage, the worst in full
     ... --json                                                     the same, as JSON for scripts
 
-The counts are minipar's own code paths (minipar/plan/model.py), held exactly against real runs by
+The counts are minipar's own code paths (minipar/plan/model.py; per pipeline stage
+minipar/plan/pipeline.py), held exactly against real runs by
 tests/test_plan.py; the time is a stated model (minipar/plan/estimate.py), not a measurement.
 """
 from __future__ import annotations
@@ -17,12 +19,27 @@ import sys
 
 from .estimate import Cluster, plan, search, smallest_world
 from .model import Batch, Layout, ModelShape, Options
+from .pipeline import Pipeline, plan_pipeline
 
 GB = 1e9
 
 
+def _pipeline(args, base: dict) -> Pipeline:
+    """The pipeline of the config and/or the flags (pp 1: none)."""
+    pp = args.pp or base.get("pp", 1)
+    schedule = args.pipeline_schedule or base.get("pipeline_schedule", "1f1b")
+    v = args.virtual_stages or (base.get("virtual_stages") if schedule == base.get("pipeline_schedule") else None) \
+        or (2 if schedule == "interleaved_1f1b" else 1)
+    layers = base.get("pipeline_layers")
+    return Pipeline(pp, schedule, v, tuple(layers) if layers else None)
+
+
 def _layout(args, base: dict, world: int) -> Layout:
     sizes = dict(base)
+    pp = _pipeline(args, base).pp
+    if world % pp:
+        raise ValueError(f"pp {pp} does not divide --world {world}")
+    world //= pp                            # the 4D grid of one stage
     for key, flag in (("dp_replicate", args.dp_replicate), ("dp_shard", args.dp_shard), ("cp", args.cp),
                       ("tp", args.tp)):
         if flag is not None:
@@ -37,22 +54,20 @@ def _layout(args, base: dict, world: int) -> Layout:
     lay = Layout(sizes.get("dp_replicate", 1), sizes["dp_shard"], sizes.get("cp", 1), sizes.get("tp", 1),
                  bool(sizes.get("sequence_parallel", False)))
     if lay.world != world:
-        raise ValueError(f"the sizes ({lay}) multiply to {lay.world}, not --world {world}: change a size "
+        raise ValueError(f"the sizes ({lay}) multiply to {lay.world * pp}, not --world {world * pp}: change a size "
                          f"or --world, or leave --dp-shard unset to take the remainder")
     return lay
 
 
 def from_train_config(cfg):
     """(model, layout sizes, batch, options) of a TrainConfig (what train.py would run)."""
-    pp = getattr(cfg, "pipeline_parallel_size", 1) or 1
-    if pp > 1:
-        raise ValueError(f"pipeline_parallel_size={pp}: the planner does not model pipeline parallelism yet "
-                         f"(per-stage memory, the schedule's activations in flight, the bubble); plan one "
-                         f"stage as a 4D layout with --model and the stage's layer count, or set "
-                         f"pipeline_parallel_size 1")
     model = ModelShape.from_dict(dataclasses.asdict(cfg.model))
     sizes = dict(dp_replicate=cfg.dp_replicate_size, dp_shard=cfg.dp_shard_size, cp=cfg.context_parallel_size,
                  tp=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel)
+    if (getattr(cfg, "pipeline_parallel_size", 1) or 1) > 1:          # minipar/plan/pipeline.py
+        from minipar.training.pipeline_step import virtual_stages
+        sizes.update(pp=cfg.pipeline_parallel_size, pipeline_schedule=cfg.pipeline_schedule,
+                     virtual_stages=virtual_stages(cfg), pipeline_layers=cfg.pipeline_layers)
     batch = Batch(cfg.global_batch_size, cfg.micro_batch_size, cfg.sequence_len)
     opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch,
                    reshard_after_forward=cfg.fsdp.reshard_after_forward,
@@ -71,7 +86,7 @@ def load(args):
         cfg = load_config(args.config)
         model, base, batch, opts = from_train_config(cfg)
         world = (cfg.dp_replicate_size * (cfg.dp_shard_size or 1) * cfg.context_parallel_size
-                 * cfg.tensor_parallel_size)
+                 * cfg.tensor_parallel_size * (cfg.pipeline_parallel_size or 1))
     if args.model:
         with open(args.model) as f:
             model = ModelShape.from_dict(json.load(f))
@@ -151,6 +166,31 @@ def describe(p: dict, model: ModelShape) -> str:
     return "\n".join(lines)
 
 
+def describe_pipeline(p: dict, model: ModelShape) -> str:
+    """Each stage's line, then the worst stage (the most memory) in full, then the pipeline's time."""
+    t = p["time"]
+    unit, size = _unit(max(s["memory"]["total"] for s in p["stages"]))
+    lines = [f"pipeline: {p['layout_str']} on {p['world']} GPUs; per stage ({unit} per rank; "
+             f"activations = per micro-batch x in flight):",
+             f"  {'stage':<7}{'layers':<18}{'persistent':>11}{'gathered':>10}{'activations':>12}{'in flight':>10}"
+             f"{'total':>10}{'sends':>7}"]
+    chosen = "checkpointed_peak" if p["options"]["gradient_checkpointing"] else "full"
+    for s in p["stages"]:
+        m, a = s["memory"], s["activations"]
+        layers = "+".join(f"{c[0]}-{c[-1]}" for c in s["layers"]) + (" +emb" if s["first"] else "") + \
+            (" +head" if s["last"] else "")
+        sends = s["comm"].get("pp", {}).get("ops", {}).get("send", {}).get("calls", 0)
+        lines.append(f"  {s['rank']:<7}{layers:<18}{m['persistent'] / size:11.3f}{m['gathered'] / size:10.3f}"
+                     f"{a[chosen] / size:12.3f}{a['in_flight']:10d}{m['total'] / size:10.3f}{sends:7d}")
+    body = describe(p, model).split("\n")[:-1]        # the 4D step line does not apply
+    body[1] = f"layout: {p['layout_str']} on {p['world']} GPUs ({p['nodes']} node(s)); the worst stage: " \
+              f"{p['worst_stage']}, shown below"
+    tail = [f"estimated step (minipar/plan/pipeline.py): {t['step_s']:.3g} s = the slowest stage's work "
+            f"(stage {t['slowest_stage']}: {t['work_s']:.3g} s) / (1 - bubble {t['bubble']:.3f}) + the sends on "
+            f"the critical path {t['pp_s']:.3g} s; {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f} %"]
+    return "\n".join(body + [""] + lines + ["", *tail])
+
+
 def describe_search(s: dict, model: ModelShape, top: int = 10) -> str:
     lines = [f"{len(s['ranked'])} of {s['considered']} layouts fit; fastest first "
              f"(est. step s, MFU, GB per rank):"]
@@ -190,6 +230,9 @@ def main(argv=None):
     ap.add_argument("--reserve", type=float, default=0.1, help="fraction of GPU memory kept free")
     for size in ("dp-replicate", "dp-shard", "cp", "tp"):
         ap.add_argument(f"--{size}", type=int)
+    ap.add_argument("--pp", type=int, help="pipeline stages (default: the config's; --search plans pp 1)")
+    ap.add_argument("--pipeline-schedule", choices=("afab", "1f1b", "interleaved_1f1b"))
+    ap.add_argument("--virtual-stages", type=int, help="model chunks per rank (interleaved_1f1b; default 2)")
     ap.add_argument("--sp", "--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--global-batch-size", type=int,
@@ -201,7 +244,7 @@ def main(argv=None):
     ap.add_argument("--no-sync", dest="sync_each_batch", action="store_const", const=False,
                     help="ZeRO-3: accumulate unsharded gradients, one reduce-scatter per step")
     ap.add_argument("--gradient-checkpointing", action="store_const", const=True)
-    ap.add_argument("--search", action="store_true", help="rank every layout of --world that fits")
+    ap.add_argument("--search", action="store_true", help="rank every 4D layout of --world that fits (no pipeline parallelism)")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -209,11 +252,18 @@ def main(argv=None):
         model, base, batch, opts, world = load(args)
         cluster = Cluster(args.gpus_per_node, args.gpu_memory, args.peak_tflops, args.intra_bw, args.inter_bw,
                           args.efficiency, args.reserve)
+        pipe = _pipeline(args, base)
+        if args.search and pipe.pp > 1:
+            raise ValueError(f"--search ranks layouts without pipeline parallelism; drop --search to plan pp "
+                             f"{pipe.pp}, or give --pp 1")
         if args.search:
             result = search(model, batch, opts, cluster, world)
             if result["recommended"] is None:
                 result["smallest_world"] = smallest_world(model, batch, opts, cluster, world)
             text = describe_search(result, model, args.top)
+        elif pipe.pp > 1:
+            result = plan_pipeline(model, _layout(args, base, world), pipe, batch, opts, cluster)
+            text = describe_pipeline(result, model)
         else:
             result = plan(model, _layout(args, base, world), batch, opts, cluster)
             text = describe(result, model)

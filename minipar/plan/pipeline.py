@@ -1,0 +1,335 @@
+"""The planner under pipeline parallelism: what each STAGE of a pp x (R, S, C, T) layout costs.
+
+With pp > 1 every rank holds one stage (stage.py's split_layers rule, imported, not re-derived):
+a contiguous run of layers per model chunk (v chunks per rank under interleaving), the embedding
+on the first stage, the final norm + lm_head + loss on the last. Inside a stage the layout is the
+4D one of model.py, so the answer is per stage, and the worst stage is what must fit:
+
+    persistent   16 B x the stage's parameters (+ 4 B per tensor / unit): as model.py, over the
+                 stage's tensors; under ZeRO-3 its units: <root> = norm + lm_head on the last stage
+                 (EMPTY elsewhere: an empty unit never gathers), the embedding on the first, then
+                 one per layer of the stage in chunk order
+    gathered     ZeRO-3's buffers, from a replay of zero3's hooks (zero3_replay.py) over the
+                 schedule's action list: the root is re-gathered at every chunk forward, prefetch
+                 follows the learned order, which alternates between chunks under interleaving
+    accumulated  pipeline_step.py keeps ZeRO-3 / DDP in no_sync until the rank's last backward:
+                 with m > 1 every unit's unsharded fp32 gradient is held (as fsdp.sync_each_batch
+                 false), and each unit reduce-scatters ONCE per step
+    activations  per micro-batch, the chunk's layers (model.py's per-layer bytes) + cos/sin per
+                 chunk + ids on the first stage + norm/softmax on the last, times what is in flight:
+                 counted from the action list (the peak of live (chunk, micro) pairs, each weighted
+                 by its chunk's bytes): AFAB m, 1F1B min(m, p - stage), interleaved what it holds
+
+Communication per stage, as comm.py's ledger records it: ("send", "pp") one message per F on a
+non-last virtual stage (h forward) and per B on a non-first one (dL/dh backward), each
+b x s/cp (/tp under SP) x d in the dtype of the residual stream (bf16 only when ZeRO-3 casts the
+weights to bf16, else fp32; p2p.py); ("all_reduce", "pp") 8 B for the loss and 8 B for the global
+grad norm; TP/CP per layer of the stage, the embedding's collective on the first stage, lm_head's
+and the loss's on the last.
+
+Time: the stage with the most work sets the pace, and the schedule adds the bubble
+    step = (compute + tp + exposed cp/dp of the slowest stage) / (1 - bubble) + sends
+    bubble = (p - 1) / (m + p - 1)  (afab, 1f1b)     (p - 1) / (v m + p - 1)  (interleaved)
+    sends  = 2 (m v + p - 1) x bytes(h) / bandwidth of pp: the messages on the critical path
+             (the fill and drain's p - 1 hops, and each micro-batch chunk's hop in and out)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from minipar.pipeline_parallel.schedules import check_schedule, peak_in_flight, schedule_order
+from minipar.pipeline_parallel.stage import stage_chunks
+
+from . import model as pm
+from .model import DTYPE_BYTES, Batch, Layout, ModelShape, Options, Unit
+from .zero3_replay import Zero3Replay
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The pipeline dimension of a layout (the 4D Layout of model.py is one stage's grid)."""
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    layers: Optional[Tuple[int, ...]] = None       # pipeline_layers: an explicit split
+
+    def __str__(self) -> str:
+        v = f", v {self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"pp {self.pp} ({self.schedule}{v})"
+
+
+@dataclass
+class Stage:
+    """Stage `rank` of the pipeline: the global layer indices of each of its model chunks."""
+    rank: int
+    chunks: List[List[int]]
+    first: bool
+    last: bool
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+
+def stages(model: ModelShape, pipe: Pipeline) -> List[Stage]:
+    if model.tie_word_embeddings:
+        raise ValueError("tie_word_embeddings with pipeline parallelism is not supported (the embedding and "
+                         "lm_head would share one weight across stages): untie them or use pp 1")
+    layers = list(pipe.layers) if pipe.layers is not None else None
+    return [Stage(r, stage_chunks(model.num_hidden_layers, pipe.pp, r, pipe.virtual_stages, layers), r == 0,
+                  r == pipe.pp - 1) for r in range(pipe.pp)]
+
+
+def stage_tensors(model: ModelShape, layout: Layout, st: Stage) -> List[int]:
+    """TP-local element counts of the stage's parameters, in its parameter order."""
+    emb, layer, head = model.tensors(layout.tp)
+    return (emb if st.first else []) + layer * st.num_layers + (head if st.last else [])
+
+
+def stage_units(model: ModelShape, layout: Layout, st: Stage) -> List[Unit]:
+    """ZeRO-3 units as fully_shard builds them on the stage: the root first (empty off the last)."""
+    emb, layer, head = model.tensors(layout.tp)
+    out = [Unit("<root>", sum(head) if st.last else 0, len(head) if st.last else 0, "root")]
+    if st.first:
+        out.append(Unit("model.embed_tokens", sum(emb), len(emb), "embedding"))
+    return out + [Unit(f"model.layers.{i}", sum(layer), len(layer)) for c in st.chunks for i in c]
+
+
+def _chunk_units(us: List[Unit], st: Stage, c: int) -> List[Unit]:
+    by = {u.name: u for u in us}
+    seq = [us[0]] + ([by["model.embed_tokens"]] if st.first and c == 0 else [])
+    return seq + [by[f"model.layers.{i}"] for i in st.chunks[c]]
+
+
+def _replay_step(replay: Zero3Replay, order, us: List[Unit], st: Stage):
+    """One step of the schedule's actions through ZeRO-3's hooks."""
+    for a in order:
+        seq = _chunk_units(us, st, a.chunk)
+        if a.kind == "F":
+            replay.forward(seq)
+            continue
+        # the backward reaches the units in the order their hooks sit on the chunk's output: the
+        # loss is the root's own output (root first); h is the last layer's output too, whose hook
+        # was registered before the root's (that layer first, then the root)
+        head = st.last and a.chunk == len(st.chunks) - 1
+        back = seq[:0:-1]
+        replay.backward([seq[0]] + back if head else back[:1] + [seq[0]] + back[1:], head)
+
+
+def plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, batch: Batch,
+               opts: Options) -> dict:
+    """Memory, activations and ledger of one stage (one rank of it: all its ranks are alike)."""
+    T, C, e = layout.tp, layout.cp, DTYPE_BYTES[opts.dtype]
+    M, b = batch.micro_steps(layout), batch.micro(layout)
+    order = schedule_order(pipe.schedule, pipe.pp, M, st.rank, pipe.virtual_stages)
+    coll: Dict[Tuple[str, str], List[int]] = {}
+    sizes = dict(layout.sizes(), pp=pipe.pp)
+
+    def add(op, group, calls, nbytes):
+        if calls and sizes[group] > 1:
+            c = coll.setdefault((op, group), [0, 0])
+            c[0] += calls
+            c[1] += calls * nbytes
+
+    # ---- persistent state and ZeRO-3
+    us = stage_units(model, layout, st)
+    gathered = accumulated = 0
+    if layout.sharded:
+        N = layout.dp_shard * C
+        padded = {u.name: pm._padded(u.numel, N) for u in us}
+        elems, tensors = sum(padded[u.name] // N for u in us), sum(1 for u in us if u.numel)
+        replay = Zero3Replay(us, {k: v * e for k, v in padded.items()}, opts.prefetch,
+                              opts.reshard_after_forward)
+        _replay_step(replay, order, us, st)
+        calls = dict(replay.calls)                  # the ledger: step 1, from the static order
+        _replay_step(replay, order, us, st)         # the peak: over two steps, as the test measures
+        gathered = replay.peak
+        for u in us:
+            add("all_gather", "dp_shard_cp", calls[u.name], padded[u.name] * e)
+            if u.numel:            # once per step: the rank's last backward (pipeline_step.py)
+                add("reduce_scatter", "dp_shard_cp", 1, padded[u.name] * 4)
+                add("all_reduce", "dp_replicate", 1, padded[u.name] // N * 4)
+        if M > 1:
+            accumulated = 4 * sum(padded.values())
+    else:
+        tens = stage_tensors(model, layout, st)
+        elems, tensors = sum(tens), len(tens)
+        if layout.sizes()["dp_cp"] > 1:                      # DDP once per step
+            for nbytes in _buckets([4 * x for x in tens]):
+                add("all_reduce", "dp_cp", 1, nbytes)
+    mem = dict(params=4 * elems, grads=4 * elems, optimizer=8 * elems + 4 * tensors,
+               persistent=16 * elems + 4 * tensors, gathered=gathered, accumulated_grads=accumulated,
+               param_elements=elems)
+
+    # ---- activations: per (chunk, micro-batch), weighted by what the schedule keeps alive
+    act = pm.activations(model, layout, batch, opts)
+    n, D = b * (batch.sequence_len // C), model.head_dim
+    ids = 8 * n + (n if T > 1 else 0)
+    rope = 2 * e * n * D
+    head = act["root"] - ids - rope                         # final norm, softmax, targets, masks
+    ac = opts.gradient_checkpointing
+    keep = e * (n // T if layout.sp else n) * model.hidden_size   # a checkpointed layer's input
+
+    def chunk_bytes(c: int, checkpointed: bool) -> int:
+        L = len(st.chunks[c])
+        extra = rope + (ids if st.first and c == 0 else 0) + (head if st.last and c == len(st.chunks) - 1 else 0)
+        return extra + L * (keep if checkpointed else act["per_layer"])
+
+    def in_flight(checkpointed: bool) -> int:
+        live = peak = 0
+        for a in order:
+            live += (1 if a.kind == "F" else -1) * chunk_bytes(a.chunk, checkpointed)
+            peak = max(peak, live)
+        return peak
+
+    per_micro = sum(chunk_bytes(c, False) for c in range(len(st.chunks)))
+    acts = dict(per_micro=per_micro, per_micro_checkpointed=sum(chunk_bytes(c, True) for c in range(len(st.chunks))),
+                full=in_flight(False), checkpointed=in_flight(True),
+                checkpointed_peak=in_flight(True) + act["per_layer"],
+                in_flight=peak_in_flight(order))
+
+    # ---- TP / CP inside the stage, per micro-batch
+    L, fst, lst = st.num_layers, int(st.first), int(st.last)
+    acL = L if ac else 0
+    pe = e if layout.sharded else 4
+    s = batch.sequence_len // C
+    for _ in range(M):
+        h = n * model.hidden_size * e
+        if layout.sp:
+            add("all_gather", "tp", 4 * L + fst + lst + 2 * acL, h)
+            add("reduce_scatter", "tp", 4 * L + fst + lst + acL, h)
+            add("all_reduce", "tp", 2 * L + lst, model.hidden_size * pe)
+        else:
+            add("all_reduce", "tp", 4 * L + fst + lst + acL, h)
+        add("all_reduce", "tp", lst, 4 * n)
+        add("all_reduce", "tp", lst, 8 * n)
+        kv = 2 * b * (model.num_key_value_heads // T) * s * D
+        add("send_recv", "cp", (C - 1) * (2 * L + acL), kv * e)
+        add("send_recv", "cp", (C - 1) * L, kv * 4)
+
+    # ---- the pipeline's own messages, and the step's small reductions
+    msg = message_bytes(model, layout, batch, opts)
+    last_vs = pipe.pp * pipe.virtual_stages - 1
+    sends = sum(1 for a in order if (a.kind == "F" and a.chunk * pipe.pp + st.rank < last_vs)
+                or (a.kind == "B" and a.chunk * pipe.pp + st.rank > 0))
+    add("send", "pp", sends, msg)
+    add("all_reduce", "dp_cp", 1, 8)                       # the loss over dp_cp, then over pp
+    add("all_reduce", "pp", 1, 8)
+    if opts.max_grad_norm:
+        add("all_reduce", "tp", 1, 16)
+        add("all_reduce", "dp_shard_cp", 1, 8)
+        add("all_reduce", "pp", 1, 8)
+    return dict(rank=st.rank, layers=[list(c) for c in st.chunks], first=st.first, last=st.last,
+                memory=mem, activations=acts, collectives=coll)
+
+
+def message_bytes(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> int:
+    """Bytes of one p2p message: h (b, s/cp [/tp under SP], d), bf16 only under bf16 ZeRO-3."""
+    s = batch.sequence_len // layout.cp // (layout.tp if layout.sp else 1)
+    e = 2 if (opts.dtype == "bfloat16" and layout.sharded) else 4
+    return batch.micro(layout) * s * model.hidden_size * e
+
+
+def _buckets(sizes: List[int], bucket_mb: float = 25) -> List[int]:
+    """data_parallel.replicate's buckets over the stage's gradients (as model.ddp_buckets)."""
+    out, current, count, limit = [], 0, 0, bucket_mb * 2 ** 20
+    for nbytes in reversed(sizes):
+        if current and current + nbytes > limit:
+            out.append(current + 4 * count)
+            current, count = 0, 0
+        current, count = current + nbytes, count + 1
+    return out + ([current + 4 * count] if current else [])
+
+
+def check(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batch) -> List[str]:
+    """The trainer's pipeline checks (schedule, split), as messages."""
+    try:
+        check_schedule(pipe.schedule, pipe.pp, batch.micro_steps(layout), pipe.virtual_stages)
+        stages(model, pipe)
+    except ValueError as err:
+        return [str(err)]
+    return []
+
+
+def bubble(pipe: Pipeline, m: int) -> float:
+    v = pipe.virtual_stages if pipe.schedule == "interleaved_1f1b" else 1
+    return (pipe.pp - 1) / (v * m + pipe.pp - 1)
+
+
+def critical_sends(pipe: Pipeline, m: int) -> int:
+    """Messages on the critical path: each micro-batch chunk's hop in and out, plus the fill and
+    drain's p - 1 hops each way."""
+    return 2 * (m * pipe.virtual_stages + pipe.pp - 1)
+
+
+def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batch, opts: Options,
+                  cluster) -> dict:
+    """estimate.plan's answer for pp x layout: one entry per stage under "stages", and the worst
+    stage's (the most memory) at the top level, so that what prints for 4D prints for it too."""
+    from .estimate import crosses_nodes               # the placement of the 4D groups of a stage
+    problems = pm.check(model, layout, batch) + check(model, layout, pipe, batch)
+    if problems:
+        raise ValueError(f"layout {pipe} x {layout} cannot run this model and batch: " + "; ".join(problems))
+    W, g, e = layout.world, cluster.gpus_per_node, DTYPE_BYTES[opts.dtype]
+    world, M = W * pipe.pp, batch.micro_steps(layout)
+    cross = crosses_nodes(layout, g)
+    cross["pp"] = any(len({(w + k * W) // g for k in range(pipe.pp)}) > 1 for w in range(W))
+    sizes = dict(layout.sizes(), pp=pipe.pp)
+    peak = cluster.peak_tflops * 1e12
+    speed = peak * cluster.efficiency
+    _, layer, _ = model.tensors(1)
+    tokens = batch.global_batch_size * batch.sequence_len
+    attn = 6 * model.num_attention_heads * model.head_dim * batch.sequence_len     # per token, layer
+    full = pm.flops(model, layout, batch, opts)["model"]
+    budget = cluster.gpu_memory_gb * 1e9 * (1 - cluster.reserve)
+    out = []
+    for st in stages(model, pipe):
+        p = plan_stage(model, layout, pipe, st, batch, opts)
+        groups: Dict[str, dict] = {}
+        for (op, group), (calls, nbytes) in sorted(p.pop("collectives").items()):
+            gr = groups.setdefault(group, dict(size=sizes[group], crosses_nodes=cross[group], ops={},
+                                               wire_bytes=0.0))
+            wire = nbytes if op == "send" else pm.wire_bytes(op, sizes[group], nbytes)   # p2p: as is
+            gr["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
+            gr["wire_bytes"] += wire
+        sec = {k: gr["wire_bytes"] / ((cluster.inter_gbps if gr["crosses_nodes"] else cluster.intra_gbps) * 1e9)
+               for k, gr in groups.items()}
+        for k, gr in groups.items():
+            gr["seconds"] = sec[k]
+        L = st.num_layers
+        lay_fl = 6 * L * (sum(layer) - 2 * model.hidden_size) + L * attn
+        per_token = lay_fl + (6 * model.vocab_size * model.hidden_size if st.last else 0)
+        recompute = lay_fl / 3 if opts.gradient_checkpointing else 0
+        compute = (per_token + recompute) * tokens / W / speed
+        attention = L * attn * tokens / W / speed
+        dp = sum(sec.get(k, 0.0) for k in ("dp_shard_cp", "dp_replicate", "dp_cp"))
+        work = compute + sec.get("tp", 0.0) + max(0.0, sec.get("cp", 0.0) - attention) + \
+            (max(0.0, dp - compute) if opts.prefetch > 0 else dp)
+        n = batch.micro(layout) * batch.sequence_len // layout.cp
+        transient = n * model.vocab_size // layout.tp * (e + 4) if st.last else 0
+        if layout.sharded:
+            transient += 2 * 4 * max(u.numel for u in stage_units(model, layout, st))
+        mem, acts = p["memory"], p["activations"]
+        activation = acts["checkpointed_peak" if opts.gradient_checkpointing else "full"]
+        total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
+        p.update(memory=dict(mem, activations=acts, transient=transient, total=total, budget=budget,
+                             fits=total <= budget),
+                 comm=groups, time=dict(compute_s=compute, tp_s=sec.get("tp", 0.0), cp_s=sec.get("cp", 0.0),
+                                        dp_s=dp, work_s=work))
+        out.append(p)
+    bub = bubble(pipe, M)
+    bw = (cluster.inter_gbps if cross["pp"] else cluster.intra_gbps) * 1e9
+    pp_s = critical_sends(pipe, M) * message_bytes(model, layout, batch, opts) / bw
+    slowest = max(out, key=lambda p: p["time"]["work_s"])
+    step = slowest["time"]["work_s"] / (1 - bub) + pp_s
+    worst = max(out, key=lambda p: p["memory"]["total"])
+    t = dict(slowest["time"], step_s=step, bubble=bub, pp_s=pp_s, slowest_stage=slowest["rank"],
+             tokens_per_s=tokens / step, mfu=full / (step * world * peak), model_flops=full)
+    return dict(layout=dict(dataclasses.asdict(layout), pp=pipe.pp), pipeline=dataclasses.asdict(pipe),
+                layout_str=f"{pipe} x {layout}", world=world, nodes=-(-world // g), micro_steps=M,
+                batch=dataclasses.asdict(batch), micro_batch=batch.micro(layout),
+                options=dataclasses.asdict(opts), params=model.num_params(), worst_stage=worst["rank"],
+                memory=worst["memory"], comm=worst["comm"], time=t, stages=out,
+                fits=all(p["memory"]["fits"] for p in out))

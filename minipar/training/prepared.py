@@ -5,22 +5,25 @@ function of its inputs, and on a real data set (hundreds of thousands of chat ro
 tokenizer) it takes minutes. So the result is saved under a folder named by a hash of everything
 that determines it, and a later start with the same inputs loads it in seconds:
 
-    dataset_prepared_path: DIR          default <output_dir>/prepared; set a shared folder (Axolotl's
-                                        default is last_run_prepared) to reuse it across runs
-    DIR/<key>/data.pt                   torch.save of {train, val}: each split's rows (input_ids,
-                                        labels, int32, (num_rows, sequence_len)), its packing plan
-                                        (a flat int64 list of example lengths per row) and counts
+    dataset_prepared_path: DIR          default <output_dir>/prepared; set a shared folder to reuse
+                                        it across runs (`last_run_prepared` is Axolotl's default)
+    DIR/<key>/data.pt                   torch.save of {train, val}: each split's four row tensors
+                                        (input_ids, labels, position_ids, document_ids as int32,
+                                        (num_rows, sequence_len)), its packing plan and counts
     DIR/<key>/meta.json                 written last: the key, its inputs, the sha256 and size of
                                         data.pt, the run's data notes. No meta.json = not complete
 
-The key is the sha256 of (cache_inputs): the format version; the source of datasets.py,
+The key is the sha256 of cache_inputs(): the format version; the source of datasets.py,
 packing.py, tokenizer.py and data.py (a fix to tokenization must not load old rows); every
 `datasets` entry (path, type, field, field_messages) with the sha256 of the file's bytes (every
 byte, on every rank: about a second per GB, against minutes of tokenizing); the tokenizer (the
-bytes of its tokenizer files and the transformers / tokenizers versions; "bytes" for the byte
-tokenizer); train_on_inputs, sequence_len, sample_packing, val_set_size and seed (which draws both
-the validation split and the packing order). The model, batch sizes and layout do not change the
-rows and are not in it. position_ids and document_ids are not stored: they follow from the plan.
+bytes of its tokenizer files and the transformers / tokenizers versions; the class name for the
+byte tokenizer); train_on_inputs, sequence_len, sample_packing, val_set_size and seed (which draws
+both the validation split and the packing order). The model, batch sizes and layout do not change
+the rows and are not in it. Axolotl's key (md5 of the entries' names, the tokenizer's name and a
+few settings) reads no file, so an edited data file or tokenizer loads the old rows there; here
+it prepares anew. The loaded rows are the saved tensors themselves: the same PackedData
+fingerprint (checked on load), so a resumed run's data-order check and every loss are unchanged.
 
 Who writes. Preparing happens in run_setup before minipar.init creates any process group (so that
 a bad config or bad data is a ValueError on every rank before any collective), hence the ranks
@@ -38,7 +41,8 @@ in the data (a bad row, names the file and line) is written by the writer to DIR
 before it raises, and every waiting rank raises the same ValueError: it is a fact about these inputs
 (the key covers them), so a marker left by an earlier start says the same. Any other failure of the
 writer (killed, out of memory) leaves the waiters to time out after ddp_timeout, naming the folder;
-under torchrun the agent stops them as soon as the writer's process dies.
+under torchrun the agent stops them as soon as the writer's process dies. The temporary folder of a
+writer that died is never read (only DIR/<key> is) and is removed by the next writer on that host.
 
 A damaged entry (a truncated or altered data.pt: its size or sha256 differ from meta.json, or it does
 not load) is never used: the writer warns, moves it aside and prepares again; waiters wait for that.
@@ -49,19 +53,21 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import time
 import warnings
 from typing import List, Optional, Tuple
 
 import torch
 
+from .checkpoint_io import owner_tag
 from .packing import DatasetRun, PackedData
+from .run_lock import process_alive
 
 FORMAT_VERSION = 1
 CODE_FILES = ("datasets.py", "packing.py", "tokenizer.py", "data.py")   # what decides the rows
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+ROW_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
 POLL_S = 0.2
 
 
@@ -110,47 +116,25 @@ def cache_key(inputs: dict) -> str:
 def _split_state(data: Optional[PackedData]) -> Optional[dict]:
     if data is None:
         return None
-    return dict(input_ids=data.rows["input_ids"].to(torch.int32), labels=data.rows["labels"].to(torch.int32),
-                plan_sizes=torch.tensor([len(p) for p in data.plan], dtype=torch.long),
+    return dict(**{k: data.rows[k].to(torch.int32) for k in ROW_KEYS},     # ids < 2^31: half the bytes
                 plan=torch.tensor([i for p in data.plan for i in p], dtype=torch.long),
-                lengths=plan_lengths(data), num_examples=data.num_examples, sequence_len=data.sequence_len,
-                seed=data.seed, packing=data.packing, fingerprint=data.fingerprint)
-
-
-def plan_lengths(data: PackedData) -> torch.Tensor:
-    """The length of every example of every row, in plan order (counted from document_ids)."""
-    docs = data.rows["document_ids"]
-    n, T = docs.shape
-    counts = torch.bincount((torch.arange(n)[:, None] * (T + 1) + docs).view(-1), minlength=n * (T + 1))
-    sizes = torch.tensor([len(p) for p in data.plan], dtype=torch.long)
-    return counts.view(n, T + 1)[torch.arange(T + 1)[None, :] < sizes[:, None]]
+                plan_sizes=torch.tensor([len(p) for p in data.plan], dtype=torch.long),
+                num_examples=data.num_examples, sequence_len=data.sequence_len, seed=data.seed,
+                packing=data.packing, fingerprint=data.fingerprint)
 
 
 def _split_from_state(s: Optional[dict]) -> Optional[PackedData]:
-    """Rebuild a split: position_ids and document_ids from the plan's lengths, vectorized."""
     if s is None:
         return None
-    n, T = s["input_ids"].shape
-    sizes, lengths = s["plan_sizes"], s["lengths"]
-    row_of = torch.repeat_interleave(torch.arange(n), sizes)           # the row of each example
-    used = torch.zeros(n, dtype=torch.long).index_add_(0, row_of, lengths)
-    # the segments of all rows in order: each row's examples, then its padding (a document of its own)
-    seg_row = torch.cat([row_of, torch.arange(n)])
-    seg_doc = torch.cat([torch.arange(len(lengths)) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes),
-                         sizes])
-    seg_len = torch.cat([lengths, T - used])
-    order = torch.argsort(seg_row * (T + 2) + seg_doc, stable=True)
-    seg_doc, seg_len = seg_doc[order], seg_len[order]
-    docs = torch.repeat_interleave(seg_doc, seg_len).view(n, T)
-    starts = torch.repeat_interleave(seg_len.cumsum(0) - seg_len, seg_len)
-    pos = (torch.arange(n * T) - starts).view(n, T)
-    rows = dict(input_ids=s["input_ids"].long(), labels=s["labels"].long(), position_ids=pos, document_ids=docs)
-    flat = s["plan"].tolist()
-    bounds = (sizes.cumsum(0) - sizes).tolist()
-    plan = [flat[b:b + k] for b, k in zip(bounds, sizes.tolist())]
+    flat, sizes = s["plan"].tolist(), s["plan_sizes"].tolist()
+    starts = [0]
+    for k in sizes:
+        starts.append(starts[-1] + k)
+    plan = [flat[a:a + k] for a, k in zip(starts, sizes)]
+    rows = {k: s[k].long() for k in ROW_KEYS}
     data = PackedData.from_rows(rows, plan, s["sequence_len"], s["seed"], s["packing"], s["num_examples"])
-    if data.fingerprint != s["fingerprint"]:
-        raise ValueError("the rows rebuilt from the prepared entry differ from the ones prepared")
+    if data.fingerprint != s["fingerprint"] or data.num_rows != len(rows["input_ids"]):
+        raise ValueError(f"rows with fingerprint {data.fingerprint}, prepared as {s['fingerprint']}")
     return data
 
 
@@ -158,7 +142,7 @@ def save_entry(root: str, key: str, inputs: dict, run: DatasetRun) -> str:
     """Write the entry into a private temporary folder, then rename it into place (atomic)."""
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, key)
-    tmp = os.path.join(root, f"{key}.tmp-{socket.gethostname()}-{os.getpid()}")
+    tmp = os.path.join(root, f"{key}.tmp-{owner_tag()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     data_path = os.path.join(tmp, "data.pt")
@@ -176,6 +160,19 @@ def save_entry(root: str, key: str, inputs: dict, run: DatasetRun) -> str:
     return final
 
 
+def clean_stale(root: str, key: str) -> List[str]:
+    """Remove DIR/<key>.tmp-<host>-<pid> folders whose writer on this host has ended."""
+    removed, here = [], owner_tag(pid=0).rsplit("-", 1)[0]
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if not name.startswith(f"{key}.tmp-"):
+            continue
+        host, _, pid = name[len(key) + 5:].rpartition("-")
+        if host == here and pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
 class DamagedEntry(Exception):
     pass
 
@@ -191,13 +188,13 @@ def load_entry(path: str, key: str, tokenizer) -> Optional[DatasetRun]:
         data_path = os.path.join(path, "data.pt")
         size = os.path.getsize(data_path)
         if meta.get("key") != key or size != meta["size"] or file_sha256(data_path) != meta["sha256"]:
-            raise DamagedEntry(f"data.pt has {size} bytes, meta.json records {meta.get('size')} bytes and its "
-                               f"sha256; a truncated or altered file")
+            raise DamagedEntry(f"data.pt has {size} bytes, meta.json records {meta.get('size')} bytes and a "
+                               f"sha256 it does not match: a truncated or altered file")
         state = torch.load(data_path, weights_only=True)
         train, val = _split_from_state(state["train"]), _split_from_state(state["val"])
     except DamagedEntry:
         raise
-    except (OSError, ValueError, KeyError, RuntimeError, EOFError) as err:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError) as err:
         raise DamagedEntry(f"{type(err).__name__}: {err}") from None
     return DatasetRun(tokenizer, train, val, list(meta["notes"]))
 
@@ -208,15 +205,16 @@ def _check_writable(root: str) -> None:
     probe = os.path.abspath(root)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if not os.access(probe, os.W_OK):
-        raise ValueError(f"dataset_prepared_path={root!r}: {probe!r} is not writable; set "
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        raise ValueError(f"dataset_prepared_path={root!r}: {probe!r} is not a writable folder; set "
                          f"dataset_prepared_path to a folder this job can write")
 
 
 def load_or_prepare(cfg, tokenizer, prepare_fn, progress: bool = False, local_rank: Optional[int] = None,
                     world_size: Optional[int] = None) -> DatasetRun:
     """The DatasetRun of cfg: loaded from dataset_prepared_path, or prepared (prepare_fn(cfg,
-    tokenizer, progress)) and saved there. Communicates only through the folder."""
+    tokenizer, progress), packing.prepare in run_setup) and saved there. Communicates only
+    through the folder."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     root = prepared_root(cfg)
@@ -225,11 +223,14 @@ def load_or_prepare(cfg, tokenizer, prepare_fn, progress: bool = False, local_ra
     inputs = cache_inputs(cfg, tokenizer)
     key = cache_key(inputs)
     path, error_path = os.path.join(root, key), os.path.join(root, f"{key}.error.json")
-    if local_rank != 0 and world_size > 1:
-        run = _wait(path, error_path, key, tokenizer, cfg.ddp_timeout, root)
-        run.notes.append(f"loaded the prepared dataset from {path} (key {key}) in "
-                         f"{time.perf_counter() - start:.1f} s")
+
+    def loaded(run: DatasetRun) -> DatasetRun:
+        run.notes.append(f"loaded prepared dataset from {path} in {time.perf_counter() - start:.1f} s "
+                         f"(dataset_prepared_path; delete that folder to prepare it again)")
         return run
+
+    if local_rank != 0 and world_size > 1:
+        return loaded(_wait(path, error_path, key, tokenizer, cfg.ddp_timeout, root))
     notes: List[str] = []
     try:
         run = load_entry(path, key, tokenizer)
@@ -237,7 +238,7 @@ def load_or_prepare(cfg, tokenizer, prepare_fn, progress: bool = False, local_ra
         msg = f"the prepared dataset {path} is damaged ({err}); preparing it again"
         warnings.warn(msg)
         notes.append("warning: " + msg)
-        aside = f"{path}.damaged-{socket.gethostname()}-{os.getpid()}"
+        aside = f"{path}.damaged-{owner_tag()}"
         try:
             os.replace(path, aside)
             shutil.rmtree(aside, ignore_errors=True)
@@ -245,24 +246,23 @@ def load_or_prepare(cfg, tokenizer, prepare_fn, progress: bool = False, local_ra
             pass                        # another writer moved it already
         run = None
     if run is not None:
-        run.notes.append(f"loaded the prepared dataset from {path} (key {key}) in "
-                         f"{time.perf_counter() - start:.1f} s")
-        return run
+        return loaded(run)
+    clean_stale(root, key)
     if os.path.exists(error_path):
         os.remove(error_path)
     try:
         run = prepare_fn(cfg, tokenizer, progress)
     except ValueError as err:           # bad data: every waiting rank raises it too
         os.makedirs(root, exist_ok=True)
-        tmp = f"{error_path}.tmp-{os.getpid()}"
+        tmp = f"{error_path}.tmp-{owner_tag()}"
         with open(tmp, "w") as f:
             json.dump(dict(key=key, message=str(err)), f)
         os.replace(tmp, error_path)
         raise
     save_entry(root, key, inputs, run)
     run.notes.extend(notes)
-    run.notes.append(f"prepared the dataset in {time.perf_counter() - start:.1f} s and saved it to {path} "
-                     f"(key {key}); later runs with the same data, tokenizer and settings load it")
+    run.notes.append(f"prepared the dataset in {time.perf_counter() - start:.1f} s and saved it to {path}; "
+                     f"later starts with the same data, tokenizer and settings load it")
     return run
 
 
@@ -275,11 +275,10 @@ def _wait(path: str, error_path: str, key: str, tokenizer, timeout_s: float, roo
                 with open(error_path) as f:
                     message = json.load(f)["message"]
             except (OSError, ValueError, KeyError):
-                message = None          # being written: read it on the next poll
+                message = None          # being replaced: read it on the next poll
             if message is not None:
                 raise ValueError(message)
-        meta = os.path.join(path, "meta.json")
-        stamp = _stamp(meta)
+        stamp = _stamp(os.path.join(path, "meta.json"))
         if stamp is not None and stamp != seen:
             try:
                 run = load_entry(path, key, tokenizer)
@@ -288,9 +287,9 @@ def _wait(path: str, error_path: str, key: str, tokenizer, timeout_s: float, roo
             except DamagedEntry:
                 seen = stamp            # the writer is replacing it: check again when it changes
         if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:.0f} s (ddp_timeout) for local rank 0 to prepare the dataset "
-                               f"{path}; see local rank 0's error, or raise ddp_timeout (dataset_prepared_path "
-                               f"{root})")
+            raise TimeoutError(f"waited {timeout_s:g} s (ddp_timeout) for local rank 0 to prepare the dataset "
+                               f"into {path} (dataset_prepared_path {root}); see local rank 0's error, or raise "
+                               f"ddp_timeout if preparing takes longer")
         time.sleep(POLL_S)
 
 

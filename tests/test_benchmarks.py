@@ -47,6 +47,23 @@ def test_quick_subset_measures_every_row(tmp_path):
     text = open(tmp_path / "quick.md").read()
     assert "ZeRO-3 vs torch FSDP2" in text and "Ring attention" in text and "vs DTensor" in text
     assert "quick.json" in text
+    line = [l for l in open(tmp_path / "quick_summary.md").read().splitlines() if "| minipar ZeRO-3 |" in l]
+    assert len(line) == 1 and f"| {mine['ratio'][0]:.2f} |" in line[0], line
+
+
+def test_committed_results_and_their_tables_agree():
+    """The README and summary under benchmarks/results are what report.py makes of run_all.json today
+    (a hand edit, or a report change without `python -m benchmarks --report`, fails here), and a
+    summary row's ratios are the per-cell medians of the rows it spans."""
+    import report
+    res = os.path.join(ROOT, "benchmarks", "results")
+    data = json.load(open(os.path.join(res, "run_all.json")))
+    assert open(os.path.join(res, "README.md")).read() == report.report(data)
+    text = report.summary(data)
+    assert open(os.path.join(res, "summary.md")).read() == text
+    ratios = [r["ratio"][0] for r in data["rows"] if r["variant"] == "minipar DDP"]
+    row = [l for l in text.splitlines() if "| minipar DDP |" in l][0].split(" | ")
+    assert row[4] == f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
 @pytest.mark.slow

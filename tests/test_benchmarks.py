@@ -66,6 +66,21 @@ def test_committed_results_and_their_tables_agree():
     assert row[4] == f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
+def test_quickstart_results_are_their_table():
+    """benchmarks/results/quickstart.md (which the README quotes) is what quickstart.py makes of its
+    json, and the json is a real pair of runs: 300 steps each, the losses the runs logged, the
+    8-rank curve on the one-process curve."""
+    import quickstart
+    res = os.path.join(ROOT, "benchmarks", "results")
+    data = json.load(open(os.path.join(res, "quickstart.json")))
+    assert open(os.path.join(res, "quickstart.md")).read() == quickstart.table(data)
+    one, eight = data["runs"]["1"], data["runs"]["8"]
+    assert one["steps"] == eight["steps"] == len(one["losses"]) == len(eight["losses"]) == 300
+    assert len(eight["peak_rss_mib"]) == 8 and one["final_loss"] == pytest.approx(one["losses"][-1], abs=1e-4)
+    diffs = [abs(a - b) for a, b in zip(one["losses"], eight["losses"])]
+    assert max(diffs[:50]) < 1e-5 and max(diffs) < 2e-2
+
+
 @pytest.mark.slow
 def test_quick_runs_every_comparison(tmp_path):
     run_all.main(["--quick", "--out", str(tmp_path)])

@@ -47,6 +47,38 @@ def test_quick_subset_measures_every_row(tmp_path):
     text = open(tmp_path / "quick.md").read()
     assert "ZeRO-3 vs torch FSDP2" in text and "Ring attention" in text and "vs DTensor" in text
     assert "quick.json" in text
+    line = [l for l in open(tmp_path / "quick_summary.md").read().splitlines() if "| minipar ZeRO-3 |" in l]
+    assert len(line) == 1 and f"| {mine['ratio'][0]:.2f} |" in line[0], line
+
+
+def test_committed_results_and_their_tables_agree():
+    """The README and summary under benchmarks/results are what report.py makes of run_all.json today
+    (a hand edit, or a report change without `python -m benchmarks --report`, fails here), and a
+    summary row's ratios are the per-cell medians of the rows it spans."""
+    import report
+    res = os.path.join(ROOT, "benchmarks", "results")
+    data = json.load(open(os.path.join(res, "run_all.json")))
+    assert open(os.path.join(res, "README.md")).read() == report.report(data)
+    text = report.summary(data)
+    assert open(os.path.join(res, "summary.md")).read() == text
+    ratios = [r["ratio"][0] for r in data["rows"] if r["variant"] == "minipar DDP"]
+    row = [l for l in text.splitlines() if "| minipar DDP |" in l][0].split(" | ")
+    assert row[4] == f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
+def test_quickstart_results_are_their_table():
+    """benchmarks/results/quickstart.md (which the README quotes) is what quickstart.py makes of its
+    json, and the json is a real pair of runs: 300 steps each, the losses the runs logged, the
+    8-rank curve on the one-process curve."""
+    import quickstart
+    res = os.path.join(ROOT, "benchmarks", "results")
+    data = json.load(open(os.path.join(res, "quickstart.json")))
+    assert open(os.path.join(res, "quickstart.md")).read() == quickstart.table(data)
+    one, eight = data["runs"]["1"], data["runs"]["8"]
+    assert one["steps"] == eight["steps"] == len(one["losses"]) == len(eight["losses"]) == 300
+    assert len(eight["peak_rss_mib"]) == 8 and one["final_loss"] == pytest.approx(one["losses"][-1], abs=1e-4)
+    diffs = [abs(a - b) for a, b in zip(one["losses"], eight["losses"])]
+    assert max(diffs[:50]) < 1e-5 and max(diffs) < 2e-2
 
 
 @pytest.mark.slow

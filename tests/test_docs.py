@@ -190,6 +190,27 @@ def test_copied_tables_match_their_results_files():
     assert not stale, "\n".join(stale)
 
 
+RESULTS_REF_RE = re.compile(r"benchmarks/results/([\w./-]+\.md)")
+FIGURE_RE = re.compile(r"(?<![\w.])(\d+\.\d{2,})(?:-(\d+\.\d{2,}))?(?![\w.])")
+
+
+def test_quoted_figures_are_in_their_results_files():
+    """A section (heading to heading) that names a benchmark's results file quotes only figures that
+    file holds: every number with two or more decimals (a ratio, a bubble, MiB), and every range
+    (0.39-0.74) as the file writes it, so a rerun that changes them shows which prose to update."""
+    stale = []
+    for page in _pages():
+        for section in re.split(r"\n(?=#+ )", open(page).read()):
+            refs = [os.path.join(ROOT, "benchmarks", "results", r) for r in set(RESULTS_REF_RE.findall(section))]
+            source = "".join(open(r).read() for r in refs if os.path.isfile(r))
+            if not source:
+                continue
+            stale += [f"{_rel(page)}, {section.splitlines()[0][:50]!r}: {'-'.join(x for x in m if x)} is not in "
+                      f"{', '.join(_rel(r) for r in refs)}" for m in FIGURE_RE.findall(section)
+                      if "-".join(x for x in m if x) not in source]
+    assert not stale, "\n".join(stale)
+
+
 # ------------------------------------------------------------------------------------- commands
 COMMAND_START = re.compile(r"^(?:\$ )?(?:\S*/)?(?:python3?|torchrun|make) ")
 

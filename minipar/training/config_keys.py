@@ -13,6 +13,9 @@ refused with the values minipar supports; none is silently ignored:
     bf16: true | false | auto               dtype bfloat16 | float32 | bfloat16 where the GPU has it
     lr_scheduler: cosine                    linear warmup over warmup_steps, cosine to min_lr_ratio
     optimizer: adamw_torch[_fused]          AdamW (torch's fused kernel with _fused)
+    dataset_prepared_path  DIR              the same (prepared.py): tokenized rows saved, loaded on
+                                            later starts; default <output_dir>/prepared, not
+                                            Axolotl's last_run_prepared; a note without `datasets`
     fsdp_version: 1 | 2                     minipar's ZeRO-3 over dp_shard (flat shards per decoder
                                             layer, FSDP2's reshard_after_forward)
     fsdp: [full_shard, auto_wrap]           the same (the list form of Axolotl's FSDP1 configs)
@@ -142,6 +145,9 @@ def resolve(cfg, given: set, notes: List[str]) -> None:
         cfg.global_batch_size = None
     if cfg.num_epochs is not None and "max_steps" not in given:
         cfg.max_steps = None
+    if cfg.dataset_prepared_path and not cfg.datasets:   # Axolotl configs carry it; said, not refused
+        notes.append(f"dataset_prepared_path {cfg.dataset_prepared_path!r} has no effect without `datasets`: "
+                     f"the text file `dataset` is read as bytes at each start")
     if cfg.max_steps is None and cfg.num_epochs is None:
         raise ValueError("max_steps is null: set max_steps, or num_epochs to derive it from the dataset size")
 

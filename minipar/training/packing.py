@@ -82,11 +82,23 @@ class PackedData:
     """The rows of one split and their order. `packing` says whether the model needs document ids."""
 
     def __init__(self, examples: Examples, sequence_len: int, pad_token_id: int, seed: int, packing: bool):
+        plan = pack_plan(examples.lengths().tolist(), sequence_len, seed, packing)
+        self._set(build_rows(examples, plan, sequence_len, pad_token_id), plan, sequence_len, seed, packing,
+                  len(examples))
+
+    @classmethod
+    def from_rows(cls, rows: Dict[str, torch.Tensor], plan: List[List[int]], sequence_len: int, seed: int,
+                  packing: bool, num_examples: int) -> "PackedData":
+        """The rows of a plan built earlier (prepared.py loads them from dataset_prepared_path)."""
+        self = cls.__new__(cls)
+        self._set(rows, plan, sequence_len, seed, packing, num_examples)
+        return self
+
+    def _set(self, rows, plan, sequence_len, seed, packing, num_examples) -> None:
         self.sequence_len, self.seed, self.packing = int(sequence_len), int(seed), bool(packing)
-        self.plan = pack_plan(examples.lengths().tolist(), sequence_len, seed, packing)
-        self.rows = build_rows(examples, self.plan, sequence_len, pad_token_id)
+        self.plan, self.rows = plan, rows
         self.num_rows = len(self.plan)
-        self.num_examples = len(examples)
+        self.num_examples = int(num_examples)
         h = hashlib.sha1()
         for key in ("input_ids", "labels", "document_ids"):
             h.update(self.rows[key].numpy().tobytes())

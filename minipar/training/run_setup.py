@@ -8,8 +8,8 @@ minipar.init creates a single group, so a mistake is the same clear error everyw
               (a world of one runs any config with all sizes 1; without a config file, sizes on
                the command line replace the default layout; accelerate's PARALLELISM_CONFIG_*_SIZE
                variables set the sizes that neither the command line nor the config file sets)
-         -> the tokenizer and the `datasets` rows (tokenizer.py, datasets.py, packing.py), or
-            the byte corpus
+         -> the tokenizer and the `datasets` rows (tokenizer.py, datasets.py, packing.py), loaded
+            from dataset_prepared_path when prepared before (prepared.py), or the byte corpus
          -> the model against tp/cp and the sequence, the batch against dp (global = micro x
             accumulation x dp), max_steps from num_epochs, the dataset file, the checkpoint to
             resume from                                                  config_keys.py
@@ -33,6 +33,7 @@ from minipar.training import data as mdata
 from minipar.training import lifecycle
 from minipar.training import run_lock
 from minipar.training.packing import prepare as prepare_datasets
+from minipar.training.prepared import load_or_prepare
 from minipar.training.tokenizer import HFTokenizer, load_tokenizer, padded_vocab_size, tokenizer_path
 from minipar.training.tokenizer import fill_special_token_ids
 from minipar.training.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
@@ -130,7 +131,8 @@ def setup_run(argv: List[str]) -> Run:
                          f"{cfg.model.max_position_embeddings}")
     datasets = None
     if cfg.datasets:
-        datasets = prepare_datasets(cfg, tokenizer, progress=int(os.environ.get("RANK", 0)) == 0)
+        # tokenized once, then loaded from dataset_prepared_path (one writer per node, no collective)
+        datasets = load_or_prepare(cfg, tokenizer, prepare_datasets, progress=int(os.environ.get("RANK", 0)) == 0)
         notes.extend(datasets.notes)
         train_tokens = val_tokens = torch.empty(0, dtype=torch.uint8)
     else:

@@ -53,6 +53,7 @@ class TrainConfig:
     train_on_inputs: bool = False         # false: labels only on assistant turns of chat rows
     sample_packing: bool = False          # whole examples packed into sequence_len, attention kept apart
     val_set_size: float = 0.0             # held out of `datasets`: a fraction, or (>= 1) a count
+    dataset_prepared_path: Optional[str] = None   # tokenized rows saved, then loaded; None: <output_dir>/prepared
     sequence_len: int = 128
     global_batch_size: Optional[int] = 16  # samples per optimizer step, over all data-parallel ranks
     micro_batch_size: Optional[int] = None  # per dp rank per forward; None = no accumulation

@@ -311,3 +311,19 @@ def test_packed_finetune_on_pp2_matches_one_process(tmp_path_factory, tmp_path):
     paths = make_example(str(d), num_conversations=120, vocab_size=2048, tokenizer_chars=200_000)
     example = dict(paths, dir=str(d), tok=load_tokenizer(paths["tokenizer"]))
     _packed_run(example, tmp_path, 3, 4, pipeline_parallel_size=2, dp_shard_size=2, micro_batch_size=2)
+
+
+def test_stages_apply_the_models_rope_scaling(tmp_path):
+    """Llama 3.1's RoPE scaling (the frequencies of long wavelengths stretched) reaches every stage:
+    pp 2 equals one process on a model with the scaling, far closer than the same model without it."""
+    scaled = tmp_path / "llama3-rope.yaml"
+    scaled.write_text("model:\n  rope_scaling: {rope_type: llama3, factor: 32.0, low_freq_factor: 1.0,\n"
+                      "                 high_freq_factor: 4.0, original_max_position_embeddings: 4}\n")
+    argv = lambda out, *extra: [str(scaled), *_tiny(2, 2), "--output_dir", str(out), *extra]  # noqa: E731
+    ref = run_world(_train, 1, argv(tmp_path / "one"), timeout=300)[0]
+    plain = run_world(_train, 1, _argv(tmp_path / "plain", layers=2, steps=2), timeout=300)[0]
+    gap = lambda a, b: max(abs(x[3] - y[3]) / abs(x[3]) for x, y in zip(a, b))  # noqa: E731  (grad norms)
+    assert gap(ref, plain) > 1e-4                          # the scaling changes the gradients
+    for got in run_world(_train, 2, argv(tmp_path / "pp2", "--pipeline_parallel_size", "2"), timeout=300):
+        _same(ref, got)
+        assert gap(ref, got) < 1e-5

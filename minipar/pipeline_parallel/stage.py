@@ -108,7 +108,7 @@ class PipelineStage(nn.Module):
         from ..tensor_parallel import vocab_parallel_cross_entropy
         cfg = self.config
         h = self.model.embed_tokens(x) if self.is_first_virtual(chunk) else x
-        cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype)
+        cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype, cfg.rope_scaling)
         for i in self.chunks[chunk]:
             layer = self.model.layers[str(i)]
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():

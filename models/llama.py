@@ -28,16 +28,14 @@ this rank, so a 1-rank and a 16-rank run start from the same weights. `device="m
 model without storage; models/llama_init.py then fills only what this rank keeps, from the seed or
 from a Hugging Face checkpoint (minipar/training/hf_checkpoint.py). Labels arrive already shifted (label[t] is
 the token at t + 1), because under cp the next token of a chunk may live on another rank.
+The shape and its config.json keys are models/llama_config.py; the rotary tables, models/rope.py.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import math
 import os
-from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -49,75 +47,8 @@ from minipar import tensor_parallel as tpl
 from minipar.context_parallel import ring_attention, sequence_positions
 from minipar.mesh import ProcessGroupManager
 
-
-@dataclass
-class LlamaConfig:
-    vocab_size: int = 256
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: Optional[int] = None
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    head_dim: Optional[int] = None
-    attention_bias: bool = False          # biases on q/k/v/o_proj (HF's key)
-    mlp_bias: bool = False                # biases on gate/up/down_proj
-    rope_scaling: Optional[dict] = None   # None (default RoPE) or {"rope_type": "llama3", "factor": ...}
-    # the tokenizer's special ids, as config.json records them (HF's keys; eos may be a list, as in
-    # Llama 3's); read from a base model's config.json, filled from the run's tokenizer, exported
-    bos_token_id: Optional[Union[int, List[int]]] = None
-    eos_token_id: Optional[Union[int, List[int]]] = None
-    pad_token_id: Optional[Union[int, List[int]]] = None
-
-    def __post_init__(self):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                                 f"{self.num_attention_heads}: change one, or set head_dim")
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            ids = getattr(self, key)
-            if ids is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                           for i in (ids if isinstance(ids, list) else [ids])):
-                raise ValueError(f"{key}={ids!r}: a token id is an integer >= 0 (or, for eos, a list of them), or null")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
-            if kind != "llama3" or missing:
-                raise ValueError(f"rope_scaling {self.rope_scaling}: only rope_type 'llama3' (with "
-                                 f"{', '.join(LLAMA3_ROPE_KEYS)}) or default RoPE (null) is supported")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LlamaConfig":
-        """From a Hugging Face config.json (transformers 4 writes rope_theta, 5 rope_parameters)."""
-        d = dict(d)
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        if "rope_theta" not in d and "rope_theta" in rope:
-            d["rope_theta"] = rope["rope_theta"]
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ("default", None, "llama3"):
-            raise ValueError(f"rope_type {kind!r} is not supported: only default RoPE and 'llama3'")
-        d["rope_scaling"] = (dict({k: v for k, v in rope.items() if k not in ("rope_theta", "type")},
-                                  rope_type="llama3") if kind == "llama3" else None)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in fields})
-
-    def to_hf_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        scaling = dict(self.rope_scaling) if self.rope_scaling else None
-        d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                 torch_dtype="float32", rope_scaling=scaling,
-                 rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta})
-        return d
+from .llama_config import LlamaConfig                       # the shape, HF's config.json keys
+from .rope import LLAMA3_ROPE_KEYS, apply_rotary, llama3_inv_freq, rotary_tables  # noqa: F401  (re-exported)
 
 
 class RMSNorm(nn.Module):
@@ -134,44 +65,6 @@ class RMSNorm(nn.Module):
         x = x.to(torch.promote_types(dtype, torch.float32))   # fp32 at least, as HF
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return tpl.sequence_parallel_weight(self.weight, self.tp, self.sequence_parallel) * x.to(dtype)
-
-
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def llama3_inv_freq(inv_freq, scaling: dict):
-    """Llama 3.1's RoPE scaling (as transformers' _compute_llama3_parameters): wavelengths longer
-    than original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
-    shorter than .../ high_freq_factor are kept, and the band between is interpolated smoothly."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rotary_tables(position_ids, head_dim, theta, dtype, rope_scaling: Optional[dict] = None):
-    """cos, sin of shape (b, s, head_dim) at the given (true) positions, HF's rotate-half layout."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
-    if rope_scaling:
-        inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
-    freqs = position_ids.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary(x, cos, sin):
-    """x (b, heads, s, d); cos/sin (b, s, d)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x * cos + _rotate_half(x) * sin).to(x.dtype)   # keep bf16 under autocast
 
 
 def causal_attention(q, k, v, document_ids=None):

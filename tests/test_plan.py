@@ -260,6 +260,31 @@ def test_search_follows_its_rules():
         assert rec["layout"]["cp"] == min(p["layout"]["cp"] for p in ranked if p["layout"]["tp"] <= 8)
         if world > 8:
             assert not rec["comm"]["dp_shard_cp"]["crosses_nodes"] and rec["layout"]["dp_replicate"] > 1
+        # pipeline layouts are ranked too (planned stage by stage, 1F1B), recommended across nodes only
+        pps = {p["layout"].get("pp", 1) for p in ranked}
+        assert pps == ({1, 2, 4, 8} if world <= 8 else {1, 2, 4, 8, 16})
+        assert world > 8 or rec["layout"].get("pp", 1) == 1
+        assert all(p["pipeline"]["schedule"] == "1f1b" and len(p["stages"]) == p["layout"]["pp"]
+                   for p in ranked if "stages" in p)
+
+
+def test_long_steps_extend_the_replay_exactly():
+    """A stage of a long step (m > 4p) is computed from three short replays and extended; the
+    answer is the full replay's, under AFAB and 1F1B, ZeRO-3 and DDP, prefetch 1 and 2."""
+    from minipar.plan import Pipeline, plan_stage
+    from minipar.plan.pipeline import stages
+    from minipar.plan.pipeline_stage import _plan_stage
+    m8, m70 = _llama("llama-3.1-8b"), _llama("llama-3.1-70b")
+    cases = [(m8, Layout(1, 2, 1, 2, True), Pipeline(4, "1f1b"), Batch(64, 1, 4096), Options(dtype="bfloat16")),
+             (m8, Layout(2, 1, 1, 2, True), Pipeline(2, "afab"), Batch(48, 1, 4096), Options()),
+             (m8, Layout(1, 4, 2, 1, False), Pipeline(4, "1f1b"), Batch(192, 2, 4096),
+              Options(gradient_checkpointing=True, prefetch=2)),
+             (m70, Layout(1, 2, 1, 8, True), Pipeline(8, "1f1b"), Batch(1024, 1, 8192),
+              Options(dtype="bfloat16", sync_each_batch=False))]
+    for model, lay, pipe, batch, opts in cases:
+        assert batch.micro_steps(lay) > 4 * pipe.pp
+        for st in stages(model, pipe):
+            assert plan_stage(model, lay, pipe, st, batch, opts) == _plan_stage(model, lay, pipe, st, batch, opts)
 
 
 def test_cli_json_and_errors(capsys):
@@ -307,7 +332,7 @@ def test_every_config_is_planned_or_refused(capsys, tmp_path, monkeypatch):
 
 def test_cli_pipeline_json_bubble_and_errors(capsys):
     """A pipeline config prints every stage; the time carries the bubble of its schedule; bad
-    pipeline settings are refused with the trainer's own messages, and --search stays pp 1."""
+    pipeline settings are refused with the trainer's own messages, and --search tries every pp itself."""
     import json
     assert plan_main([os.path.join(ROOT, "configs", "5d.yaml"), "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
@@ -323,8 +348,10 @@ def test_cli_pipeline_json_bubble_and_errors(capsys):
     assert "cannot be split over 8 (virtual) pipeline stages" in capsys.readouterr().err
     assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--global-batch-size", "4"]) == 2
     assert "needs at least 4 micro-batches" in capsys.readouterr().err
-    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--search"]) == 2
-    assert "--search ranks layouts without pipeline parallelism" in capsys.readouterr().err
+    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--search", "--pp", "2"]) == 2
+    assert "--search ranks every pipeline size itself" in capsys.readouterr().err
+    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--search", "--json"]) == 0   # the config's pp: searched over
+    assert json.loads(capsys.readouterr().out)["recommended"]["layout"].get("pp", 1) == 1       # 4 GPUs: one node
     llama = os.path.join(LLAMA, "llama-3.1-8b.json")
     assert plan_main(["--model", llama, "--world", "16", "--pp", "4", "--pipeline-schedule", "interleaved_1f1b",
                       "--global-batch-size", "16", "--json"]) == 0

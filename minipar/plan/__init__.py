@@ -5,12 +5,14 @@
 
 inputs.py holds the question (model shape, layout, batch, options), model.py the counts (what the
 tests hold exactly against the ledger and the measured state), estimate.py the placement on
-nodes, the stated time model and the search, pipeline.py the same under pipeline parallelism
-(pipeline_stage.py: one stage; zero3_replay.py: ZeRO-3's gathers over a schedule).
+nodes and the stated time model, pipeline.py the same under pipeline parallelism
+(pipeline_stage.py: one stage; zero3_replay.py: ZeRO-3's gathers over a schedule), layout_search.py the
+ranking of every layout of a world, pp included, and the recommendation by stated rules.
 """
-from .estimate import Cluster, crosses_nodes, layouts, plan, search
+from .estimate import Cluster, crosses_nodes, plan
 from .model import Batch, Layout, ModelShape, Options, activations, collectives, flops, memory, units
 from .pipeline import Pipeline, plan_pipeline, plan_stage
+from .layout_search import layouts, search
 
 __all__ = ["Batch", "Cluster", "Layout", "ModelShape", "Options", "activations", "collectives",
            "crosses_nodes", "flops", "layouts", "memory", "Pipeline", "plan", "plan_pipeline", "plan_stage",

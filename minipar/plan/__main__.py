@@ -17,9 +17,10 @@ import dataclasses
 import json
 import sys
 
-from .estimate import Cluster, plan, search, smallest_world
+from .estimate import Cluster, plan
 from .model import Batch, Layout, ModelShape, Options
 from .pipeline import Pipeline, plan_pipeline
+from .layout_search import search, smallest_world
 
 GB = 1e9
 
@@ -197,7 +198,7 @@ def describe_search(s: dict, model: ModelShape, top: int = 10) -> str:
     for p in s["ranked"][:top]:
         ac = " +AC" if p["options"]["gradient_checkpointing"] else ""
         t = p["time"]
-        lines.append(f"  {p['layout_str'] + ac:<58}{t['step_s']:8.3f} s {100 * t['mfu']:5.1f} %"
+        lines.append(f"  {p['layout_str'] + ac:<66}{t['step_s']:8.3f} s {100 * t['mfu']:5.1f} %"
                      f"{p['memory']['total'] / GB:8.1f} GB")
     if len(s["ranked"]) > top:
         lines.append(f"  ... {len(s['ranked']) - top} more (--top)")
@@ -212,7 +213,7 @@ def describe_search(s: dict, model: ModelShape, top: int = 10) -> str:
     rules = ", ".join(s["rules_applied"]) or "none"
     lines += ["", f"recommended (rules: {rules}; then the fastest; within 1 % "
               f"of it the most memory free):", ""]
-    return "\n".join(lines) + "\n" + describe(rec, model)
+    return "\n".join(lines) + "\n" + (describe_pipeline if "stages" in rec else describe)(rec, model)
 
 
 def main(argv=None):
@@ -230,7 +231,7 @@ def main(argv=None):
     ap.add_argument("--reserve", type=float, default=0.1, help="fraction of GPU memory kept free")
     for size in ("dp-replicate", "dp-shard", "cp", "tp"):
         ap.add_argument(f"--{size}", type=int)
-    ap.add_argument("--pp", type=int, help="pipeline stages (default: the config's; --search plans pp 1)")
+    ap.add_argument("--pp", type=int, help="pipeline stages (default: the config's; --search tries every pp)")
     ap.add_argument("--pipeline-schedule", choices=("afab", "1f1b", "interleaved_1f1b"))
     ap.add_argument("--virtual-stages", type=int, help="model chunks per rank (interleaved_1f1b; default 2)")
     ap.add_argument("--sp", "--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)
@@ -244,7 +245,8 @@ def main(argv=None):
     ap.add_argument("--no-sync", dest="sync_each_batch", action="store_const", const=False,
                     help="ZeRO-3: accumulate unsharded gradients, one reduce-scatter per step")
     ap.add_argument("--gradient-checkpointing", action="store_const", const=True)
-    ap.add_argument("--search", action="store_true", help="rank every 4D layout of --world that fits (no pipeline parallelism)")
+    ap.add_argument("--search", action="store_true", help="rank every layout of --world that fits (pp included)")
+    ap.add_argument("--no-pp", action="store_true", help="with --search: layouts without pipeline parallelism only")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -253,11 +255,12 @@ def main(argv=None):
         cluster = Cluster(args.gpus_per_node, args.gpu_memory, args.peak_tflops, args.intra_bw, args.inter_bw,
                           args.efficiency, args.reserve)
         pipe = _pipeline(args, base)
-        if args.search and pipe.pp > 1:
-            raise ValueError(f"--search ranks layouts without pipeline parallelism; drop --search to plan pp "
-                             f"{pipe.pp}, or give --pp 1")
+        if args.search and (args.pp or args.pipeline_schedule or args.virtual_stages):
+            raise ValueError("--search ranks every pipeline size itself (pp 1 and each pp that divides the world, "
+                             "1F1B); drop --pp/--pipeline-schedule/--virtual-stages, or drop --search to plan one "
+                             "pipeline layout")
         if args.search:
-            result = search(model, batch, opts, cluster, world)
+            result = search(model, batch, opts, cluster, world, pipeline=not args.no_pp)
             if result["recommended"] is None:
                 result["smallest_world"] = smallest_world(model, batch, opts, cluster, world)
             text = describe_search(result, model, args.top)

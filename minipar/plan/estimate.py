@@ -1,4 +1,4 @@
-"""From the counts of model.py to a plan: which groups cross nodes, step time, MFU, the search.
+"""From the counts of model.py to a plan: which groups cross nodes, step time, MFU.
 
 Placement. Ranks sit on the grid of mesh.py, tp fastest (global_rank = ((r S + s) C + c) T + t),
 and node k holds ranks [k g, (k+1) g) for g GPUs per node. A group crosses nodes when its members
@@ -24,22 +24,13 @@ two units' unsharded fp32 gradients in flight; the loss: the logits and their fp
 stay under `gpu_memory` x (1 - reserve); reserve (default 0.1) stands for the CUDA context, NCCL
 buffers and allocator fragmentation.
 
-The search ranks every layout that divides the world, passes the trainer's checks and fits (with
-sequence parallelism whenever tp > 1: the same bytes, less memory; checkpointing only where the
-activations would not fit without it) by estimated step time, and recommends by these rules, each
-applied while some candidate still satisfies it:
-    1. TP within a node (tp <= GPUs per node): its collectives are on the critical path.
-    2. CP only when the activations do not fit otherwise (the smallest cp that fits).
-    3. Across nodes, HSDP rather than pure ZeRO-3: shard groups (dp_shard x cp) inside one node if
-       that fits; else at least replicas (dp_replicate > 1) over shard groups that span nodes, so no
-       all-gather spans the whole job.
-    then the fastest estimate; among those within 1 % of it, the one with the most memory free.
+The search over layouts, and its rules, are layout_search.py's.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict
 
 import numpy as np
 
@@ -120,69 +111,3 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
                   dp_s=dp, step_s=step, tokens_per_s=tokens / step,
                   mfu=fl["model"] / (step * layout.world * peak), model_flops=fl["model"]))
 
-
-def layouts(world: int) -> List[Layout]:
-    """Every (R, S, C, T) whose product is `world`, SP on whenever tp > 1."""
-    divs = [k for k in range(1, world + 1) if world % k == 0]
-    return [Layout(r, world // (r * c * t), c, t, t > 1) for t in divs for c in divs for r in divs
-            if world % (r * c * t) == 0]
-
-
-def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, world: int) -> dict:
-    """Every layout that runs and fits, fastest first, and the recommendation by the rules above."""
-    fitting = []
-    for lay in layouts(world):
-        if pm.check(model, lay, batch):
-            continue
-        for ac in (False, True):      # checkpointing only when needed
-            p = plan(model, lay, batch, dataclasses.replace(opts, gradient_checkpointing=ac), cluster)
-            if p["memory"]["fits"]:
-                fitting.append(p)
-                break
-    fitting.sort(key=lambda p: p["time"]["step_s"])
-    g = cluster.gpus_per_node
-    rules = [("TP within a node", lambda p, pool: p["layout"]["tp"] <= g),
-             ("CP only when activations do not fit",
-              lambda p, pool: p["layout"]["cp"] == min(q["layout"]["cp"] for q in pool))]
-    if world > g:
-        rules.append(("shard groups inside a node",
-                      lambda p, pool: not p["comm"].get("dp_shard_cp", {}).get("crosses_nodes", False)))
-        rules.append(("HSDP rather than ZeRO-3 across nodes",
-                      lambda p, pool: p["layout"]["dp_replicate"] > 1))
-    pool, applied = list(fitting), []
-    for name, rule in rules:
-        kept = [p for p in pool if rule(p, pool)]
-        if kept:
-            pool = kept
-            applied.append(name)
-    if pool:       # near-ties (1 %): the most memory left free
-        best = pool[0]["time"]["step_s"]
-        near = [p for p in pool if p["time"]["step_s"] <= 1.01 * best]
-        pool = sorted(near, key=lambda p: p["memory"]["total"])
-    return dict(ranked=fitting, recommended=pool[0] if pool else None, rules_applied=applied,
-                considered=len(layouts(world)), params=model.num_params())
-
-
-def smallest_world(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, start: int,
-                   limit: int = 4096) -> Optional[int]:
-    """The fewest whole nodes (more than `start` GPUs) on which some layout fits; None up to `limit`."""
-    g = cluster.gpus_per_node
-    budget = cluster.gpu_memory_gb * 1e9 * (1 - cluster.reserve)
-    state_only = -(-16 * model.num_params() // int(budget))      # the persistent state, sharded over all
-    world = max(start + 1, state_only)
-    world = -(-world // g) * g
-    while world <= limit:
-        if any(search_fits(model, lay, batch, opts, cluster) for lay in layouts(world)
-               if not pm.check(model, lay, batch)):
-            return world
-        world += g
-    return None
-
-
-def search_fits(model, lay, batch, opts, cluster) -> bool:
-    checkpointed = dataclasses.replace(opts, gradient_checkpointing=True)
-    return plan(model, lay, batch, checkpointed, cluster)["memory"]["fits"]
-
-
-def default_world(layout: Optional[Layout]) -> int:
-    return layout.world if layout else 1

@@ -31,6 +31,7 @@ pipeline.py puts the stages together: the worst stage's memory, the slowest stag
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -100,8 +101,9 @@ def _chunk_units(us: List[Unit], st: Stage, c: int) -> List[Unit]:
 
 def _replay_step(replay: Zero3Replay, order, us: List[Unit], st: Stage):
     """One step of the schedule's actions through ZeRO-3's hooks."""
+    chunks = [_chunk_units(us, st, c) for c in range(len(st.chunks))]
     for a in order:
-        seq = _chunk_units(us, st, a.chunk)
+        seq = chunks[a.chunk]
         if a.kind == "F":
             replay.forward(seq)
             continue
@@ -115,7 +117,46 @@ def _replay_step(replay: Zero3Replay, order, us: List[Unit], st: Stage):
 
 def plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, batch: Batch,
                opts: Options) -> dict:
-    """Memory, activations and ledger of one stage (one rank of it: all its ranks are alike)."""
+    """Memory, activations and ledger of one stage (one rank of it: all its ranks are alike).
+
+    A long step is not replayed action by action. Under AFAB and 1F1B (one chunk per rank) every
+    micro-batch past the warm-up repeats the same actions from the same state (a backward ends
+    with nothing gathered, the learned orders do not change), so each count grows by the same
+    amount per micro-batch and each peak stops growing. With m > 4p the stage is replayed at
+    m1 = 2p, 2p + 1 and 2p + 2 micro-batches; when the three agree (every number constant, or
+    growing by the same step) the answer at m is m1's plus (m - m1) steps, exactly what the full
+    replay gives (tests/test_plan.py compares both); if they do not, the full replay runs."""
+    M = batch.micro_steps(layout)
+    if pipe.virtual_stages > 1 or M <= 4 * pipe.pp or batch.global_batch_size % M:
+        return _plan_stage(model, layout, pipe, st, batch, opts)
+    per = batch.global_batch_size // M                   # samples of one micro-step, over dp
+    m1 = 2 * pipe.pp
+    r1, r2, r3 = (_plan_stage(model, layout, pipe, st, dataclasses.replace(batch, global_batch_size=per * m),
+                              opts) for m in (m1, m1 + 1, m1 + 2))
+    out = _extend(r1, r2, r3, M - m1)
+    return out if out is not None else _plan_stage(model, layout, pipe, st, batch, opts)
+
+
+def _extend(a, b, c, k):
+    """a + k (b - a) leaf by leaf, where c - b == b - a everywhere; None where they disagree."""
+    if isinstance(a, dict):
+        if not (isinstance(b, dict) and isinstance(c, dict) and a.keys() == b.keys() == c.keys()):
+            return None
+        out = {key: _extend(a[key], b[key], c[key], k) for key in a}
+        return None if any(v is None for v in out.values()) else out
+    if isinstance(a, (list, tuple)):
+        if not (len(a) == len(b) == len(c)):
+            return None
+        out = [_extend(x, y, z, k) for x, y, z in zip(a, b, c)]
+        return None if any(v is None for v in out) else type(a)(out)
+    if isinstance(a, bool) or not isinstance(a, (int, float)):
+        return a if a == b == c else None
+    return a + k * (b - a) if c - b == b - a else None
+
+
+def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, batch: Batch,
+                opts: Options) -> dict:
+    """plan_stage by the full replay of the step's action list."""
     T, C, e = layout.tp, layout.cp, DTYPE_BYTES[opts.dtype]
     M, b = batch.micro_steps(layout), batch.micro(layout)
     order = schedule_order(pipe.schedule, pipe.pp, M, st.rank, pipe.virtual_stages)

@@ -37,32 +37,43 @@ class Zero3Replay:
         self.fwd_order = list(us)
         self.bwd_order = [self.root] + [u for u in reversed(us[1:]) if u.kind != "embedding"]
         self.gathered = set()
+        self.held = 0                      # the bytes of `gathered`, kept as it changes
         self.calls: Dict[str, int] = {u.name: 0 for u in us}
         self.peak = 0
 
     def _start(self, u):
         if u.name not in self.gathered and u.numel:
             self.gathered.add(u.name)
+            self.held += self.nbytes[u.name]
             self.calls[u.name] += 1
+
+    def _free(self, name):
+        if name in self.gathered:
+            self.gathered.discard(name)
+            self.held -= self.nbytes[name]
+
+    def _keep_only(self, keep):
+        for name in [n for n in self.gathered if n not in keep]:
+            self._free(name)
 
     def _gather_now(self, u, order, pos):
         self._start(u)
         if pos < len(order) and order[pos] is u:
             for v in order[pos + 1:pos + 1 + self.prefetch]:
                 self._start(v)
-        self.peak = max(self.peak, sum(self.nbytes[n] for n in self.gathered))
+        self.peak = max(self.peak, self.held)
 
     def forward(self, seq: List[Unit]):
         seen = []
         for u in seq:
             if u is self.root:
-                self.gathered.clear()
+                self._keep_only(())
             seen.append(u)
             self._gather_now(u, self.fwd_order, len(seen) - 1)
             if u is not self.root and self.reshard:
-                self.gathered.discard(u.name)
+                self._free(u.name)
         if self.reshard:
-            self.gathered &= {self.root.name}
+            self._keep_only((self.root.name,))
         if seen != self.fwd_order:
             self.fwd_order = seen
 
@@ -74,7 +85,7 @@ class Zero3Replay:
             seen.append(u)
             self._gather_now(u, self.bwd_order, len(seen) - 1)
             if u is not self.root or head:                 # post-backward: the unit's grads are in
-                self.gathered.discard(u.name)              # (the root has none in a headless chunk)
-        self.gathered.clear()                              # end of backward: free everything
+                self._free(u.name)                         # (the root has none in a headless chunk)
+        self._keep_only(())                                # end of backward: free everything
         if seen != self.bwd_order:
             self.bwd_order = seen

@@ -1,0 +1,128 @@
+"""The search: every layout of a world that runs and fits, ranked, and one recommended by rules.
+
+Candidates. Every (R, S, C, T) whose product is the world (sequence parallelism on whenever tp > 1:
+the same bytes, less memory), and, for each pp that divides the world with 2 <= pp <= MAX_PP and
+at least two layers a stage, every pp x (R, S, C, T) with the 1F1B schedule (interleaving is planned on
+request, `--pipeline-schedule interleaved_1f1b`: it trades the bubble for more sends, a choice the
+search leaves to the user). A candidate must pass the trainer's checks (model.py's `check`, and
+pipeline.py's for pp: enough micro-batches, a multiple of pp) and fit: activation checkpointing
+is switched on only where the activations would not fit without it.
+
+Ranking: by estimated step time (estimate.py; under pp, pipeline.py: the slowest stage over
+(1 - bubble) plus the sends on the critical path).
+
+The recommendation, by these rules, each applied while some candidate still satisfies it:
+    1. TP within a node (tp <= GPUs per node): its collectives are on the critical path.
+    2. PP only across nodes (pp 1 when the job fits in one node). Inside a node ZeRO-3 and TP
+       move their bytes over NVLink and a pipeline would only add its bubble; across nodes a
+       stage's data-parallel traffic covers 1/pp of the parameters, which is what pp buys, and
+       the time estimate weighs it against the bubble. (pp rarely rescues memory in minipar:
+       ZeRO-3 already spreads the state over every rank, 16 B x P / world either way, and 1F1B's
+       first stage holds p micro-batches of L / p layers, one micro-batch of the whole model.)
+    3. CP only when the activations do not fit otherwise (the smallest cp that fits).
+    4. Across nodes, HSDP rather than pure ZeRO-3: shard groups (dp_shard x cp) inside one node if
+       that fits; else at least replicas (dp_replicate > 1) over shard groups that span nodes, so no
+       all-gather spans the whole job.
+    then the fastest estimate; among those within 1 % of it, the one with the most memory free.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+from . import model as pm
+from . import pipeline as pl
+from .estimate import Cluster, plan
+from .inputs import Batch, Layout, ModelShape, Options
+
+MAX_PP = 16    # deeper pipelines: a bubble of (p - 1) / (m + p - 1) and a stage or two of layers
+
+
+def layouts(world: int) -> List[Layout]:
+    """Every (R, S, C, T) whose product is `world`, SP on whenever tp > 1."""
+    divs = [k for k in range(1, world + 1) if world % k == 0]
+    return [Layout(r, world // (r * c * t), c, t, t > 1) for t in divs for c in divs for r in divs
+            if world % (r * c * t) == 0]
+
+
+def candidates(model: ModelShape, batch: Batch, world: int, pipeline: bool = True):
+    """(layout, Pipeline or None) for every layout that passes the trainer's checks."""
+    deepest = min(world, MAX_PP, model.num_hidden_layers // 2)
+    pps = [1] + ([k for k in range(2, deepest + 1) if world % k == 0] if pipeline else [])
+    for pp in pps:
+        pipe = pl.Pipeline(pp, "1f1b", 1) if pp > 1 else None
+        for lay in layouts(world // pp):
+            if pm.check(model, lay, batch) or (pipe and pl.check(model, lay, pipe, batch)):
+                continue
+            yield lay, pipe
+
+
+def _plan(model, lay, pipe, batch, opts, cluster) -> dict:
+    if pipe is None:
+        return plan(model, lay, batch, opts, cluster)
+    return pl.plan_pipeline(model, lay, pipe, batch, opts, cluster)
+
+
+def _fits(p: dict) -> bool:
+    return p["fits"] if "stages" in p else p["memory"]["fits"]
+
+
+def pp_of(p: dict) -> int:
+    return p["layout"].get("pp", 1)
+
+
+def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, world: int,
+           pipeline: bool = True) -> dict:
+    """Every candidate that fits, fastest first, and the recommendation by the rules above."""
+    fitting, considered = [], 0
+    for lay, pipe in candidates(model, batch, world, pipeline):
+        considered += 1
+        for ac in (False, True):      # checkpointing only when needed
+            p = _plan(model, lay, pipe, batch, dataclasses.replace(opts, gradient_checkpointing=ac), cluster)
+            if _fits(p):
+                fitting.append(p)
+                break
+    fitting.sort(key=lambda p: p["time"]["step_s"])
+    g = cluster.gpus_per_node
+    rules = [("TP within a node", lambda p, pool: p["layout"]["tp"] <= g),
+             ("PP only across nodes", lambda p, pool: pp_of(p) == 1 or world > g),
+             ("CP only when activations do not fit",
+              lambda p, pool: p["layout"]["cp"] == min(q["layout"]["cp"] for q in pool))]
+    if world > g:
+        rules.append(("shard groups inside a node",
+                      lambda p, pool: not p["comm"].get("dp_shard_cp", {}).get("crosses_nodes", False)))
+        rules.append(("HSDP rather than ZeRO-3 across nodes",
+                      lambda p, pool: p["layout"]["dp_replicate"] > 1))
+    pool, applied = list(fitting), []
+    for name, rule in rules:
+        kept = [p for p in pool if rule(p, pool)]
+        if kept:
+            pool = kept
+            applied.append(name)
+    if pool:       # near-ties (1 %): the most memory left free
+        best = pool[0]["time"]["step_s"]
+        near = [p for p in pool if p["time"]["step_s"] <= 1.01 * best]
+        pool = sorted(near, key=lambda p: p["memory"]["total"])
+    return dict(ranked=fitting, recommended=pool[0] if pool else None, rules_applied=applied,
+                considered=considered, params=model.num_params())
+
+
+def smallest_world(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, start: int,
+                   limit: int = 4096) -> Optional[int]:
+    """The fewest whole nodes (more than `start` GPUs) on which some layout without pp fits (pp
+    does not lower the state per rank: see rule 2); None up to `limit`."""
+    g = cluster.gpus_per_node
+    budget = cluster.gpu_memory_gb * 1e9 * (1 - cluster.reserve)
+    state_only = -(-16 * model.num_params() // int(budget))      # the persistent state, sharded over all
+    world = max(start + 1, state_only)
+    world = -(-world // g) * g
+    while world <= limit:
+        if any(search_fits(model, lay, batch, opts, cluster) for lay, _ in candidates(model, batch, world, False)):
+            return world
+        world += g
+    return None
+
+
+def search_fits(model, lay, batch, opts, cluster) -> bool:
+    checkpointed = dataclasses.replace(opts, gradient_checkpointing=True)
+    return plan(model, lay, batch, checkpointed, cluster)["memory"]["fits"]

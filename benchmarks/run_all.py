@@ -128,13 +128,13 @@ def run_cell(comparison, size_name, ranks, rounds, steps, log, deadline=None):
 def _write_tables(data, md) -> str:
     """README.md (every row) and summary.md (one line per variant) next to it; with --quick, the
     same pair under quick names."""
-    text = report(data)
+    text, short_text = report(data), summary(data)
     with open(md, "w") as f:
         f.write(text)
     short = os.path.join(os.path.dirname(md), "quick_summary.md" if md.endswith("quick.md") else "summary.md")
     with open(short, "w") as f:
-        f.write(summary(data))
-    return text + "\n" + summary(data)
+        f.write(short_text)
+    return text + "\n" + short_text
 
 
 def main(argv=None):

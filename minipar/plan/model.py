@@ -185,7 +185,12 @@ def ddp_buckets(model: ModelShape, layout: Layout, bucket_mb: float = 25) -> Lis
     """Bytes of each gradient bucket of data_parallel.replicate (reverse order, about 25 MiB of
     gradients), each followed by one 4-byte "used" flag per parameter (summed by the same all-reduce)."""
     emb, layer, head = model.tensors(layout.tp)
-    sizes = [4 * x for x in emb + layer * model.num_hidden_layers + head]
+    return bucket_bytes([4 * x for x in emb + layer * model.num_hidden_layers + head], bucket_mb)
+
+
+def bucket_bytes(sizes: List[int], bucket_mb: float = 25) -> List[int]:
+    """replicate's buckets over gradients of these byte sizes (registration order), each with its
+    4-byte used flags: the whole model (ddp_buckets) or one pipeline stage (pipeline_stage.py)."""
     out, current, count, limit = [], 0, 0, bucket_mb * 2 ** 20
     for nbytes in reversed(sizes):
         if current and current + nbytes > limit:

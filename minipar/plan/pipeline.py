@@ -22,7 +22,7 @@ from minipar.pipeline_parallel.schedules import check_schedule
 from . import model as pm
 from .model import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 # one stage: its layers, units, memory, activations and ledger (pipeline_stage.py), re-exported
-from .pipeline_stage import (Pipeline, Stage, _buckets, message_bytes, plan_stage, stage_tensors,  # noqa: F401
+from .pipeline_stage import (Pipeline, Stage, message_bytes, plan_stage, stage_tensors,  # noqa: F401
                              stage_units, stages)
 
 

@@ -193,7 +193,7 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
         tens = stage_tensors(model, layout, st)
         elems, tensors = sum(tens), len(tens)
         if layout.sizes()["dp_cp"] > 1:                      # DDP once per step
-            for nbytes in _buckets([4 * x for x in tens]):
+            for nbytes in pm.bucket_bytes([4 * x for x in tens]):
                 add("all_reduce", "dp_cp", 1, nbytes)
     mem = dict(params=4 * elems, grads=4 * elems, optimizer=8 * elems + 4 * tensors,
                persistent=16 * elems + 4 * tensors, gathered=gathered, accumulated_grads=accumulated,
@@ -267,13 +267,3 @@ def message_bytes(model: ModelShape, layout: Layout, batch: Batch, opts: Options
     e = 2 if (opts.dtype == "bfloat16" and layout.sharded) else 4
     return batch.micro(layout) * s * model.hidden_size * e
 
-
-def _buckets(sizes: List[int], bucket_mb: float = 25) -> List[int]:
-    """data_parallel.replicate's buckets over the stage's gradients (as model.ddp_buckets)."""
-    out, current, count, limit = [], 0, 0, bucket_mb * 2 ** 20
-    for nbytes in reversed(sizes):
-        if current and current + nbytes > limit:
-            out.append(current + 4 * count)
-            current, count = 0, 0
-        current, count = current + nbytes, count + 1
-    return out + ([current + 4 * count] if current else [])

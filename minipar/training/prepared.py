@@ -59,7 +59,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .checkpoint_io import owner_tag
+from .checkpoint_io import owner_tag, sha256_file
 from .packing import DatasetRun, PackedData
 from .run_lock import process_alive
 
@@ -75,14 +75,6 @@ def prepared_root(cfg) -> str:
     return cfg.dataset_prepared_path or os.path.join(cfg.output_dir, "prepared")
 
 
-def file_sha256(path: str, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def tokenizer_inputs(tokenizer) -> dict:
     """What identifies a tokenizer's behaviour: its files' bytes and the library versions."""
     source = getattr(tokenizer, "source", None)
@@ -90,7 +82,7 @@ def tokenizer_inputs(tokenizer) -> dict:
         return dict(kind=type(tokenizer).__name__)
     import tokenizers
     import transformers
-    files = {name: file_sha256(os.path.join(source, name)) for name in TOKENIZER_FILES
+    files = {name: sha256_file(os.path.join(source, name)) for name in TOKENIZER_FILES
              if os.path.isfile(os.path.join(source, name))}
     return dict(kind=type(tokenizer.tok).__name__, files=files, transformers=transformers.__version__,
                 tokenizers=tokenizers.__version__)
@@ -101,8 +93,8 @@ def cache_inputs(cfg, tokenizer) -> dict:
     from .datasets import check_entries
     here = os.path.dirname(os.path.abspath(__file__))
     return dict(format=FORMAT_VERSION,
-                code={name: file_sha256(os.path.join(here, name)) for name in CODE_FILES},
-                datasets=[dict(e, sha256=file_sha256(e["path"])) for e in check_entries(cfg.datasets)],
+                code={name: sha256_file(os.path.join(here, name)) for name in CODE_FILES},
+                datasets=[dict(e, sha256=sha256_file(e["path"])) for e in check_entries(cfg.datasets)],
                 tokenizer=tokenizer_inputs(tokenizer), train_on_inputs=bool(cfg.train_on_inputs),
                 sequence_len=int(cfg.sequence_len), sample_packing=bool(cfg.sample_packing),
                 val_set_size=float(cfg.val_set_size), seed=int(cfg.seed))
@@ -147,7 +139,7 @@ def save_entry(root: str, key: str, inputs: dict, run: DatasetRun) -> str:
     os.makedirs(tmp)
     data_path = os.path.join(tmp, "data.pt")
     torch.save(dict(train=_split_state(run.train), val=_split_state(run.val)), data_path)
-    meta = dict(key=key, inputs=inputs, notes=run.notes, sha256=file_sha256(data_path),
+    meta = dict(key=key, inputs=inputs, notes=run.notes, sha256=sha256_file(data_path),
                 size=os.path.getsize(data_path), created=time.time())
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -187,7 +179,7 @@ def load_entry(path: str, key: str, tokenizer) -> Optional[DatasetRun]:
             meta = json.load(f)
         data_path = os.path.join(path, "data.pt")
         size = os.path.getsize(data_path)
-        if meta.get("key") != key or size != meta["size"] or file_sha256(data_path) != meta["sha256"]:
+        if meta.get("key") != key or size != meta["size"] or sha256_file(data_path) != meta["sha256"]:
             raise DamagedEntry(f"data.pt has {size} bytes, meta.json records {meta.get('size')} bytes and a "
                                f"sha256 it does not match: a truncated or altered file")
         state = torch.load(data_path, weights_only=True)

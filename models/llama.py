@@ -144,15 +144,57 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder body, and the four pieces every forward is made of, so that the whole model and a
+    pipeline stage (which holds only some of the layers) run the same code:
+
+        embed(input_ids)                     -> h (b, s, d)        the first (virtual) stage only
+        rotary(position_ids, dtype)          -> cos, sin           every stage: positions never travel
+        run_layers(h, cos, sin, layers)      -> h                  a run of decoder layers, in order
+        head_loss(h, lm_head, labels, n)     -> loss               the last stage only
+    """
+
     def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
         super().__init__()
         sp = pgm.config.sequence_parallel
+        self.config, self.pgm = config, pgm
         self.embed_tokens = tpl.VocabParallelEmbedding(config.vocab_size, config.hidden_size, pgm.tp, sp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, pgm, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
 
+    def embed(self, input_ids):
+        return self.embed_tokens(input_ids)
+
+    def rotary(self, position_ids, dtype):
+        cfg = self.config
+        return rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_scaling)
+
+    def run_layers(self, h, cos, sin, layers, document_ids=None, checkpointing: bool = False):
+        """h through `layers` (decoder layers of this body), in order. checkpointing: keep only each
+        layer's input and recompute the layer in backward (activation memory of one layer, at the
+        cost of one more forward per layer)."""
+        for layer in layers:
+            if checkpointing and self.training and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, document_ids, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, document_ids)
+        return h
+
+    def local_logits(self, h, lm_head):
+        """Final norm, then this rank's vocabulary rows: (b, s, V/tp), never the full logits."""
+        return lm_head(self.norm(h))
+
+    def head_loss(self, h, lm_head, labels, num_items_in_batch):
+        """sum of the token losses (vocab-parallel cross-entropy) / num_items_in_batch."""
+        loss_sum = tpl.vocab_parallel_cross_entropy(self.local_logits(h, lm_head), labels, self.pgm.tp,
+                                                    reduction="sum")
+        return loss_sum / num_items_in_batch
+
 
 class LlamaForCausalLM(nn.Module):
+    # What ZeRO-3 gathers and frees as one unit (as transformers' _no_split_modules names what must
+    # not be split across devices): the embedding and each decoder layer; the root keeps the rest.
+    zero3_unit_classes = (tpl.VocabParallelEmbedding, LlamaDecoderLayer)
+
     def __init__(self, config: LlamaConfig, pgm: Optional[ProcessGroupManager] = None, seed: int = 0,
                  device: Optional[str] = None):
         """device="meta": shapes only, no storage and no init; fill it with llama_init.materialize
@@ -185,22 +227,16 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids, position_ids=None, labels=None, num_items_in_batch=None, document_ids=None):
-        pgm, cfg = self.pgm, self.config
+        pgm, body = self.pgm, self.model
         if position_ids is None:
             position_ids = sequence_positions(input_ids.shape[1] * pgm.cp.size, pgm.cp, pgm.config.cp_layout,
                                               device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype, cfg.rope_scaling)
-        for layer in self.model.layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, document_ids, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin, document_ids)
-        local_logits = self.lm_head(self.model.norm(h))          # (b, s, V/tp): never the full logits
+        h = body.embed(input_ids)
+        cos, sin = body.rotary(position_ids, h.dtype)
+        h = body.run_layers(h, cos, sin, body.layers, document_ids, self.gradient_checkpointing)
         if labels is None:
-            return tpl.gather_from_tp_region(local_logits, pgm.tp, dim=-1)
-        loss_sum = tpl.vocab_parallel_cross_entropy(local_logits, labels, pgm.tp, reduction="sum")
+            return tpl.gather_from_tp_region(body.local_logits(h, self.lm_head), pgm.tp, dim=-1)
         if num_items_in_batch is None:
             # The mean over every dp_cp rank's labels, not this rank's: DDP and ZeRO-3 SUM gradients
             # over dp_cp, so a local mean would make them dp_cp times too large. One all-reduce of
@@ -210,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
             if pgm.dp_cp.size > 1:
                 num_items_in_batch = comm.all_reduce(num_items_in_batch.clone(), pgm.dp_cp)
             num_items_in_batch = num_items_in_batch.clamp(min=1)
-        return loss_sum / num_items_in_batch
+        return body.head_loss(h, self.lm_head, labels, num_items_in_batch)
 
     # ------------------------------------------------------------------ state dicts
     def full_state_dict(self) -> dict:

@@ -34,7 +34,6 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 
 def split_layers(num_layers: int, num_stages: int, pipeline_layers: Optional[List[int]] = None) -> List[List[int]]:
@@ -93,6 +92,7 @@ class PipelineStage(nn.Module):
         self.model = body
         self.lm_head = model.lm_head if self.is_last else None
         self.gradient_checkpointing = getattr(model, "gradient_checkpointing", False)
+        self.zero3_unit_classes = model.zero3_unit_classes     # the model's ZeRO-3 units, for fully_shard
 
     def gradient_checkpointing_enable(self):
         self.gradient_checkpointing = True
@@ -104,22 +104,16 @@ class PipelineStage(nn.Module):
         return self.is_last and chunk == self.num_chunks - 1
 
     def forward(self, x, position_ids, labels=None, num_items_in_batch=None, chunk: int = 0, document_ids=None):
-        from models.llama import rotary_tables          # lazily: minipar does not depend on models/
-        from ..tensor_parallel import vocab_parallel_cross_entropy
-        cfg = self.config
-        h = self.model.embed_tokens(x) if self.is_first_virtual(chunk) else x
-        cos, sin = rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype, cfg.rope_scaling)
-        for i in self.chunks[chunk]:
-            layer = self.model.layers[str(i)]
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, document_ids, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin, document_ids)
+        # the decoder's own pieces (LlamaModel.embed, rotary, run_layers, head_loss): one forward,
+        # cut at chunk boundaries, not a copy of it
+        body = self.model
+        h = body.embed(x) if self.is_first_virtual(chunk) else x
+        cos, sin = body.rotary(position_ids, h.dtype)
+        layers = [body.layers[str(i)] for i in self.chunks[chunk]]
+        h = body.run_layers(h, cos, sin, layers, document_ids, self.gradient_checkpointing)
         if not self.is_last_virtual(chunk):
             return h
-        local_logits = self.lm_head(self.model.norm(h))          # (b, s, V/tp)
-        loss_sum = vocab_parallel_cross_entropy(local_logits, labels, self.pgm.tp, reduction="sum")
-        return loss_sum / num_items_in_batch
+        return body.head_loss(h, self.lm_head, labels, num_items_in_batch)
 
     # ------------------------------------------------------------------ whole-model state dicts
     def full_state_dict(self) -> dict:

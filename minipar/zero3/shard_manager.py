@@ -203,9 +203,10 @@ def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
                 reshard_after_forward: bool = True, param_dtype: Optional[torch.dtype] = None,
                 reduce_dtype: Optional[torch.dtype] = None, init=None) -> nn.Module:
     """Shard `model` in place over pgm.dp_shard_cp (HSDP over pgm.dp_replicate); returns it, with
-    the manager as `model.zero3`. unit_classes defaults to (VocabParallelEmbedding,
-    LlamaDecoderLayer): the embedding and each decoder layer are units (as torchtitan wraps Llama),
-    the root keeps the final norm and lm_head (and the embedding too when it is tied to lm_head).
+    the manager as `model.zero3`. unit_classes defaults to what the model declares as
+    `model.zero3_unit_classes` (models/llama.py: the embedding and each decoder layer, as
+    torchtitan wraps Llama); the root keeps the rest (the final norm and lm_head, and the
+    embedding too when it is tied to lm_head).
     Call it after moving the model to its device and BEFORE creating the optimizer (which must see
     the shards).
     init: a weight source (models/llama_init.py) for a model built on the meta device; each unit's
@@ -217,10 +218,11 @@ def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
     for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dt is not None and (not isinstance(dt, torch.dtype) or not dt.is_floating_point):
             raise ValueError(f"fully_shard: {what} must be a floating torch.dtype or None, got {dt!r}")
-    if unit_classes is None:
-        from models.llama import LlamaDecoderLayer    # lazily: minipar does not depend on models/
-        from ..tensor_parallel import VocabParallelEmbedding
-        unit_classes = (VocabParallelEmbedding, LlamaDecoderLayer)
+    if unit_classes is None:                      # the model knows its structure; ZeRO-3 asks it
+        unit_classes = getattr(model, "zero3_unit_classes", None)
+        if unit_classes is None:
+            raise ValueError(f"fully_shard: {type(model).__name__} declares no zero3_unit_classes: pass "
+                             f"unit_classes=(the module classes to gather and free as units)")
     unit_classes = tuple(unit_classes) if isinstance(unit_classes, (tuple, list, set)) else (unit_classes,)
     if not all(isinstance(c, type) for c in unit_classes):
         raise ValueError(f"fully_shard: unit_classes must be module classes, got {unit_classes!r}")

@@ -37,7 +37,7 @@ class Trainer(TrainLoop):
     train_loop.TrainLoop (train(), the summary)."""
 
     def __init__(self, run: Run):
-        from models.llama import LlamaDecoderLayer, LlamaForCausalLM
+        from models.llama import LlamaForCausalLM
         self.run, self.cfg, self.pgm = run, run.cfg, run.pgm
         cfg, pgm = self.cfg, self.pgm
         self.is_main = pgm.global_rank == 0
@@ -57,8 +57,7 @@ class Trainer(TrainLoop):
         self.sharded = pgm.config.dp_shard_size > 1
         if self.sharded:                          # ZeRO-3 over dp_shard_cp, HSDP over dp_replicate
             from minipar.zero3 import fully_shard
-            from minipar.tensor_parallel import VocabParallelEmbedding
-            fully_shard(model, pgm, unit_classes=(VocabParallelEmbedding, LlamaDecoderLayer), prefetch=cfg.fsdp.prefetch,
+            fully_shard(model, pgm, prefetch=cfg.fsdp.prefetch,
                         reshard_after_forward=cfg.fsdp.reshard_after_forward,
                         param_dtype=torch.bfloat16 if self.bf16 else None,
                         reduce_dtype=torch.float32 if self.bf16 else None, init=source)

@@ -36,7 +36,9 @@ parameter group on every layout (simple to checkpoint and reshard). AdamW is ele
 parameters after N steps are the same on every layout.
 
 The schedule: linear warmup from lr/warmup to lr over `warmup_steps`, then half a cosine down to
-min_lr_ratio * lr at `max_steps` (the shape of Llama's and nanotron's recipes).
+min_lr_ratio * lr at `max_steps` (the shape of Llama's and nanotron's recipes). A resume with another
+max_steps (warmup_steps, min_lr_ratio) follows THIS run's schedule from the checkpoint's step on,
+as the Hugging Face Trainer does (adopt_schedule says why and how).
 """
 from __future__ import annotations
 
@@ -81,6 +83,45 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, max_ste
     """LambdaLR over WarmupCosine; call scheduler.step() after each optimizer.step(). Its
     state_dict() / load_state_dict() resume it exactly."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, max_steps, min_lr_ratio))
+
+
+SCHEDULE_KEYS = ("warmup_steps", "max_steps", "min_lr_ratio")
+
+
+def adopt_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, warmup_steps: int, max_steps: int,
+                   min_lr_ratio: float = 0.1) -> Optional[str]:
+    """Call after scheduler.load_state_dict(checkpoint): keep the checkpoint's position (last_epoch,
+    base_lrs) but THIS run's schedule, and return a note naming what changed (None if nothing did).
+
+    Why it is needed: LambdaLR.state_dict() saves a callable object's __dict__, and load_state_dict()
+    writes it back into the lambda, so WarmupCosine would come back with the checkpoint's max_steps:
+    raised on resume, the rate would sit at its minimum past the old end, with no word.
+
+    The reference, the Hugging Face Trainer (transformers/trainer.py: create_scheduler, then
+    _load_optimizer_and_scheduler): it builds the scheduler from the NEW arguments
+    (num_training_steps = the new max_steps) and then loads the saved scheduler state. Its lambda is
+    a functools.partial (transformers/optimization.py), whose __dict__ is empty, so loading restores
+    last_epoch and base_lrs only: from the checkpoint's step on the rate is the new schedule's. So
+    here. One difference: HF's first resumed step still uses the rate the optimizer state saved (the
+    old schedule's); minipar sets the group's rate now, so steps s+1.. are a fresh run's exactly.
+    """
+    new = WarmupCosine(warmup_steps, max_steps, min_lr_ratio)
+    old = scheduler.lr_lambdas[0]
+    changed = [f"{k} {getattr(old, k, None)} -> {getattr(new, k)}" for k in SCHEDULE_KEYS
+               if getattr(old, k, None) != getattr(new, k)]
+    if not changed:
+        return None
+    scheduler.lr_lambdas = [new] * len(scheduler.lr_lambdas)
+    lrs = [base * new(scheduler.last_epoch) for base in scheduler.base_lrs]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        if isinstance(group["lr"], torch.Tensor):     # a tensor lr (capturable/fused) is updated in place
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    scheduler._last_lr = lrs                          # what get_last_lr() answers
+    return (f"note: resumed at step {scheduler.last_epoch} with {', '.join(changed)} (checkpoint -> this "
+            f"run): the learning-rate schedule is rebuilt for this run's settings from that step on, as "
+            f"the Hugging Face Trainer does")
 
 
 # ------------------------------------------------------------------------------ the optimizer

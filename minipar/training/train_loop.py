@@ -138,9 +138,12 @@ class TrainLoop:
         if not self.is_main:
             return
         png = metrics_file.plot_loss_curve(self.history, self.cfg.output_dir, self.pgm.grid_shape, self.log)
-        first = self.history[0]["loss"] if self.history else float("nan")
-        final = self.history[-1]["loss"] if self.history else float("nan")
-        lines = [f"done: {len(self.history)} steps in {elapsed:.1f} s, loss {first:.4f} -> {final:.4f}"
+        # what THIS run did: after a resume the history also holds the steps before the checkpoint
+        ran = [r for r in self.history if r["step"] > self.start_step]
+        first = ran[0]["loss"] if ran else float("nan")
+        final = ran[-1]["loss"] if ran else float("nan")
+        span = f" ({self.start_step + 1}-{self.start_step + len(ran)})" if self.start_step and ran else ""
+        lines = [f"done: {len(ran)} steps{span} in {elapsed:.1f} s, loss {first:.4f} -> {final:.4f}"
                  + (f", val_loss {last_val:.4f}" if last_val is not None else ""),
                  f"metrics: {self.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),
                  f"{what} per rank (MiB): " + " ".join(f"r{i}={p:.0f}" for i, p in enumerate(peaks.tolist()))]

@@ -201,3 +201,8 @@ class Trainer(TrainLoop):
         self.sampler.load_state_dict(extra["sampler"])
         self.start_step = int(extra["step"])
         self.log(f"resumed from {path} at step {self.start_step}")
+        # this run's max_steps / warmup / min_lr_ratio, not the checkpoint's (optim.adopt_schedule)
+        cfg = self.cfg
+        note = moptim.adopt_schedule(self.scheduler, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        if note:
+            self.log(note)

@@ -8,6 +8,11 @@ the full tensors are rebuilt by HF name (checkpoint.py does the resharding), and
 `LlamaForCausalLM.save_pretrained` writes config.json + model.safetensors, which
 `transformers.LlamaForCausalLM.from_pretrained` loads. Training runs export at the end by
 themselves (`export_hf: true`); this is the same, on request, for any saved step.
+
+The tokenizer beside it: --tokenizer DIR copies that directory's tokenizer files; without it, the
+run's own (the checkpoint's saved config: tokenizer_config, else base_model), and for a byte-level
+run (neither set) the byte tokenizer that `AutoTokenizer.from_pretrained(hf_dir)` loads
+(tokenizer.py: save_byte_tokenizer).
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import argparse
 
 from . import checkpoint as ckpt
 from .checkpoint_io import read_manifest
+from .tokenizer import save_byte_tokenizer
 
 
 def export_checkpoint(checkpoint_dir: str, hf_dir: str, tokenizer: str = None) -> str:
@@ -24,10 +30,14 @@ def export_checkpoint(checkpoint_dir: str, hf_dir: str, tokenizer: str = None) -
     if not config:
         raise ValueError(f"{checkpoint_dir}: the manifest has no model_config, cannot rebuild the model")
     model = LlamaForCausalLM(LlamaConfig.from_dict(config))
-    ckpt.load_checkpoint(checkpoint_dir, model, None, model.pgm)   # verifies sizes and checksums
+    extra = ckpt.load_checkpoint(checkpoint_dir, model, None, model.pgm)   # verifies sizes and checksums
     model.save_pretrained(hf_dir)
+    saved = (extra or {}).get("config") or {}   # the run's config, as train.py saved it
+    tokenizer = tokenizer or saved.get("tokenizer_config") or saved.get("base_model")
     if tokenizer:                                # e.g. the base_model the run fine-tuned
         ckpt.copy_tokenizer(tokenizer, hf_dir)
+    elif saved:                                  # a byte-level run: its 256-id tokenizer
+        save_byte_tokenizer(hf_dir)
     return hf_dir
 
 
@@ -35,7 +45,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Export a minipar checkpoint as a Hugging Face directory.")
     parser.add_argument("checkpoint", help="a step-N checkpoint directory")
     parser.add_argument("hf_dir", help="where to write config.json and model.safetensors")
-    parser.add_argument("--tokenizer", help="a directory whose tokenizer files to copy beside (the base_model)")
+    parser.add_argument("--tokenizer", help="a directory whose tokenizer files to copy beside (default: the run's "
+                        "tokenizer_config or base_model; a byte-level run gets its byte tokenizer)")
     args = parser.parse_args(argv)
     print(f"exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.hf_dir, args.tokenizer)}")
 

@@ -18,9 +18,21 @@ What a run takes from a Hugging Face tokenizer, and where it goes:
 transformers is imported here only, and only when a tokenizer directory is named, so the core
 package still imports with torch alone. Both tokenizers answer the same small interface:
 vocab_size, bos_token_id, eos_token_id, pad_token_id, encode(text) and decode(ids).
+
+The byte tokenizer in a Hugging Face export (save_byte_tokenizer): a tokenizer.json written by
+hand (json only, no `tokenizers` package needed at run time) that transformers loads as a
+PreTrainedTokenizerFast and that gives the ids ByteTokenizer gives, byte b -> id b:
+
+    pre_tokenizer  ByteLevel, no regex, no prefix space: the text's UTF-8 bytes, each shown as
+                   GPT-2's printable stand-in character (bytes_to_unicode)
+    model          BPE with those 256 characters as its vocabulary (id = the byte) and no merges,
+                   so every byte stays one token
+    decoder        ByteLevel: the stand-ins back to bytes, then UTF-8
+    special tokens none, as ByteTokenizer (no bos/eos; the exported config.json has none either)
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -110,3 +122,40 @@ def padded_vocab_size(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
     """n rounded up to a multiple of `multiple`: the same on every layout, and divisible by any tp
     that divides `multiple`."""
     return -(-n // multiple) * multiple
+
+
+# -------------------------------------------------------------- the byte tokenizer, for transformers
+def bytes_to_unicode() -> dict:
+    """GPT-2's map of the 256 bytes to printable characters (tokenizers' ByteLevel uses the same):
+    printable Latin-1 bytes stand for themselves, the others for chr(256 + n)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    rest = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(rest)}}
+
+
+def save_byte_tokenizer(directory: str) -> list:
+    """Write tokenizer.json + tokenizer_config.json for ByteTokenizer into `directory`; returns
+    the names. AutoTokenizer.from_pretrained(directory) then encodes as ByteTokenizer does."""
+    byte_level = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=False, use_regex=False)
+    stand_in = bytes_to_unicode()
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+                 "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+                 "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                           "vocab": {stand_in[b]: b for b in range(ByteTokenizer.vocab_size)}, "merges": []}}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              "model_input_names": ["input_ids", "attention_mask"]}
+    os.makedirs(directory, exist_ok=True)
+    for name, content in (("tokenizer.json", tokenizer), ("tokenizer_config.json", config)):
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, ensure_ascii=False, indent=1)
+    return ["tokenizer.json", "tokenizer_config.json"]
+
+
+def save_tokenizer(tokenizer, directory: str) -> None:
+    """The run's tokenizer beside an export: the model's own (save_pretrained), or the bytes."""
+    if isinstance(tokenizer, ByteTokenizer):
+        save_byte_tokenizer(directory)
+    elif hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)

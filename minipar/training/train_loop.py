@@ -108,8 +108,9 @@ class TrainLoop:
             from minipar.training import checkpoint as ckpt
             hf_dir = os.path.join(cfg.output_dir, "hf")
             ckpt.export_hf(hf_dir, self.model)
-            if self.is_main and hasattr(self.run.tokenizer, "save_pretrained"):
-                self.run.tokenizer.save_pretrained(hf_dir)      # the model's tokenizer beside its weights
+            if self.is_main:       # the model's tokenizer beside its weights (bytes: a tokenizer.json)
+                from minipar.training.tokenizer import save_tokenizer
+                save_tokenizer(self.run.tokenizer, hf_dir)
             self.log(f"exported Hugging Face model to {hf_dir}")
         self.summary(time.time() - start, last_val)
         return self.history

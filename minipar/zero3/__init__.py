@@ -1,18 +1,27 @@
-"""ZeRO-3 / FSDP: parameters, gradients and optimizer states sharded over dp_shard_cp.
+"""ZeRO-3 / FSDP: parameters, gradients and optimizer states sharded over dp_shard_cp (and, HSDP,
+replicated over dp_replicate). The files in reading order:
 
-    flat_param.py     the flat buffer of a unit: which slot holds which parameter, padding, shards
+    flat_param.py     the flat buffer of a unit: which slot holds which parameter, padding, shards;
+                      plan_units, which parameters go into which unit
     unit.py           one unit: its flat buffer, this rank's fp32 shard, the all-gather and the free
-    shard_manager.py  the hooks that gather a unit before its forward and backward, prefetch the
-                      next one, free it after
-    grad_reduce.py    reduce-scatter of each unit's gradient, or (no_sync) unsharded accumulation
+    shard_manager.py  Zero3 and fully_shard: the hooks that gather a unit before its forward and
+                      backward, prefetch the next one, free it after; it builds the two parts below
+    grad_reduce.py    GradientReduction: reduce-scatter of each unit's gradient (+ HSDP all-reduce),
+                      or (no_sync) unsharded accumulation
+    state_dicts.py    ShardedStateDicts: full tensors <-> this rank's shards, the sharded state dict
 
     from minipar.zero3 import fully_shard
-    fully_shard(model, pgm, unit_classes=(VocabParallelEmbedding, LlamaDecoderLayer), prefetch=1)
-    with model.zero3.no_sync():       # accumulate without communicating (or set_requires_gradient_sync)
+    fully_shard(model, pgm, prefetch=1)  # units: the model's zero3_unit_classes (embedding, layers)
+    with model.zero3.no_sync():          # accumulate without communicating (or set_requires_gradient_sync)
         model(micro_batch_1).backward()
-    model(micro_batch_2).backward()   # one reduce-scatter of the sum
+    model(micro_batch_2).backward()      # one reduce-scatter of the sum
+    full = model.zero3.full_state_dict() # collective: every rank calls it
 """
-from .flat_param import FlatLayout, ShardedStateDicts, plan_units
-from .shard_manager import Unit, Zero3, fully_shard
+from .flat_param import FlatLayout, plan_units
+from .grad_reduce import GradientReduction
+from .shard_manager import Zero3, fully_shard
+from .state_dicts import ShardedStateDicts
+from .unit import Unit
 
-__all__ = ["FlatLayout", "ShardedStateDicts", "plan_units", "Unit", "Zero3", "fully_shard"]
+__all__ = ["FlatLayout", "GradientReduction", "ShardedStateDicts", "plan_units", "Unit", "Zero3",
+           "fully_shard"]

@@ -23,8 +23,8 @@ Metadata carried for the optimizer and clipping (element ranges inside THIS rank
 
 A sharded state dict is the shard plus this layout (name, TP-local shape, offset, tp_split_dim,
 full shape per tensor), enough to rebuild full tensors from the shards of any other layout:
-training/checkpoint.py writes it as segments and reshards on load. Here too: `plan_units` (which parameters go into which unit) and
-`ShardedStateDicts`, the manager's conversions between full tensors and this rank's shards.
+training/checkpoint.py writes it as segments and reshards on load (state_dicts.py builds it).
+Here too: `plan_units`, which parameters go into which unit's flat buffer.
 """
 from __future__ import annotations
 
@@ -34,10 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import comm
 from ..tensor_parallel import gather_tensor, shard_tensor
-
-FORMAT = "minipar.zero3.v1"
 
 
 @dataclass(frozen=True)
@@ -178,11 +175,6 @@ class FlatLayout:
         return self.shard(self.flatten(tensors, dtype)).clone()
 
 
-def gather_flat(shard: torch.Tensor, dim) -> torch.Tensor:
-    """The whole padded flat buffer from every rank's shard (all-gather over the shard group)."""
-    return comm.all_gather(shard.detach().contiguous(), dim)
-
-
 def plan_units(model, unit_classes):
     """Which parameters go into which flat buffer: [(unit name, module, [(HF name, param)],
     [[(module, attr), ...] per param])], the root unit ("") first. A unit is an outermost module
@@ -228,39 +220,3 @@ def plan_units(model, unit_classes):
         plan.append((uname, modules[uname], [(names[i], params[i]) for i in ids], [refs[i] for i in ids]))
     return plan
 
-
-class ShardedStateDicts:
-    """The state-dict side of the ZeRO-3 manager (mixed into zero3.Zero3, which provides
-    self.units, self.shards, self.param_names and self.pgm): full tensors <-> this rank's shards."""
-
-    def full_from_shards(self, tensors) -> Dict[str, torch.Tensor]:
-        """{HF name: full tensor} from shard-shaped tensors aligned with self.shards (the weights,
-        or an optimizer state). Collective over dp_shard_cp and tp: every rank must call it."""
-        out, units, tensors = {}, [u for u in self.units if not u.empty], list(tensors)
-        if len(tensors) != len(units):
-            raise ValueError(f"full_from_shards: {len(tensors)} tensors given, one per shard "
-                             f"({len(units)}) needed")
-        for u, t in zip(units, tensors):
-            out.update(u.layout.to_full(gather_flat(t, u.dim), self.pgm.tp))
-        return {n: out[n] for n in self.param_names}
-
-    def shards_from_full(self, full: Dict[str, torch.Tensor], source: str = "state dict") -> list:
-        """This rank's shard-shaped tensors (aligned with self.shards) cut from full tensors; local."""
-        return [u.layout.from_full(full, self.pgm.tp, u.shard.dtype, u.shard.device, source)
-                for u in self.units if not u.empty]
-
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        return self.full_from_shards([s.detach() for s in self.shards])
-
-    @torch.no_grad()
-    def load_full_state_dict(self, full: Dict[str, torch.Tensor], source: str = "state dict"):
-        for shard, t in zip(self.shards, self.shards_from_full(full, source)):
-            shard.copy_(t)
-
-    def sharded_state_dict(self) -> dict:
-        """This rank's shards and the layout to place them from any other layout (what
-        training/checkpoint.py saves as segments; it reshards them on load)."""
-        return dict(format=FORMAT, tp_rank=self.pgm.tp.rank, tp_size=self.pgm.tp.size,
-                    dp_shard_cp_rank=self.pgm.dp_shard_cp.rank, dp_shard_cp_size=self.pgm.dp_shard_cp.size,
-                    units={u.name: dict(flat_shard=u.shard.detach(), **u.layout.metadata())
-                           for u in self.units if not u.empty})

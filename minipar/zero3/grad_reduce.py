@@ -31,22 +31,40 @@ there, so no accumulated gradient is ever lost.
 from __future__ import annotations
 
 import contextlib
+from typing import List
 
 import torch
 
 from .. import comm
+from .unit import Unit
 
 
 class GradientReduction:
-    """Mixed into zero3.Zero3, which provides self.units, self.pgm, self._pending,
-    self._replica_pending and self.requires_gradient_sync."""
+    """The gradient side of one fully_shard'ed model, given its units and its ProcessGroupManager.
+
+    Owns the switch `requires_gradient_sync` (True: the next backward reduce-scatters; False: it
+    accumulates unsharded, set by set_requires_gradient_sync or no_sync), the reduce-scatters in
+    flight (_pending: unit, work, shard-sized output, the reduce_dtype source the collective reads)
+    and the HSDP all-reduces in flight (_replica_pending). The unsharded sums under no_sync live on
+    each unit (Unit.accumulated_grad), next to the buffers they mirror.
+
+    shard_manager.Zero3 calls post_backward(u) from u's post-accumulate-grad hook and
+    finish_backward() from its end-of-backward callback; after that every gradient is in its
+    shard's .grad and nothing is in flight."""
+
+    def __init__(self, units: List[Unit], pgm):
+        self.units, self.pgm = units, pgm
+        self.requires_gradient_sync = True
+        self._pending = []                       # (unit, work, out, src): src kept alive until waited
+        self._replica_pending = []               # (unit, work, out): HSDP all-reduces in flight
 
     # ------------------------------------------------------------------ the public switch
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """False: the next backwards accumulate unsharded gradients locally (no communication);
         True (the default): the next backward reduce-scatters (everything accumulated so far too)."""
         if not isinstance(requires_gradient_sync, bool):
-            raise ValueError(f"set_requires_gradient_sync: expected True or False, got {requires_gradient_sync!r}")
+            raise ValueError(f"set_requires_gradient_sync: expected True or False, "
+                             f"got {requires_gradient_sync!r}")
         self.requires_gradient_sync = requires_gradient_sync
 
     @contextlib.contextmanager
@@ -70,10 +88,10 @@ class GradientReduction:
                    for u in self.units if u.accumulated_grad is not None)
 
     # ------------------------------------------------------------------ the hooks' work
-    def _post_backward(self, u):
-        """The post-accumulate-grad hook of u.flat: all of u's gradient is in u.flat.grad."""
-        grad, u.flat.grad = u.flat.grad, None
-        u.free()
+    def post_backward(self, u: Unit):
+        """All of u's gradient is in u.flat.grad (its post-accumulate-grad hook): add it to what
+        no_sync accumulated, then hold the sum (no sync) or reduce-scatter it."""
+        grad, u.flat.grad = u.flat.grad, None    # the next backward must start from no .grad
         if u.accumulated_grad is not None:                 # earlier micro-batches under no_sync
             u.accumulated_grad.add_(grad)
             grad = u.accumulated_grad
@@ -84,7 +102,12 @@ class GradientReduction:
         u.accumulated_grad = None
         self._reduce_scatter(u, grad)
 
-    def _reduce_scatter(self, u, grad):
+    def finish_backward(self):
+        """End of backward: reduce-scatter what only no_sync backwards touched, then wait for all."""
+        self._sync_leftovers()
+        self._drain(keep=0)
+
+    def _reduce_scatter(self, u: Unit, grad):
         src = grad.to(u.reduce_dtype)
         out = torch.empty(u.layout.shard_numel, dtype=u.reduce_dtype, device=grad.device)
         comm.mark(f"zero3.reduce_scatter {u.name}")

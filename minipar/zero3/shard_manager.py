@@ -19,7 +19,7 @@ One step, unit by unit (prefetch = 1; "AG" is an async all-gather, "RS" a reduce
               backward, so it stays gathered into it (FSDP2's default for its root)
     backward  root: AG L(n-1) | L(n-1): AG L(n-2), compute, RS, free | ... | L0 | emb: RS
               the embedding is not gathered for backward: its gradient is a scatter-add of the
-              output gradient and never reads the weight (LOOKUPS below)
+              output gradient and never reads the weight (unit.py's LOOKUPS)
               root's RS and free come as soon as its gradient is complete (right after lm_head's
               and the norm's backward); a RS is waited for when the next one starts, then
               all-reduced over dp_replicate (HSDP); the end-of-backward callback waits for the rest
@@ -58,24 +58,30 @@ How the hooks find their moments, for any model:
 Prefetching follows the execution orders (`prefetch` units ahead; 0 turns it off). Before the
 first step they are a static guess, the registration order forward and its reverse (root first)
 backward, so step 1 prefetches too; each forward and backward records the order it really ran and
-replaces the guess when it differs (a model that runs units out of order, or skips one). Activation checkpointing
-re-runs a unit's forward inside its backward: the hooks see that the unit is already in its
-backward and leave its gathered parameters alone. A unit unused in a step is never reduced (a
-learned prefetch may still gather it; it is freed again at the end of backward).
+replaces the guess when it differs (a model that runs units out of order, or skips one).
+Activation checkpointing re-runs a unit's forward inside its backward: the hooks see that the unit
+is already in its backward and leave its gathered parameters alone. A unit unused in a step is
+never reduced (a learned prefetch may still gather it; it is freed again at the end of backward).
 A unit's buffers, and how a gather refills the very storage autograd saved, are unit.py's.
+
+Zero3 is this file's gathering and freeing plus two parts it builds and owns: `grads`
+(grad_reduce.py: the reduce-scatters, no_sync, HSDP) and `state_dicts` (state_dicts.py: full
+tensors <-> shards). Its public methods delegate to them, one line each, so callers see one
+manager (model.zero3.no_sync(), model.zero3.full_state_dict(), ...), as FSDP2 gives its
+sharded module set_requires_gradient_sync and the state-dict calls.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
 from .. import comm
+from .flat_param import plan_units
 from .grad_reduce import GradientReduction
-from .flat_param import FlatLayout, ShardedStateDicts, plan_units  # noqa: F401
-# one unit: flat buffer, shard, gather and free (unit.py), re-exported
-from .unit import LOOKUPS, Unit  # noqa: F401
+from .state_dicts import ShardedStateDicts
+from .unit import Unit
 
 
 def _tensors(out):
@@ -89,33 +95,61 @@ def _tensors(out):
             yield from _tensors(o)
 
 
-class Zero3(GradientReduction, ShardedStateDicts):
-    """The shard manager that fully_shard attaches as `model.zero3`; its state-dict methods
-    (full_state_dict, sharded_state_dict, load_*, full_from_shards, shards_from_full) are in
-    flat_param.ShardedStateDicts, its gradient side (reduce-scatter, no_sync(),
-    set_requires_gradient_sync) in grad_reduce.GradientReduction."""
+class Zero3:
+    """The shard manager that fully_shard attaches as `model.zero3`: the hooks that gather and
+    free the units, the learned orders, the memory count; `grads` (a GradientReduction) for the
+    gradient side and `state_dicts` (a ShardedStateDicts) for full tensors <-> shards."""
 
     def __init__(self, model, pgm, units: List[Unit], param_names, prefetch, reshard_after_forward):
         self.model, self.pgm, self.units, self.root = model, pgm, units, units[0]
-        self.param_names = param_names           # HF names in model order (tied once)
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
-        self.shards = [u.shard for u in units if not u.empty]
+        self.grads = GradientReduction(units, pgm)
+        self.state_dicts = ShardedStateDicts(units, param_names, pgm)
+        # owned by state_dicts, shared here: the checkpoint and the tests read them from the manager
+        self.shards = self.state_dicts.shards    # what the optimizer steps: the non-empty units'
+        self.param_names = self.state_dicts.param_names      # HF names in model order (tied once)
         # the static guess, so that step 1 prefetches too: forward in registration order, backward
         # the reverse (the root first: the loss is its output); relearned whenever a step differs
         self.forward_order: List[Unit] = list(units)
-        self.backward_order: List[Unit] = [self.root] + [u for u in reversed(units[1:]) if u.gather_for_backward]
+        self.backward_order: List[Unit] = [self.root] + [u for u in reversed(units[1:])
+                                                         if u.gather_for_backward]
         self._fwd_seen: List[Unit] = []
         self._bwd_seen: List[Unit] = []
         self._backward_running = False
-        self.requires_gradient_sync = True       # False: accumulate unsharded (grad_reduce.py)
-        self._pending = []                       # (unit, work, out, src): reduce-scatters in flight
-        self._replica_pending = []               # (unit, work, out): HSDP all-reduces in flight
         self.peak_gathered_bytes = 0
         for u in units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
             if u.flat.requires_grad:
                 u.flat.register_post_accumulate_grad_hook(lambda flat, u=u: self._post_backward(u))
+
+    # ------------------------------------------------------------------ the public face
+    # the gradient side (grad_reduce.py)
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        self.grads.set_requires_gradient_sync(requires_gradient_sync)
+
+    def no_sync(self):
+        """A context: backwards inside accumulate without communicating (GradientReduction.no_sync)."""
+        return self.grads.no_sync()
+
+    def accumulated_grad_bytes(self) -> int:
+        return self.grads.accumulated_grad_bytes()
+
+    # the state dicts (state_dicts.py); tensor lists follow self.shards
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        return self.state_dicts.full_state_dict()
+
+    def load_full_state_dict(self, full: Dict[str, torch.Tensor], source: str = "state dict"):
+        self.state_dicts.load_full_state_dict(full, source)
+
+    def sharded_state_dict(self) -> dict:
+        return self.state_dicts.sharded_state_dict()
+
+    def full_from_shards(self, tensors) -> Dict[str, torch.Tensor]:
+        return self.state_dicts.full_from_shards(tensors)
+
+    def shards_from_full(self, full: Dict[str, torch.Tensor], source: str = "state dict") -> list:
+        return self.state_dicts.shards_from_full(full, source)
 
     # ------------------------------------------------------------------ memory accounting
     def gathered_units(self) -> List[str]:
@@ -188,9 +222,12 @@ class Zero3(GradientReduction, ShardedStateDicts):
         comm.mark(f"zero3.backward {u.name}")
         self._gather_now(u, self.backward_order, len(self._bwd_seen) - 1)
 
+    def _post_backward(self, u: Unit):
+        u.free()                                 # its backward is done; its gradient is in flat.grad
+        self.grads.post_backward(u)
+
     def _finish_backward(self):
-        self._sync_leftovers()
-        self._drain(keep=0)
+        self.grads.finish_backward()
         for u in self.units:                     # prefetched but unused, or kept by reshard=False
             u.free()
             u.in_backward = False

@@ -1,0 +1,82 @@
+"""ZeRO-3's state-dict side: full tensors <-> this rank's shards, for every unit of a model.
+
+No rank holds a full parameter after fully_shard: rank r of the N ranks of dp_shard_cp keeps
+shard r of each unit's padded flat buffer (flat_param.py's FlatLayout), and within it only its tp
+slice. A full state dict (what save_pretrained writes, what an HF checkpoint gives) is therefore
+a collective to build and a local cut to load:
+
+    full_from_shards   shards --all-gather over dp_shard_cp--> flat buffers --split, all-gather
+                       over tp--> {HF name: full tensor}; every rank of dp_shard_cp and tp calls it
+    shards_from_full   {HF name: full tensor} --tp slice, flatten, cut [start, stop)--> shards; local
+
+Both take any shard-shaped tensors, not just the weights: the checkpoint converts the optimizer's
+exp_avg and exp_avg_sq the same way. A sharded state dict is the other way to save: each rank's
+shards as they are, plus the layout (name, TP-local shape, offset, tp_split_dim, full shape per
+tensor) that lets training/checkpoint_layout.py place them into any other layout on load.
+
+Communication: full_from_shards all-gathers every unit's padded buffer over dp_shard_cp once (P
+elements of the shard dtype, wire (N-1)/N of that), then each tp-split tensor over tp; the other
+three methods communicate nothing.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from .. import comm
+from .unit import Unit
+
+FORMAT = "minipar.zero3.v1"        # sharded_state_dict's tag: checkpoints say which layout they hold
+
+
+def gather_flat(shard: torch.Tensor, dim) -> torch.Tensor:
+    """The whole padded flat buffer from every rank's shard (all-gather over the shard group)."""
+    return comm.all_gather(shard.detach().contiguous(), dim)
+
+
+class ShardedStateDicts:
+    """The state dicts of one fully_shard'ed model. Owns the non-empty units (an empty unit, a
+    root with nothing left over, has no shard and no entry) and their shards, in the order
+    model.parameters() yields them, the order every shard-shaped list below follows; and the HF
+    names of the parameters in model order (a tied parameter once), the order of every full dict."""
+
+    def __init__(self, units: List[Unit], param_names: List[str], pgm):
+        self.units = [u for u in units if not u.empty]
+        self.shards = [u.shard for u in self.units]
+        self.param_names, self.pgm = list(param_names), pgm
+
+    def full_from_shards(self, tensors) -> Dict[str, torch.Tensor]:
+        """{HF name: full tensor} from shard-shaped tensors aligned with self.shards (the weights,
+        or an optimizer state). Collective over dp_shard_cp and tp: every rank must call it."""
+        tensors = list(tensors)
+        if len(tensors) != len(self.units):
+            raise ValueError(f"full_from_shards: {len(tensors)} tensors given, one per shard "
+                             f"({len(self.units)}) needed")
+        out = {}
+        for u, t in zip(self.units, tensors):
+            out.update(u.layout.to_full(gather_flat(t, u.dim), self.pgm.tp))
+        return {n: out[n] for n in self.param_names}
+
+    def shards_from_full(self, full: Dict[str, torch.Tensor], source: str = "state dict") -> list:
+        """This rank's shard-shaped tensors (aligned with self.shards) cut from full tensors; local."""
+        return [u.layout.from_full(full, self.pgm.tp, u.shard.dtype, u.shard.device, source)
+                for u in self.units]
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        return self.full_from_shards([s.detach() for s in self.shards])
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: Dict[str, torch.Tensor], source: str = "state dict"):
+        # every shape is checked (from_full) before any shard is written: a bad file changes nothing
+        for shard, t in zip(self.shards, self.shards_from_full(full, source)):
+            shard.copy_(t)
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's shards and the layout to place them from any other layout (what
+        training/checkpoint.py saves as segments; it reshards them on load)."""
+        pgm = self.pgm
+        return dict(format=FORMAT, tp_rank=pgm.tp.rank, tp_size=pgm.tp.size,
+                    dp_shard_cp_rank=pgm.dp_shard_cp.rank, dp_shard_cp_size=pgm.dp_shard_cp.size,
+                    units={u.name: dict(flat_shard=u.shard.detach(), **u.layout.metadata())
+                           for u in self.units})

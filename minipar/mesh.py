@@ -44,12 +44,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import comm
+from .cli import fail, positive_ints
 from .config import ParallelismConfig
 
 COORDS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -245,9 +247,15 @@ def main(argv=None):
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args(argv)
-    config = ParallelismConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp, pp_size=args.pp)
+    try:                                            # a bad size: one line, exit 2 (cli.py)
+        positive_ints(args, dict(pp="pipeline stages", dp_replicate="replicas", dp_shard="ZeRO-3 shards",
+                                 cp="context-parallel ranks", tp="tensor-parallel ranks"))
+        config = ParallelismConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp, pp_size=args.pp)
+    except ValueError as err:
+        return fail(err)
     print(describe_grid(config))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,12 +17,20 @@ import dataclasses
 import json
 import sys
 
+from minipar.cli import fail, positive_ints
+from minipar.training.hf_checkpoint import read_hf_config
+
 from .estimate import Cluster, plan
 from .model import Batch, Layout, ModelShape, Options
 from .pipeline import Pipeline, plan_pipeline
 from .layout_search import search, smallest_world
 
 GB = 1e9
+# the flags that count something: 0 or less is refused by name (minipar/cli.py)
+SIZE_FLAGS = dict(world="the number of GPUs", gpus_per_node="GPUs per node", dp_replicate="replicas",
+                  dp_shard="ZeRO-3 shards", cp="context-parallel ranks", tp="tensor-parallel ranks",
+                  pp="pipeline stages", virtual_stages="model chunks per rank", seq_len="tokens per sequence",
+                  global_batch_size="sequences per step", micro_batch_size="rows per forward", top="layouts shown")
 
 
 def _pipeline(args, base: dict) -> Pipeline:
@@ -88,9 +96,8 @@ def load(args):
         model, base, batch, opts = from_train_config(cfg)
         world = (cfg.dp_replicate_size * (cfg.dp_shard_size or 1) * cfg.context_parallel_size
                  * cfg.tensor_parallel_size * (cfg.pipeline_parallel_size or 1))
-    if args.model:
-        with open(args.model) as f:
-            model = ModelShape.from_dict(json.load(f))
+    if args.model:                          # train.py's base_model check: a Llama decoder, valid JSON
+        model = ModelShape.from_dict(read_hf_config(args.model, f"--model {args.model}"))
         if not args.config:
             opts = Options(dtype="bfloat16")
     if model is None:
@@ -251,6 +258,7 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
+        positive_ints(args, SIZE_FLAGS)      # --world 0 is refused, not read as "not given"
         model, base, batch, opts, world = load(args)
         cluster = Cluster(args.gpus_per_node, args.gpu_memory, args.peak_tflops, args.intra_bw, args.inter_bw,
                           args.efficiency, args.reserve)
@@ -271,8 +279,7 @@ def main(argv=None):
             result = plan(model, _layout(args, base, world), batch, opts, cluster)
             text = describe(result, model)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err)                     # one line, exit 2 (minipar/cli.py)
     print(json.dumps(result, indent=1) if args.json else text)
     return 0
 

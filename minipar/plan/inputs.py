@@ -39,7 +39,12 @@ class ModelShape:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelShape":
-        """From a Hugging Face config.json or minipar's LlamaConfig fields."""
+        """From a Hugging Face config.json or minipar's LlamaConfig fields (the sizes must be there)."""
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if not isinstance(d.get(k), int)]
+        if missing:
+            raise ValueError(f"the model config lacks (or has no integer for) {', '.join(missing)}: a Llama "
+                             f"config.json has them (configs/models/llama-3.1-8b.json)")
         heads = d["num_attention_heads"]
         return cls(d["vocab_size"], d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], heads,
                    d.get("num_key_value_heads") or heads, d.get("head_dim") or d["hidden_size"] // heads,

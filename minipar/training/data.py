@@ -77,6 +77,32 @@ class ByteTokenizer:
 
 
 # --------------------------------------------------------------------------------------- corpus
+# what the text corpus `dataset` must be, said with every refusal of it
+DATASET_IS = "set `dataset` to a text file (the bundled corpus is data/shakespeare.txt)"
+
+
+def check_data_file(path: str, what: str = "dataset file", expected: str = "") -> None:
+    """Refuse a data path that is not a non-empty regular file, saying which it is (missing, a
+    directory, empty) and `expected`, what it should be: the one check of every data path (the
+    config's `dataset` and `datasets` in config_check.py, then load_corpus and datasets.read_rows)."""
+    then = f"; {expected}" if expected else ""
+    if os.path.isdir(path):
+        raise ValueError(f"{what} {path!r} is a directory, not a file{then}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} {path!r} not found (working directory {os.getcwd()!r}){then}")
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} {path!r} is not a regular file{then}")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{what} {path!r} is empty (0 bytes){then}")
+    with open(path, "rb") as f:             # reads up to the first non-blank byte: one chunk, usually
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                raise ValueError(f"{what} {path!r} is empty (blank lines only){then}")
+            if chunk.strip():
+                break
+
+
 def load_corpus(path: str, val_fraction: float = 0.1, sequence_len: Optional[int] = None,
                 tokenizer=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(train_tokens, val_tokens) as 1-D uint8 tensors of byte ids: the last `val_fraction` of the
@@ -87,12 +113,7 @@ def load_corpus(path: str, val_fraction: float = 0.1, sequence_len: Optional[int
     tokens, else a ValueError says which and how to fix it."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if os.path.isdir(path):
-        raise ValueError(f"dataset {path!r} is a directory; set the `dataset` key to one text file")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"dataset file not found: {path!r} (working directory {os.getcwd()!r}); set the `dataset` "
-            f"key to an existing text file, e.g. --dataset data/shakespeare.txt")
+    check_data_file(path, "dataset file", DATASET_IS)
     with open(path, "rb") as f:
         raw = f.read()
     tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)

@@ -44,7 +44,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from .data import IGNORE_INDEX
+from .data import IGNORE_INDEX, check_data_file
 
 TYPES = ("completion", "chat_template")
 ROLES = ("system", "user", "assistant")
@@ -105,8 +105,7 @@ def check_entries(entries, where: str = "datasets") -> List[dict]:
 
 def read_rows(path: str) -> Iterator[Tuple[int, object]]:
     """(line number, row): JSON rows of a .jsonl/.json file, or text paragraphs of a .txt file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset file {path!r} not found (working directory {os.getcwd()!r})")
+    check_data_file(path)
     with open(path, encoding="utf-8") as f:
         if path.endswith(".txt"):
             para, start = [], 0

@@ -22,19 +22,26 @@ of tensors that belong to other ranks resident (benchmarks/bench_load.py measure
 Everything that can be wrong is found from config.json and the headers alone, before the process
 groups exist, and raised as a ValueError on every rank: another architecture, an unsupported RoPE
 scaling, a missing or unexpected tensor, a shape that does not match the config, a dtype other than
-bf16/fp16/fp32. Tied embeddings: the model has one `model.embed_tokens.weight`; a checkpoint that
-also stores `lm_head.weight` loads (transformers ignores it too), as do stale `rotary_emb.inv_freq`
-buffers. The core imports this file without transformers: nothing here needs it.
+bf16/fp16/fp32, a config.json or shard index that is not JSON (the file, line and column), a
+.safetensors file that is truncated or damaged (its header does not parse or does not cover the
+file: safetensors checks that much; flipped bytes inside a tensor go unseen, there is no checksum).
+Each says what to do: re-download or re-export the model. The one architecture check (model_type
+'llama', LlamaForCausalLM, silu) is read_hf_config's, which the planner's --model uses too.
+
+Tied embeddings: the model has one `model.embed_tokens.weight`; a checkpoint that also stores
+`lm_head.weight` loads (transformers ignores it too), as do stale `rotary_emb.inv_freq` buffers.
+The core imports this file without transformers: nothing here needs it.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from models.llama import LlamaConfig
+
+from .config_files import read_json
 
 ARCHITECTURE = "LlamaForCausalLM"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -45,38 +52,64 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
+# what to do about a damaged file of a Hugging Face directory, said with every refusal of one
+REFETCH = "re-download the model, or re-export it (save_pretrained / minipar's export_hf)"
+
+
+def read_hf_config(path: str, where: str) -> dict:
+    """A config.json as a dict, refused (ValueError naming `where`) unless it is a decoder minipar
+    builds: the one architecture check of train.py's base_model and the planner's --model."""
+    d = read_json(path, REFETCH)             # invalid JSON: the file, line and column
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} holds a {type(d).__name__}, not a model config mapping; {REFETCH}")
+    archs, kind = d.get("architectures") or [ARCHITECTURE], d.get("model_type", "llama")
+    if kind != "llama" or archs != [ARCHITECTURE]:
+        raise ValueError(f"{where} is a {'/'.join(map(str, archs))} (model_type {kind!r}); minipar "
+                         f"loads only {ARCHITECTURE} (model_type 'llama': Llama 2, 3 and 3.x decoders) "
+                         f"checkpoints, and plans only those")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {d['hidden_act']!r}; the Llama MLP here is SwiGLU (silu)")
+    return d
+
+
 def read_config(directory: str) -> LlamaConfig:
     """DIR/config.json -> LlamaConfig; refuses another architecture or an unsupported RoPE."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"base_model {directory!r}: {path} not found; a Hugging Face model directory "
                                 f"holds config.json and model.safetensors (or its sharded form)")
-    with open(path) as f:
-        d = json.load(f)
-    archs, kind = d.get("architectures") or [ARCHITECTURE], d.get("model_type", "llama")
-    if kind != "llama" or archs != [ARCHITECTURE]:
-        raise ValueError(f"base_model {directory!r} is a {'/'.join(archs)} (model_type {kind!r}); minipar "
-                         f"loads only {ARCHITECTURE} (model_type 'llama') checkpoints")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"base_model {directory!r}: hidden_act {d['hidden_act']!r}; the Llama MLP here is "
-                         f"SwiGLU (silu)")
+    d = read_hf_config(path, f"base_model {directory!r}")
     try:
         return LlamaConfig.from_dict(d)
     except (ValueError, TypeError) as err:
         raise ValueError(f"base_model {directory!r}: config.json: {err}") from None
 
 
+def _read_header(path: str, directory: str, tensors: dict) -> None:
+    """Add the tensors of one safetensors file's header to `tensors`; a truncated or damaged file
+    (safetensors: "incomplete metadata", "invalid header length") is one line naming it."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(path, framework="pt") as f:          # parses the header only
+            for key in f.keys():
+                sl = f.get_slice(key)
+                tensors[key] = (path, tuple(sl.get_shape()), sl.get_dtype())
+    except SafetensorError as err:
+        reason = str(err).removeprefix("Error while deserializing header: ")
+        raise ValueError(f"base_model {directory!r}: {path} is truncated or damaged ({reason}, "
+                         f"{os.path.getsize(path)} bytes); {REFETCH}") from None
+
+
 class HFCheckpoint:
     """The directory's config and tensor index (name -> file, shape, dtype), from the headers only."""
 
     def __init__(self, directory: str):
-        from safetensors import safe_open
         self.directory = directory
         self.config = read_config(directory)
         index_path, single = os.path.join(directory, INDEX), os.path.join(directory, SINGLE)
         if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map") or {}
+            index = read_json(index_path, REFETCH)
+            weight_map = (index.get("weight_map") if isinstance(index, dict) else None) or {}
             files = sorted(set(weight_map.values()))
         elif os.path.isfile(single):
             weight_map, files = None, [SINGLE]
@@ -88,10 +121,7 @@ class HFCheckpoint:
             path = os.path.join(directory, name)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"base_model {directory!r}: {INDEX} names {name}, which is missing")
-            with safe_open(path, framework="pt") as f:          # parses the header only
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    self.tensors[key] = (path, tuple(sl.get_shape()), sl.get_dtype())
+            _read_header(path, directory, self.tensors)
         if weight_map is not None:
             lost = sorted(k for k, v in weight_map.items() if self.tensors.get(k, (None,))[0] !=
                           os.path.join(directory, v))

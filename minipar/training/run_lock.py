@@ -17,8 +17,11 @@ minipar.init creates any group, so a refusal is a clear ValueError on every rank
                                                                       torchrun run id on every rank)
     rank 0       create the lock (written to a temporary file, then link(2)ed into place: a
                  reader sees the whole record or none), or take over a dead holder's with a note
-    rank 0       release it when the run ends (Trainer.train's finally); a run killed outright
-                 leaves it behind, and the next run takes it over as above
+    rank 0       release it when the run ends (Trainer.train's finally), and on every other way
+                 out of the process (an error while the trainer is built, before train() runs:
+                 atexit, in the process that took it, not in a forked child); only a run killed
+                 outright (SIGKILL, a crash of the interpreter) leaves it behind, and the next run
+                 takes it over as above
 
 The race, and why it is acceptable: the check needs no collective, so it cannot know what the
 other ranks saw. If two launches start into one output_dir within the same moment, both rank 0s
@@ -33,6 +36,7 @@ lock records, so a recycled pid does not hold a dead run's lock forever.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -122,6 +126,13 @@ class RunLock:
 
     def __init__(self, path: str, owner: Optional[dict]):
         self.path, self.owner = path, owner
+        if owner is not None:               # whatever error ends the process, the lock goes with it
+            atexit.register(self._release_at_exit)
+
+    def _release_at_exit(self) -> None:
+        # a forked child inherits the handler and the owner record: only the holder itself releases
+        if self.owner is not None and self.owner["pid"] == os.getpid():
+            self.release()
 
     @property
     def held(self) -> bool:

@@ -3,7 +3,9 @@
 Everything that can be checked without communicating is checked here, on every rank, before
 minipar.init creates a single group, so a mistake is the same clear error everywhere, never a hang:
 
-    argv -> load_config (YAML + --key value, unknown keys, types)       train_config.py
+    argv -> load_config (YAML + --key value, unknown keys, types, then  train_config.py
+            every value and data file at once, all wrong ones in one error) config_check.py
+         -> base_model's weight headers against its config.json          hf_checkpoint.py
          -> the layout: the config's sizes, resolved against the world   config.py
               (a world of one runs any config with all sizes 1; without a config file, sizes on
                the command line replace the default layout; accelerate's PARALLELISM_CONFIG_*_SIZE
@@ -11,9 +13,10 @@ minipar.init creates a single group, so a mistake is the same clear error everyw
          -> the tokenizer and the `datasets` rows (tokenizer.py, datasets.py, packing.py), loaded
             from dataset_prepared_path when prepared before (prepared.py), or the byte corpus
          -> the model against tp/cp and the sequence, the batch against dp (global = micro x
-            accumulation x dp), max_steps from num_epochs, the dataset file, the checkpoint to
-            resume from                                                  config_keys.py
-         -> output_dir writable, and no live run holding it (rank 0 locks it)  run_lock.py
+            accumulation x dp), max_steps from num_epochs, the checkpoint to resume from
+                                                                         config_keys.py
+         -> only now the first writes: output_dir created and checked writable, and no live run
+            holding it (rank 0 locks it, released when the process ends)   run_lock.py
          -> minipar.init(layout): the groups                              mesh.py
          -> the same resolved config on every rank? (one all-gather)      lifecycle.py
 """
@@ -32,6 +35,7 @@ from minipar.training import config_keys
 from minipar.training import data as mdata
 from minipar.training import lifecycle
 from minipar.training import run_lock
+from minipar.training.config_files import read_yaml
 from minipar.training.packing import prepare as prepare_datasets
 from minipar.training.prepared import load_or_prepare
 from minipar.training.tokenizer import HFTokenizer, load_tokenizer, padded_vocab_size, tokenizer_path
@@ -81,7 +85,10 @@ def setup_run(argv: List[str]) -> Run:
         path, argv, default_config = argv[0], argv[1:], False
     from_cli = set(parse_overrides(argv)) & set(SIZE_KEYS)
     notes = []
-    cfg = load_config(path, argv, notes)
+    cfg = load_config(path, argv, notes)      # every value checked, all wrong ones in one error
+    # base_model's config.json was read above; its weight headers now, before the tokenizer is
+    # loaded from the same directory and before output_dir is created: a damaged file is one line
+    base = _check_base_model(cfg) if cfg.base_model else None
     from_env = _sizes_from_env(cfg, path, default_config, from_cli, notes)
     from_cli = from_cli | from_env          # accelerate's variables count as sizes given for this launch
     if default_config and from_cli:
@@ -145,8 +152,9 @@ def setup_run(argv: List[str]) -> Run:
     resume = cfg.resume_from_checkpoint
     if resume and resume != "latest" and not os.path.isdir(resume):
         raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")
+    # the last checks, then the first writes: output_dir is created and locked only for a run
+    # that passed every check above (a refused run leaves it as it was)
     run_lock.check_writable(cfg.output_dir, cfg.metrics_path)    # every rank, before anything is written
-    base = _check_base_model(cfg) if cfg.base_model else None
     lock = run_lock.acquire(cfg.output_dir, _rank(), notes)
     pgm = minipar.init(pconf, timeout_s=cfg.ddp_timeout)
     try:
@@ -191,9 +199,7 @@ def _sizes_from_env(cfg: TrainConfig, path: str, default_config: bool, from_cli:
         return set()
     in_file = set()
     if not default_config:
-        import yaml
-        with open(path) as f:
-            in_file = set(yaml.safe_load(f) or {}) & set(SIZE_KEYS)
+        in_file = set(read_yaml(path) or {}) & set(SIZE_KEYS)
     applied = {k: v for k, v in env.items() if k not in from_cli and k not in in_file}
     for key, value in applied.items():
         setattr(cfg, key, value)

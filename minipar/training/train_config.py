@@ -9,7 +9,9 @@ command line are parsed as YAML scalars (20, true, null, [a, b]) and checked aga
 type (config_values.py): a float key takes 3e-4, 1E-3 and 2e-5 as people write them (PyYAML
 reads an exponent without a dot as a string, so float keys parse strings themselves); an int key
 refuses 2.5 and "3e-4"; a bool key takes only true/false. Axolotl's names (gradient_accumulation_steps,
-num_epochs, bf16, fsdp_config, ...) are mapped onto these keys by config_keys.py. Nothing here
+num_epochs, bf16, fsdp_config, ...) are mapped onto these keys by config_keys.py; then every value
+is checked at once, all wrong ones in one error (config_check.py). A YAML syntax error (a tab, an
+unclosed bracket) is one line naming the file, line and column (config_files.py). Nothing here
 touches torch.distributed, so a bad config fails on every rank before the first collective.
 """
 from __future__ import annotations
@@ -24,6 +26,9 @@ import yaml
 from models.llama import LlamaConfig
 # typed values and the applying of a mapping, with one error for every unknown key (config_values.py)
 from .config_values import _apply, _coerce, _parse_float, unknown_keys_error  # noqa: F401
+# every value check at once, before anything is written (config_check.py); YAML errors in one line
+from .config_check import check
+from .config_files import read_yaml, yaml_value
 
 # the checkout's root (minipar/training/ is two levels below it): configs/ and data/ live there
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,7 +149,7 @@ def parse_overrides(argv: List[str]) -> dict:
             value = argv[i + 1]
             i += 1
         key = key.replace("-", "_") if "." not in key else key
-        parsed = yaml.safe_load(value) if value != "" else None
+        parsed = yaml_value(value, key) if value != "" else None
         target = out
         parts = key.split(".")
         for part in parts[:-1]:
@@ -165,8 +170,7 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
     if path is not None:
         if not os.path.exists(path):
             raise FileNotFoundError(f"config file {path} not found")
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        data = read_yaml(path) or {}      # a tab or a syntax error: file, line and column
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a mapping of config keys")
         sources.append(data)
@@ -206,55 +210,3 @@ def _base_model_config(cfg: TrainConfig, explicit: set) -> LlamaConfig:
         raise ValueError(f"base_model {cfg.base_model!r} fixes the model shape, but the config also sets {got}: "
                          f"remove the model section (configs/finetune.yaml has none)")
     return model
-
-
-def check(cfg: TrainConfig) -> None:
-    """Value checks that need no world: every message names the key and a fix."""
-    positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
-                "dp_replicate_size", "context_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"]
-    for key in positive:                  # (None: derived later, from the world or the dataset)
-        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
-            raise ValueError(f"{key} must be >= 1, got {getattr(cfg, key)}")
-    if cfg.ddp_timeout < 1:
-        raise ValueError(f"ddp_timeout is in seconds and must be >= 1, got {cfg.ddp_timeout}")
-    for key in ("save_steps", "eval_steps"):
-        if getattr(cfg, key) < 0:
-            raise ValueError(f"{key} must be >= 0 (0 = {'only at the end' if key == 'save_steps' else 'never'}), "
-                             f"got {getattr(cfg, key)}")
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
-    if cfg.fsdp.state_dict_type not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
-        raise ValueError(f"fsdp.state_dict_type must be SHARDED_STATE_DICT or FULL_STATE_DICT, "
-                         f"got {cfg.fsdp.state_dict_type!r}")
-    if cfg.fsdp.wrap != ["LlamaDecoderLayer"]:
-        raise ValueError(f"fsdp.wrap: only [LlamaDecoderLayer] units are known, got {cfg.fsdp.wrap}")
-    if cfg.ddp not in ("naive", "bucketed"):
-        raise ValueError(f"ddp must be naive or bucketed, got {cfg.ddp!r}")
-    if cfg.cp_layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"cp_layout must be zigzag or contiguous, got {cfg.cp_layout!r}")
-    if cfg.fsdp.prefetch < 0:
-        raise ValueError(f"fsdp.prefetch must be >= 0, got {cfg.fsdp.prefetch}")
-    if cfg.model.vocab_size < 256 and not (cfg.tokenizer_config or getattr(cfg, "base_model", None)):
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's 256")
-    if cfg.datasets:
-        from minipar.training.datasets import check_entries
-        for e in check_entries(cfg.datasets):
-            if not os.path.isfile(e["path"]):
-                raise FileNotFoundError(f"datasets: file {e['path']!r} not found (working directory "
-                                        f"{os.getcwd()!r}); datasets are local files only (no hub names)")
-    elif cfg.sample_packing or cfg.val_set_size:
-        raise ValueError(f"sample_packing={cfg.sample_packing} and val_set_size={cfg.val_set_size} apply to the "
-                         f"examples of `datasets`, which is empty: the text file `dataset` is cut into full "
-                         f"windows already (its split is val_fraction); set `datasets`, or drop these keys")
-    if cfg.val_set_size < 0:
-        raise ValueError(f"val_set_size must be >= 0 (a fraction below 1, or a count), got {cfg.val_set_size}")
-    if cfg.micro_batch_size is not None and cfg.micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1 or null, got {cfg.micro_batch_size}")
-    if cfg.pipeline_layers is not None and not isinstance(cfg.pipeline_layers, list):
-        raise ValueError(f"pipeline_layers must be a list of layer counts, e.g. [3, 5], got {cfg.pipeline_layers!r}")
-    v = cfg.pipeline_virtual_stages
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        raise ValueError(f"pipeline_virtual_stages must be >= 1 or null, got {cfg.pipeline_virtual_stages}")
-    if not os.path.exists(cfg.dataset):
-        raise FileNotFoundError(f"dataset file {cfg.dataset!r} not found: set `dataset` to a text file "
-                                f"(the bundled corpus is data/shakespeare.txt)")

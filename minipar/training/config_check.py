@@ -1,0 +1,117 @@
+"""The value checks of a loaded config: every wrong value at once, before anything is written.
+
+load_config (train_config.py) applies the YAML file and the `--key value` overrides with each
+value's type checked (config_values.py); check() then looks at the values themselves. Every value
+the run will use is checked here, including the ones only the optimizer or the step would meet
+(learning_rate, weight_decay, warmup_steps, min_lr_ratio, adam_beta1/2, max_grad_norm) and the
+one only checkpoint rotation would (save_total_limit), because a value refused later is refused
+too late: after run_setup has created output_dir, taken output_dir/minipar.lock and (at the first
+step) opened metrics.jsonl, which a refused run would leave behind.
+
+Several wrong values are ONE error that lists all of them, as unknown keys are (config_values.py),
+so a config is fixed in one edit, not one run per mistake:
+
+    ValueError: 3 config values are wrong: learning_rate must be > 0, got -1.0; max_grad_norm
+    must be >= 0 (0 or null: no clipping), got -1.0; dataset 'data' is a directory; set ...
+
+A single problem keeps its own type (FileNotFoundError for a missing file); train.py prints either
+as one "[rank R] error: ..." line, exit 2. Checks that need the world, the tokenizer or the data
+(the batch against dp, the model against tp, the rows of a file) are run_setup's. Pure Python, no
+collective: every rank refuses alike.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from minipar.training.data import DATASET_IS, check_data_file
+from minipar.training.datasets import check_entries
+
+# what a `datasets` path must be, said with every refusal of one (data.check_data_file)
+DATASETS_ARE = "each `datasets` path is a local .jsonl, .json or .txt file (no hub names, no directories)"
+
+
+def check(cfg) -> None:
+    """Every value check that needs no world; raises once, naming every wrong key and a fix."""
+    problems: List[Exception] = []
+
+    def bad(message: str, kind=ValueError) -> None:
+        problems.append(kind(message))
+
+    positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
+                "dp_replicate_size", "context_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"]
+    for key in positive:                  # (None: derived later, from the world or the dataset)
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
+            bad(f"{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.ddp_timeout < 1:
+        bad(f"ddp_timeout is in seconds and must be >= 1, got {cfg.ddp_timeout}")
+    for key in ("save_steps", "eval_steps"):
+        if getattr(cfg, key) < 0:
+            bad(f"{key} must be >= 0 (0 = {'only at the end' if key == 'save_steps' else 'never'}), "
+                f"got {getattr(cfg, key)}")
+    # the optimizer, the schedule, clipping and rotation: refused here, not at step 1 or the first save
+    if not cfg.learning_rate > 0:
+        bad(f"learning_rate must be > 0, got {cfg.learning_rate}")
+    if cfg.weight_decay < 0:
+        bad(f"weight_decay must be >= 0 (0: no decay), got {cfg.weight_decay}")
+    if cfg.warmup_steps < 0:
+        bad(f"warmup_steps must be >= 0 (0: no warmup), got {cfg.warmup_steps}")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        bad(f"min_lr_ratio must lie in [0, 1] (the final rate as a fraction of learning_rate), "
+            f"got {cfg.min_lr_ratio}")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(cfg, key) < 1.0:
+            bad(f"{key} must lie in [0, 1), got {getattr(cfg, key)}")
+    if cfg.max_grad_norm is not None and cfg.max_grad_norm < 0:
+        bad(f"max_grad_norm must be >= 0 (0 or null: no clipping), got {cfg.max_grad_norm}")
+    if cfg.save_total_limit is not None and cfg.save_total_limit < 0:
+        bad(f"save_total_limit must be >= 0 (0 or null: keep every checkpoint; N: keep the newest N), "
+            f"got {cfg.save_total_limit}")
+    if cfg.dtype not in ("float32", "bfloat16"):
+        bad(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
+    if cfg.fsdp.state_dict_type not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        bad(f"fsdp.state_dict_type must be SHARDED_STATE_DICT or FULL_STATE_DICT, got {cfg.fsdp.state_dict_type!r}")
+    if cfg.fsdp.wrap != ["LlamaDecoderLayer"]:
+        bad(f"fsdp.wrap: only [LlamaDecoderLayer] units are known, got {cfg.fsdp.wrap}")
+    if cfg.ddp not in ("naive", "bucketed"):
+        bad(f"ddp must be naive or bucketed, got {cfg.ddp!r}")
+    if cfg.cp_layout not in ("zigzag", "contiguous"):
+        bad(f"cp_layout must be zigzag or contiguous, got {cfg.cp_layout!r}")
+    if cfg.fsdp.prefetch < 0:
+        bad(f"fsdp.prefetch must be >= 0, got {cfg.fsdp.prefetch}")
+    if cfg.model.vocab_size < 256 and not (cfg.tokenizer_config or getattr(cfg, "base_model", None)):
+        bad(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's 256")
+    if not cfg.datasets and (cfg.sample_packing or cfg.val_set_size):
+        bad(f"sample_packing={cfg.sample_packing} and val_set_size={cfg.val_set_size} apply to the "
+            f"examples of `datasets`, which is empty: the text file `dataset` is cut into full "
+            f"windows already (its split is val_fraction); set `datasets`, or drop these keys")
+    if cfg.val_set_size < 0:
+        bad(f"val_set_size must be >= 0 (a fraction below 1, or a count), got {cfg.val_set_size}")
+    if cfg.micro_batch_size is not None and cfg.micro_batch_size < 1:
+        bad(f"micro_batch_size must be >= 1 or null, got {cfg.micro_batch_size}")
+    if cfg.pipeline_layers is not None and not isinstance(cfg.pipeline_layers, list):
+        bad(f"pipeline_layers must be a list of layer counts, e.g. [3, 5], got {cfg.pipeline_layers!r}")
+    v = cfg.pipeline_virtual_stages
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        bad(f"pipeline_virtual_stages must be >= 1 or null, got {cfg.pipeline_virtual_stages}")
+    problems += _data_files(cfg)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ValueError(f"{len(problems)} config values are wrong: " + "; ".join(str(p) for p in problems))
+
+
+def _data_files(cfg) -> List[Exception]:
+    """The problems of `dataset` and each `datasets` path: missing, a directory, or empty."""
+    paths = [("dataset file", cfg.dataset, DATASET_IS)]
+    out: List[Exception] = []
+    if cfg.datasets:
+        try:
+            paths += [("datasets: file", e["path"], DATASETS_ARE) for e in check_entries(cfg.datasets)]
+        except ValueError as err:           # the list itself is malformed: its paths cannot be read
+            out.append(err)
+    for what, path, expected in paths:
+        try:
+            check_data_file(path, what, expected)
+        except (ValueError, FileNotFoundError) as err:
+            out.append(err)
+    return out

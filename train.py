@@ -21,8 +21,9 @@ decoder, data parallelism wraps it from outside):
   7. the end: on SIGTERM the ranks finish the step, save it and exit 143; at the end every group
      is destroyed before Python exits (lifecycle.py).
 
-Exit status: 0 done, 1 crashed (or a collective failed: a peer stuck past ddp_timeout, or dead),
-2 bad config or input, 143 stopped on SIGTERM after saving (resume_from_checkpoint: latest).
+Exit status: 0 done, 1 crashed (or a collective failed: a peer stuck past ddp_timeout, or dead;
+or a checkpoint could not be written: a full disk, the older checkpoints intact), 2 bad config or
+input, 143 stopped on SIGTERM after saving (resume_from_checkpoint: latest).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import sys
 
 from minipar.comm import CollectiveError
 from minipar.training import lifecycle
+from minipar.training.checkpoint_io import CheckpointWriteError
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
@@ -88,4 +90,7 @@ if __name__ == "__main__":
         sys.exit(lifecycle.EXIT_PREEMPTED)      # 143: saved; relaunch with resume_from_checkpoint latest
     except CollectiveError as err:             # a peer stuck past ddp_timeout, or dead
         print(f"[rank {rank}] error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except CheckpointWriteError as err:        # a full disk during a save: 1, the machine failed, not
+        print(f"[rank {rank}] error: {err}", file=sys.stderr)   # the config (2 would say: fix it)
         sys.exit(1)

@@ -62,7 +62,9 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
                     extra: Optional[dict] = None, state_dict_type: str = "SHARDED_STATE_DICT",
                     keep_last: Optional[int] = None) -> str:
     """Write the run's state into `directory` (output_dir/step-N) atomically; returns it. Collective.
-    keep_last: afterwards keep only the newest `keep_last` complete step-N siblings (None: all)."""
+    keep_last: afterwards keep only the newest `keep_last` step-N siblings whose checksums hold (None
+    or 0: all; never fewer than this one and the newest good one: checkpoint_io.rotate_checkpoints).
+    An OS error (a full disk) raises checkpoint_io.CheckpointWriteError on every rank."""
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(f"state_dict_type={state_dict_type!r}: use one of {STATE_DICT_TYPES}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -121,6 +123,7 @@ def load_checkpoint(directory: str, model, optimizer, pgm, *, scheduler=None) ->
     error = manifest = None
     try:                                         # every check, before any communication
         manifest = cio.verify(directory)
+        cio.remember_verified(directory, manifest)   # hashed just now: rotation need not hash it again
         groups = len(optimizer.param_groups) if optimizer is not None else None
         cio.check_model(directory, manifest, cio.config_dict(model), _param_shapes(model, pgm), groups)
     except Exception as e:                       # noqa: BLE001 - every rank learns of it below

@@ -28,8 +28,11 @@ torch.distributed.checkpoint (its .metadata file is written after the shards).
 
 Communication per save: a broadcast of the temporary name (rank 0 draws it) and the two barriers,
 which are all-reduces of a failure flag: if any rank fails to write (a full disk), every rank
-learns it, rank 0 removes the temporary directory and all raise; none is left waiting. Everything
-but atomic_save and agree works on one process, no groups.
+learns it, rank 0 removes the temporary directory and all raise; none is left waiting (an OS error,
+a full disk, is one CheckpointWriteError line naming the checkpoint and the older one left intact).
+Rotation keeps the newest save_total_limit checkpoints whose checksums hold, at least one, and the
+one just saved; a damaged one is moved aside (step-N.corrupt) and said so. Everything but
+atomic_save and agree works on one process, no groups.
 
 What goes inside the directory, and how it is read back, is checkpoint_files.py: torch.save to
 bytes (hashed before they reach the disk), loading with torch.load(weights_only=True), which runs
@@ -45,6 +48,7 @@ import random
 import re
 import shutil
 import socket
+import sys
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -52,8 +56,9 @@ import torch
 from .. import comm
 from .run_lock import LOCK_NAME, process_alive
 # reading and verifying a checkpoint directory, finding the latest (checkpoint_verify.py), re-exported
-from .checkpoint_verify import (FORMAT, MANIFEST, VERSION, find_latest_checkpoint,  # noqa: F401
-                                find_latest_verified, list_checkpoints, read_manifest, sha256_file, verify)
+from .checkpoint_verify import (CORRUPT, FORMAT, MANIFEST, VERSION, find_latest_checkpoint,  # noqa: F401
+                                find_latest_verified, list_checkpoints, quarantine, quarantine_skipped,
+                                read_manifest, remember_verified, sha256_file, step_dirs, verify, verify_once)
 # the formats of the files inside (checkpoint_files.py), re-exported: cio.load, cio.to_bytes, ...
 from .checkpoint_files import (check_model, config_dict, load, rng_state, set_rng_state,  # noqa: F401
                                to_bytes)
@@ -64,6 +69,16 @@ INDEX_DIR = "index"
 _TMP_RE = re.compile(r"^(.+?)\.tmp-(?:([A-Za-z0-9._]+)-(\d+)-)?([0-9a-f]{16})$")
 _OLD_RE = re.compile(r"^(.+?)\.old-(?:([A-Za-z0-9._]+)-(\d+)-)?([0-9a-f]{16})$")
 _NAME_BYTES = 256
+
+
+class CheckpointWriteError(OSError):
+    """A save that failed on an OS error (a full disk, a quota, a read-only file system), on every
+    rank: nothing was committed, the temporary directory is gone, the older checkpoints are intact.
+    train.py prints it as one line and exits 1 (a failure of the machine, not of the config)."""
+
+
+def _warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)      # rotation runs on rank 0 only: one line per run
 
 
 def owner_tag(host: Optional[str] = None, pid: Optional[int] = None) -> str:
@@ -109,11 +124,16 @@ def _fsync_dir(path: str) -> None:
 def write_file(root: str, relpath: str, data: bytes) -> Dict[str, dict]:
     """Write bytes to root/relpath durably; returns its manifest entry {relpath: {bytes, sha256}}."""
     path = os.path.join(root, relpath)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:                   # a full disk fails in write() or fsync(): name the file
+        if e.filename is None:
+            e.filename = path
+        raise
     return {relpath: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
 
 
@@ -150,11 +170,30 @@ def commit(root: str, directory: str, manifest: dict) -> str:
     return directory
 
 
-def agree(failed: bool, pgm, device) -> bool:
-    """A barrier over the world that tells every rank whether any rank failed."""
-    flag = torch.tensor([1.0 if failed else 0.0], device=device)
+def agree(failed, pgm, device) -> int:
+    """A barrier over the world that tells every rank whether any rank failed: the largest of the
+    ranks' codes (False/0 none, 1 an error, 2 an OS error, atomic_save's), truthy if any failed."""
+    flag = torch.tensor([float(failed)], device=device)
     comm.all_reduce(flag, pgm.world, op="max")
-    return bool(flag.item())
+    return int(flag.item())
+
+
+def _code(error) -> int:
+    return 0 if error is None else 2 if isinstance(error, OSError) else 1
+
+
+def _raise_failed(failed: int, error, directory: str, parent: str, others: str):
+    """After a failed barrier: an OS error anywhere becomes one CheckpointWriteError (each rank
+    names its own cause, or says `others`: which rank had one); any other error is raised as is."""
+    if isinstance(error, OSError) or (error is None and failed == 2):
+        cause = (f"{others} (see that rank's error)" if error is None else
+                 f"{error.strerror or error}" + (f" (writing {error.filename})" if error.filename else ""))
+        done, fix = list_checkpoints(parent), "free space (or set another output_dir) and"
+        prev = (f"the previous checkpoint {done[-1]} is intact; {fix} resume with resume_from_checkpoint: "
+                f"latest" if done else f"there is no earlier checkpoint in {parent}; {fix} run again")
+        raise CheckpointWriteError(f"could not write checkpoint {directory}: {cause}; nothing was committed "
+                                   f"and its temporary directory was removed; {prev}") from error
+    raise error or RuntimeError(f"{others}: checkpoint {directory} was not committed (see that rank's error)")
 
 
 def atomic_save(directory: str, pgm, device, write: Callable[[str], Dict[str, dict]],
@@ -177,20 +216,29 @@ def atomic_save(directory: str, pgm, device, write: Callable[[str], Dict[str, di
         write_index(tmp, rank, write(tmp))
     except Exception as e:                       # noqa: BLE001 - every rank learns of it below
         error = e
-    if agree(error is not None, pgm, device):    # barrier 1: every rank's files are on disk
+    failed = agree(_code(error), pgm, device)    # barrier 1: every rank's files are on disk
+    if failed:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise error or RuntimeError(f"another rank failed to write its part of checkpoint {directory}; "
-                                    f"nothing was committed (see that rank's error)")
+        _raise_failed(failed, error, directory, parent, "another rank could not write its part")
     if rank == 0:
         try:
             commit(tmp, directory, manifest())
-            if keep_last:
-                rotate_checkpoints(parent, keep_last)
         except Exception as e:                   # noqa: BLE001
-            error = e
-    if agree(error is not None, pgm, device):    # barrier 2: the directory is final on every rank
-        raise error or RuntimeError(f"rank 0 failed to commit checkpoint {directory} (see its error)")
+            error = e                            # (a full disk while writing the manifest)
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:                                 # puts back step-N.old-... if the swap was half done
+                clean_stale(parent)
+            except OSError:                      # (never skip the barrier below: peers wait in it)
+                pass
+        if error is None and keep_last:
+            try:
+                rotate_checkpoints(parent, keep_last, keep=directory)
+            except OSError as e:                 # the save itself is done: say so, train on
+                _warn(f"warning: could not rotate the checkpoints in {parent} ({e}); {directory} is saved")
+    failed = agree(_code(error), pgm, device)    # barrier 2: the directory is final on every rank
+    if failed:
+        _raise_failed(failed, error, directory, parent, "rank 0 could not commit it")
     return directory
 
 
@@ -216,12 +264,32 @@ def clean_stale(parent: str, keep: Optional[str] = None) -> List[str]:
     return removed
 
 
-def rotate_checkpoints(output_dir: str, save_total_limit: Optional[int]) -> List[str]:
-    """Delete the oldest complete checkpoints beyond `save_total_limit` (rank 0 only; None or 0
-    keeps all), and stale temporary directories. Returns what was removed."""
+def rotate_checkpoints(output_dir: str, save_total_limit: Optional[int], keep: Optional[str] = None,
+                       warn: Callable[[str], None] = _warn) -> List[str]:
+    """Keep the newest `save_total_limit` checkpoints whose checksums hold (None or 0: all), delete
+    older ones and stale temporary directories (rank 0 only); returns what was removed. The newest
+    good checkpoint and `keep` (just saved) are never removed: a limit below 1 keeps one. A damaged
+    one among the newest is moved aside (quarantine(): step-N.corrupt) with a `warn` line and not
+    counted, so an older good one stays in its place; `keep` damaged stays too, not counted. Past
+    the limit a checkpoint goes either way, so it is not hashed; a step-N without a manifest (no
+    minipar checkpoint) is left alone."""
     removed = clean_stale(output_dir)
-    if save_total_limit:
-        for path in list_checkpoints(output_dir)[:-save_total_limit]:
+    if not save_total_limit:
+        return removed
+    limit, keep, kept = max(int(save_total_limit), 1), os.path.abspath(keep) if keep else None, 0
+    for path in reversed(step_dirs(output_dir)):             # newest first
+        mine = os.path.abspath(path) == keep
+        if not os.path.isfile(os.path.join(path, MANIFEST)) or (mine and kept >= limit):
+            continue
+        if kept >= limit:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+            continue
+        try:
+            verify_once(path)                  # hashed once a run (checkpoint_verify.py says why)
+            kept += 1
+        except ValueError as e:
+            fate = ("it was just saved: kept, but not counted" if mine else
+                    f"moved it aside to {quarantine(path)}, where no resume or rotation counts it")
+            warn(f"warning: checkpoint {path} is damaged ({e}); {fate}")
     return removed

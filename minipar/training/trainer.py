@@ -198,6 +198,9 @@ class Trainer(TrainLoop):
             self.log(f"resume_from_checkpoint=latest: no checkpoint in {self.cfg.output_dir}, starting fresh")
             return
         extra = ckpt.load_checkpoint(path, self.model, self.optimizer, self.pgm, scheduler=self.scheduler)
+        if resume == "latest" and self.is_main:   # after load's barrier: every rank has chosen `path`
+            for bad, moved in ckpt.cio.quarantine_skipped(skipped):   # so no rotation keeps one over it
+                self.log(f"warning: moved the damaged checkpoint {bad} aside to {moved}")
         self.sampler.load_state_dict(extra["sampler"])
         self.start_step = int(extra["step"])
         self.log(f"resumed from {path} at step {self.start_step}")

@@ -194,3 +194,27 @@ def test_mesh_refuses_a_zero_size_in_one_line(capsys):
     assert "\n" not in err
     code, err = _run(["-m", "minipar.mesh", "--tp", "0"])
     assert code == 2 and err == "error: --tp must be a positive integer (tensor-parallel ranks), got 0", err
+
+
+# ------------------------------------------------------------------ item 4: the lock goes with the process
+RAISE_AFTER_LOCK = """
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("run_lock", sys.argv[2])   # the file alone: no torch import
+run_lock = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run_lock)
+run_lock.acquire(sys.argv[1], 0)
+if os.fork() == 0:
+    sys.exit(0)                 # a forked child exits normally: it must not release its parent's lock
+os.wait()
+assert os.path.exists(os.path.join(sys.argv[1], "minipar.lock")), "a forked child released the lock"
+raise ValueError("refused after the lock was taken (e.g. while the trainer is built)")
+"""
+
+
+def test_an_error_after_the_lock_releases_it(tmp_path):
+    from minipar.training import run_lock
+    out = tmp_path / "out"
+    proc = subprocess.run([PY, "-c", RAISE_AFTER_LOCK, str(out), run_lock.__file__], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and "refused after the lock" in proc.stderr, proc.stderr
+    assert not (out / "minipar.lock").exists(), "a refused run left output_dir/minipar.lock behind"

@@ -12,7 +12,8 @@ Several wrong values are ONE error that lists all of them, as unknown keys are (
 so a config is fixed in one edit, not one run per mistake:
 
     ValueError: 3 config values are wrong: learning_rate must be > 0, got -1.0; max_grad_norm
-    must be >= 0 (0 or null: no clipping), got -1.0; dataset 'data' is a directory; set ...
+    must be >= 0 (0 or null: no clipping), got -1.0; dataset file 'data' is a directory, not a
+    file; set `dataset` to a text file (the bundled corpus is data/shakespeare.txt)
 
 A single problem keeps its own type (FileNotFoundError for a missing file); train.py prints either
 as one "[rank R] error: ..." line, exit 2. Checks that need the world, the tokenizer or the data

@@ -1,7 +1,7 @@
 """Bad input is one line naming the file or value and the fix, exit 2, before anything is written.
 
 Issue 19, items 1 (config part), 3, 4 and 7 (CLI part): negative save_total_limit; every value check
-before step 1, all wrong values in one error, and no output_dir / minipar.lock / metrics.jsonl left
+before step 1, all wrong values in one error, and no output_dir, lock file or metrics.jsonl left
 behind; YAML with a tab or a syntax error (train.py and the planner); an invalid config.json, a
 truncated .safetensors in base_model; a dataset path that is a directory or an empty file;
 `python -m minipar.mesh --tp 0`, `minipar.plan --world -4 / 0` and a gpt2 config.json.

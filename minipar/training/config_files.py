@@ -6,7 +6,7 @@ no ValueError at all, so it escapes train.py's and `python -m minipar.plan`'s "e
 as a traceback. Here each becomes ONE ValueError line naming the file, with 1-based line and column
 as editors count them, and what to do:
 
-    read_yaml(path)            configs/x.yaml, line 2, column 1: not valid YAML: found character
+    read_yaml(path)            configs/fsdp.yaml, line 2, column 1: not valid YAML: found character
                                '\\t' that cannot start any token (YAML does not allow a tab
                                here: replace it with spaces)
     read_json(path, fix)       base/config.json, line 2, column 1: not valid JSON (Expecting value);

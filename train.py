@@ -32,7 +32,7 @@ import sys
 
 from minipar.comm import CollectiveError
 from minipar.training import lifecycle
-from minipar.training.checkpoint_io import CheckpointWriteError
+from minipar.training.checkpoint.atomic import CheckpointWriteError
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
@@ -42,13 +42,13 @@ USAGE = """usage: train.py [CONFIG.yaml] [--key value ...]
   CONFIG.yaml     default: configs/default.yaml (see configs/ for one file per layout)
   --key value     any config key, nested ones with a dot: --max_steps 20 --model.hidden_size 64
 
-keys (defaults in minipar/training/train_config.py):
+keys (defaults in minipar/training/config/train_config.py):
 """
 
 
 def _usage() -> str:
     import dataclasses
-    from minipar.training.train_config import TrainConfig
+    from minipar.training.config.train_config import TrainConfig
     lines = []
     for f in dataclasses.fields(TrainConfig):
         value = getattr(TrainConfig(), f.name)

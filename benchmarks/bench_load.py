@@ -4,7 +4,7 @@ construction with sliced reads against today's path (build the full TP-local mod
     .venv/bin/python benchmarks/bench_load.py [--dir /tmp/minipar-bench-load] [--out benchmarks/results/bench_load.md]
 
 The checkpoint (bf16, ~0.6 GiB in 512 MiB safetensors shards, random weights) is written once by
-minipar.training.make_example.write_checkpoint, tensor by tensor. Each run launches its ranks as
+minipar.training.data.make_example.write_checkpoint, tensor by tensor. Each run launches its ranks as
 fresh processes (like torchrun: nothing inherited from this script), gloo over a FileStore, one
 torch thread each. Per rank:
 
@@ -50,7 +50,7 @@ def worker(args):
     import minipar
     from minipar import ParallelismConfig
     from minipar.tensor_parallel import VocabParallelEmbedding
-    from minipar.training.hf_checkpoint import HFCheckpoint
+    from models.hf_checkpoint import HFCheckpoint
     from minipar.zero3 import fully_shard, plan_units
     from models.llama import LlamaDecoderLayer, LlamaForCausalLM
     from models.llama_init import materialize
@@ -119,7 +119,7 @@ def main(argv=None):
     if args.worker:
         return worker(argparse.Namespace(**{**vars(args), "mode": args.worker}))
     import torch
-    from minipar.training.make_example import write_checkpoint
+    from minipar.training.data.make_example import write_checkpoint
     from models.llama import LlamaConfig
     if args.tiny:
         CFG.update(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,

@@ -124,7 +124,7 @@ def _wrap(model, pgm, wrap):
 
 def _rung(layout, extras, model_kw, batch, wrap, steps):
     """One rung on one rank: warm-up, then timed steps; returns this rank's numbers."""
-    from minipar.training.data import local_batch
+    from minipar.training.data.batches import local_batch
     from minipar.training.optim import build_optimizer
     from models.llama import LlamaConfig, LlamaForCausalLM
     pgm = minipar.init(ParallelismConfig(**layout, **extras))

@@ -26,7 +26,7 @@ Initialisation is layout-independent: every full tensor is drawn from `seed` in 
 (normal(0, initializer_range) as HF does, ones for the norms, zeros for biases) and then sliced for
 this rank, so a 1-rank and a 16-rank run start from the same weights. `device="meta"` builds the
 model without storage; models/llama_init.py then fills only what this rank keeps, from the seed or
-from a Hugging Face checkpoint (minipar/training/hf_checkpoint.py). Labels arrive already shifted (label[t] is
+from a Hugging Face checkpoint (models/hf_checkpoint.py). Labels arrive already shifted (label[t] is
 the token at t + 1), because under cp the next token of a chunk may live on another rank.
 The shape and its config.json keys are models/llama_config.py; the rotary tables, models/rope.py.
 """
@@ -278,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
                         device=None) -> "LlamaForCausalLM":
         """Load a Hugging Face directory (config.json + model.safetensors, or its sharded form):
         built on the meta device, then each tensor read as this rank's TP slice only."""
-        from minipar.training.hf_checkpoint import HFCheckpoint   # the reader (checks, slices)
+        from models.hf_checkpoint import HFCheckpoint   # the reader (checks, slices)
         from models.llama_init import materialize
         ckpt = HFCheckpoint(directory)
         model = cls(ckpt.config, pgm, device="meta")

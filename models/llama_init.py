@@ -8,7 +8,7 @@ memory whatever its size. A *weight source* then answers one question, for one p
                         = full.chunk(tp, dim=tp_split_dim)[tp_rank]     (the whole tensor if None)
 
 Two sources answer it: `SeededInit` below (random initialisation) and the Hugging Face checkpoint
-reader (minipar/training/hf_checkpoint.py, which reads the slice straight from the safetensors
+reader (models/hf_checkpoint.py, which reads the slice straight from the safetensors
 files). Two consumers ask it:
 
     materialize(model, source)               no ZeRO-3: every parameter becomes its TP slice

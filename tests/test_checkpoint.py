@@ -14,9 +14,9 @@ import torch
 
 import minipar
 from minipar import ParallelismConfig, ProcessGroupManager, comm
-from minipar.training import checkpoint as ck
-from minipar.training import checkpoint_io as cio
-from minipar.training import data as mdata
+from minipar.training.checkpoint import save_load as ck
+from minipar.training.checkpoint import atomic as cio
+from minipar.training.data import batches as mdata
 from minipar.training import optim as moptim
 from models.llama import LlamaConfig, LlamaForCausalLM
 from harness import run_world

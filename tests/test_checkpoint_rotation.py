@@ -18,9 +18,9 @@ import torch._dynamo  # noqa: F401 - here once, not in every forked run (the opt
 import minipar
 from harness import run_world
 from minipar import ParallelismConfig
-from minipar.training import checkpoint as ck
-from minipar.training import checkpoint_io as cio
-from minipar.training import checkpoint_verify as cv
+from minipar.training.checkpoint import save_load as ck
+from minipar.training.checkpoint import atomic as cio
+from minipar.training.checkpoint import verify as cv
 from minipar.training import optim as moptim
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer

@@ -1,4 +1,4 @@
-"""ParallelismConfig (minipar/config.py) and the training config's keys (minipar/training/train_config.py):
+"""ParallelismConfig (minipar/config.py) and the training config's keys (minipar/training/config/train_config.py):
 sizes, the remainder rule, model checks, accelerate's size variables, command-line values."""
 
 import pytest
@@ -66,7 +66,7 @@ def test_accelerate_size_variables_fill_the_sizes_not_set(monkeypatch, tmp_path)
     """PARALLELISM_CONFIG_*_SIZE: the command line wins, then the variables, then the config file's
     unset keys; the implicit default layout gives way to them as to command-line sizes."""
     from minipar.training.run_setup import DEFAULT_CONFIG, _sizes_from_env
-    from minipar.training.train_config import load_config
+    from minipar.training.config.train_config import load_config
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "4")
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
     cfg, notes = load_config(DEFAULT_CONFIG, ["--context_parallel_size", "1"]), []
@@ -84,5 +84,5 @@ def test_accelerate_size_variables_fill_the_sizes_not_set(monkeypatch, tmp_path)
 
 def test_command_line_numbers_without_a_dot():
     """YAML 1.1 reads 1e-3 as a string; the README's `--learning_rate 1e-3` means a number."""
-    from minipar.training.train_config import load_config
+    from minipar.training.config.train_config import load_config
     assert load_config(None, ["--learning_rate", "1e-3", "--min_lr_ratio", "5E-2"]).learning_rate == 1e-3

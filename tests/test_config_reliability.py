@@ -13,11 +13,12 @@ import torch
 
 import minipar
 from harness import run_world
-from minipar.training import checkpoint as ck
-from minipar.training import checkpoint_io as cio
-from minipar.training import config_keys, lifecycle, run_lock
+from minipar.training.checkpoint import save_load as ck
+from minipar.training.checkpoint import atomic as cio
+from minipar.training import lifecycle, run_lock
+from minipar.training.config import keys as config_keys
 from minipar.training.run_setup import setup_run
-from minipar.training.train_config import TrainConfig, load_config
+from minipar.training.config.train_config import TrainConfig, load_config
 from minipar.training.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,7 @@ import torch
 import minipar
 from minipar import ParallelismConfig, comm
 from minipar.context_parallel import zigzag_unshard
-from minipar.training.data import (BatchSampler, ByteTokenizer, count_label_tokens, eval_batches, load_corpus,
+from minipar.training.data.batches import (BatchSampler, ByteTokenizer, count_label_tokens, eval_batches, load_corpus,
                           local_batch, micro_steps_for)
 from minipar.mesh import MeshDim
 from harness import run_world

@@ -17,11 +17,11 @@ import minipar
 from minipar import ParallelismConfig, comm, tensor_parallel as tpl
 from minipar.context_parallel import zigzag_shard
 from minipar.mesh import MeshDim
-from minipar.training import data as mdata
-from minipar.training.datasets import Examples, check_entries, chat_example, load_examples, split_validation
-from minipar.training.example_data import make_example
-from minipar.training.packing import PackedData, RowSampler, build_rows, eval_batches, pack_plan
-from minipar.training.tokenizer import HFTokenizer, load_tokenizer
+from minipar.training.data import batches as mdata
+from minipar.training.data.datasets import Examples, check_entries, chat_example, load_examples, split_validation
+from minipar.training.data.example_data import make_example
+from minipar.training.data.packing import PackedData, RowSampler, build_rows, eval_batches, pack_plan
+from minipar.training.data.tokenizer import HFTokenizer, load_tokenizer
 from harness import run_world
 
 
@@ -58,7 +58,7 @@ def test_tokenizer_loads_through_autotokenizer(example):
 
 def test_special_token_ids_fill_the_model_config(example):
     from models.llama import LlamaConfig
-    from minipar.training.tokenizer import fill_special_token_ids
+    from minipar.training.data.tokenizer import fill_special_token_ids
     tok = example["tok"]
     cfg = LlamaConfig(vocab_size=2048)
     assert fill_special_token_ids(cfg, tok) == ["bos_token_id", "eos_token_id", "pad_token_id"]
@@ -119,7 +119,7 @@ def test_bad_rows_name_file_and_line(tmp_path, example):
     fails([json.dumps({"text": "word " * 40})], r"bad.jsonl:1: the example is \d+ tokens, longer than "
           r"sequence_len 32", kind="completion")
     fails([good], "needs a tokenizer with a chat template", tokenizer=mdata.ByteTokenizer())
-    from minipar.training.train_config import load_config
+    from minipar.training.config.train_config import load_config
     with pytest.raises(ValueError, match="sample_packing=True and val_set_size=0.0 apply to the examples"):
         load_config(None, ["--sample_packing", "true"])
     with pytest.raises(FileNotFoundError, match="datasets: file 'nope.jsonl' not found"):

@@ -100,7 +100,7 @@ def _resolve(ref, where):
     while d.startswith(ROOT):                             # the page's folder, then each one above it
         above.append(d)
         d = os.path.dirname(d)
-    # ...and the package root: docstrings write training/data.py for minipar/training/data.py
+    # ...and the package root: docstrings write training/data.py for minipar/training/data/batches.py
     candidates = [os.path.join(a, ref) for a in above] + [os.path.join(ROOT, "minipar", ref)]
     if "/" not in ref:                                    # a bare name: the nearest one of that name
         near = [f for f in _repo_files() if os.path.basename(f) == ref]
@@ -275,7 +275,7 @@ def _check_train(args, world, monkeypatch, page=None, line=""):
         earlier = earlier[:earlier.index(line)]
         for out in outputs:
             assert any(f"out/{out}" in e for e in earlier), f"{line}: nothing before it on {page} writes out/{out}"
-        from minipar.training.train_config import TrainConfig, _apply, parse_overrides
+        from minipar.training.config.train_config import TrainConfig, _apply, parse_overrides
         overrides = args[1:] if args and not args[0].startswith("--") else args
         cfg = TrainConfig()
         _apply(cfg, config)                                       # unknown keys and wrong types raise

@@ -20,7 +20,7 @@ import torch
 from minipar.mesh import main as mesh_main
 from minipar.plan.__main__ import main as plan_main
 from minipar.training.run_setup import setup_run
-from minipar.training.train_config import load_config
+from minipar.training.config.train_config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable

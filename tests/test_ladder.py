@@ -13,7 +13,7 @@ import minipar
 from minipar import ParallelismConfig, comm
 from minipar.mesh import ProcessGroupManager
 from minipar.tensor_parallel import gather_tensor
-from minipar.training.data import local_batch
+from minipar.training.data.batches import local_batch
 from minipar.training.optim import build_optimizer
 from models.llama import LlamaConfig, LlamaForCausalLM
 from harness import run_world
@@ -222,7 +222,7 @@ def test_cp_contiguous_and_zigzag_equal_one_process():
 def test_bad_rung_values_are_clear_errors():
     with pytest.raises(ValueError, match="cp_layout"):
         ParallelismConfig(cp_layout="striped")
-    from minipar.training.train_config import load_config
+    from minipar.training.config.train_config import load_config
     with pytest.raises(ValueError, match="ddp must be naive or bucketed"):
         load_config(None, ["--ddp", "fast"])
     with pytest.raises(ValueError, match="cp_layout"):

@@ -19,7 +19,7 @@ from minipar.pipeline_parallel import (SCHEDULES, check_schedule, schedule_order
 from minipar.pipeline_parallel.schedules import peak_in_flight
 from minipar.training.pipeline_step import check_pipeline
 from minipar.training.run_setup import setup_run
-from minipar.training.train_config import load_config
+from minipar.training.config.train_config import load_config
 from minipar.training.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -242,7 +242,7 @@ def _resume(ref, step3, out, world, *extra):
 
 def test_checkpoint_saved_on_pp2_resumes_on_one_process_and_exports(tmp_path_factory, tmp_path):
     from safetensors.torch import load_file
-    from minipar.training.export import export_checkpoint
+    from minipar.training.checkpoint.export import export_checkpoint
     ref, save = _save_on_pp2(tmp_path_factory, tmp_path)
     _resume(ref, str(save / "step-3"), tmp_path / "resume1", 1)
     # the run's own export (gathered over the stages) is the whole model, as a 1-process export

@@ -30,7 +30,7 @@ from minipar.plan.estimate import Cluster, crosses_nodes
 from minipar.plan.model import Batch, ModelShape, Options
 from minipar.plan.pipeline import Pipeline, plan_stage, stages
 from minipar.pipeline_parallel.p2p import activation_shape
-from minipar.training import data as mdata
+from minipar.training.data import batches as mdata
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
@@ -183,7 +183,7 @@ def _base_model(config):
 
 
 ALL_CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
-# finetune.yaml's model is the directory `python -m minipar.training.make_example` writes (its
+# finetune.yaml's model is the directory `python -m minipar.training.data.make_example` writes (its
 # loading is held against one process in tests/test_hf_load.py); here every model is the tiny one
 FROM_BASE_MODEL = [c for c in ALL_CONFIGS if _base_model(c)]
 CONFIGS = [c for c in ALL_CONFIGS if c not in FROM_BASE_MODEL]
@@ -322,7 +322,7 @@ def test_every_config_is_planned_or_refused(capsys, tmp_path, monkeypatch):
         assert plan_main([os.path.join(ROOT, "configs", config), "--world", "8"]) == 2
         assert f"base_model '{_base_model(config)}'" in capsys.readouterr().err
     if FROM_BASE_MODEL:
-        from minipar.training.make_example import make_example
+        from minipar.training.data.make_example import make_example
         make_example("out/example")                   # what the README runs before fine-tuning
         capsys.readouterr()
         for config in FROM_BASE_MODEL:

@@ -1,4 +1,4 @@
-"""dataset_prepared_path (minipar/training/prepared.py): tokenized once, loaded bit for bit after,
+"""dataset_prepared_path (minipar/training/data/prepared.py): tokenized once, loaded bit for bit after,
 keyed by everything that decides the rows, safe against damage, dead writers and waiting ranks."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 import yaml
 
-from minipar.training import prepared
-from minipar.training.data import ByteTokenizer
-from minipar.training.example_data import make_tokenizer
-from minipar.training.packing import prepare
-from minipar.training.tokenizer import load_tokenizer
-from minipar.training.train_config import TrainConfig, load_config
+from minipar.training.data import prepared
+from minipar.training.data.batches import ByteTokenizer
+from minipar.training.data.example_data import make_tokenizer
+from minipar.training.data.packing import prepare
+from minipar.training.data.tokenizer import load_tokenizer
+from minipar.training.config.train_config import TrainConfig, load_config
 from harness import run_world
 
 TEXTS = ["the quick brown fox", "jumps over", "the lazy dog and runs far away", "a", "bb cc dd ee ff",

@@ -270,7 +270,7 @@ def test_exported_hf_directory_loads_in_transformers(tmp_path):
     ours = LlamaForCausalLM.from_pretrained(str(out / "hf")).eval()
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(out / "hf")).float().eval()
     # on request: the sharded step-3 checkpoint of the 4-rank run, exported on one process
-    from minipar.training.export import export_checkpoint
+    from minipar.training.checkpoint.export import export_checkpoint
     export_checkpoint(str(out / "step-3"), str(tmp_path / "hf-step-3"))
     again = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf-step-3")).float().eval()
     ids = torch.randint(0, 256, (2, 32))

@@ -132,7 +132,7 @@ def test_accumulation_without_sync_equals_one_process(shape, tied):
 def _regroup_world(directory):
     """Save a checkpoint with the old grouping (the root holds the embedding) and resume it on the
     default one (embedding a unit of its own): same weights and optimizer states, same next step."""
-    from minipar.training import checkpoint as ckpt
+    from minipar.training.checkpoint import save_load as ckpt
     pgm = minipar.init(ParallelismConfig(dp_shard_size=2))
     out = {}
     for name, classes in (("old", (LlamaDecoderLayer,)), ("new", None)):
@@ -390,7 +390,7 @@ def test_toy_model_odd_sizes_repeated_skipped_and_reordered_units():
 def _state_world(shape, directory, full=None, load=False):
     """Shard on `shape`; check the shard metadata; then either load `full` and save a checkpoint
     to `directory` (training/checkpoint.py, the one resharding path), or load that checkpoint."""
-    from minipar.training import checkpoint as ckpt
+    from minipar.training.checkpoint import save_load as ckpt
     pgm = minipar.init(ParallelismConfig(*shape))
     model = LlamaForCausalLM(LlamaConfig(**dict(CFG, tie_word_embeddings=True)), pgm, seed=0)
     fully_shard(model, pgm)

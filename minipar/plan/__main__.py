@@ -18,7 +18,7 @@ import json
 import sys
 
 from minipar.cli import fail, positive_ints
-from minipar.training.hf_checkpoint import read_hf_config
+from models.hf_checkpoint import read_hf_config
 
 from .estimate import Cluster, plan
 from .model import Batch, Layout, ModelShape, Options
@@ -91,7 +91,7 @@ def load(args):
     model = batch = None
     opts = Options()
     if args.config:
-        from minipar.training.train_config import load_config
+        from minipar.training.config.train_config import load_config
         cfg = load_config(args.config)
         model, base, batch, opts = from_train_config(cfg)
         world = (cfg.dp_replicate_size * (cfg.dp_shard_size or 1) * cfg.context_parallel_size

@@ -23,7 +23,7 @@ import torch
 from minipar import comm
 from minipar.pipeline_parallel import build_stage, check_schedule, forward_only, run_schedule, schedule_order
 from minipar.pipeline_parallel import split_layers
-from minipar.training import data as mdata
+from minipar.training.data import batches as mdata
 from minipar.training import optim as moptim
 
 

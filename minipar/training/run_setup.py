@@ -31,16 +31,16 @@ import torch.distributed as dist
 
 import minipar
 from minipar import ParallelismConfig
-from minipar.training import config_keys
-from minipar.training import data as mdata
+from minipar.training.config import keys as config_keys
+from minipar.training.data import batches as mdata
 from minipar.training import lifecycle
 from minipar.training import run_lock
-from minipar.training.config_files import read_yaml
-from minipar.training.packing import prepare as prepare_datasets
-from minipar.training.prepared import load_or_prepare
-from minipar.training.tokenizer import HFTokenizer, load_tokenizer, padded_vocab_size, tokenizer_path
-from minipar.training.tokenizer import fill_special_token_ids
-from minipar.training.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
+from minipar.config_files import read_yaml
+from minipar.training.data.packing import prepare as prepare_datasets
+from minipar.training.data.prepared import load_or_prepare
+from minipar.training.data.tokenizer import HFTokenizer, load_tokenizer, padded_vocab_size, tokenizer_path
+from minipar.training.data.tokenizer import fill_special_token_ids
+from minipar.training.config.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
 
 
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size",
@@ -182,7 +182,7 @@ def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str
 
 def _check_base_model(cfg: TrainConfig):
     """Read base_model's headers and match every tensor against the model (meta-built: no memory)."""
-    from minipar.training.hf_checkpoint import HFCheckpoint
+    from models.hf_checkpoint import HFCheckpoint
     from models.llama import LlamaForCausalLM
     ckpt = HFCheckpoint(cfg.base_model)
     ckpt.check(LlamaForCausalLM(cfg.model, None, device="meta"))

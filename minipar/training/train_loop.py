@@ -105,11 +105,11 @@ class TrainLoop:
         if cfg.save_final_checkpoint and cfg.max_steps > self.start_step:
             self.save(cfg.max_steps)
         if cfg.export_hf:
-            from minipar.training import checkpoint as ckpt
+            from minipar.training.checkpoint import save_load as ckpt
             hf_dir = os.path.join(cfg.output_dir, "hf")
             ckpt.export_hf(hf_dir, self.model)
             if self.is_main:       # the model's tokenizer beside its weights (bytes: a tokenizer.json)
-                from minipar.training.tokenizer import save_tokenizer
+                from minipar.training.data.tokenizer import save_tokenizer
                 save_tokenizer(self.run.tokenizer, hf_dir)
             self.log(f"exported Hugging Face model to {hf_dir}")
         self.summary(time.time() - start, last_val)

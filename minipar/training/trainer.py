@@ -25,9 +25,9 @@ import torch
 
 import minipar
 from minipar import comm
-from minipar.training import data as mdata
+from minipar.training.data import batches as mdata
 from minipar.training import optim as moptim
-from minipar.training.packing import RowSampler, eval_batches as packed_eval_batches
+from minipar.training.data.packing import RowSampler, eval_batches as packed_eval_batches
 from minipar.training.run_setup import Run
 from minipar.training.train_loop import TrainLoop   # the run around the step: train(), summary()
 
@@ -175,7 +175,7 @@ class Trainer(TrainLoop):
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int):
-        from minipar.training import checkpoint as ckpt
+        from minipar.training.checkpoint import save_load as ckpt
         path = os.path.join(self.cfg.output_dir, f"step-{step}")
         ckpt.save_checkpoint(path, self.model, self.optimizer, self.pgm, step=step, scheduler=self.scheduler,
                              extra=dict(step=step, sampler=self.sampler.state_dict(), config=self.cfg.to_dict()),
@@ -188,7 +188,7 @@ class Trainer(TrainLoop):
         resume = self.cfg.resume_from_checkpoint
         if not resume:
             return
-        from minipar.training import checkpoint as ckpt
+        from minipar.training.checkpoint import save_load as ckpt
         path = resume
         if resume == "latest":        # the newest checkpoint whose checksums hold; damaged ones are named
             path, skipped = ckpt.find_latest_verified(self.cfg.output_dir)

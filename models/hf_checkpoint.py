@@ -41,7 +41,7 @@ import torch
 
 from models.llama import LlamaConfig
 
-from .config_files import read_json
+from minipar.config_files import read_json
 
 ARCHITECTURE = "LlamaForCausalLM"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}

@@ -25,13 +25,13 @@ import yaml
 
 from models.llama import LlamaConfig
 # typed values and the applying of a mapping, with one error for every unknown key (config_values.py)
-from .config_values import _apply, _coerce, _parse_float, unknown_keys_error  # noqa: F401
+from minipar.training.config.values import _apply, _coerce, _parse_float, unknown_keys_error  # noqa: F401
 # every value check at once, before anything is written (config_check.py); YAML errors in one line
-from .config_check import check
-from .config_files import read_yaml, yaml_value
+from minipar.training.config.check import check
+from minipar.config_files import read_yaml, yaml_value
 
 # the checkout's root (minipar/training/ is two levels below it): configs/ and data/ live there
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @dataclass
@@ -163,7 +163,7 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
                 notes: Optional[List[str]] = None) -> TrainConfig:
     """The checked config of a YAML file plus `--key value` overrides; `notes` (if given) collects
     what was derived or mapped (bf16: auto, Axolotl's no-op keys) for the run's log."""
-    from . import config_keys
+    from minipar.training.config import keys as config_keys
     notes = [] if notes is None else notes
     cfg = TrainConfig()
     explicit_model_keys, given, unknown, sources = set(), set(), [], []
@@ -202,7 +202,7 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
 
 def _base_model_config(cfg: TrainConfig, explicit: set) -> LlamaConfig:
     """base_model's config.json is the model: a `model.*` key that says otherwise is refused."""
-    from minipar.training.hf_checkpoint import read_config
+    from models.hf_checkpoint import read_config
     model = read_config(cfg.base_model)
     clash = {k: getattr(cfg.model, k) for k in sorted(explicit) if getattr(cfg.model, k) != getattr(model, k)}
     if clash:

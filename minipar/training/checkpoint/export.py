@@ -1,7 +1,7 @@
 """Export a minipar checkpoint (sharded or full, from any layout) as a Hugging Face directory.
 
-    python -m minipar.training.export out/default/step-300 out/default/hf-step-300
-    python -m minipar.training.export out/finetune/step-100 out/finetune/hf-100 --tokenizer out/example/model
+    python -m minipar.training.checkpoint.export out/default/step-300 out/default/hf-step-300
+    python -m minipar.training.checkpoint.export out/finetune/step-100 out/finetune/hf-100 --tokenizer out/example/model
 
 Runs on one process: the checkpoint's manifest holds the model config, every shard file is read,
 the full tensors are rebuilt by HF name (checkpoint.py does the resharding), and
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import checkpoint as ckpt
-from .checkpoint_io import read_manifest
-from .tokenizer import save_byte_tokenizer
+from minipar.training.checkpoint import save_load as ckpt
+from minipar.training.checkpoint.atomic import read_manifest
+from minipar.training.data.tokenizer import save_byte_tokenizer
 
 
 def export_checkpoint(checkpoint_dir: str, hf_dir: str, tokenizer: str = None) -> str:

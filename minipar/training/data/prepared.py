@@ -59,12 +59,12 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .checkpoint_io import owner_tag, sha256_file
-from .packing import DatasetRun, PackedData
-from .run_lock import process_alive
+from minipar.training.checkpoint.atomic import owner_tag, sha256_file
+from minipar.training.data.packing import DatasetRun, PackedData
+from minipar.training.run_lock import process_alive
 
 FORMAT_VERSION = 1
-CODE_FILES = ("datasets.py", "packing.py", "tokenizer.py", "data.py")   # what decides the rows
+CODE_FILES = ("datasets.py", "packing.py", "tokenizer.py", "batches.py")   # what decides the rows
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 ROW_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
@@ -90,7 +90,7 @@ def tokenizer_inputs(tokenizer) -> dict:
 
 def cache_inputs(cfg, tokenizer) -> dict:
     """Everything the prepared rows depend on (see the module docstring), as a JSON-able mapping."""
-    from .datasets import check_entries
+    from minipar.training.data.datasets import check_entries
     here = os.path.dirname(os.path.abspath(__file__))
     return dict(format=FORMAT_VERSION,
                 code={name: sha256_file(os.path.join(here, name)) for name in CODE_FILES},

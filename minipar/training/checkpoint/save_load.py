@@ -38,11 +38,12 @@ from typing import Optional
 
 import torch
 
-from . import checkpoint_io as cio
-from .checkpoint_io import find_latest_checkpoint, find_latest_verified, list_checkpoints, rotate_checkpoints  # noqa: F401
+from minipar.training.checkpoint import atomic as cio
+from minipar.training.checkpoint.atomic import (find_latest_checkpoint, find_latest_verified,
+    list_checkpoints, rotate_checkpoints)  # noqa: F401
 # the segments and the resharding (checkpoint_layout.py), re-exported
-from .checkpoint_layout import (Segment, _local_records, _param_shapes, _tensors,  # noqa: F401
-                                full_optimizer_state, layout, local_from_full, merge_records)
+from minipar.training.checkpoint.layout import (Segment, _local_records, _param_shapes, _tensors,
+    full_optimizer_state, layout, local_from_full, merge_records)
 
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 TRAINER_STATE, FULL_MODEL, FULL_OPTIM = "trainer_state.pt", "model.safetensors", "optimizer.pt"
@@ -79,7 +80,7 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
         optim_full = full_optimizer_state(model, optimizer, pgm) if optimizer is not None else None
         pp = getattr(pgm, "pp", None)
         if pp is not None and pp.size > 1 and optim_full is not None:   # each stage has its layers' states
-            from ..pipeline_parallel.stage import gather_over_stages
+            from minipar.pipeline_parallel.stage import gather_over_stages
             kinds = {k: gather_over_stages(v, pgm) for k, v in optim_full[0].items()}
             optim_full = (kinds, gather_over_stages(optim_full[1], pgm))
 
@@ -188,7 +189,7 @@ def export_hf(directory: str, model, tokenizer_dir: Optional[str] = None) -> str
 def copy_tokenizer(src: str, directory: str) -> list:
     """Copy the tokenizer files of a Hugging Face directory (whichever exist) into `directory`."""
     import shutil
-    from minipar.training.hf_checkpoint import TOKENIZER_FILES
+    from models.hf_checkpoint import TOKENIZER_FILES
     copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
     for f in copied:
         shutil.copyfile(os.path.join(src, f), os.path.join(directory, f))

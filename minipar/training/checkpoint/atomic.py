@@ -53,15 +53,15 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .. import comm
-from .run_lock import LOCK_NAME, process_alive
+from minipar import comm
+from minipar.training.run_lock import LOCK_NAME, process_alive
 # reading and verifying a checkpoint directory, finding the latest (checkpoint_verify.py), re-exported
-from .checkpoint_verify import (CORRUPT, FORMAT, MANIFEST, VERSION, find_latest_checkpoint,  # noqa: F401
-                                find_latest_verified, list_checkpoints, quarantine, quarantine_skipped,
-                                read_manifest, remember_verified, sha256_file, step_dirs, verify, verify_once)
+from minipar.training.checkpoint.verify import (CORRUPT, FORMAT, MANIFEST, VERSION, find_latest_checkpoint,
+    find_latest_verified, list_checkpoints, quarantine, quarantine_skipped, read_manifest,
+    remember_verified, sha256_file, step_dirs, verify, verify_once)
 # the formats of the files inside (checkpoint_files.py), re-exported: cio.load, cio.to_bytes, ...
-from .checkpoint_files import (check_model, config_dict, load, rng_state, set_rng_state,  # noqa: F401
-                               to_bytes)
+from minipar.training.checkpoint.files import (check_model, config_dict, load, rng_state, set_rng_state,
+    to_bytes)
 
 INDEX_DIR = "index"
 # step-N.tmp-<host>-<pid>-<token>: the owner (rank 0 of the saving run) is optional for the

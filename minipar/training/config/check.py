@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import List
 
-from minipar.training.data import DATASET_IS, check_data_file
-from minipar.training.datasets import check_entries
+from minipar.training.data.batches import DATASET_IS, check_data_file
+from minipar.training.data.datasets import check_entries
 
 # what a `datasets` path must be, said with every refusal of one (data.check_data_file)
 DATASETS_ARE = "each `datasets` path is a local .jsonl, .json or .txt file (no hub names, no directories)"

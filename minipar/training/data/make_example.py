@@ -1,7 +1,7 @@
 """Write a small Hugging Face Llama checkpoint to fine-tune, offline: the first command of the
 README's "Fine-tune a Hugging Face model".
 
-    python -m minipar.training.make_example out/example
+    python -m minipar.training.data.make_example out/example
       out/example/model/    config.json, model-0000k-of-0000n.safetensors + model.safetensors.index.json
                             (random weights, as `save_pretrained` shards them), and the tokenizer
       then: torchrun --nproc-per-node 8 train.py configs/finetune.yaml
@@ -11,7 +11,7 @@ checkpoint of any size can be made in the memory of one shard file): the HF name
 come from minipar's own Llama built on the meta device, the values from the same seeded
 initialisation as a fresh run (models/llama_init.py). benchmarks/bench_load.py makes its 300 M
 parameter checkpoint with `write_checkpoint` too. With `datasets` in the tree, the example's
-tokenizer and chat data come from minipar/training/example_data.py.
+tokenizer and chat data come from minipar/training/data/example_data.py.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def make_example(directory: str, seed: int = 0, num_conversations: int = 2000,
     paths = dict(model=model_dir)
     config = LlamaConfig(**EXAMPLE)
     try:
-        from minipar.training import example_data
+        from minipar.training.data import example_data
     except ImportError:                          # no datasets code: the model trains on the byte corpus
         example_data = None
     if example_data is not None:
@@ -86,7 +86,7 @@ def make_example(directory: str, seed: int = 0, num_conversations: int = 2000,
         paths.update(data)
     write_checkpoint(model_dir, config, seed=seed, max_shard_bytes=4 * 2 ** 20)
     if example_data is not None:                 # the tokenizer beside the weights, as on the Hub
-        from minipar.training.checkpoint import copy_tokenizer
+        from minipar.training.checkpoint.save_load import copy_tokenizer
         copy_tokenizer(paths["tokenizer"], model_dir)
     return paths
 

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..tensor_parallel import gather_tensor, shard_tensor
+from minipar.tensor_parallel import gather_tensor, shard_tensor
 
 
 @dataclasses.dataclass(frozen=True)

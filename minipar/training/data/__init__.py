@@ -1,0 +1,14 @@
+"""The data of a run: tokens, examples, packed rows, and the share of each global batch that one
+rank computes. In reading order:
+
+    batches.py       bytes as tokens, the step-indexed sampler (a pure function of seed and step),
+                     the dp / cp split of a global batch, num_items_in_batch
+    tokenizer.py     the model's tokenizer (tokenizer_config, AutoTokenizer) or the bundled bytes;
+                     the byte tokenizer exported beside a byte-level model
+    datasets.py      Axolotl datasets (completion, chat_template) -> ids and labels, label masking
+    packing.py       rows of sequence_len: whole examples packed with document ids; the row sampler
+    prepared.py      the tokenized, packed rows saved under dataset_prepared_path and found again
+    example_data.py  a small offline example: a BPE tokenizer with a chat template, chat rows
+    make_example.py  `python -m minipar.training.data.make_example DIR`: a small Llama checkpoint,
+                     its tokenizer and chat data, to fine-tune offline
+"""

@@ -36,7 +36,6 @@ from minipar.training.checkpoint.atomic import CheckpointWriteError
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
-
 USAGE = """usage: train.py [CONFIG.yaml] [--key value ...]
 
   CONFIG.yaml     default: configs/default.yaml (see configs/ for one file per layout)
@@ -48,6 +47,7 @@ keys (defaults in minipar/training/config/train_config.py):
 
 def _usage() -> str:
     import dataclasses
+
     from minipar.training.config.train_config import TrainConfig
     lines = []
     for f in dataclasses.fields(TrainConfig):

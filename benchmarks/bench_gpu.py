@@ -132,11 +132,13 @@ def main(argv=None):
     if args.device == "cpu":      # gloo and CPU tensors even on a GPU machine: hide the devices before
         os.environ["CUDA_VISIBLE_DEVICES"] = ""           # anything asks CUDA (minipar.init picks by it)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import reset_peak_rss
-    import minipar
     import torch.distributed as dist
+    from common import reset_peak_rss
+
+    import minipar
     from minipar.training.optim import build_optimizer
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
 
     rss0 = reset_peak_rss()
     pgm = minipar.init()

@@ -47,11 +47,12 @@ def worker(args):
     import torch.distributed as dist
     torch.set_num_threads(1)
     from common import current_rss, peak_rss, reset_peak_rss
+
     import minipar
     from minipar import ParallelismConfig
     from minipar.tensor_parallel import VocabParallelEmbedding
-    from models.hf_checkpoint import HFCheckpoint
     from minipar.zero3 import fully_shard, plan_units
+    from models.hf_checkpoint import HFCheckpoint
     from models.llama import LlamaDecoderLayer, LlamaForCausalLM
     from models.llama_init import materialize
     store = dist.FileStore(args.store, args.world)
@@ -119,8 +120,9 @@ def main(argv=None):
     if args.worker:
         return worker(argparse.Namespace(**{**vars(args), "mode": args.worker}))
     import torch
+
     from minipar.training.data.make_example import write_checkpoint
-    from models.llama import LlamaConfig
+    from models.llama_config import LlamaConfig
     if args.tiny:
         CFG.update(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=4)
@@ -142,7 +144,7 @@ def main(argv=None):
             theory = r["shards"] + r["unit"] + r["baseline"]
             rows.append((mode, world, r["rank"], r["baseline"] / MB, r["shards"] / MB, r["unit"] / MB,
                          theory / MB, r["peak"] / MB, r["peak"] / theory, r["seconds"]))
-    lines = [f"# bench_load: start-up memory, meta-device construction + sliced loading vs the full TP-local model",
+    lines = ["# bench_load: start-up memory, meta-device construction + sliced loading vs the full TP-local model",
              "",
              f"Llama {CFG}, {n_params / 1e6:.0f} M parameters; checkpoint bf16, {file_mb:.0f} MiB in safetensors "
              f"shards; 8 ranks = dp_shard 2 x cp 2 x tp 2 (ZeRO-3 over dp_shard_cp = 4, TP 2); gloo on CPU, fresh "

@@ -39,12 +39,14 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
+from harness import run_world  # noqa: E402
+
 import minipar  # noqa: E402
-from minipar import ParallelismConfig, comm  # noqa: E402
+from minipar import ParallelismConfig, comm_ledger  # noqa: E402
 from minipar.pipeline_parallel import Recorder, build_stage, run_schedule, schedule_order, simulate  # noqa: E402
 from minipar.pipeline_parallel.schedules import peak_in_flight, theory_bubble  # noqa: E402
-from harness import run_world  # noqa: E402
-from models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from models.llama import LlamaForCausalLM  # noqa: E402
+from models.llama_config import LlamaConfig
 
 SCHEDULE_V = (("afab", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
 
@@ -98,7 +100,7 @@ def _rank(args, schedule, p, m, v):
     for it in range(args.iters + 1):
         rec, mem = Recorder(), SavedBytes()
         dist.barrier()
-        with comm.ledger() as led, torch.autograd.graph.saved_tensors_hooks(mem.pack, mem.unpack):
+        with comm_ledger.ledger() as led, torch.autograd.graph.saved_tensors_hooks(mem.pack, mem.unpack):
             run_schedule(stage, order, pgm, batches, n_items, recorder=rec)
         stage.zero_grad(set_to_none=True)
         if it:                                   # the first step warms up allocator and gloo

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from common import timed_world
 
 CP = ["SDPA 1 process (enable_gqa)", "ring attention", "ring attention, no overlap", "ring attention, contiguous"]
@@ -40,7 +39,7 @@ def sdpa_gqa(q, k, v):
 
 def cp_world(variant, size, steps):
     import minipar
-    from minipar import ParallelismConfig, comm
+    from minipar import ParallelismConfig, comm_ledger
     from minipar.context_parallel import ring_attention, zigzag_shard
     state = {}
 
@@ -69,7 +68,7 @@ def cp_world(variant, size, steps):
         return step, extras
 
     def extras():
-        with comm.ledger() as led:
+        with comm_ledger.ledger() as led:
             state["step"]()
         out = dict(comm={"send_recv": led.total_bytes("send_recv")} if variant.startswith("ring") else {})
         if "gqa" in state:

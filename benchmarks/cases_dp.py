@@ -26,7 +26,6 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-
 from common import local_bytes, timed_world
 
 ZERO3 = ["torch FSDP2", "minipar ZeRO-3"]
@@ -92,7 +91,7 @@ def _batch(cfg, size, rank):
 def dp_world(variant, size, steps):
     """One variant of ZERO3, ACCUM or DDP on this rank (world = dp_shard or dp_replicate ranks)."""
     import minipar
-    from minipar import ParallelismConfig, comm
+    from minipar import ParallelismConfig, comm_ledger
     from models.llama import LlamaForCausalLM
     n = dist.get_world_size()
     mine = variant.startswith("minipar")
@@ -157,7 +156,7 @@ def dp_world(variant, size, steps):
         def sample(t):
             peak[0] = max(peak[0], probe())
             return t
-        with comm.ledger() as led, TorchCommCounter() as counter, \
+        with comm_ledger.ledger() as led, TorchCommCounter() as counter, \
                 torch.autograd.graph.saved_tensors_hooks(sample, sample):
             step()
         out["gathered_sampled"] = peak[0]
@@ -197,6 +196,7 @@ def _torch_ddp_bytes(state):
     """One step of a second DDP replica whose comm hook counts the all-reduced bucket bytes."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
+
     from models.llama import LlamaForCausalLM
     pgm = state["pgm"]
     model = DistributedDataParallel(LlamaForCausalLM(state["cfg"], None, seed=0), process_group=pgm.dp_replicate.group)

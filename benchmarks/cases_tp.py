@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
 from common import timed_world
 
 TP = ["DTensor TP", "minipar TP", "DTensor TP + SP", "minipar TP + SP"]
@@ -68,8 +67,13 @@ def plain_model(cfg):
 
 
 def dtensor_model(cfg, mesh, sp):
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
     Replicate, Shard, _ = _dtensor()
     model = plain_model(cfg)
     if not sp:     # the plain plan: each Colwise layer takes a replicated input, each Rowwise gives one
@@ -102,7 +106,7 @@ def dtensor_model(cfg, mesh, sp):
 
 def tp_world(variant, size, steps):
     import minipar
-    from minipar import ParallelismConfig, comm
+    from minipar import ParallelismConfig, comm_ledger
     from models.llama import LlamaForCausalLM
     n = dist.get_world_size()
     sp = variant.endswith("+ SP")
@@ -138,7 +142,7 @@ def tp_world(variant, size, steps):
 
     def extras():
         CommDebugMode = _dtensor()[2]
-        with warnings.catch_warnings(), CommDebugMode() as cdm, comm.ledger() as led:
+        with warnings.catch_warnings(), CommDebugMode() as cdm, comm_ledger.ledger() as led:
             # CommDebugMode's module tracker adds full backward hooks, which warn when the input ids
             # need no gradient: expected here, not a problem of the model
             warnings.filterwarnings("ignore", message="Full backward hook is firing")

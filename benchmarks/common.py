@@ -49,7 +49,7 @@ class Size:
     cp_seq: int = 1024     # the ring-attention comparison: sequence length of one attention
 
     def llama(self):
-        from models.llama import LlamaConfig
+        from models.llama_config import LlamaConfig
         return LlamaConfig(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
                            num_hidden_layers=self.layers, num_attention_heads=8, num_key_value_heads=4,
                            max_position_embeddings=max(self.seq, 128))

@@ -47,9 +47,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import minipar  # noqa: E402
-from minipar import ParallelismConfig, comm  # noqa: E402
 from harness import run_world  # noqa: E402
+
+import minipar  # noqa: E402
+from minipar import ParallelismConfig, comm, comm_ledger  # noqa: E402
 
 MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4)
@@ -126,7 +127,8 @@ def _rung(layout, extras, model_kw, batch, wrap, steps):
     """One rung on one rank: warm-up, then timed steps; returns this rank's numbers."""
     from minipar.training.data.batches import local_batch
     from minipar.training.optim import build_optimizer
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
     pgm = minipar.init(ParallelismConfig(**layout, **extras))
     _exact_malloc()
     # one step of a tiny model of the same layout first: torch's lazily loaded kernels, autograd's
@@ -157,7 +159,7 @@ def _rung(layout, extras, model_kw, batch, wrap, steps):
     for it in range(steps + 1):
         comm.all_reduce(flag, pgm.world)                     # a barrier: every rank starts together
         t0, c0 = time.perf_counter(), time.process_time()
-        with comm.ledger() as led:
+        with comm_ledger.ledger() as led:
             loss = model(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"], num_items_in_batch=n)
             loss.backward()
             opt.step()
@@ -243,7 +245,7 @@ def main(argv=None):
     load = os.getloadavg()[0]
     best = measure(names, args.rounds, args.steps)
     command = "python benchmarks/ladder.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    head = [f"# The ladder (benchmarks/ladder.py)", "",
+    head = ["# The ladder (benchmarks/ladder.py)", "",
             f"`{command.strip()}`: {args.rounds} interleaved round(s), median of {args.steps} step(s) each, "
             f"best round kept; CPU, gloo, 1 torch thread per forked rank, torch {torch.__version__}, "
             f"{os.cpu_count()} cores, load average {load:.1f} at the start ({platform.machine()}). "

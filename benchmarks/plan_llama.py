@@ -14,10 +14,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from minipar.plan.__main__ import describe, describe_pipeline  # noqa: E402
 from minipar.plan import estimate as pe  # noqa: E402
 from minipar.plan import layout_search as ps  # noqa: E402
-from minipar.plan.model import Batch, ModelShape, Options  # noqa: E402
+from minipar.plan.__main__ import describe, describe_pipeline  # noqa: E402
+from minipar.plan.inputs import Batch, ModelShape, Options  # noqa: E402
 
 SEQ = 8192
 CASES = [(model, world, 64 if world <= 16 else 1024) for model in ("llama-3.1-8b", "llama-3.1-70b")

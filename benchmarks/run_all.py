@@ -38,7 +38,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-import common  # noqa: E402
 from common import MB, SIZES, run_variant, spread  # noqa: E402
 from report import COMPARISONS, report, summary  # noqa: E402
 
@@ -65,9 +64,10 @@ def _preimport():
     import torch.distributed.tensor.parallel  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
     from torch.nn.parallel import DistributedDataParallel  # noqa: F401
-    import minipar.zero3  # noqa: F401
-    import minipar.data_parallel  # noqa: F401
+
     import minipar.context_parallel  # noqa: F401
+    import minipar.data_parallel  # noqa: F401
+    import minipar.zero3  # noqa: F401
     import models.llama  # noqa: F401
 
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
 # Before any group exists: this module binds `group=group.WORLD` as default arguments when first
 # imported. Imported later (torch.optim pulls it in through torch._dynamo with the first
 # optimizer), it would hold the default group, and its gloo threads, past destroy_process_group
@@ -26,6 +28,9 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401,E402
 
 from .config import ParallelismConfig
+
+if TYPE_CHECKING:                  # the annotation only; see __getattr__ for why not imported here
+    from .mesh import ProcessGroupManager
 
 __all__ = ["ParallelismConfig", "ProcessGroupManager", "init", "default_device"]
 

@@ -15,10 +15,10 @@ torch 2.13 deprecates `all_gather_into_tensor` / `reduce_scatter_tensor` in favo
 `all_gather_single` / `reduce_scatter_single`; older releases (2.4 ...) only have the first pair.
 We pick whichever exists, so no deprecation warning is raised on any supported release.
 
-The ledger (comm_ledger.py): `with comm.ledger() as led: ...` records every call made inside (op,
+The ledger (comm_ledger.py): `with comm_ledger.ledger() as led: ...` records every call made inside (op,
 group name, group size, element count, bytes of the full buffer, and the bytes this rank puts on
 the wire by the table above). Tests and benchmarks compare it against theory. It is an opt-in
-recorder, not a setting: nothing in the model reads it. `comm.mark("label")` adds a marker to the
+recorder, not a setting: nothing in the model reads it. `comm_ledger.mark("label")` adds a marker to the
 record, so an order of events (a prefetch issued before a forward ends, say) can be checked.
 
 Failures are named. A collective whose peer is stuck (stopped, swapped out, deadlocked) waits for
@@ -37,14 +37,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .comm_ledger import _record
+
 ReduceOp = dist.ReduceOp
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-
-# the ledger (comm_ledger.py), re-exported: comm.ledger(), comm.mark(), comm.Ledger, comm.Record
-from .comm_ledger import _ACTIVE, Ledger, Record, _record, ledger, mark  # noqa: F401
 
 
 class _Done:

@@ -1,7 +1,7 @@
 """The communication ledger: an opt-in record of every collective comm.py makes, for tests and
 benchmarks to hold against theory.
 
-    with comm.ledger() as led:              # (comm re-exports ledger, mark, Ledger, Record)
+    with comm_ledger.ledger() as led:
         model(x).sum().backward()
     led.count("all_reduce", "tp")           # calls of one op over one group
     led.total_bytes("all_gather", "dp_shard_cp")   # bytes of the full buffers

@@ -47,7 +47,6 @@ import itertools
 import sys
 from typing import Dict, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
 from . import comm

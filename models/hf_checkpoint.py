@@ -39,9 +39,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from models.llama import LlamaConfig
-
 from minipar.config_files import read_json
+from models.llama_config import LlamaConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}

@@ -47,8 +47,8 @@ from minipar import tensor_parallel as tpl
 from minipar.context_parallel import ring_attention, sequence_positions
 from minipar.mesh import ProcessGroupManager
 
-from .llama_config import LlamaConfig                       # the shape, HF's config.json keys
-from .rope import LLAMA3_ROPE_KEYS, apply_rotary, llama3_inv_freq, rotary_tables  # noqa: F401  (re-exported)
+from .llama_config import LlamaConfig  # the shape, HF's config.json keys
+from .rope import apply_rotary, rotary_tables
 
 
 class RMSNorm(nn.Module):
@@ -278,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
                         device=None) -> "LlamaForCausalLM":
         """Load a Hugging Face directory (config.json + model.safetensors, or its sharded form):
         built on the meta device, then each tensor read as this rank's TP slice only."""
-        from models.hf_checkpoint import HFCheckpoint   # the reader (checks, slices)
+        from models.hf_checkpoint import HFCheckpoint  # the reader (checks, slices)
         from models.llama_init import materialize
         ckpt = HFCheckpoint(directory)
         model = cls(ckpt.config, pgm, device="meta")

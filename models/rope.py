@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 
-
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 

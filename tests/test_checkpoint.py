@@ -11,15 +11,19 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from harness import run_world
 
 import minipar
 from minipar import ParallelismConfig, ProcessGroupManager, comm
-from minipar.training.checkpoint import save_load as ck
-from minipar.training.checkpoint import atomic as cio
-from minipar.training.data import batches as mdata
 from minipar.training import optim as moptim
-from models.llama import LlamaConfig, LlamaForCausalLM
-from harness import run_world
+from minipar.training.checkpoint import atomic as cio
+from minipar.training.checkpoint import files as ck_files
+from minipar.training.checkpoint import layout as ck_layout
+from minipar.training.checkpoint import save_load as ck
+from minipar.training.checkpoint import verify
+from minipar.training.data import batches as mdata
+from models.llama import LlamaForCausalLM
+from models.llama_config import LlamaConfig
 
 CFG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2)
@@ -73,7 +77,7 @@ def _seed_all(seed=123):
 
 
 def _full(model, opt, pgm):
-    states, scalars = ck.full_optimizer_state(model, opt, pgm)
+    states, scalars = ck_layout.full_optimizer_state(model, opt, pgm)
     return dict(params=model.full_state_dict(), states=states, steps=scalars)
 
 
@@ -134,7 +138,7 @@ def _check_exact(results):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_roundtrip_one_process(tmp_path, tied):
     _check_exact([_save_and_resume((1, 1, 1, 1), False, str(tmp_path / "step-3"), tied=tied)])
-    assert ck.find_latest_checkpoint(str(tmp_path)) == str(tmp_path / "step-3")
+    assert verify.find_latest_checkpoint(str(tmp_path)) == str(tmp_path / "step-3")
 
 
 @pytest.mark.parametrize("shape,zero3,tied", [((1, 1, 1, 2), False, True), ((1, 2, 1, 1), True, True),
@@ -145,7 +149,7 @@ def test_roundtrip_distributed(tmp_path, shape, zero3, tied):
     results = run_world(_save_and_resume, world, shape, zero3, str(tmp_path / "step-3"), tied=tied,
                         timeout=180)
     _check_exact(results)
-    files = cio.read_manifest(str(tmp_path / "step-3"))["files"]
+    files = verify.read_manifest(str(tmp_path / "step-3"))["files"]
     shards = sorted(f for f in files if f.startswith("shards/"))
     # one copy per distinct shard: tp ranks of dp_cp rank 0 (plain), every dp_shard_cp rank (ZeRO-3)
     assert len(shards) == (world if zero3 else shape[3]), shards
@@ -170,7 +174,7 @@ def test_zero3_tp_roundtrip_sharded_and_full(saved_4d):
     _check_exact(full)
     _same_state(full[0]["saved"], sharded[0]["saved"])            # the same run, saved two ways
     rngs = [f"rng/rank-0000{r}.pt" for r in range(4)]
-    files = sorted(cio.read_manifest(str(root / "full" / "step-3"))["files"])
+    files = sorted(verify.read_manifest(str(root / "full" / "step-3"))["files"])
     assert files == ["model.safetensors", "optimizer.pt"] + rngs + ["trainer_state.pt"]
 
 
@@ -243,10 +247,10 @@ def test_damaged_truncated_missing_files_are_refused(two_saves):
     _refused(out / "step-4", model, opt, pgm, r"rank-00000\.pt fails its sha256 checksum")
     shard.write_bytes(bytes(data[:100]))
     _refused(out / "step-4", model, opt, pgm, r"rank-00000\.pt has 100 bytes.*truncated")
-    assert ck.find_latest_checkpoint(str(out)) == str(out / "step-2")   # sizes are checked when listing
+    assert verify.find_latest_checkpoint(str(out)) == str(out / "step-2")   # sizes are checked when listing
     os.remove(out / "step-2" / "rng" / "rank-00000.pt")
     _refused(out / "step-2", model, opt, pgm, r"rank-00000\.pt is missing")
-    assert ck.find_latest_checkpoint(str(out)) is None
+    assert verify.find_latest_checkpoint(str(out)) is None
 
 
 def test_missing_manifest_and_crashed_save_are_skipped(two_saves):
@@ -255,11 +259,11 @@ def test_missing_manifest_and_crashed_save_are_skipped(two_saves):
     _refused(out / "step-4", model, opt, pgm, r"step-4/manifest\.json is missing")
     stale = out / "step-6.tmp-0123456789abcdef"                  # what a killed save leaves
     shutil.copytree(out / "step-2", stale)
-    assert ck.find_latest_checkpoint(str(out)) == str(out / "step-2")
-    assert ck.list_checkpoints(str(out)) == [str(out / "step-2")]
+    assert verify.find_latest_checkpoint(str(out)) == str(out / "step-2")
+    assert verify.list_checkpoints(str(out)) == [str(out / "step-2")]
     ck.save_checkpoint(str(out / "step-6"), model, opt, pgm, step=6, scheduler=sched, keep_last=2)
     assert not stale.exists(), "the next save cleans temporary directories of crashed saves"
-    assert ck.find_latest_checkpoint(str(out)) == str(out / "step-6")
+    assert verify.find_latest_checkpoint(str(out)) == str(out / "step-6")
     assert ck.load_checkpoint(str(out / "step-2"), model, opt, pgm) is None
 
 
@@ -297,11 +301,11 @@ def test_another_model_shape_is_refused(two_saves):
     with pytest.raises(ValueError, match="state_dict_type"):
         ck.save_checkpoint(str(out / "x"), other, None, other.pgm, step=1, state_dict_type="FULL")
     # token ids are no shape: a checkpoint without them (an older minipar's) loads into a model with them
-    manifest = cio.read_manifest(str(out / "step-4"))
+    manifest = verify.read_manifest(str(out / "step-4"))
     same = dict(manifest["model_config"], eos_token_id=2)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         manifest["model_config"].pop(key, None)
-    cio.check_model(str(out / "step-4"), manifest, same, manifest["params"])
+    ck_files.check_model(str(out / "step-4"), manifest, same, manifest["params"])
 
 
 def _load_damaged(directory):

@@ -14,17 +14,18 @@ import sys
 import pytest
 import torch
 import torch._dynamo  # noqa: F401 - here once, not in every forked run (the optimizer imports it: 1 s)
+from harness import run_world
 
 import minipar
-from harness import run_world
 from minipar import ParallelismConfig
-from minipar.training.checkpoint import save_load as ck
-from minipar.training.checkpoint import atomic as cio
-from minipar.training.checkpoint import verify as cv
 from minipar.training import optim as moptim
+from minipar.training.checkpoint import atomic as cio
+from minipar.training.checkpoint import save_load as ck
+from minipar.training.checkpoint import verify as cv
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
-from models.llama import LlamaConfig, LlamaForCausalLM
+from models.llama import LlamaForCausalLM
+from models.llama_config import LlamaConfig
 
 try:                                      # the loss-curve plot's import, once here as well
     import matplotlib
@@ -91,8 +92,8 @@ def test_rotation_moves_a_damaged_checkpoint_aside_and_keeps_the_good_one(tmp_pa
     assert f"checkpoint {tmp_path / 'step-6'} is damaged" in err and "sha256" in err, err
     assert f"moved it aside to {tmp_path / 'step-6.corrupt'}" in err and len(err.strip().splitlines()) == 1
     # nothing lists, resumes from, cleans or counts a .corrupt directory
-    assert ck.list_checkpoints(str(tmp_path)) == [str(tmp_path / "step-4"), str(tmp_path / "step-5")]
-    assert ck.find_latest_verified(str(tmp_path)) == (str(tmp_path / "step-5"), [])
+    assert cv.list_checkpoints(str(tmp_path)) == [str(tmp_path / "step-4"), str(tmp_path / "step-5")]
+    assert cv.find_latest_verified(str(tmp_path)) == (str(tmp_path / "step-5"), [])
     assert cio.clean_stale(str(tmp_path)) == [] and (tmp_path / "step-6.corrupt").is_dir()
     # each checkpoint is hashed once a run (by the rotation of its own save), not at every save
     hashed, real = [], cv.sha256_file
@@ -164,7 +165,7 @@ def test_full_disk_is_one_line_naming_the_checkpoint_and_the_intact_one(tmp_path
     assert f"the previous checkpoint {tmp_path / 'step-2'} is intact" in msg and "\n" not in msg, msg
     assert os.listdir(tmp_path) == ["step-2"]
     monkeypatch.undo()
-    assert ck.find_latest_verified(str(tmp_path)) == (str(tmp_path / "step-2"), [])
+    assert cv.find_latest_verified(str(tmp_path)) == (str(tmp_path / "step-2"), [])
 
 
 def _save_with_a_full_rank(out, bad_rank):

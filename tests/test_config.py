@@ -4,7 +4,7 @@ sizes, the remainder rule, model checks, accelerate's size variables, command-li
 import pytest
 
 from minipar import ParallelismConfig
-from models.llama import LlamaConfig
+from models.llama_config import LlamaConfig
 
 
 def test_unset_dp_shard_takes_remainder():
@@ -65,8 +65,8 @@ def test_model_checks_name_the_value_to_change():
 def test_accelerate_size_variables_fill_the_sizes_not_set(monkeypatch, tmp_path):
     """PARALLELISM_CONFIG_*_SIZE: the command line wins, then the variables, then the config file's
     unset keys; the implicit default layout gives way to them as to command-line sizes."""
-    from minipar.training.run_setup import DEFAULT_CONFIG, _sizes_from_env
     from minipar.training.config.train_config import load_config
+    from minipar.training.run_setup import DEFAULT_CONFIG, _sizes_from_env
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "4")
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
     cfg, notes = load_config(DEFAULT_CONFIG, ["--context_parallel_size", "1"]), []

@@ -6,19 +6,20 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from harness import run_world
 
 import minipar
-from harness import run_world
-from minipar.training.checkpoint import save_load as ck
-from minipar.training.checkpoint import atomic as cio
 from minipar.training import lifecycle, run_lock
+from minipar.training.checkpoint import atomic as cio
+from minipar.training.checkpoint import files as ck_files
+from minipar.training.checkpoint import save_load as ck
+from minipar.training.checkpoint import verify
 from minipar.training.config import keys as config_keys
-from minipar.training.run_setup import setup_run
 from minipar.training.config.train_config import TrainConfig, load_config
+from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -311,7 +312,8 @@ class _RunsCode:
 
 def _tiny_checkpoint(path):
     from minipar.training import optim as moptim
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2))
     opt = moptim.build_optimizer(model, lr=1e-3)
@@ -326,10 +328,10 @@ def test_a_pickle_that_runs_a_command_is_refused_and_does_not_run(tmp_path):
     assert ck.load_checkpoint(str(step), model, opt, model.pgm, scheduler=sched)["note"] == "x"   # plain data loads
     marker = tmp_path / "pwned"
     state = torch.load(step / ck.TRAINER_STATE, weights_only=True)
-    evil = cio.to_bytes(dict(state, extra=_RunsCode(str(marker))))     # all else as saved
+    evil = ck_files.to_bytes(dict(state, extra=_RunsCode(str(marker))))     # all else as saved
     (step / ck.TRAINER_STATE).write_bytes(evil)
     manifest = json.loads((step / "manifest.json").read_text())
-    manifest["files"][ck.TRAINER_STATE] = dict(bytes=len(evil), sha256=cio.sha256_file(str(step / ck.TRAINER_STATE)))
+    manifest["files"][ck.TRAINER_STATE] = dict(bytes=len(evil), sha256=verify.sha256_file(str(step / ck.TRAINER_STATE)))
     (step / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r"trainer_state\.pt holds more than tensors and plain data.*refused"):
         ck.load_checkpoint(str(step), model, opt, model.pgm, scheduler=sched)
@@ -346,7 +348,7 @@ def test_latest_skips_a_truncated_and_a_bit_flipped_newest_checkpoint(tmp_path):
     flipped.write_bytes(bytes(data))
     truncated = tmp_path / "step-2" / "rng" / "rank-00000.pt"
     truncated.write_bytes(truncated.read_bytes()[:10])
-    path, skipped = ck.find_latest_verified(str(tmp_path))
+    path, skipped = verify.find_latest_verified(str(tmp_path))
     assert path == str(tmp_path / "step-1")
     assert [p for p, _ in skipped] == [str(tmp_path / "step-3"), str(tmp_path / "step-2")]
     assert "sha256" in skipped[0][1] and "truncated" in skipped[1][1]
@@ -404,10 +406,12 @@ def test_python_m_mesh_prints_no_runtime_warning():
 
 # ------------------------------------------------------------------ 11. API traps
 def _grads_without_num_items(shape):
+    from tiny_llama import CFG, tiny_batch
+
     from minipar.context_parallel import zigzag_shard
     from minipar.data_parallel import replicate
-    from models.llama import LlamaConfig, LlamaForCausalLM
-    from tiny_llama import CFG, tiny_batch
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
     pgm = minipar.init(minipar.ParallelismConfig(*shape))
     model = LlamaForCausalLM(LlamaConfig(**CFG), pgm, seed=0)
     replicate(model, pgm.dp_cp)
@@ -419,8 +423,10 @@ def _grads_without_num_items(shape):
 
 @pytest.mark.parametrize("shape", [(2, 1, 1, 1), (1, 1, 2, 1)], ids=["dp2", "cp2"])
 def test_loss_without_num_items_in_batch_gives_single_process_grads(shape):
-    from models.llama import LlamaConfig, LlamaForCausalLM
     from tiny_llama import CFG, tiny_batch
+
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
     ref = LlamaForCausalLM(LlamaConfig(**CFG), seed=0)
     ids, labels = tiny_batch(0)
     ref(ids, labels=labels).backward()

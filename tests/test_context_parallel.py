@@ -2,13 +2,20 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_world
 
 import minipar
-from minipar import ParallelismConfig, comm, tensor_parallel as tpl
-from minipar.context_parallel import (ring_attention, ring_schedule, schedule_score_elements,
-                                      zigzag_positions, zigzag_shard, zigzag_unshard)
+from minipar import ParallelismConfig, comm, comm_ledger
+from minipar import tensor_parallel as tpl
+from minipar.context_parallel import (
+    ring_attention,
+    ring_schedule,
+    schedule_score_elements,
+    zigzag_positions,
+    zigzag_shard,
+    zigzag_unshard,
+)
 from minipar.mesh import MeshDim, ProcessGroupManager
-from harness import run_world
 
 
 def _dim(size, rank=0):
@@ -39,7 +46,7 @@ def _attention_cases(cp_size, cases, tp_size=1, chunk=4):
         ref.backward(dout.float())
         local = [zigzag_shard(x, 2, cp).clone().requires_grad_() for x in (q, k, v)]
         stats = {}
-        with comm.ledger() as led:
+        with comm_ledger.ledger() as led:
             out = ring_attention(*local, cp, causal, impl=impl, overlap=overlap, stats=stats)
             out.backward(zigzag_shard(dout, 2, cp))
         name = f"case {n} (causal={causal}, Hq={hq}, Hkv={hkv}, D={d}, {impl}, {dtype}, overlap={overlap})"
@@ -133,7 +140,7 @@ def _document_cases(cp_size, tp_size, impls=("fused", "torch")):
                                              full[2].repeat_interleave(2, 1), attn_mask=mask[:, None])
         ref.backward(dout)
         local = [zigzag_shard(x, 2, cp).clone().requires_grad_() for x in (q, k, v)]
-        with comm.ledger() as led:
+        with comm_ledger.ledger() as led:
             out = ring_attention(*local, cp, causal=True, impl=impl, document_ids=zigzag_shard(docs, 1, cp))
             out.backward(zigzag_shard(dout, 2, cp))
         try:
@@ -175,7 +182,7 @@ def test_ring_attention_cp1_is_local_causal_attention():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 12, 16, generator=g).requires_grad_() for h in (4, 2, 2))   # odd halves ok
     for impl in ("fused", "torch"):
-        with comm.ledger() as led:
+        with comm_ledger.ledger() as led:
             out = ring_attention(q, k, v, cp, causal=True, impl=impl)
             grads = torch.autograd.grad(out.sum(), (q, k, v))
         assert led.count() == 0, "cp size 1 must not communicate"
@@ -265,7 +272,8 @@ def _batch(step, b=2, t=16):
 
 
 def _decoder(cp_size, tp_size, steps=5):
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
     pgm = minipar.init(ParallelismConfig(cp_size=cp_size, tp_size=tp_size)) if cp_size * tp_size > 1 else None
     cfg = LlamaConfig(**CFG)
     out = {"losses": []}

@@ -5,14 +5,21 @@ import types
 
 import pytest
 import torch
+from harness import run_world
 
 import minipar
 from minipar import ParallelismConfig, comm
 from minipar.context_parallel import zigzag_unshard
-from minipar.training.data.batches import (BatchSampler, ByteTokenizer, count_label_tokens, eval_batches, load_corpus,
-                          local_batch, micro_steps_for)
 from minipar.mesh import MeshDim
-from harness import run_world
+from minipar.training.data.batches import (
+    BatchSampler,
+    ByteTokenizer,
+    count_label_tokens,
+    eval_batches,
+    load_corpus,
+    local_batch,
+    micro_steps_for,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "shakespeare.txt")

@@ -4,15 +4,16 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
+from harness import run_world
+from tiny_llama import CFG, B
+from tiny_llama import tiny_batch as _batch
 
 import minipar
-from minipar import ParallelismConfig, comm
+from minipar import ParallelismConfig, comm, comm_ledger
 from minipar.data_parallel import replicate
 from minipar.training.optim import build_optimizer
-from models.llama import LlamaConfig, LlamaForCausalLM
-from harness import run_world
-from tiny_llama import B, CFG
-from tiny_llama import tiny_batch as _batch
+from models.llama import LlamaForCausalLM
+from models.llama_config import LlamaConfig
 
 
 def _train(shape=None, steps=5, micro=1, no_sync=True, tied=False, bucket_size_mb=25):
@@ -30,7 +31,7 @@ def _train(shape=None, steps=5, micro=1, no_sync=True, tied=False, bucket_size_m
         for m in range(micro):
             rows = slice((dim.rank * micro + m) * per, (dim.rank * micro + m + 1) * per)
             quiet = sync is not None and no_sync and m < micro - 1
-            with comm.ledger() as led, (sync.no_sync() if quiet else torch.enable_grad()):
+            with comm_ledger.ledger() as led, (sync.no_sync() if quiet else torch.enable_grad()):
                 loss = model(ids[rows], labels=labels[rows], num_items_in_batch=n)
                 loss.backward()
             comm_per_micro.append(led.count())
@@ -78,7 +79,7 @@ def _buckets_world():
     model = LlamaForCausalLM(LlamaConfig(**CFG), pgm, seed=0)
     sync = replicate(model, pgm.dp_replicate, bucket_size_mb=0.02)      # ~20 KB: several buckets
     ids, labels = _batch(0)
-    with comm.ledger() as led:
+    with comm_ledger.ledger() as led:
         model(ids[pgm.dp.rank::2], labels=labels[pgm.dp.rank::2],
               num_items_in_batch=(labels != -100).sum()).backward()
     params = [p for p in model.parameters()]

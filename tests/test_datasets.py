@@ -12,17 +12,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from harness import run_world
 
 import minipar
-from minipar import ParallelismConfig, comm, tensor_parallel as tpl
+from minipar import ParallelismConfig, comm
+from minipar import tensor_parallel as tpl
 from minipar.context_parallel import zigzag_shard
 from minipar.mesh import MeshDim
 from minipar.training.data import batches as mdata
-from minipar.training.data.datasets import Examples, check_entries, chat_example, load_examples, split_validation
+from minipar.training.data.datasets import (
+    Examples,
+    chat_example,
+    check_entries,
+    load_examples,
+    split_validation,
+)
 from minipar.training.data.example_data import make_example
-from minipar.training.data.packing import PackedData, RowSampler, build_rows, eval_batches, pack_plan
+from minipar.training.data.packing import PackedData, RowSampler, build_rows, eval_batches
 from minipar.training.data.tokenizer import HFTokenizer, load_tokenizer
-from harness import run_world
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +64,8 @@ def test_tokenizer_loads_through_autotokenizer(example):
 
 
 def test_special_token_ids_fill_the_model_config(example):
-    from models.llama import LlamaConfig
     from minipar.training.data.tokenizer import fill_special_token_ids
+    from models.llama_config import LlamaConfig
     tok = example["tok"]
     cfg = LlamaConfig(vocab_size=2048)
     assert fill_special_token_ids(cfg, tok) == ["bos_token_id", "eos_token_id", "pad_token_id"]
@@ -206,7 +213,8 @@ def _examples():
 
 
 def _packed_vs_alone(cp_size, tp_size, sp):
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
     pgm = minipar.init(ParallelismConfig(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sp)) \
         if cp_size * tp_size > 1 else None
     model = LlamaForCausalLM(LlamaConfig(**CFG), pgm, seed=1)
@@ -230,7 +238,8 @@ def _packed_vs_alone(cp_size, tp_size, sp):
 
 
 def _alone():
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
     model, ex = LlamaForCausalLM(LlamaConfig(**CFG), seed=1), _examples()
     n = int((ex.labels != -100).sum())
     logits, total = [], 0.0

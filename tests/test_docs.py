@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import glob
 import importlib
 import io
 import os
-import functools
 import re
 import shlex
 
@@ -100,7 +100,7 @@ def _resolve(ref, where):
     while d.startswith(ROOT):                             # the page's folder, then each one above it
         above.append(d)
         d = os.path.dirname(d)
-    # ...and the package root: docstrings write training/data.py for minipar/training/data/batches.py
+    # ...and the package root: docstrings write training/data/batches.py for minipar/training/data/batches.py
     candidates = [os.path.join(a, ref) for a in above] + [os.path.join(ROOT, "minipar", ref)]
     if "/" not in ref:                                    # a bare name: the nearest one of that name
         near = [f for f in _repo_files() if os.path.basename(f) == ref]
@@ -275,7 +275,8 @@ def _check_train(args, world, monkeypatch, page=None, line=""):
         earlier = earlier[:earlier.index(line)]
         for out in outputs:
             assert any(f"out/{out}" in e for e in earlier), f"{line}: nothing before it on {page} writes out/{out}"
-        from minipar.training.config.train_config import TrainConfig, _apply, parse_overrides
+        from minipar.training.config.train_config import TrainConfig, parse_overrides
+        from minipar.training.config.values import _apply
         overrides = args[1:] if args and not args[0].startswith("--") else args
         cfg = TrainConfig()
         _apply(cfg, config)                                       # unknown keys and wrong types raise
@@ -384,7 +385,7 @@ def test_the_scanner_sees_what_it_must():
     assert PATH_RE.findall(text) == [("../minipar/comm.py", ""), ("minipar/training/optim.py", "clip_grad_norm_"),
                                      ("zero3.py", ""), ("NOWHERE.md", "")]
     page = os.path.join(ROOT, "docs", "x.md")
-    assert _resolve("../minipar/comm.py", page) and _resolve("training/data.py", page)
+    assert _resolve("../minipar/comm.py", page) and _resolve("training/data/batches.py", page)
     assert _resolve("zero3.py", page) is None and _resolve("NOWHERE.md", page) is None
     assert "clip_grad_norm_" in _defined(_resolve("minipar/training/optim.py", page))
     assert MODULE_RE.findall("call minipar.training.optim.build_optimizer.") == ["minipar.training.optim.build_optimizer"]

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 import yaml
-
 from harness import run_world
+
 from minipar.training.data.batches import ByteTokenizer
 from minipar.training.data.tokenizer import bytes_to_unicode, save_byte_tokenizer
 

@@ -5,7 +5,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import RankError, WorldTimeout, run_world
 
 

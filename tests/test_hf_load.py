@@ -13,14 +13,14 @@ import tempfile
 import pytest
 import torch
 import transformers
+from harness import run_world
 from safetensors.torch import load_file
 
 import minipar
-from harness import run_world
 from minipar import ParallelismConfig
-from models.hf_checkpoint import HFCheckpoint
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
+from models.hf_checkpoint import HFCheckpoint
 from models.llama import LlamaForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -336,7 +336,7 @@ def _drop_tensor(base, index, name):
 def test_meta_model_holds_no_storage():
     base_cfg = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                     num_attention_heads=32)
-    from models.llama import LlamaConfig
+    from models.llama_config import LlamaConfig
     model = LlamaForCausalLM(LlamaConfig(**base_cfg), device="meta")     # Llama-2-7B's shapes, instantly
     assert all(p.is_meta for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) > 6e9

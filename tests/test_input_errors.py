@@ -19,8 +19,8 @@ import torch
 
 from minipar.mesh import main as mesh_main
 from minipar.plan.__main__ import main as plan_main
-from minipar.training.run_setup import setup_run
 from minipar.training.config.train_config import load_config
+from minipar.training.run_setup import setup_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -59,7 +59,9 @@ def _run(args, out=None):
 def _base_model(directory):
     """A Hugging Face directory (config.json + model.safetensors) of a tiny Llama, no transformers."""
     from safetensors.torch import save_file
-    from models.llama import LlamaConfig, LlamaForCausalLM
+
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
     cfg = LlamaConfig(**SHAPE)
     os.makedirs(directory)
     with open(os.path.join(directory, "config.json"), "w") as f:

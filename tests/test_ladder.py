@@ -8,16 +8,17 @@ after a few AdamW steps. Rungs that change only the schedule must also send the 
 """
 import pytest
 import torch
+from harness import run_world
+from tiny_llama import CFG, tiny_batch
 
 import minipar
-from minipar import ParallelismConfig, comm
+from minipar import ParallelismConfig, comm, comm_ledger
 from minipar.mesh import ProcessGroupManager
 from minipar.tensor_parallel import gather_tensor
 from minipar.training.data.batches import local_batch
 from minipar.training.optim import build_optimizer
-from models.llama import LlamaConfig, LlamaForCausalLM
-from harness import run_world
-from tiny_llama import CFG, tiny_batch
+from models.llama import LlamaForCausalLM
+from models.llama_config import LlamaConfig
 
 STEPS = 3
 
@@ -30,7 +31,7 @@ def _grads(model):
 
 def _train(pgm, wrap=None, micro=1):
     """A few AdamW steps of the tiny Llama in float64 on this rank's share of each global batch
-    (training/data.py local_batch: dp rows, micro-batches, the cp layout's chunks)."""
+    (training/data/batches.py local_batch: dp rows, micro-batches, the cp layout's chunks)."""
     pgm = pgm or ProcessGroupManager.local()
     model = LlamaForCausalLM(LlamaConfig(**CFG), pgm, seed=0).double()
     if wrap is not None:
@@ -38,7 +39,7 @@ def _train(pgm, wrap=None, micro=1):
     sync = getattr(model, "grad_sync", None)
     opt = build_optimizer(model, lr=1e-2, weight_decay=0.1)
     losses, grads = [], None
-    with comm.ledger() as led:
+    with comm_ledger.ledger() as led:
         for step in range(STEPS):
             ids, labels = tiny_batch(step)
             n = (labels != -100).sum()
@@ -180,12 +181,13 @@ def test_async_column_parallel_alone_equals_plain_layers():
     """The Function alone, with a bias and under autocast's dtype rules: outputs and gradients."""
     def world():
         from minipar import tensor_parallel as tpl
+        from minipar.tensor_parallel import mappings as tp_mappings
         pgm = minipar.init(ParallelismConfig(tp_size=2))
         out = {}
         for sp in (False, True):
             torch.manual_seed(0)
             x = torch.randn(2, 8, 16, dtype=torch.float64)
-            x = tpl.layers._split(x, 1, pgm.tp) if sp else x
+            x = tp_mappings._split(x, 1, pgm.tp) if sp else x
             res = []
             for overlap in (False, True):
                 torch.manual_seed(1)                 # the same weights for both

@@ -5,7 +5,8 @@ import pytest
 import torch
 import transformers
 
-from models.llama import LlamaConfig, LlamaForCausalLM
+from models.llama import LlamaForCausalLM
+from models.llama_config import LlamaConfig
 
 
 def _hf_model(tied: bool, seed: int = 0):

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_world
 
 import minipar
-from minipar import ParallelismConfig, comm
+from minipar import ParallelismConfig, comm, comm_ledger
 from minipar.mesh import DIMENSIONS, coords_of, describe_grid, main, rank_of
-from harness import run_world
 
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 2), (2, 2, 2, 2), (1, 2, 1, 4), (1, 1, 8, 1),
            (4, 1, 1, 2), (2, 2, 1, 2), (1, 2, 2, 2), (2, 1, 2, 1)]
@@ -35,7 +35,7 @@ def _check_groups(shape):
         assert d.size == len(d.ranks) and d.ranks[d.rank] == rank
         # an all-reduce over the group sums exactly its members (2^rank makes each sum unique)
         t = torch.tensor([2.0 ** rank], dtype=torch.float64)
-        with comm.ledger() as led:
+        with comm_ledger.ledger() as led:
             comm.all_reduce(t, d)
         assert t.item() == sum(2.0 ** m for m in d.ranks), name
         if d.size == 1:
@@ -83,13 +83,13 @@ def test_pgm_needs_initialised_world():
 def _collectives():
     pgm = minipar.init(ParallelismConfig(dp_shard_size=4))
     d, r = pgm.dp_shard, pgm.dp_shard.rank
-    with comm.ledger() as led:
+    with comm_ledger.ledger() as led:
         x = torch.arange(8.0) + 10 * r
         gathered = comm.all_gather(x.view(2, 4), d, gather_dim=1)       # (2, 16)
         scattered = comm.reduce_scatter(torch.ones(8, 3) * (r + 1), d)   # (2, 3) of 1+2+3+4
         recv = torch.empty(3)
         comm.wait_all(comm.ring_shift([torch.full((3,), float(r))], [recv], d))
-        comm.mark("end")
+        comm_ledger.mark("end")
     assert gathered.shape == (2, 16) and gathered[0, 4:8].tolist() == [10.0, 11, 12, 13]
     assert scattered.shape == (2, 3) and scattered.eq(10).all()
     assert recv.eq((r - 1) % 4).all()
@@ -126,7 +126,7 @@ def _check_pp_groups(shape):
     got = torch.full((2,), -1.0)
     sends = [(torch.full((2,), float(rank)), pgm.pp.next_rank, 7)] if not pgm.pp.is_last else []
     recvs = [(got, pgm.pp.prev_rank, 7)] if not pgm.pp.is_first else []
-    with comm.ledger() as led:
+    with comm_ledger.ledger() as led:
         comm.wait_all(comm.send_recv(sends, recvs, pgm.pp))
     assert got.tolist() == ([-1.0, -1.0] if pgm.pp.is_first else [float(pgm.pp.prev_rank)] * 2)
     assert led.count("send") == len(sends) and led.total_bytes("send") == 8 * len(sends)

@@ -4,11 +4,12 @@ import math
 
 import pytest
 import torch
+from harness import run_world
 
 import minipar
-from minipar import ParallelismConfig, tensor_parallel as tpl
+from minipar import ParallelismConfig
+from minipar import tensor_parallel as tpl
 from minipar.training.optim import WarmupCosine, build_optimizer, build_scheduler, clip_grad_norm_, complement
-from harness import run_world
 
 
 # --------------------------------------------------------------------------------------- schedule
@@ -88,7 +89,8 @@ def test_adamw_decays_matrices_not_vectors_like_torch():
 
 
 def test_llama_norms_are_not_decayed():
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
     cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2)
     model = LlamaForCausalLM(cfg, seed=0)
@@ -255,7 +257,8 @@ def test_clip_zero3_flat_shards_equals_full_model(shape):
 
 # ------------------------------------------------------------------------ on the real TP decoder
 def _decoder_norm(tp):
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
     cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
     pgm = minipar.init(ParallelismConfig(tp_size=tp, sequence_parallel=True)) if tp > 1 else None

@@ -11,15 +11,22 @@ import os
 
 import pytest
 import torch
-
 from harness import run_world
-from minipar import comm
-from minipar.pipeline_parallel import (SCHEDULES, check_schedule, schedule_order, simulate, split_layers,
-                                       stage_chunks, theory_bubble)
+
+from minipar import comm_ledger
+from minipar.pipeline_parallel import (
+    SCHEDULES,
+    check_schedule,
+    schedule_order,
+    simulate,
+    split_layers,
+    stage_chunks,
+    theory_bubble,
+)
 from minipar.pipeline_parallel.schedules import peak_in_flight
+from minipar.training.config.train_config import load_config
 from minipar.training.pipeline_step import check_pipeline
 from minipar.training.run_setup import setup_run
-from minipar.training.config.train_config import load_config
 from minipar.training.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +64,7 @@ def _train_counting(argv):
     """The curve, and what the ledger saw: reduce-scatters, sends, bytes sent."""
     torch.set_num_threads(1)
     trainer = Trainer(setup_run(argv))
-    with comm.ledger() as led:
+    with comm_ledger.ledger() as led:
         history = trainer.train()
     zero3 = getattr(trainer.model, "zero3", None)
     return _curve(history), dict(reduce_scatters=led.count("reduce_scatter"), sends=led.count("send"),
@@ -242,6 +249,7 @@ def _resume(ref, step3, out, world, *extra):
 
 def test_checkpoint_saved_on_pp2_resumes_on_one_process_and_exports(tmp_path_factory, tmp_path):
     from safetensors.torch import load_file
+
     from minipar.training.checkpoint.export import export_checkpoint
     ref, save = _save_on_pp2(tmp_path_factory, tmp_path)
     _resume(ref, str(save / "step-3"), tmp_path / "resume1", 1)
@@ -306,7 +314,7 @@ def test_pipeline_configs_match_single_process(tmp_path_factory, tmp_path, confi
 @pytest.mark.slow
 def test_packed_finetune_on_pp2_matches_one_process(tmp_path_factory, tmp_path):
     # packed chat rows: document_ids reach every stage's attention (tests/test_datasets.py's run)
-    from test_datasets import _packed_run, make_example, load_tokenizer
+    from test_datasets import _packed_run, load_tokenizer, make_example
     d = tmp_path_factory.mktemp("example")
     paths = make_example(str(d), num_conversations=120, vocab_size=2048, tokenizer_chars=200_000)
     example = dict(paths, dir=str(d), tok=load_tokenizer(paths["tokenizer"]))

@@ -19,17 +19,18 @@ import math
 import os
 
 import pytest
-import yaml
 import torch
-
+import yaml
 from harness import run_world
-from minipar import comm
-from minipar.plan import Layout, activations, collectives, memory, search
-from minipar.plan.__main__ import from_train_config, main as plan_main
-from minipar.plan.estimate import Cluster, crosses_nodes
-from minipar.plan.model import Batch, ModelShape, Options
-from minipar.plan.pipeline import Pipeline, plan_stage, stages
+
+from minipar import comm_ledger
 from minipar.pipeline_parallel.p2p import activation_shape
+from minipar.plan import Layout, activations, collectives, memory, search
+from minipar.plan.__main__ import from_train_config
+from minipar.plan.__main__ import main as plan_main
+from minipar.plan.estimate import Cluster, crosses_nodes
+from minipar.plan.inputs import Batch, ModelShape, Options
+from minipar.plan.pipeline_stage import Pipeline, plan_stage, stages
 from minipar.training.data import batches as mdata
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
@@ -91,7 +92,7 @@ def _measure(argv):
         zero_grad(set_to_none=set_to_none)
 
     tr.optimizer.zero_grad = measure_then_zero
-    with comm.ledger() as led:
+    with comm_ledger.ledger() as led:
         tr.train_step(0)
     ledger = {k: list(v) for k, v in led.summary().items()}
     tr.train_step(1)                            # the second step prefetches in the learned order
@@ -272,8 +273,7 @@ def test_long_steps_extend_the_replay_exactly():
     """A stage of a long step (m > 4p) is computed from three short replays and extended; the
     answer is the full replay's, under AFAB and 1F1B, ZeRO-3 and DDP, prefetch 1 and 2."""
     from minipar.plan import Pipeline, plan_stage
-    from minipar.plan.pipeline import stages
-    from minipar.plan.pipeline_stage import _plan_stage
+    from minipar.plan.pipeline_stage import _plan_stage, stages
     m8, m70 = _llama("llama-3.1-8b"), _llama("llama-3.1-70b")
     cases = [(m8, Layout(1, 2, 1, 2, True), Pipeline(4, "1f1b"), Batch(64, 1, 4096), Options(dtype="bfloat16")),
              (m8, Layout(2, 1, 1, 2, True), Pipeline(2, "afab"), Batch(48, 1, 4096), Options()),

@@ -10,14 +10,15 @@ import time
 import pytest
 import torch
 import yaml
+from harness import run_world
 
+from minipar.training.checkpoint import atomic
+from minipar.training.config.train_config import TrainConfig, load_config
 from minipar.training.data import prepared
 from minipar.training.data.batches import ByteTokenizer
 from minipar.training.data.example_data import make_tokenizer
 from minipar.training.data.packing import prepare
 from minipar.training.data.tokenizer import load_tokenizer
-from minipar.training.config.train_config import TrainConfig, load_config
-from harness import run_world
 
 TEXTS = ["the quick brown fox", "jumps over", "the lazy dog and runs far away", "a", "bb cc dd ee ff",
          "gg hh", "ii jj kk ll mm nn oo", "pp", "qq rr ss", "tt uu vv ww xx"]
@@ -183,10 +184,10 @@ def test_a_dead_writers_tmp_folder_does_not_block(tmp_path):
     root, key = prepared.prepared_root(cfg), prepared.cache_key(prepared.cache_inputs(cfg, tok))
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = os.path.join(root, f"{key}.tmp-{prepared.owner_tag(pid=dead.pid)}")
+    stale = os.path.join(root, f"{key}.tmp-{atomic.owner_tag(pid=dead.pid)}")
     os.makedirs(stale)
     open(os.path.join(stale, "data.pt"), "wb").write(b"half a file")
-    live = os.path.join(root, f"{key}.tmp-{prepared.owner_tag(pid=os.getppid())}")    # alive: kept
+    live = os.path.join(root, f"{key}.tmp-{atomic.owner_tag(pid=os.getppid())}")    # alive: kept
     os.makedirs(live)
     run = prepared.load_or_prepare(cfg, tok, prepare)
     _same(run, prepare(cfg, tok))
@@ -226,9 +227,9 @@ def test_two_ranks_on_one_folder_get_the_same_rows(tmp_path):
 
 # ------------------------------------------------------------------------------ the training program
 def _train_twice(path, out):
+    from minipar.training import lifecycle
     from minipar.training.run_setup import setup_run
     from minipar.training.trainer import Trainer
-    from minipar.training import lifecycle
     results = []
     for name in ("first", "second"):                # two starts on one prepared folder
         run = setup_run([path, "--output_dir", str(out / name)])

@@ -12,11 +12,10 @@ import subprocess
 import sys
 import time
 
+import harness
 import pytest
 import torch
-
-import harness
-from harness import RankError, run_world
+from harness import run_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -14,8 +14,8 @@ import os
 
 import pytest
 import torch
-
 from harness import run_world
+
 from minipar.training import optim as moptim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,11 +1,13 @@
 """The decoder under tensor (and sequence) parallelism equals the single-process decoder."""
 import pytest
 import torch
+from harness import run_world
 
 import minipar
-from minipar import ParallelismConfig, tensor_parallel as tpl
-from models.llama import LlamaConfig, LlamaForCausalLM
-from harness import run_world
+from minipar import ParallelismConfig
+from minipar import tensor_parallel as tpl
+from models.llama import LlamaForCausalLM
+from models.llama_config import LlamaConfig
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)

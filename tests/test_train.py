@@ -6,8 +6,8 @@ import signal
 
 import pytest
 import torch
-
 from harness import RankError, run_world
+
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
@@ -263,6 +263,7 @@ def test_bf16_stays_within_bf16_tolerance_of_fp32(tmp_path, config):
 
 def test_exported_hf_directory_loads_in_transformers(tmp_path):
     import transformers
+
     from models.llama import LlamaForCausalLM
     out = tmp_path / "run"
     run_world(_train, 4, _argv("fsdp_tp.yaml", out, "--max_steps", "3", "--export_hf", "true",

@@ -5,17 +5,18 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
-
-import minipar
-from minipar import ParallelismConfig, comm
-from minipar.mesh import ProcessGroupManager
-from minipar.training.optim import build_optimizer
-from minipar.tensor_parallel import gather_tensor
-from minipar.zero3 import fully_shard
-from models.llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM
 from harness import run_world
 from tiny_llama import CFG
 from tiny_llama import tiny_batch as _batch
+
+import minipar
+from minipar import ParallelismConfig, comm, comm_ledger
+from minipar.mesh import ProcessGroupManager
+from minipar.tensor_parallel import gather_tensor
+from minipar.training.optim import build_optimizer
+from minipar.zero3 import fully_shard
+from models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from models.llama_config import LlamaConfig
 
 
 def _rows(x, pgm, micro, n_micro):
@@ -46,7 +47,7 @@ def _train(pgm, steps=5, cfg=None, shard=True, micro=1, ckpt=False, dtype=None, 
         held = []
         for m in range(micro):
             no_sync = model.zero3.no_sync() if not sync_each and m < micro - 1 else contextlib.nullcontext()
-            with no_sync, comm.ledger() as led:
+            with no_sync, comm_ledger.ledger() as led:
                 loss = model(_rows(ids, pgm, m, micro), labels=_rows(labels, pgm, m, micro), num_items_in_batch=n)
                 loss.backward()
             total += loss.detach().double()
@@ -189,7 +190,7 @@ def _bf16_world(shape):
     model = LlamaForCausalLM(LlamaConfig(**CFG), pgm, seed=0)
     fully_shard(model, pgm, param_dtype=torch.bfloat16)          # reduce_dtype defaults to param_dtype
     ids, labels = _batch(0)
-    with comm.ledger() as led:
+    with comm_ledger.ledger() as led:
         model(_rows(ids, pgm, 0, 1), labels=_rows(labels, pgm, 0, 1),
               num_items_in_batch=(labels != -100).sum()).backward()
     out["dtypes"] = {(r.op, r.dtype) for r in led.records}
@@ -242,7 +243,7 @@ def _schedule_world(prefetch):
     for s in range(2):
         seen.clear()
         z.peak_gathered_bytes = 0
-        with comm.ledger() as led:
+        with comm_ledger.ledger() as led:
             left = step(s)
         events.append([e if isinstance(e, str) else (e.op, e.group, e.bytes, e.wire_bytes) for e in led.events])
     return dict(events=events,
@@ -357,7 +358,7 @@ def _toy_train(pgm=None, steps=4):
             with torch.no_grad():
                 model(ids[rows], labels[rows], skip=True)
             assert model.zero3.gathered_units() == []
-        with comm.ledger() as led:
+        with comm_ledger.ledger() as led:
             (model(ids[rows], labels[rows], skip=step == 2) / labels.numel()).backward()
         marks.append([e for e in led.events if isinstance(e, str)])
         if step == 0:
@@ -389,7 +390,7 @@ def test_toy_model_odd_sizes_repeated_skipped_and_reordered_units():
 # ------------------------------------------------------------------ state dicts and shard metadata
 def _state_world(shape, directory, full=None, load=False):
     """Shard on `shape`; check the shard metadata; then either load `full` and save a checkpoint
-    to `directory` (training/checkpoint.py, the one resharding path), or load that checkpoint."""
+    to `directory` (training/checkpoint/save_load.py, the one resharding path), or load that checkpoint."""
     from minipar.training.checkpoint import save_load as ckpt
     pgm = minipar.init(ParallelismConfig(*shape))
     model = LlamaForCausalLM(LlamaConfig(**dict(CFG, tie_word_embeddings=True)), pgm, seed=0)

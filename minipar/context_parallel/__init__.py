@@ -11,10 +11,9 @@
 
     from minipar.context_parallel import ring_attention, zigzag_shard
 """
-from .ring_attention import (LAYOUTS, ring_attention, ring_schedule, schedule_score_elements, zigzag_positions,
-                             zigzag_shard, zigzag_unshard)
-from .layouts import sequence_positions, shard_sequence
+from .layouts import sequence_positions, shard_sequence, zigzag_positions, zigzag_shard, zigzag_unshard
+from .ring_attention import ring_attention, ring_schedule, schedule_score_elements
 
-__all__ = ["LAYOUTS", "ring_attention", "ring_schedule", "schedule_score_elements", "sequence_positions",
+__all__ = ["ring_attention", "ring_schedule", "schedule_score_elements", "sequence_positions",
            "shard_sequence", "zigzag_positions",
            "zigzag_shard", "zigzag_unshard"]

@@ -64,14 +64,11 @@ from typing import List, Optional
 import torch
 
 from .. import comm
+from ..config import CP_LAYOUTS
 from .fused_attention import IMPLS, block_backward, block_forward, default_scale
-# the zigzag split of the tokens (layouts.py), re-exported
-from .layouts import zigzag_positions, zigzag_shard, zigzag_unshard  # noqa: F401
 
-__all__ = ["zigzag_shard", "zigzag_unshard", "zigzag_positions", "ring_attention", "ring_schedule",
-           "schedule_score_elements", "Block"]
+__all__ = ["ring_attention", "ring_schedule", "schedule_score_elements", "Block"]
 
-LAYOUTS = ("zigzag", "contiguous")
 # Local slices [q0, q1) of the queries and [k0, k1) of the visiting K/V block, and the mask.
 Block = namedtuple("Block", "q0 q1 k0 k1 causal")
 
@@ -251,8 +248,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal
                          f"length and head_dim, and kv heads ({hkv}) must divide q heads ({hq})")
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise ValueError(f"ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
-    if layout not in LAYOUTS or impl not in IMPLS:
-        raise ValueError(f"ring_attention: layout must be one of {LAYOUTS} and impl one of {IMPLS}; got "
+    if layout not in CP_LAYOUTS or impl not in IMPLS:
+        raise ValueError(f"ring_attention: layout must be one of {CP_LAYOUTS} and impl one of {IMPLS}; got "
                          f"layout={layout!r}, impl={impl!r}")
     if causal and layout == "zigzag" and cp.size > 1 and q.shape[2] % 2:
         raise ValueError(f"ring_attention: the local length {q.shape[2]} is odd, but a zigzag share is two "

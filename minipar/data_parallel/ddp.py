@@ -51,7 +51,7 @@ from typing import List
 import torch
 import torch.nn as nn
 
-from .. import comm
+from .. import comm, comm_ledger
 
 
 class Bucket:
@@ -168,7 +168,7 @@ class GradSync(ReplicaSync):
         return p.grad
 
     def _finish(self):
-        comm.mark("grad_sync.end_of_backward")
+        comm_ledger.mark("grad_sync.end_of_backward")
         self._launch_ready(force=True)           # buckets holding parameters that got no gradient
         for bucket in self.buckets:
             bucket.work.wait()

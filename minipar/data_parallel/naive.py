@@ -2,7 +2,7 @@
 
 Every replica holds the whole model and reads its own samples; the gradient of the global batch
 is the SUM of the replicas' gradients (the loss is already divided by the token count of the
-global batch, see training/data.py). The simplest code that gets there:
+global batch, see training/data/batches.py). The simplest code that gets there:
 
     loss.backward()                                   every p.grad holds this replica's gradient
     for p in model.parameters():                      then, one by one, blocking:
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import comm
+from .. import comm, comm_ledger
 from .ddp import ReplicaSync, attach
 
 
@@ -53,7 +53,7 @@ class NaiveGradSync(ReplicaSync):
             self._queue_finish()                 # reduce once, when autograd is done
 
     def _finish(self):
-        comm.mark("grad_sync.end_of_backward")
+        comm_ledger.mark("grad_sync.end_of_backward")
         # Which parameters some rank used: a branch not taken here may be taken elsewhere. One small
         # all-reduce of a flag per parameter (ddp.py packs the same flags into its buckets); a
         # parameter no rank used keeps .grad None, as on one process, so AdamW skips it.

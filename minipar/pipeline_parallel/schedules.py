@@ -25,7 +25,7 @@ Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", 2021).
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 SCHEDULES = ("afab", "1f1b", "interleaved_1f1b")
 
@@ -124,8 +124,8 @@ def check_schedule(name: str, p: int, m: int, v: int) -> None:
     need = 1 if name == "afab" else p
     why = ("1F1B's steady state needs the pipeline full" if name == "1f1b" else
            "the interleaved schedule sends micro-batches through the chunks in groups of p")
-    fix = (f"lower micro_batch_size (the count is global_batch_size / (micro_batch_size x dp)), raise "
-           f"global_batch_size, or use pipeline_schedule afab")
+    fix = ("lower micro_batch_size (the count is global_batch_size / (micro_batch_size x dp)), raise "
+           "global_batch_size, or use pipeline_schedule afab")
     if m < need:
         raise ValueError(f"pipeline_schedule {name} on {p} stages needs at least {need} micro-batches per step "
                          f"({why}), but this run has {m}: {fix}")

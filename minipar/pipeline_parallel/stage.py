@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 

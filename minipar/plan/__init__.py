@@ -10,9 +10,11 @@ nodes and the stated time model, pipeline.py the same under pipeline parallelism
 ranking of every layout of a world, pp included, and the recommendation by stated rules.
 """
 from .estimate import Cluster, crosses_nodes, plan
-from .model import Batch, Layout, ModelShape, Options, activations, collectives, flops, memory, units
-from .pipeline import Pipeline, plan_pipeline, plan_stage
+from .inputs import Batch, Layout, ModelShape, Options
 from .layout_search import layouts, search
+from .model import activations, collectives, flops, memory, units
+from .pipeline import plan_pipeline
+from .pipeline_stage import Pipeline, plan_stage
 
 __all__ = ["Batch", "Cluster", "Layout", "ModelShape", "Options", "activations", "collectives",
            "crosses_nodes", "flops", "layouts", "memory", "Pipeline", "plan", "plan_pipeline", "plan_stage",

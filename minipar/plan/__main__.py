@@ -21,9 +21,10 @@ from minipar.cli import fail, positive_ints
 from models.hf_checkpoint import read_hf_config
 
 from .estimate import Cluster, plan
-from .model import Batch, Layout, ModelShape, Options
-from .pipeline import Pipeline, plan_pipeline
+from .inputs import Batch, Layout, ModelShape, Options
 from .layout_search import search, smallest_world
+from .pipeline import plan_pipeline
+from .pipeline_stage import Pipeline
 
 GB = 1e9
 # the flags that count something: 0 or less is refused by name (minipar/cli.py)

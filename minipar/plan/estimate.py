@@ -34,8 +34,9 @@ from typing import Dict
 
 import numpy as np
 
+from . import inputs as inputs_mod
 from . import model as pm
-from .model import Batch, Layout, ModelShape, Options
+from .inputs import Batch, Layout, ModelShape, Options
 
 AXES = {"tp": (3,), "cp": (2,), "dp_shard_cp": (1, 2), "dp_replicate": (0,), "dp_cp": (0, 1, 2)}
 
@@ -64,7 +65,7 @@ def crosses_nodes(layout: Layout, gpus_per_node: int) -> Dict[str, bool]:
 
 def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster: Cluster) -> dict:
     """Everything the planner knows about one layout, as plain values (what --json prints)."""
-    problems = pm.check(model, layout, batch)
+    problems = inputs_mod.check(model, layout, batch)
     if problems:
         raise ValueError(f"layout {layout} cannot run this model and batch: " + "; ".join(problems))
     mem = pm.memory(model, layout, opts)
@@ -90,7 +91,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     dp = sum(seconds.get(k, 0.0) for k in ("dp_shard_cp", "dp_replicate", "dp_cp"))
     exposed_dp = max(0.0, dp - compute) if opts.prefetch > 0 else dp
     step = compute + seconds.get("tp", 0.0) + max(0.0, seconds.get("cp", 0.0) - attention) + exposed_dp
-    e = pm.DTYPE_BYTES[opts.dtype]
+    e = inputs_mod.DTYPE_BYTES[opts.dtype]
     n = batch.micro(layout) * batch.sequence_len // layout.cp
     transient = n * model.vocab_size // layout.tp * (e + 4)
     if layout.sharded:

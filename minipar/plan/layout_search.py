@@ -30,8 +30,9 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
-from . import model as pm
+from . import inputs as inputs_mod
 from . import pipeline as pl
+from . import pipeline_stage
 from .estimate import Cluster, plan
 from .inputs import Batch, Layout, ModelShape, Options
 
@@ -50,9 +51,9 @@ def candidates(model: ModelShape, batch: Batch, world: int, pipeline: bool = Tru
     deepest = min(world, MAX_PP, model.num_hidden_layers // 2)
     pps = [1] + ([k for k in range(2, deepest + 1) if world % k == 0] if pipeline else [])
     for pp in pps:
-        pipe = pl.Pipeline(pp, "1f1b", 1) if pp > 1 else None
+        pipe = pipeline_stage.Pipeline(pp, "1f1b", 1) if pp > 1 else None
         for lay in layouts(world // pp):
-            if pm.check(model, lay, batch) or (pipe and pl.check(model, lay, pipe, batch)):
+            if inputs_mod.check(model, lay, batch) or (pipe and pl.check(model, lay, pipe, batch)):
                 continue
             yield lay, pipe
 

@@ -42,8 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-# the question: model shape, layout, batch, options, and the trainer's checks (inputs.py), re-exported
-from .inputs import DTYPE_BYTES, GROUPS, Batch, Layout, ModelShape, Options, check  # noqa: F401
+from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 
 
 # --------------------------------------------------------------------------------------- memory

@@ -19,11 +19,10 @@ from typing import Dict, List
 
 from minipar.pipeline_parallel.schedules import check_schedule
 
+from . import inputs as inputs_mod
 from . import model as pm
-from .model import DTYPE_BYTES, Batch, Layout, ModelShape, Options
-# one stage: its layers, units, memory, activations and ledger (pipeline_stage.py), re-exported
-from .pipeline_stage import (Pipeline, Stage, message_bytes, plan_stage, stage_tensors,  # noqa: F401
-                             stage_units, stages)
+from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .pipeline_stage import Pipeline, message_bytes, plan_stage, stage_units, stages
 
 
 def check(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batch) -> List[str]:
@@ -51,8 +50,8 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
                   cluster) -> dict:
     """estimate.plan's answer for pp x layout: one entry per stage under "stages", and the worst
     stage's (the most memory) at the top level, so that what prints for 4D prints for it too."""
-    from .estimate import crosses_nodes               # the placement of the 4D groups of a stage
-    problems = pm.check(model, layout, batch) + check(model, layout, pipe, batch)
+    from .estimate import crosses_nodes  # the placement of the 4D groups of a stage
+    problems = inputs_mod.check(model, layout, batch) + check(model, layout, pipe, batch)
     if problems:
         raise ValueError(f"layout {pipe} x {layout} cannot run this model and batch: " + "; ".join(problems))
     W, g, e = layout.world, cluster.gpus_per_node, DTYPE_BYTES[opts.dtype]

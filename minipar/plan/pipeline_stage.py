@@ -39,7 +39,8 @@ from minipar.pipeline_parallel.schedules import peak_in_flight, schedule_order
 from minipar.pipeline_parallel.stage import stage_chunks
 
 from . import model as pm
-from .model import DTYPE_BYTES, Batch, Layout, ModelShape, Options, Unit
+from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .model import Unit
 from .zero3_replay import Zero3Replay
 
 

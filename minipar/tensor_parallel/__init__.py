@@ -10,12 +10,37 @@
     tpl.ColumnParallelLinear(hidden, 3 * hidden, pgm.tp), tpl.vocab_parallel_cross_entropy(...)
 """
 from .async_linear import AsyncColumnParallelLinear, async_column_parallel
-from .layers import (SEQ_DIM, ColumnParallelLinear, CopyToTPRegion, GatherFromSequenceParallelRegion,
-                     GatherFromTPRegion, ReduceFromTPRegion, ReduceScatterToSequenceParallelRegion,
-                     RowParallelLinear, ScatterToTPRegion, VocabParallelEmbedding, column_parallel_group,
-                     copy_to_tp_region,
-                     enter_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
-                     gather_tensor, reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
-                     scatter_to_tp_region, sequence_parallel_weight,
-                     shard_tensor)
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_group,
+    gather_tensor,
+    shard_tensor,
+)
+from .mappings import (
+    SEQ_DIM,
+    CopyToTPRegion,
+    GatherFromSequenceParallelRegion,
+    GatherFromTPRegion,
+    ReduceFromTPRegion,
+    ReduceScatterToSequenceParallelRegion,
+    ScatterToTPRegion,
+    copy_to_tp_region,
+    enter_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+    sequence_parallel_weight,
+)
 from .vocab_parallel_loss import vocab_parallel_cross_entropy
+
+__all__ = ["AsyncColumnParallelLinear", "async_column_parallel", "SEQ_DIM", "CopyToTPRegion",
+           "GatherFromSequenceParallelRegion", "GatherFromTPRegion", "ReduceFromTPRegion",
+           "ReduceScatterToSequenceParallelRegion", "ScatterToTPRegion", "copy_to_tp_region", "enter_tp_region",
+           "gather_from_sequence_parallel_region", "gather_from_tp_region", "reduce_from_tp_region",
+           "reduce_scatter_to_sequence_parallel_region", "scatter_to_tp_region", "sequence_parallel_weight",
+           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_group",
+           "gather_tensor", "shard_tensor", "vocab_parallel_cross_entropy"]

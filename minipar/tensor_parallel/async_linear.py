@@ -49,8 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
-
-SEQ_DIM = 1   # activations are (batch, seq, hidden)
+from .mappings import SEQ_DIM
 
 
 def _seq_first(x: torch.Tensor) -> torch.Tensor:

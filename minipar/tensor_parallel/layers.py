@@ -49,12 +49,14 @@ import torch.nn.functional as F
 
 from .. import comm
 from .async_linear import async_column_parallel
-# f / g and the sequence-parallel pair (mappings.py), re-exported: layers.CopyToTPRegion, ...
-from .mappings import (SEQ_DIM, CopyToTPRegion, GatherFromSequenceParallelRegion, GatherFromTPRegion,  # noqa: F401
-                       ReduceFromTPRegion, ReduceScatterToSequenceParallelRegion, ScatterToTPRegion, _split,
-                       copy_to_tp_region, enter_tp_region, gather_from_sequence_parallel_region,
-                       gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
-                       scatter_to_tp_region, sequence_parallel_weight)
+from .mappings import (
+    enter_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+    sequence_parallel_weight,
+)
 
 
 # ------------------------------------------------------------------------- layout helpers

@@ -240,7 +240,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float], p
     """Scale all gradients by min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_
     does, with the norm taken over the whole distributed model; returns the norm before clipping.
     max_norm None or 0 only measures (for logging). A negative one is refused: here for any caller,
-    and train.py's max_grad_norm with the config already, before step 1 (config_check.py)."""
+    and train.py's max_grad_norm with the config already, before step 1 (check.py)."""
     if max_norm is not None and max_norm < 0:
         raise ValueError(f"max_grad_norm must be >= 0 (0 or None: no clipping), got {max_norm}")
     params = list({id(p): p for p in params if p.grad is not None}.values())

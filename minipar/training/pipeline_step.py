@@ -21,10 +21,16 @@ import contextlib
 import torch
 
 from minipar import comm
-from minipar.pipeline_parallel import build_stage, check_schedule, forward_only, run_schedule, schedule_order
-from minipar.pipeline_parallel import split_layers
-from minipar.training.data import batches as mdata
+from minipar.pipeline_parallel import (
+    build_stage,
+    check_schedule,
+    forward_only,
+    run_schedule,
+    schedule_order,
+    split_layers,
+)
 from minipar.training import optim as moptim
+from minipar.training.data import batches as mdata
 
 
 def virtual_stages(cfg) -> int:

@@ -4,8 +4,8 @@ Everything that can be checked without communicating is checked here, on every r
 minipar.init creates a single group, so a mistake is the same clear error everywhere, never a hang:
 
     argv -> load_config (YAML + --key value, unknown keys, types, then  train_config.py
-            every value and data file at once, all wrong ones in one error) config_check.py
-         -> base_model's weight headers against its config.json          hf_checkpoint.py
+            every value and data file at once, all wrong ones in one error) check.py
+         -> base_model's weight headers against its config.json          models/hf_checkpoint.py
          -> the layout: the config's sizes, resolved against the world   config.py
               (a world of one runs any config with all sizes 1; without a config file, sizes on
                the command line replace the default layout; accelerate's PARALLELISM_CONFIG_*_SIZE
@@ -14,7 +14,7 @@ minipar.init creates a single group, so a mistake is the same clear error everyw
             from dataset_prepared_path when prepared before (prepared.py), or the byte corpus
          -> the model against tp/cp and the sequence, the batch against dp (global = micro x
             accumulation x dp), max_steps from num_epochs, the checkpoint to resume from
-                                                                         config_keys.py
+                                                                         keys.py
          -> only now the first writes: output_dir created and checked writable, and no live run
             holding it (rank 0 locks it, released when the process ends)   run_lock.py
          -> minipar.init(layout): the groups                              mesh.py
@@ -31,17 +31,20 @@ import torch.distributed as dist
 
 import minipar
 from minipar import ParallelismConfig
-from minipar.training.config import keys as config_keys
-from minipar.training.data import batches as mdata
-from minipar.training import lifecycle
-from minipar.training import run_lock
 from minipar.config_files import read_yaml
+from minipar.training import lifecycle, run_lock
+from minipar.training.config import keys as config_keys
+from minipar.training.config.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
+from minipar.training.data import batches as mdata
 from minipar.training.data.packing import prepare as prepare_datasets
 from minipar.training.data.prepared import load_or_prepare
-from minipar.training.data.tokenizer import HFTokenizer, load_tokenizer, padded_vocab_size, tokenizer_path
-from minipar.training.data.tokenizer import fill_special_token_ids
-from minipar.training.config.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
-
+from minipar.training.data.tokenizer import (
+    HFTokenizer,
+    fill_special_token_ids,
+    load_tokenizer,
+    padded_vocab_size,
+    tokenizer_path,
+)
 
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size",
              "pipeline_parallel_size")

@@ -32,8 +32,7 @@ import torch
 
 from minipar import comm
 from minipar.mesh import describe_grid
-from minipar.training import lifecycle
-from minipar.training import metrics_file
+from minipar.training import lifecycle, metrics_file
 
 
 class TrainLoop:

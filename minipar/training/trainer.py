@@ -22,14 +22,23 @@ import os
 import time
 
 import torch
+from tqdm import tqdm
 
 import minipar
 from minipar import comm
-from minipar.training.data import batches as mdata
+from minipar.data_parallel import replicate, replicate_naive
 from minipar.training import optim as moptim
-from minipar.training.data.packing import RowSampler, eval_batches as packed_eval_batches
+from minipar.training.checkpoint import save_load as ckpt
+from minipar.training.checkpoint import verify
+from minipar.training.data import batches as mdata
+from minipar.training.data.packing import RowSampler
+from minipar.training.data.packing import eval_batches as packed_eval_batches
+from minipar.training.pipeline_step import PipelineStep, build_pipeline_model
 from minipar.training.run_setup import Run
-from minipar.training.train_loop import TrainLoop   # the run around the step: train(), summary()
+from minipar.training.train_loop import TrainLoop  # the run around the step: train(), summary()
+from minipar.zero3 import fully_shard
+from models.llama import LlamaForCausalLM
+from models.llama_init import SeededInit, materialize
 
 
 class Trainer(TrainLoop):
@@ -37,7 +46,6 @@ class Trainer(TrainLoop):
     train_loop.TrainLoop (train(), the summary)."""
 
     def __init__(self, run: Run):
-        from models.llama import LlamaForCausalLM
         self.run, self.cfg, self.pgm = run, run.cfg, run.pgm
         cfg, pgm = self.cfg, self.pgm
         self.is_main = pgm.global_rank == 0
@@ -51,21 +59,17 @@ class Trainer(TrainLoop):
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if pgm.pp.size > 1:                       # pipeline parallelism: keep this rank's stage only
-            from minipar.training.pipeline_step import build_pipeline_model
             model = build_pipeline_model(model, cfg, pgm)
         self.grad_sync = None
         self.sharded = pgm.config.dp_shard_size > 1
         if self.sharded:                          # ZeRO-3 over dp_shard_cp, HSDP over dp_replicate
-            from minipar.zero3 import fully_shard
             fully_shard(model, pgm, prefetch=cfg.fsdp.prefetch,
                         reshard_after_forward=cfg.fsdp.reshard_after_forward,
                         param_dtype=torch.bfloat16 if self.bf16 else None,
                         reduce_dtype=torch.float32 if self.bf16 else None, init=source)
         else:
-            from models.llama_init import materialize
             materialize(model, source)
         if pgm.dp_cp.size > 1 and not self.sharded:   # replicas (and cp ranks) all-reduce gradients
-            from minipar.data_parallel import replicate, replicate_naive
             self.grad_sync = replicate_naive(model, pgm.dp_cp) if cfg.ddp == "naive" else replicate(model, pgm.dp_cp)
         # whose no_sync() the micro-batches before the last run under (None: sync every one)
         self.no_sync_owner = self.grad_sync if not self.sharded else \
@@ -85,12 +89,10 @@ class Trainer(TrainLoop):
         self.start_step, self.history = 0, []
         self.pipeline = None                      # the schedule runs the step (pipeline_step.py)
         if pgm.pp.size > 1:
-            from minipar.training.pipeline_step import PipelineStep
             self.pipeline = PipelineStep(self)
 
     def _weight_source(self, model):
         if self.run.base_model is None:
-            from models.llama_init import SeededInit
             return SeededInit(model, self.cfg.seed, self.pgm.tp, self.device)
         ckpt = self.run.base_model
         self.log(f"loading {ckpt.directory}: {len(ckpt.tensors)} tensors, {ckpt.nbytes / 2**30:.2f} GiB; each "
@@ -100,7 +102,6 @@ class Trainer(TrainLoop):
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str):
         if self.is_main:
-            from tqdm import tqdm
             tqdm.write(msg)
 
     def _autocast(self):
@@ -175,7 +176,6 @@ class Trainer(TrainLoop):
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int):
-        from minipar.training.checkpoint import save_load as ckpt
         path = os.path.join(self.cfg.output_dir, f"step-{step}")
         ckpt.save_checkpoint(path, self.model, self.optimizer, self.pgm, step=step, scheduler=self.scheduler,
                              extra=dict(step=step, sampler=self.sampler.state_dict(), config=self.cfg.to_dict()),
@@ -188,10 +188,9 @@ class Trainer(TrainLoop):
         resume = self.cfg.resume_from_checkpoint
         if not resume:
             return
-        from minipar.training.checkpoint import save_load as ckpt
         path = resume
         if resume == "latest":        # the newest checkpoint whose checksums hold; damaged ones are named
-            path, skipped = ckpt.find_latest_verified(self.cfg.output_dir)
+            path, skipped = verify.find_latest_verified(self.cfg.output_dir)
             for bad, why in skipped:
                 self.log(f"warning: resume_from_checkpoint=latest skips {bad}: {why}")
         if path is None:
@@ -199,7 +198,7 @@ class Trainer(TrainLoop):
             return
         extra = ckpt.load_checkpoint(path, self.model, self.optimizer, self.pgm, scheduler=self.scheduler)
         if resume == "latest" and self.is_main:   # after load's barrier: every rank has chosen `path`
-            for bad, moved in ckpt.cio.quarantine_skipped(skipped):   # so no rotation keeps one over it
+            for bad, moved in verify.quarantine_skipped(skipped):   # so no rotation keeps one over it
                 self.log(f"warning: moved the damaged checkpoint {bad} aside to {moved}")
         self.sampler.load_state_dict(extra["sampler"])
         self.start_step = int(extra["step"])

@@ -35,7 +35,7 @@ from typing import List
 
 import torch
 
-from .. import comm
+from .. import comm, comm_ledger
 from .unit import Unit
 
 
@@ -110,7 +110,7 @@ class GradientReduction:
     def _reduce_scatter(self, u: Unit, grad):
         src = grad.to(u.reduce_dtype)
         out = torch.empty(u.layout.shard_numel, dtype=u.reduce_dtype, device=grad.device)
-        comm.mark(f"zero3.reduce_scatter {u.name}")
+        comm_ledger.mark(f"zero3.reduce_scatter {u.name}")
         work = comm.reduce_scatter_into(out, src, u.dim, async_op=True)
         self._pending.append((u, work, out, src))
         self._drain(keep=1)                      # finish the previous unit's while this one runs

@@ -77,7 +77,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from .. import comm
+from .. import comm_ledger
 from .flat_param import plan_units
 from .grad_reduce import GradientReduction
 from .state_dicts import ShardedStateDicts
@@ -183,14 +183,14 @@ class Zero3:
             for v in self.units:                 # left gathered by a forward without backward: the
                 v.free()                         # shards may have changed since (optimizer step)
         self._fwd_seen.append(u)
-        comm.mark(f"zero3.forward {u.name}")
+        comm_ledger.mark(f"zero3.forward {u.name}")
         self._gather_now(u, self.forward_order, len(self._fwd_seen) - 1)
         u.point_params_at(u.layout.views(u.flat))
 
     def _post_forward(self, u: Unit, out):
         if u.in_backward:
             return
-        comm.mark(f"zero3.forward_end {u.name}")
+        comm_ledger.mark(f"zero3.forward_end {u.name}")
         grad = torch.is_grad_enabled()
         if grad:
             for t in _tensors(out):
@@ -219,7 +219,7 @@ class Zero3:
         if not u.gather_for_backward:            # an embedding: its backward needs no weights
             return
         self._bwd_seen.append(u)
-        comm.mark(f"zero3.backward {u.name}")
+        comm_ledger.mark(f"zero3.backward {u.name}")
         self._gather_now(u, self.backward_order, len(self._bwd_seen) - 1)
 
     def _post_backward(self, u: Unit):

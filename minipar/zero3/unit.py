@@ -27,10 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import comm
+from .. import comm, comm_ledger
 from ..tensor_parallel import VocabParallelEmbedding
 from .flat_param import FlatLayout
-
 
 # modules whose backward never reads their weight (an embedding's gradient is a scatter-add of the
 # output gradient at the looked-up rows): a unit that is exactly one of them is not gathered again
@@ -90,7 +89,7 @@ class Unit:
                                f"fully_shard (buffers are on {self.buffer.device}); move the model first")
         self.buffer.untyped_storage().resize_(self.layout.padded_numel * self.buffer.element_size())
         self.work_src = self.shard.detach().to(self.compute_dtype)      # the masters stay fp32
-        comm.mark(f"zero3.gather {self.name}")
+        comm_ledger.mark(f"zero3.gather {self.name}")
         self.work = comm.all_gather_into(self.buffer, self.work_src, self.dim, async_op=True)
         self.state = "gathering"
 

@@ -22,7 +22,7 @@ touched and a half-written one never looks complete:
 rename(2) of a directory is atomic on POSIX file systems, so a reader sees either no step-N or the
 whole of it. The manifest is written last, so "manifest present" means "every file was written";
 its sizes and sha256 checksums catch what happened after (a truncated copy, a flipped bit, a
-file from another save: checkpoint_verify.py checks them, and finds the latest good step-N).
+file from another save: verify.py checks them, and finds the latest good step-N).
 Files first, the record that makes them valid last: the commit rule of databases, and of
 torch.distributed.checkpoint (its .metadata file is written after the shards).
 
@@ -34,10 +34,9 @@ Rotation keeps the newest save_total_limit checkpoints whose checksums hold, at 
 one just saved; a damaged one is moved aside (step-N.corrupt) and said so. Everything but
 atomic_save and agree works on one process, no groups.
 
-What goes inside the directory, and how it is read back, is checkpoint_files.py: torch.save to
-bytes (hashed before they reach the disk), loading with torch.load(weights_only=True), which runs
-no code, the RNG states, and the check that a checkpoint is of the loading model (re-exported
-here, so cio.load and cio.to_bytes keep working).
+What goes inside the directory, and how it is read back, is files.py: torch.save to bytes
+(hashed before they reach the disk), loading with torch.load(weights_only=True), which runs no
+code, the RNG states, and the check that a checkpoint is of the loading model.
 """
 from __future__ import annotations
 
@@ -54,14 +53,16 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from minipar import comm
+from minipar.training.checkpoint.verify import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    list_checkpoints,
+    quarantine,
+    step_dirs,
+    verify_once,
+)
 from minipar.training.run_lock import LOCK_NAME, process_alive
-# reading and verifying a checkpoint directory, finding the latest (checkpoint_verify.py), re-exported
-from minipar.training.checkpoint.verify import (CORRUPT, FORMAT, MANIFEST, VERSION, find_latest_checkpoint,
-    find_latest_verified, list_checkpoints, quarantine, quarantine_skipped, read_manifest,
-    remember_verified, sha256_file, step_dirs, verify, verify_once)
-# the formats of the files inside (checkpoint_files.py), re-exported: cio.load, cio.to_bytes, ...
-from minipar.training.checkpoint.files import (check_model, config_dict, load, rng_state, set_rng_state,
-    to_bytes)
 
 INDEX_DIR = "index"
 # step-N.tmp-<host>-<pid>-<token>: the owner (rank 0 of the saving run) is optional for the
@@ -286,7 +287,7 @@ def rotate_checkpoints(output_dir: str, save_total_limit: Optional[int], keep: O
             removed.append(path)
             continue
         try:
-            verify_once(path)                  # hashed once a run (checkpoint_verify.py says why)
+            verify_once(path)                  # hashed once a run (verify.py says why)
             kept += 1
         except ValueError as e:
             fate = ("it was just saved: kept, but not counted" if mine else

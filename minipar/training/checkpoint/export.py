@@ -4,7 +4,7 @@
     python -m minipar.training.checkpoint.export out/finetune/step-100 out/finetune/hf-100 --tokenizer out/example/model
 
 Runs on one process: the checkpoint's manifest holds the model config, every shard file is read,
-the full tensors are rebuilt by HF name (checkpoint.py does the resharding), and
+the full tensors are rebuilt by HF name (save_load.py does the resharding), and
 `LlamaForCausalLM.save_pretrained` writes config.json + model.safetensors, which
 `transformers.LlamaForCausalLM.from_pretrained` loads. Training runs export at the end by
 themselves (`export_hf: true`); this is the same, on request, for any saved step.
@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 
 from minipar.training.checkpoint import save_load as ckpt
-from minipar.training.checkpoint.atomic import read_manifest
+from minipar.training.checkpoint.verify import read_manifest
 from minipar.training.data.tokenizer import save_byte_tokenizer
 
 
 def export_checkpoint(checkpoint_dir: str, hf_dir: str, tokenizer: str = None) -> str:
-    from models.llama import LlamaConfig, LlamaForCausalLM
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
     manifest = read_manifest(checkpoint_dir)     # refuses a partial or foreign directory, naming it
     config = manifest.get("model_config")
     if not config:

@@ -1,7 +1,7 @@
 """The files inside a checkpoint directory: tensors to bytes, loading that runs no code, RNG
 states, and the check that a checkpoint belongs to the model that loads it.
 
-checkpoint_io.py makes a directory appear atomically; this file is what goes into it, one process
+atomic.py makes a directory appear atomically; this file is what goes into it, one process
 at a time (no groups, no communication):
 
     to_bytes(obj)          torch.save into memory, so the writer hashes exactly the bytes it writes
@@ -16,7 +16,7 @@ at a time (no groups, no communication):
                            full (unsharded) shapes, the optimizer's group count
 
 The shapes compared are the full ones, not this rank's shard, so a checkpoint written by one layout
-is accepted by any other (checkpoint.py reshards on load).
+is accepted by any other (save_load.py reshards on load).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What a rank holds of a checkpoint, as SEGMENTS, and the full tensors rebuilt from them and cut
-again for any other layout: the resharding under checkpoint.py.
+again for any other layout: the resharding under save_load.py.
 
 A rank's tensors are a list of segments: contiguous runs of the TP-local flat view of a named
 (HF) parameter. A plain or TP parameter is one segment covering it; a ZeRO-3 flat shard (this

@@ -1,7 +1,7 @@
 """Checkpoints: save a 4D-parallel run, resume it exactly, on the same layout or on another one.
 
 What a rank holds is a list of SEGMENTS: contiguous runs of the TP-local flat view of a named (HF)
-parameter (a ZeRO-3 flat shard is one segment per tensor it overlaps). checkpoint_layout.py builds
+parameter (a ZeRO-3 flat shard is one segment per tensor it overlaps). layout.py builds
 them, rebuilds FULL tensors from them and cuts any other layout out of those; the same segments
 place the parameter and every optimizer state shaped like it, so one mechanism moves all of them:
 
@@ -25,7 +25,7 @@ all-reduces (barriers that also tell every rank whether any rank failed); FULL_S
 gathers of the model and of each optimizer state (an all-gather of the model's size per tensor
 kind). A load costs one status all-reduce: every rank checks the files itself first, so all refuse
 a damaged checkpoint together and none is left waiting in a collective. Atomicity, the manifest
-and the checksums are checkpoint_io.py and checkpoint_verify.py. The scheme is
+and the checksums are atomic.py and verify.py. The scheme is
 torch.distributed.checkpoint's (save local shards with their global placement, reshard at load)
 in miniature; ZeRO-3 is Rajbhandari et al. (2020). Each loading rank holds the full model and optimizer in CPU memory for a moment: simple and
 fine at minipar's sizes, where DCP would read only the overlapping pieces.
@@ -39,11 +39,16 @@ from typing import Optional
 import torch
 
 from minipar.training.checkpoint import atomic as cio
-from minipar.training.checkpoint.atomic import (find_latest_checkpoint, find_latest_verified,
-    list_checkpoints, rotate_checkpoints)  # noqa: F401
-# the segments and the resharding (checkpoint_layout.py), re-exported
-from minipar.training.checkpoint.layout import (Segment, _local_records, _param_shapes, _tensors,
-    full_optimizer_state, layout, local_from_full, merge_records)
+from minipar.training.checkpoint import files as ck_files
+from minipar.training.checkpoint import verify as ck_verify
+from minipar.training.checkpoint.layout import (
+    _local_records,
+    _param_shapes,
+    _tensors,
+    full_optimizer_state,
+    local_from_full,
+    merge_records,
+)
 
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 TRAINER_STATE, FULL_MODEL, FULL_OPTIM = "trainer_state.pt", "model.safetensors", "optimizer.pt"
@@ -64,8 +69,8 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
                     keep_last: Optional[int] = None) -> str:
     """Write the run's state into `directory` (output_dir/step-N) atomically; returns it. Collective.
     keep_last: afterwards keep only the newest `keep_last` step-N siblings whose checksums hold (None
-    or 0: all; never fewer than this one and the newest good one: checkpoint_io.rotate_checkpoints).
-    An OS error (a full disk) raises checkpoint_io.CheckpointWriteError on every rank."""
+    or 0: all; never fewer than this one and the newest good one: atomic.rotate_checkpoints).
+    An OS error (a full disk) raises atomic.CheckpointWriteError on every rank."""
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(f"state_dict_type={state_dict_type!r}: use one of {STATE_DICT_TYPES}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -86,22 +91,22 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
 
     def write(tmp: str) -> dict:
         rank = pgm.global_rank
-        entries = cio.write_file(tmp, f"rng/rank-{rank:05d}.pt", cio.to_bytes(cio.rng_state()))
+        entries = cio.write_file(tmp, f"rng/rank-{rank:05d}.pt", ck_files.to_bytes(ck_files.rng_state()))
         if not full and _writes_shards(model, pgm):
             shard = dict(rank=rank, coords=pgm.coords, records=_local_records(model, optimizer, pgm))
-            entries.update(cio.write_file(tmp, f"shards/rank-{rank:05d}.pt", cio.to_bytes(shard)))
+            entries.update(cio.write_file(tmp, f"shards/rank-{rank:05d}.pt", ck_files.to_bytes(shard)))
         if rank != 0:
             return entries
         groups = None if optimizer is None else [{k: v for k, v in g.items() if k != "params"}
                                                  for g in optimizer.param_groups]
         trainer = dict(step=step, extra=extra, param_groups=groups,
                        scheduler=scheduler.state_dict() if scheduler is not None else None)
-        entries.update(cio.write_file(tmp, TRAINER_STATE, cio.to_bytes(trainer)))
+        entries.update(cio.write_file(tmp, TRAINER_STATE, ck_files.to_bytes(trainer)))
         if full:
             from safetensors.torch import save
             entries.update(cio.write_file(tmp, FULL_MODEL, save(model_full, metadata={"format": "pt"})))
             if optim_full is not None:
-                optim = cio.to_bytes(dict(state=optim_full[0], scalars=optim_full[1]))
+                optim = ck_files.to_bytes(dict(state=optim_full[0], scalars=optim_full[1]))
                 entries.update(cio.write_file(tmp, FULL_OPTIM, optim))
         return entries
 
@@ -109,7 +114,7 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
         return dict(step=step, state_dict_type=state_dict_type, created=time.time(), torch=torch.__version__,
                     layout=dict(pgm.config.sizes, world_size=pgm.world_size, zero3=hasattr(model, "zero3"),
                                 sequence_parallel=pgm.config.sequence_parallel),
-                    model_config=cio.config_dict(model), params=_param_shapes(model, pgm),
+                    model_config=ck_files.config_dict(model), params=_param_shapes(model, pgm),
                     optimizer=type(optimizer).__name__ if optimizer is not None else None,
                     optimizer_groups=len(optimizer.param_groups) if optimizer is not None else 0)
 
@@ -123,10 +128,10 @@ def load_checkpoint(directory: str, model, optimizer, pgm, *, scheduler=None) ->
     checkpoint is refused on every rank with a ValueError that names the file or the fields."""
     error = manifest = None
     try:                                         # every check, before any communication
-        manifest = cio.verify(directory)
-        cio.remember_verified(directory, manifest)   # hashed just now: rotation need not hash it again
+        manifest = ck_verify.verify(directory)
+        ck_verify.remember_verified(directory, manifest)   # hashed just now: rotation need not hash it again
         groups = len(optimizer.param_groups) if optimizer is not None else None
-        cio.check_model(directory, manifest, cio.config_dict(model), _param_shapes(model, pgm), groups)
+        ck_files.check_model(directory, manifest, ck_files.config_dict(model), _param_shapes(model, pgm), groups)
     except Exception as e:                       # noqa: BLE001 - every rank learns of it below
         error = e
     if cio.agree(error is not None, pgm, _device(model)):
@@ -136,22 +141,22 @@ def load_checkpoint(directory: str, model, optimizer, pgm, *, scheduler=None) ->
         from safetensors.torch import load_file
         full, scalars = {"param": load_file(os.path.join(directory, FULL_MODEL))}, {}
         if FULL_OPTIM in files:
-            saved = cio.load(os.path.join(directory, FULL_OPTIM))
+            saved = ck_files.load(os.path.join(directory, FULL_OPTIM))
             full.update(saved["state"])
             scalars = saved["scalars"]
     else:
-        shards = [cio.load(os.path.join(directory, f)) for f in files if f.startswith("shards/")]
+        shards = [ck_files.load(os.path.join(directory, f)) for f in files if f.startswith("shards/")]
         full, scalars = merge_records([r for s in shards for r in s["records"]], source=directory)
     with torch.no_grad():
         for p, t in local_from_full(model, pgm, full["param"], source=directory).items():
             p.copy_(t)
-    trainer = cio.load(os.path.join(directory, TRAINER_STATE))
+    trainer = ck_files.load(os.path.join(directory, TRAINER_STATE))
     if optimizer is not None:
         _load_optimizer(model, optimizer, pgm, full, scalars, trainer["param_groups"], directory)
     if scheduler is not None and trainer["scheduler"] is not None:
         scheduler.load_state_dict(trainer["scheduler"])
     rng = f"rng/rank-{pgm.global_rank:05d}.pt"    # a rank the saving run did not have takes rank 0's
-    cio.set_rng_state(cio.load(os.path.join(directory, rng if rng in files else "rng/rank-00000.pt")))
+    ck_files.set_rng_state(ck_files.load(os.path.join(directory, rng if rng in files else "rng/rank-00000.pt")))
     return trainer["extra"]
 
 
@@ -189,6 +194,7 @@ def export_hf(directory: str, model, tokenizer_dir: Optional[str] = None) -> str
 def copy_tokenizer(src: str, directory: str) -> list:
     """Copy the tokenizer files of a Hugging Face directory (whichever exist) into `directory`."""
     import shutil
+
     from models.hf_checkpoint import TOKENIZER_FILES
     copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
     for f in copied:

@@ -1,7 +1,7 @@
 """Which checkpoints are good: reading manifest.json, verifying every file it lists, and finding
 the newest complete step-N (what `resume_from_checkpoint: latest` resolves to).
 
-checkpoint_io.py writes a checkpoint directory so that it appears whole or not at all; this file
+atomic.py writes a checkpoint directory so that it appears whole or not at all; this file
 reads one back without trusting it:
 
     output_dir/step-N/manifest.json    {format, version, step, layout, model_config,
@@ -16,7 +16,7 @@ reads one back without trusting it:
     find_latest_verified(dir)  the newest step-N whose every checksum holds, and the newer ones it
                                skipped with the reason (a crash mid-copy does not cost the run)
     verify_once(step-N)        verify(), remembered for this process while no file of it changes
-                               (what rotation asks: checkpoint_io.rotate_checkpoints)
+                               (what rotation asks: atomic.rotate_checkpoints)
     quarantine(step-N)         a damaged one renamed step-N.corrupt: out of every listing (no
                                step-N name), so nothing counts, resumes from or deletes it
 

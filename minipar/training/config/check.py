@@ -1,14 +1,14 @@
 """The value checks of a loaded config: every wrong value at once, before anything is written.
 
 load_config (train_config.py) applies the YAML file and the `--key value` overrides with each
-value's type checked (config_values.py); check() then looks at the values themselves. Every value
+value's type checked (values.py); check() then looks at the values themselves. Every value
 the run will use is checked here, including the ones only the optimizer or the step would meet
 (learning_rate, weight_decay, warmup_steps, min_lr_ratio, adam_beta1/2, max_grad_norm) and the
 one only checkpoint rotation would (save_total_limit), because a value refused later is refused
 too late: after run_setup has created output_dir, taken output_dir/minipar.lock and (at the first
 step) opened metrics.jsonl, which a refused run would leave behind.
 
-Several wrong values are ONE error that lists all of them, as unknown keys are (config_values.py),
+Several wrong values are ONE error that lists all of them, as unknown keys are (values.py),
 so a config is fixed in one edit, not one run per mistake:
 
     ValueError: 3 config values are wrong: learning_rate must be > 0, got -1.0; max_grad_norm

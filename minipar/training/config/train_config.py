@@ -6,11 +6,11 @@
 Every key has a typed default below; keys that are not among them are ONE error that lists all
 of them, each with the nearest valid key ("did you mean 'learning_rate'?"). Values from the
 command line are parsed as YAML scalars (20, true, null, [a, b]) and checked against the key's
-type (config_values.py): a float key takes 3e-4, 1E-3 and 2e-5 as people write them (PyYAML
+type (values.py): a float key takes 3e-4, 1E-3 and 2e-5 as people write them (PyYAML
 reads an exponent without a dot as a string, so float keys parse strings themselves); an int key
 refuses 2.5 and "3e-4"; a bool key takes only true/false. Axolotl's names (gradient_accumulation_steps,
-num_epochs, bf16, fsdp_config, ...) are mapped onto these keys by config_keys.py; then every value
-is checked at once, all wrong ones in one error (config_check.py). A YAML syntax error (a tab, an
+num_epochs, bf16, fsdp_config, ...) are mapped onto these keys by keys.py; then every value
+is checked at once, all wrong ones in one error (check.py). A YAML syntax error (a tab, an
 unclosed bracket) is one line naming the file, line and column (config_files.py). Nothing here
 touches torch.distributed, so a bad config fails on every rank before the first collective.
 """
@@ -23,12 +23,14 @@ from typing import List, Optional, Union
 
 import yaml
 
-from models.llama import LlamaConfig
-# typed values and the applying of a mapping, with one error for every unknown key (config_values.py)
-from minipar.training.config.values import _apply, _coerce, _parse_float, unknown_keys_error  # noqa: F401
-# every value check at once, before anything is written (config_check.py); YAML errors in one line
-from minipar.training.config.check import check
 from minipar.config_files import read_yaml, yaml_value
+
+# every value check at once, before anything is written (check.py); YAML errors in one line
+from minipar.training.config.check import check
+
+# typed values and the applying of a mapping, with one error for every unknown key (values.py)
+from minipar.training.config.values import _apply, unknown_keys_error
+from models.llama_config import LlamaConfig
 
 # the checkout's root (minipar/training/ is two levels below it): configs/ and data/ live there
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -108,7 +110,7 @@ class TrainConfig:
     export_hf: bool = True                # write <output_dir>/hf at the end
     progress_bar: bool = True
     # a Hugging Face directory (Axolotl's key): the model config comes from its config.json and the
-    # weights from its safetensors, each rank reading only its slices (hf_checkpoint.py)
+    # weights from its safetensors, each rank reading only its slices (models/hf_checkpoint.py)
     base_model: Optional[str] = None
     model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
         hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,

@@ -22,7 +22,8 @@ from typing import Optional
 
 import torch
 
-from models.llama import LlamaConfig, LlamaForCausalLM
+from models.llama import LlamaForCausalLM
+from models.llama_config import LlamaConfig
 from models.llama_init import SeededInit
 
 # a small Llama (about 4 M parameters) with what real ones carry: GQA, llama3 RoPE scaling
@@ -98,7 +99,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for what, path in make_example(args.directory, args.seed).items():
         print(f"{what:>10}: {path}")
-    print(f"next: torchrun --nproc-per-node 8 train.py configs/finetune.yaml")
+    print("next: torchrun --nproc-per-node 8 train.py configs/finetune.yaml")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ that determines it, and a later start with the same inputs loads it in seconds:
                                         data.pt, the run's data notes. No meta.json = not complete
 
 The key is the sha256 of cache_inputs(): the format version; the source of datasets.py,
-packing.py, tokenizer.py and data.py (a fix to tokenization must not load old rows); every
+packing.py, tokenizer.py and batches.py (a fix to tokenization must not load old rows); every
 `datasets` entry (path, type, field, field_messages) with the sha256 of the file's bytes (every
 byte, on every rank: about a second per GB, against minutes of tokenizing); the tokenizer (the
 bytes of its tokenizer files and the transformers / tokenizers versions; the class name for the
@@ -59,7 +59,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from minipar.training.checkpoint.atomic import owner_tag, sha256_file
+from minipar.training.checkpoint.atomic import owner_tag
+from minipar.training.checkpoint.verify import sha256_file
 from minipar.training.data.packing import DatasetRun, PackedData
 from minipar.training.run_lock import process_alive
 

@@ -1,7 +1,7 @@
 """The tokenizer of a run: the model's own (a Hugging Face tokenizer directory), or bytes.
 
     tokenizer_config: DIR      AutoTokenizer.from_pretrained(DIR); default: base_model when set
-    (neither)                  the bundled ByteTokenizer (data.py): 256 ids, no special tokens
+    (neither)                  the bundled ByteTokenizer (batches.py): 256 ids, no special tokens
 
 What a run takes from a Hugging Face tokenizer, and where it goes:
 

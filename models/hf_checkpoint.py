@@ -1,4 +1,5 @@
-"""A Hugging Face model directory, read slice by slice: each rank reads only the part it keeps.
+"""A Hugging Face model directory, read slice by slice (each rank reads only the part it keeps), and
+written back (save_pretrained: the whole model, gathered, on global rank 0).
 
     base_model/
       config.json                                  -> LlamaConfig (architecture and RoPE checked)
@@ -34,10 +35,13 @@ The core imports this file without transformers: nothing here needs it.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Dict, Optional, Tuple
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from minipar.config_files import read_json
 from models.llama_config import LlamaConfig
@@ -87,7 +91,6 @@ def read_config(directory: str) -> LlamaConfig:
 def _read_header(path: str, directory: str, tensors: dict) -> None:
     """Add the tensors of one safetensors file's header to `tensors`; a truncated or damaged file
     (safetensors: "incomplete metadata", "invalid header length") is one line naming it."""
-    from safetensors import SafetensorError, safe_open
     try:
         with safe_open(path, framework="pt") as f:          # parses the header only
             for key in f.keys():
@@ -177,7 +180,6 @@ class SlicedReader:
         self.bytes_read = 0
 
     def tp_local(self, name: str, full_shape, tp_split_dim: Optional[int]) -> torch.Tensor:
-        from safetensors import safe_open
         path, shape, _ = self.ckpt.tensors[name]
         if tuple(shape) != tuple(full_shape):
             raise ValueError(f"{path}: {name} has shape {shape}, the model expects {tuple(full_shape)}")
@@ -192,3 +194,21 @@ class SlicedReader:
                 t = sl[tuple(index)]
         self.bytes_read += t.numel() * t.element_size()
         return t.to(self.device)
+
+
+def save_pretrained(model, directory: str) -> None:
+    """Write `model` as a Hugging Face directory: config.json + model.safetensors (fp32, HF names;
+    lm_head.weight left out when tied, as transformers saves it). Collective: every rank calls it
+    (model.full_state_dict() gathers over tp, the ZeRO-3 shards and the pipeline stages); global
+    rank 0 writes, the weights to a temporary name first, so a cut write leaves no model file."""
+    full = model.full_state_dict()
+    if model.pgm.global_rank != 0:
+        return
+    os.makedirs(directory, exist_ok=True)
+    if model.config.tie_word_embeddings:
+        full.pop("lm_head.weight", None)
+    tmp = os.path.join(directory, "model.safetensors.tmp")
+    save_file({k: v.contiguous().float() for k, v in full.items()}, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(model.config.to_hf_dict(), f, indent=2)

@@ -33,8 +33,6 @@ The shape and its config.json keys are models/llama_config.py; the rotary tables
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 from typing import Optional
 
 import torch
@@ -47,7 +45,9 @@ from minipar import tensor_parallel as tpl
 from minipar.context_parallel import ring_attention, sequence_positions
 from minipar.mesh import ProcessGroupManager
 
+from .hf_checkpoint import HFCheckpoint, save_pretrained  # HF's files: the reader and the writer
 from .llama_config import LlamaConfig  # the shape, HF's config.json keys
+from .llama_init import SeededInit, materialize
 from .rope import apply_rotary, rotary_tables
 
 
@@ -217,7 +217,6 @@ class LlamaForCausalLM(nn.Module):
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def init_weights(self, seed: int = 0):
-        from models.llama_init import SeededInit
         init = SeededInit(self, seed)            # full tensors from the seed, in parameter order
         for name, p in self.named_parameters():
             p.copy_(init.tp_local(name, p.tp_full_shape, p.tp_split_dim))
@@ -278,8 +277,6 @@ class LlamaForCausalLM(nn.Module):
                         device=None) -> "LlamaForCausalLM":
         """Load a Hugging Face directory (config.json + model.safetensors, or its sharded form):
         built on the meta device, then each tensor read as this rank's TP slice only."""
-        from models.hf_checkpoint import HFCheckpoint  # the reader (checks, slices)
-        from models.llama_init import materialize
         ckpt = HFCheckpoint(directory)
         model = cls(ckpt.config, pgm, device="meta")
         ckpt.check(model)
@@ -288,15 +285,4 @@ class LlamaForCausalLM(nn.Module):
 
     def save_pretrained(self, directory: str):
         """Write config.json + model.safetensors (global rank 0 writes; every rank must call)."""
-        from safetensors.torch import save_file
-        full = self.full_state_dict()
-        if self.pgm.global_rank != 0:
-            return
-        os.makedirs(directory, exist_ok=True)
-        if self.config.tie_word_embeddings:
-            full.pop("lm_head.weight", None)
-        tmp = os.path.join(directory, "model.safetensors.tmp")
-        save_file({k: v.contiguous().float() for k, v in full.items()}, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(directory, "model.safetensors"))
-        with open(os.path.join(directory, "config.json"), "w") as f:
-            json.dump(self.config.to_hf_dict(), f, indent=2)
+        save_pretrained(self, directory)

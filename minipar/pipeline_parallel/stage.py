@@ -34,21 +34,27 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..tensor_parallel import gather_tensor
 
-def split_layers(num_layers: int, num_stages: int, pipeline_layers: Optional[List[int]] = None) -> List[List[int]]:
+
+def split_layers(num_layers: int, num_stages: int,
+                 pipeline_layers: Optional[List[int]] = None) -> List[List[int]]:
     """The global layer indices of each virtual stage (see the rule above). Raises a ValueError
     naming the values when the split cannot work; no communication."""
     if pipeline_layers is not None:
         counts = list(pipeline_layers)
-        if len(counts) != num_stages or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
-            raise ValueError(f"pipeline_layers={counts} must list {num_stages} positive layer counts, one per "
-                             f"(virtual) stage (pipeline_parallel_size x pipeline_virtual_stages = {num_stages})")
+        if len(counts) != num_stages or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
+                                            for c in counts):
+            raise ValueError(f"pipeline_layers={counts} must list {num_stages} positive layer counts, "
+                             f"one per (virtual) stage "
+                             f"(pipeline_parallel_size x pipeline_virtual_stages = {num_stages})")
         if sum(counts) != num_layers:
             raise ValueError(f"pipeline_layers={counts} sums to {sum(counts)}, but the model has "
                              f"num_hidden_layers={num_layers}: the counts must add up to {num_layers}")
     else:
         if num_layers < num_stages:
-            raise ValueError(f"num_hidden_layers={num_layers} cannot be split over {num_stages} (virtual) pipeline "
+            raise ValueError(f"num_hidden_layers={num_layers} cannot be split over {num_stages} "
+                             f"(virtual) pipeline "
                              f"stages: every stage needs at least one layer; use pipeline_parallel_size (x "
                              f"pipeline_virtual_stages) <= {num_layers}, or more layers")
         base, extra = divmod(num_layers, num_stages)
@@ -102,7 +108,8 @@ class PipelineStage(nn.Module):
     def is_last_virtual(self, chunk: int) -> bool:
         return self.is_last and chunk == self.num_chunks - 1
 
-    def forward(self, x, position_ids, labels=None, num_items_in_batch=None, chunk: int = 0, document_ids=None):
+    def forward(self, x, position_ids, labels=None, num_items_in_batch=None, chunk: int = 0,
+                document_ids=None):
         # the decoder's own pieces (LlamaModel.embed, rotary, run_layers, head_loss): one forward,
         # cut at chunk boundaries, not a copy of it
         body = self.model
@@ -118,18 +125,12 @@ class PipelineStage(nn.Module):
     def full_state_dict(self) -> dict:
         """{HF name: full tensor} of the WHOLE model on every rank: each stage gathers its own
         (over tp, and its ZeRO-3 shards), then the stages exchange theirs over pgm.pp. Collective."""
-        from ..tensor_parallel import gather_tensor
         if getattr(self, "zero3", None) is not None:
             mine = self.zero3.full_state_dict()
         else:
             mine = {n: gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp).clone()
                     for n, p in self.named_parameters()}
         return gather_over_stages({n: t.cpu() for n, t in mine.items()}, self.pgm)
-
-    def save_pretrained(self, directory: str):
-        """config.json + model.safetensors of the whole model (global rank 0 writes; collective)."""
-        from models.llama import LlamaForCausalLM
-        LlamaForCausalLM.save_pretrained(self, directory)     # only needs full_state_dict/config/pgm
 
 
 def gather_over_stages(mine: dict, pgm) -> dict:

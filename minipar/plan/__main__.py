@@ -3,7 +3,8 @@
     python -m minipar.plan configs/fsdp.yaml                       the config's model, layout, batch
     python -m minipar.plan --model configs/models/llama-3.1-8b.json --world 16 --tp 8 --sp
     python -m minipar.plan --model configs/models/llama-3.1-70b.json --world 1024 --search
-    python -m minipar.plan configs/5d.yaml                         pipeline: one line per stage, the worst in full
+    python -m minipar.plan configs/5d.yaml                         pipeline: one line per stage,
+                                                                   the worst in full
     ... --json                                                     the same, as JSON for scripts
 
 The counts are minipar's own code paths (minipar/plan/model.py; per pipeline stage
@@ -18,6 +19,8 @@ import json
 import sys
 
 from minipar.cli import fail, positive_ints
+from minipar.training.config.train_config import load_config
+from minipar.training.pipeline_step import virtual_stages
 from models.hf_checkpoint import read_hf_config
 
 from .estimate import Cluster, plan
@@ -31,14 +34,16 @@ GB = 1e9
 SIZE_FLAGS = dict(world="the number of GPUs", gpus_per_node="GPUs per node", dp_replicate="replicas",
                   dp_shard="ZeRO-3 shards", cp="context-parallel ranks", tp="tensor-parallel ranks",
                   pp="pipeline stages", virtual_stages="model chunks per rank", seq_len="tokens per sequence",
-                  global_batch_size="sequences per step", micro_batch_size="rows per forward", top="layouts shown")
+                  global_batch_size="sequences per step", micro_batch_size="rows per forward",
+                  top="layouts shown")
 
 
 def _pipeline(args, base: dict) -> Pipeline:
     """The pipeline of the config and/or the flags (pp 1: none)."""
     pp = args.pp or base.get("pp", 1)
     schedule = args.pipeline_schedule or base.get("pipeline_schedule", "1f1b")
-    v = args.virtual_stages or (base.get("virtual_stages") if schedule == base.get("pipeline_schedule") else None) \
+    v = args.virtual_stages \
+        or (base.get("virtual_stages") if schedule == base.get("pipeline_schedule") else None) \
         or (2 if schedule == "interleaved_1f1b" else 1)
     layers = base.get("pipeline_layers")
     return Pipeline(pp, schedule, v, tuple(layers) if layers else None)
@@ -64,7 +69,8 @@ def _layout(args, base: dict, world: int) -> Layout:
     lay = Layout(sizes.get("dp_replicate", 1), sizes["dp_shard"], sizes.get("cp", 1), sizes.get("tp", 1),
                  bool(sizes.get("sequence_parallel", False)))
     if lay.world != world:
-        raise ValueError(f"the sizes ({lay}) multiply to {lay.world * pp}, not --world {world * pp}: change a size "
+        raise ValueError(f"the sizes ({lay}) multiply to {lay.world * pp}, not --world {world * pp}: "
+                         f"change a size "
                          f"or --world, or leave --dp-shard unset to take the remainder")
     return lay
 
@@ -75,7 +81,6 @@ def from_train_config(cfg):
     sizes = dict(dp_replicate=cfg.dp_replicate_size, dp_shard=cfg.dp_shard_size, cp=cfg.context_parallel_size,
                  tp=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel)
     if (getattr(cfg, "pipeline_parallel_size", 1) or 1) > 1:          # minipar/plan/pipeline.py
-        from minipar.training.pipeline_step import virtual_stages
         sizes.update(pp=cfg.pipeline_parallel_size, pipeline_schedule=cfg.pipeline_schedule,
                      virtual_stages=virtual_stages(cfg), pipeline_layers=cfg.pipeline_layers)
     batch = Batch(cfg.global_batch_size, cfg.micro_batch_size, cfg.sequence_len)
@@ -92,7 +97,6 @@ def load(args):
     model = batch = None
     opts = Options()
     if args.config:
-        from minipar.training.config.train_config import load_config
         cfg = load_config(args.config)
         model, base, batch, opts = from_train_config(cfg)
         world = (cfg.dp_replicate_size * (cfg.dp_shard_size or 1) * cfg.context_parallel_size
@@ -181,7 +185,8 @@ def describe_pipeline(p: dict, model: ModelShape) -> str:
     unit, size = _unit(max(s["memory"]["total"] for s in p["stages"]))
     lines = [f"pipeline: {p['layout_str']} on {p['world']} GPUs; per stage ({unit} per rank; "
              f"activations = per micro-batch x in flight):",
-             f"  {'stage':<7}{'layers':<18}{'persistent':>11}{'gathered':>10}{'activations':>12}{'in flight':>10}"
+             f"  {'stage':<7}{'layers':<18}{'persistent':>11}{'gathered':>10}{'activations':>12}"
+             f"{'in flight':>10}"
              f"{'total':>10}{'sends':>7}"]
     chosen = "checkpointed_peak" if p["options"]["gradient_checkpointing"] else "full"
     for s in p["stages"]:
@@ -195,8 +200,9 @@ def describe_pipeline(p: dict, model: ModelShape) -> str:
     body[1] = f"layout: {p['layout_str']} on {p['world']} GPUs ({p['nodes']} node(s)); the worst stage: " \
               f"{p['worst_stage']}, shown below"
     tail = [f"estimated step (minipar/plan/pipeline.py): {t['step_s']:.3g} s = the slowest stage's work "
-            f"(stage {t['slowest_stage']}: {t['work_s']:.3g} s) / (1 - bubble {t['bubble']:.3f}) + the sends on "
-            f"the critical path {t['pp_s']:.3g} s; {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f} %"]
+            f"(stage {t['slowest_stage']}: {t['work_s']:.3g} s) / (1 - bubble {t['bubble']:.3f}) "
+            f"+ the sends on the critical path {t['pp_s']:.3g} s; "
+            f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f} %"]
     return "\n".join(body + [""] + lines + ["", *tail])
 
 
@@ -253,8 +259,10 @@ def main(argv=None):
     ap.add_argument("--no-sync", dest="sync_each_batch", action="store_const", const=False,
                     help="ZeRO-3: accumulate unsharded gradients, one reduce-scatter per step")
     ap.add_argument("--gradient-checkpointing", action="store_const", const=True)
-    ap.add_argument("--search", action="store_true", help="rank every layout of --world that fits (pp included)")
-    ap.add_argument("--no-pp", action="store_true", help="with --search: layouts without pipeline parallelism only")
+    ap.add_argument("--search", action="store_true",
+                    help="rank every layout of --world that fits (pp included)")
+    ap.add_argument("--no-pp", action="store_true",
+                    help="with --search: layouts without pipeline parallelism only")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -265,8 +273,9 @@ def main(argv=None):
                           args.efficiency, args.reserve)
         pipe = _pipeline(args, base)
         if args.search and (args.pp or args.pipeline_schedule or args.virtual_stages):
-            raise ValueError("--search ranks every pipeline size itself (pp 1 and each pp that divides the world, "
-                             "1F1B); drop --pp/--pipeline-schedule/--virtual-stages, or drop --search to plan one "
+            raise ValueError("--search ranks every pipeline size itself "
+                             "(pp 1 and each pp that divides the world, 1F1B); "
+                             "drop --pp/--pipeline-schedule/--virtual-stages, or drop --search to plan one "
                              "pipeline layout")
         if args.search:
             result = search(model, batch, opts, cluster, world, pipeline=not args.no_pp)

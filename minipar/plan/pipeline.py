@@ -21,6 +21,7 @@ from minipar.pipeline_parallel.schedules import check_schedule
 
 from . import inputs as inputs_mod
 from . import model as pm
+from .estimate import crosses_nodes
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 from .pipeline_stage import Pipeline, message_bytes, plan_stage, stage_units, stages
 
@@ -50,7 +51,6 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
                   cluster) -> dict:
     """estimate.plan's answer for pp x layout: one entry per stage under "stages", and the worst
     stage's (the most memory) at the top level, so that what prints for 4D prints for it too."""
-    from .estimate import crosses_nodes  # the placement of the 4D groups of a stage
     problems = inputs_mod.check(model, layout, batch) + check(model, layout, pipe, batch)
     if problems:
         raise ValueError(f"layout {pipe} x {layout} cannot run this model and batch: " + "; ".join(problems))
@@ -76,7 +76,8 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
             wire = nbytes if op == "send" else pm.wire_bytes(op, sizes[group], nbytes)   # p2p: as is
             gr["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
             gr["wire_bytes"] += wire
-        sec = {k: gr["wire_bytes"] / ((cluster.inter_gbps if gr["crosses_nodes"] else cluster.intra_gbps) * 1e9)
+        sec = {k: gr["wire_bytes"]
+               / ((cluster.inter_gbps if gr["crosses_nodes"] else cluster.intra_gbps) * 1e9)
                for k, gr in groups.items()}
         for k, gr in groups.items():
             gr["seconds"] = sec[k]

@@ -5,7 +5,7 @@
 
 Runs on one process: the checkpoint's manifest holds the model config, every shard file is read,
 the full tensors are rebuilt by HF name (save_load.py does the resharding), and
-`LlamaForCausalLM.save_pretrained` writes config.json + model.safetensors, which
+`models/hf_checkpoint.py:save_pretrained` writes config.json + model.safetensors, which
 `transformers.LlamaForCausalLM.from_pretrained` loads. Training runs export at the end by
 themselves (`export_hf: true`); this is the same, on request, for any saved step.
 
@@ -21,18 +21,19 @@ import argparse
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.checkpoint.verify import read_manifest
 from minipar.training.data.tokenizer import save_byte_tokenizer
+from models.hf_checkpoint import save_pretrained
+from models.llama import LlamaForCausalLM
+from models.llama_config import LlamaConfig
 
 
 def export_checkpoint(checkpoint_dir: str, hf_dir: str, tokenizer: str = None) -> str:
-    from models.llama import LlamaForCausalLM
-    from models.llama_config import LlamaConfig
     manifest = read_manifest(checkpoint_dir)     # refuses a partial or foreign directory, naming it
     config = manifest.get("model_config")
     if not config:
         raise ValueError(f"{checkpoint_dir}: the manifest has no model_config, cannot rebuild the model")
     model = LlamaForCausalLM(LlamaConfig.from_dict(config))
     extra = ckpt.load_checkpoint(checkpoint_dir, model, None, model.pgm)   # verifies sizes and checksums
-    model.save_pretrained(hf_dir)
+    save_pretrained(model, hf_dir)
     saved = (extra or {}).get("config") or {}   # the run's config, as train.py saved it
     tokenizer = tokenizer or saved.get("tokenizer_config") or saved.get("base_model")
     if tokenizer:                                # e.g. the base_model the run fine-tuned

@@ -33,11 +33,14 @@ fine at minipar's sizes, where DCP would read only the overlapping pieces.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file, save
 
+from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.training.checkpoint import atomic as cio
 from minipar.training.checkpoint import files as ck_files
 from minipar.training.checkpoint import verify as ck_verify
@@ -49,6 +52,7 @@ from minipar.training.checkpoint.layout import (
     local_from_full,
     merge_records,
 )
+from models.hf_checkpoint import TOKENIZER_FILES, save_pretrained
 
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 TRAINER_STATE, FULL_MODEL, FULL_OPTIM = "trainer_state.pt", "model.safetensors", "optimizer.pt"
@@ -85,7 +89,6 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
         optim_full = full_optimizer_state(model, optimizer, pgm) if optimizer is not None else None
         pp = getattr(pgm, "pp", None)
         if pp is not None and pp.size > 1 and optim_full is not None:   # each stage has its layers' states
-            from minipar.pipeline_parallel.stage import gather_over_stages
             kinds = {k: gather_over_stages(v, pgm) for k, v in optim_full[0].items()}
             optim_full = (kinds, gather_over_stages(optim_full[1], pgm))
 
@@ -103,7 +106,6 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
                        scheduler=scheduler.state_dict() if scheduler is not None else None)
         entries.update(cio.write_file(tmp, TRAINER_STATE, ck_files.to_bytes(trainer)))
         if full:
-            from safetensors.torch import save
             entries.update(cio.write_file(tmp, FULL_MODEL, save(model_full, metadata={"format": "pt"})))
             if optim_full is not None:
                 optim = ck_files.to_bytes(dict(state=optim_full[0], scalars=optim_full[1]))
@@ -138,7 +140,6 @@ def load_checkpoint(directory: str, model, optimizer, pgm, *, scheduler=None) ->
         raise error or ValueError(f"checkpoint {directory} was refused on another rank (see its error)")
     files = manifest["files"]
     if manifest["state_dict_type"] == "FULL_STATE_DICT":
-        from safetensors.torch import load_file
         full, scalars = {"param": load_file(os.path.join(directory, FULL_MODEL))}, {}
         if FULL_OPTIM in files:
             saved = ck_files.load(os.path.join(directory, FULL_OPTIM))
@@ -184,7 +185,7 @@ def export_hf(directory: str, model, tokenizer_dir: Optional[str] = None) -> str
     """A Hugging Face directory (config.json + model.safetensors) for transformers'
     LlamaForCausalLM.from_pretrained, with the tokenizer files of `tokenizer_dir` (the base model's)
     copied next to it. Collective: every rank calls it; global rank 0 writes."""
-    model.save_pretrained(directory)
+    save_pretrained(model, directory)
     if tokenizer_dir and model.pgm.global_rank == 0:
         copy_tokenizer(tokenizer_dir, directory)
     cio.agree(False, model.pgm, _device(model))  # the files exist when any rank returns
@@ -193,9 +194,6 @@ def export_hf(directory: str, model, tokenizer_dir: Optional[str] = None) -> str
 
 def copy_tokenizer(src: str, directory: str) -> list:
     """Copy the tokenizer files of a Hugging Face directory (whichever exist) into `directory`."""
-    import shutil
-
-    from models.hf_checkpoint import TOKENIZER_FILES
     copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
     for f in copied:
         shutil.copyfile(os.path.join(src, f), os.path.join(directory, f))

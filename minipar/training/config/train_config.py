@@ -24,12 +24,14 @@ from typing import List, Optional, Union
 import yaml
 
 from minipar.config_files import read_yaml, yaml_value
+from minipar.training.config import keys as config_keys
 
 # every value check at once, before anything is written (check.py); YAML errors in one line
 from minipar.training.config.check import check
 
 # typed values and the applying of a mapping, with one error for every unknown key (values.py)
 from minipar.training.config.values import _apply, unknown_keys_error
+from models.hf_checkpoint import read_config
 from models.llama_config import LlamaConfig
 
 # the checkout's root (minipar/training/ is two levels below it): configs/ and data/ live there
@@ -165,7 +167,6 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
                 notes: Optional[List[str]] = None) -> TrainConfig:
     """The checked config of a YAML file plus `--key value` overrides; `notes` (if given) collects
     what was derived or mapped (bf16: auto, Axolotl's no-op keys) for the run's log."""
-    from minipar.training.config import keys as config_keys
     notes = [] if notes is None else notes
     cfg = TrainConfig()
     explicit_model_keys, given, unknown, sources = set(), set(), [], []
@@ -204,7 +205,6 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
 
 def _base_model_config(cfg: TrainConfig, explicit: set) -> LlamaConfig:
     """base_model's config.json is the model: a `model.*` key that says otherwise is refused."""
-    from models.hf_checkpoint import read_config
     model = read_config(cfg.base_model)
     clash = {k: getattr(cfg.model, k) for k in sorted(explicit) if getattr(cfg.model, k) != getattr(model, k)}
     if clash:

@@ -45,6 +45,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from minipar.config import check_sequence_len
+from minipar.context_parallel import sequence_positions, shard_sequence
+
 IGNORE_INDEX = -100
 
 
@@ -245,7 +248,6 @@ def micro_steps_for(global_batch_size: int, micro_batch_size: int, dp_size: int)
 
 def check_batch_split(global_batch_size: int, sequence_len: int, pgm, num_micro_steps: int = 1) -> None:
     """Raise a ValueError (before any collective) when the batch cannot be split on this layout."""
-    from minipar.config import check_sequence_len
     parts = pgm.dp.size * num_micro_steps
     if num_micro_steps < 1 or global_batch_size % parts:
         raise ValueError(
@@ -263,7 +265,6 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
     tokens (zigzag under cp, or contiguous with cp_layout). Packed rows (packing.py) bring their own
     position_ids (restarting at each example) and document_ids: both are cut exactly like the tokens,
     and document_ids is added to the dict. No communication."""
-    from minipar.context_parallel import sequence_positions, shard_sequence
     B, T = input_ids.shape
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} "

@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from minipar.training.checkpoint.save_load import copy_tokenizer
+from minipar.training.data import example_data
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 from models.llama_init import SeededInit
@@ -73,22 +75,15 @@ def write_checkpoint(directory: str, config: LlamaConfig, seed: int = 0, dtype: 
 
 def make_example(directory: str, seed: int = 0, num_conversations: int = 2000,
                  tokenizer_chars: Optional[int] = None) -> dict:
-    """out/model (checkpoint + tokenizer) and, when the datasets code is present, the chat data."""
+    """out/model (checkpoint + tokenizer, as on the Hub) and out/data (the chat rows)."""
     model_dir = os.path.join(directory, "model")
     paths = dict(model=model_dir)
     config = LlamaConfig(**EXAMPLE)
-    try:
-        from minipar.training.data import example_data
-    except ImportError:                          # no datasets code: the model trains on the byte corpus
-        example_data = None
-    if example_data is not None:
-        data = example_data.make_example(directory, num_conversations=num_conversations,
-                                         vocab_size=config.vocab_size, seed=seed, tokenizer_chars=tokenizer_chars)
-        paths.update(data)
+    paths.update(example_data.make_example(directory, num_conversations=num_conversations,
+                                           vocab_size=config.vocab_size, seed=seed,
+                                           tokenizer_chars=tokenizer_chars))
     write_checkpoint(model_dir, config, seed=seed, max_shard_bytes=4 * 2 ** 20)
-    if example_data is not None:                 # the tokenizer beside the weights, as on the Hub
-        from minipar.training.checkpoint.save_load import copy_tokenizer
-        copy_tokenizer(paths["tokenizer"], model_dir)
+    copy_tokenizer(paths["tokenizer"], model_dir)    # the tokenizer beside the weights, as on the Hub
     return paths
 
 

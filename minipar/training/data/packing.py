@@ -29,7 +29,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from minipar.training.data.batches import IGNORE_INDEX, check_same_data_order
-from minipar.training.data.datasets import Examples
+from minipar.training.data.datasets import Examples, check_entries, load_examples, split_validation
 
 LOOK_BACK = 64       # open rows first-fit searches; bounds the packing time at len(examples) * 64
 
@@ -189,7 +189,6 @@ class DatasetRun:
 
 def prepare(cfg, tokenizer, progress: bool = False) -> DatasetRun:
     """cfg.datasets -> tokenized examples -> train / validation split -> rows. No communication."""
-    from minipar.training.data.datasets import check_entries, load_examples, split_validation
     examples = load_examples(check_entries(cfg.datasets), tokenizer, cfg.sequence_len, cfg.train_on_inputs,
                              cfg.sample_packing, progress)
     train_ex, val_ex = split_validation(examples, cfg.val_set_size, cfg.seed)

@@ -61,6 +61,7 @@ import torch
 
 from minipar.training.checkpoint.atomic import owner_tag
 from minipar.training.checkpoint.verify import sha256_file
+from minipar.training.data.datasets import check_entries
 from minipar.training.data.packing import DatasetRun, PackedData
 from minipar.training.run_lock import process_alive
 
@@ -91,7 +92,6 @@ def tokenizer_inputs(tokenizer) -> dict:
 
 def cache_inputs(cfg, tokenizer) -> dict:
     """Everything the prepared rows depend on (see the module docstring), as a JSON-able mapping."""
-    from minipar.training.data.datasets import check_entries
     here = os.path.dirname(os.path.abspath(__file__))
     return dict(format=FORMAT_VERSION,
                 code={name: sha256_file(os.path.join(here, name)) for name in CODE_FILES},

@@ -18,7 +18,6 @@ from minipar.training.data.batches import (
     eval_batches,
     load_corpus,
     local_batch,
-    micro_steps_for,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,9 +172,6 @@ def test_local_batch_errors():
         local_batch(ids, ids, _fake_pgm(0, 1, 0, 3))
     with pytest.raises(ValueError, match="micro_step 3"):
         local_batch(ids, ids, _fake_pgm(0, 1, 0, 1), micro_step=3, num_micro_steps=3)
-    assert micro_steps_for(32, 4, 2) == 4
-    with pytest.raises(ValueError, match="global_batch_size 30 is not a multiple of micro_batch_size 4"):
-        micro_steps_for(30, 4, 2)
 
 
 def test_count_label_tokens():

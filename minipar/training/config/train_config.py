@@ -62,7 +62,8 @@ class TrainConfig:
     train_on_inputs: bool = False         # false: labels only on assistant turns of chat rows
     sample_packing: bool = False          # whole examples packed into sequence_len, attention kept apart
     val_set_size: float = 0.0             # held out of `datasets`: a fraction, or (>= 1) a count
-    dataset_prepared_path: Optional[str] = None   # tokenized rows saved, then loaded; None: <output_dir>/prepared
+    # tokenized rows saved, then loaded; None: <output_dir>/prepared
+    dataset_prepared_path: Optional[str] = None
     sequence_len: int = 128
     global_batch_size: Optional[int] = 16  # samples per optimizer step, over all data-parallel ranks
     micro_batch_size: Optional[int] = None  # per dp rank per forward; None = no accumulation
@@ -77,7 +78,8 @@ class TrainConfig:
     adam_beta2: float = 0.95
     max_grad_norm: Optional[float] = 1.0  # None or 0 turns clipping off
     dtype: str = "float32"                # or bfloat16: compute in bf16, fp32 master weights
-    bf16: Optional[Union[bool, str]] = None  # Axolotl's: true = dtype bfloat16; auto = bf16 where the GPU has it
+    # Axolotl's: true = dtype bfloat16; auto = bf16 where the GPU has it
+    bf16: Optional[Union[bool, str]] = None
     lr_scheduler: str = "cosine"          # linear warmup, then cosine to min_lr_ratio (the one schedule)
     optimizer: str = "adamw_torch"        # or adamw_torch_fused (torch's fused AdamW kernel)
     gradient_checkpointing: bool = False
@@ -139,7 +141,8 @@ def _example(key: str) -> str:
 
 
 def parse_overrides(argv: List[str]) -> dict:
-    """['--max_steps', '20', '--model.hidden_size', '64'] -> {'max_steps': 20, 'model': {'hidden_size': 64}}"""
+    """['--max_steps', '20', '--model.hidden_size', '64']
+    -> {'max_steps': 20, 'model': {'hidden_size': 64}}"""
     out: dict = {}
     i = 0
     while i < len(argv):
@@ -149,7 +152,8 @@ def parse_overrides(argv: List[str]) -> dict:
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise ValueError(f"--{key} needs a value (for example --{key} {_example(key.replace('-', '_'))})")
+                raise ValueError(f"--{key} needs a value "
+                                 f"(for example --{key} {_example(key.replace('-', '_'))})")
             value = argv[i + 1]
             i += 1
         key = key.replace("-", "_") if "." not in key else key
@@ -187,11 +191,16 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
     if unknown:                          # Axolotl's fsdp_config is a key too, though not a field
         raise unknown_keys_error([(k, v + ["fsdp_config"] if not p else v, p) for k, v, p in unknown])
     config_keys.resolve(cfg, given, notes)
-    # derived model fields (head_dim, kv heads) follow the final sizes unless set explicitly
+    # derived model fields follow the final sizes unless set explicitly: head_dim always
+    # (hidden_size / num_attention_heads); the KV heads only where the heads were given, as HF's
+    # rule (kv heads = heads) has it; otherwise the default model's own 2 KV heads stand
     model = dataclasses.asdict(cfg.model)
-    for derived in ("head_dim", "num_key_value_heads"):
-        if derived not in explicit_model_keys:
-            model.pop(derived)
+    derived = ["head_dim"]
+    if "num_attention_heads" in explicit_model_keys:
+        derived.append("num_key_value_heads")
+    for key in derived:
+        if key not in explicit_model_keys:
+            model.pop(key)
     cfg.model = LlamaConfig(**model)
     if cfg.base_model:
         cfg.model = _base_model_config(cfg, explicit_model_keys)
@@ -209,6 +218,7 @@ def _base_model_config(cfg: TrainConfig, explicit: set) -> LlamaConfig:
     clash = {k: getattr(cfg.model, k) for k in sorted(explicit) if getattr(cfg.model, k) != getattr(model, k)}
     if clash:
         got = ", ".join(f"model.{k}={v!r} (config.json: {getattr(model, k)!r})" for k, v in clash.items())
-        raise ValueError(f"base_model {cfg.base_model!r} fixes the model shape, but the config also sets {got}: "
+        raise ValueError(f"base_model {cfg.base_model!r} fixes the model shape, "
+                         f"but the config also sets {got}: "
                          f"remove the model section (configs/finetune.yaml has none)")
     return model

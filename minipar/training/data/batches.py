@@ -235,17 +235,6 @@ def count_label_tokens(labels: torch.Tensor) -> int:
     return int((labels != IGNORE_INDEX).sum().item())
 
 
-def micro_steps_for(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
-    """Gradient-accumulation steps so that dp_size ranks x micro_batch_size x steps = global batch."""
-    per_step = micro_batch_size * dp_size
-    if micro_batch_size < 1 or global_batch_size % per_step:
-        raise ValueError(
-            f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size} "
-            f"x data-parallel size {dp_size} = {per_step}; use a global_batch_size that is a multiple of "
-            f"{per_step}, or change micro_batch_size")
-    return global_batch_size // per_step
-
-
 def check_batch_split(global_batch_size: int, sequence_len: int, pgm, num_micro_steps: int = 1) -> None:
     """Raise a ValueError (before any collective) when the batch cannot be split on this layout."""
     parts = pgm.dp.size * num_micro_steps
@@ -281,7 +270,8 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
     ids = shard_sequence(input_ids[rows], 1, pgm.cp, layout).to(device)
     lab = shard_sequence(labels[rows], 1, pgm.cp, layout).to(device)
     if position_ids is None:
-        pos = sequence_positions(T, pgm.cp, layout, device=device).unsqueeze(0).expand(per_micro, -1).contiguous()
+        pos = sequence_positions(T, pgm.cp, layout, device=device)
+        pos = pos.unsqueeze(0).expand(per_micro, -1).contiguous()
     else:
         pos = shard_sequence(position_ids[rows], 1, pgm.cp, layout).to(device).contiguous()
     out = dict(input_ids=ids.contiguous(), labels=lab.contiguous(), position_ids=pos)

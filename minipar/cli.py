@@ -23,7 +23,8 @@ EXIT_BAD_INPUT = 2
 def positive_ints(args, flags: Dict[str, str]) -> None:
     """Refuse (ValueError) each of `flags` (argparse dest -> what it counts) that is set and < 1."""
     bad = [f"--{name.replace('_', '-')} must be a positive integer ({what}), got {getattr(args, name)}"
-           for name, what in flags.items() if getattr(args, name, None) is not None and getattr(args, name) < 1]
+           for name, what in flags.items()
+           if getattr(args, name, None) is not None and getattr(args, name) < 1]
     if bad:
         raise ValueError("; ".join(bad))
 

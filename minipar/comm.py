@@ -124,7 +124,8 @@ def all_reduce(tensor: torch.Tensor, dim, op="sum", async_op: bool = False):
     op = _reduce_op(op)
     if op == "avg":
         if async_op:
-            raise ValueError("all_reduce(op='avg') cannot be async; sum asynchronously and divide after wait()")
+            raise ValueError("all_reduce(op='avg') cannot be async; "
+                             "sum asynchronously and divide after wait()")
         _run("all_reduce", dim, lambda: dist.all_reduce(tensor, op=ReduceOp.SUM, group=dim.group), False)
         return tensor.div_(n)
     work = _run("all_reduce", dim, lambda: dist.all_reduce(tensor, op=op, group=dim.group, async_op=async_op),
@@ -142,8 +143,8 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, dim, async_op: bo
         return _Done() if async_op else output
     _record("all_gather", dim, output, (dim.size - 1) / dim.size)
     src = input.contiguous()
-    work = _run("all_gather", dim, lambda: _all_gather_single(output, src, group=dim.group, async_op=async_op),
-                async_op)
+    work = _run("all_gather", dim,
+                lambda: _all_gather_single(output, src, group=dim.group, async_op=async_op), async_op)
     return work if async_op else output
 
 
@@ -171,7 +172,8 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, dim, op="sum"
         raise ValueError("reduce_scatter: use op='sum' and scale; gloo has no AVG")
     src = input.contiguous()
     work = _run("reduce_scatter", dim,
-                lambda: _reduce_scatter_single(output, src, op=op, group=dim.group, async_op=async_op), async_op)
+                lambda: _reduce_scatter_single(output, src, op=op, group=dim.group, async_op=async_op),
+                async_op)
     return work if async_op else output
 
 
@@ -193,7 +195,8 @@ def broadcast(tensor: torch.Tensor, dim, src_group_rank: int = 0):
     if dim.size == 1:
         return tensor
     _record("broadcast", dim, tensor, 1.0 if dim.rank == src_group_rank else 0.0)
-    _run("broadcast", dim, lambda: dist.broadcast(tensor, src=dim.ranks[src_group_rank], group=dim.group), False)
+    _run("broadcast", dim,
+         lambda: dist.broadcast(tensor, src=dim.ranks[src_group_rank], group=dim.group), False)
     return tensor
 
 

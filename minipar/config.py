@@ -56,9 +56,11 @@ class ParallelismConfig:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelismConfig.{name} must be a positive integer or None, got {value!r}")
+                raise ValueError(f"ParallelismConfig.{name} must be a positive integer or None, "
+                                 f"got {value!r}")
         if self.cp_layout not in CP_LAYOUTS:
-            raise ValueError(f"ParallelismConfig.cp_layout must be one of {CP_LAYOUTS}, got {self.cp_layout!r}")
+            raise ValueError(f"ParallelismConfig.cp_layout must be one of {CP_LAYOUTS}, "
+                             f"got {self.cp_layout!r}")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -71,7 +73,8 @@ class ParallelismConfig:
                 try:
                     values[name] = int(raw)
                 except ValueError:
-                    raise ValueError(f"environment variable {ENV_PREFIX + name.upper()}={raw!r} is not an integer")
+                    raise ValueError(f"environment variable {ENV_PREFIX + name.upper()}={raw!r} "
+                                     f"is not an integer")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -105,7 +108,8 @@ class ParallelismConfig:
             if world_size % others != 0:
                 raise ValueError(
                     f"cannot fit the parallel sizes ({self._describe()}) to world size {world_size}: "
-                    f"pp_size x dp_replicate_size x cp_size x tp_size = {others} does not divide {world_size}, so "
+                    f"pp_size x dp_replicate_size x cp_size x tp_size = {others} "
+                    f"does not divide {world_size}, so "
                     f"dp_shard_size cannot take the remainder. Launch a multiple of {others} processes "
                     f"or change the sizes.")
             shard = world_size // others
@@ -133,25 +137,31 @@ class ParallelismConfig:
         kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
         vocab = model_config.vocab_size
         if heads % tp:
-            problems.append(f"num_attention_heads={heads} is not divisible by tp_size={tp}: choose a tp_size that "
+            problems.append(f"num_attention_heads={heads} is not divisible by tp_size={tp}: "
+                            f"choose a tp_size that "
                             f"divides {heads} (one of {_divisors(heads)}) or change num_attention_heads")
         if kv_heads % tp:
-            problems.append(f"num_key_value_heads={kv_heads} is not divisible by tp_size={tp}: choose a tp_size "
-                            f"that divides {kv_heads} (one of {_divisors(kv_heads)}) or change num_key_value_heads")
+            problems.append(f"num_key_value_heads={kv_heads} is not divisible by tp_size={tp}: "
+                            f"choose a tp_size that divides {kv_heads} (one of {_divisors(kv_heads)}) "
+                            f"or change num_key_value_heads")
         if vocab % tp:
             nearest = (vocab + tp - 1) // tp * tp
-            problems.append(f"vocab_size={vocab} is not divisible by tp_size={tp}: pad vocab_size to {nearest} "
+            problems.append(f"vocab_size={vocab} is not divisible by tp_size={tp}: "
+                            f"pad vocab_size to {nearest} "
                             f"or choose a tp_size that divides {vocab}")
         if model_config.intermediate_size % tp:
-            problems.append(f"intermediate_size={model_config.intermediate_size} is not divisible by tp_size={tp}: "
+            problems.append(f"intermediate_size={model_config.intermediate_size} "
+                            f"is not divisible by tp_size={tp}: "
                             f"change intermediate_size to a multiple of {tp}")
         if sequence_len is not None:
             check_sequence_len(sequence_len, cp, problems)
             if self.sequence_parallel and tp > 1 and (sequence_len // cp) % tp:
-                problems.append(f"sequence_parallel needs the local sequence length (sequence_len / cp_size = "
+                problems.append(f"sequence_parallel needs the local sequence length "
+                                f"(sequence_len / cp_size = "
                                 f"{sequence_len // cp}) divisible by tp_size={tp}: change sequence_len")
         if problems:
-            raise ValueError("the model cannot be split with " + self._describe() + ":\n  - " + "\n  - ".join(problems))
+            raise ValueError("the model cannot be split with " + self._describe() + ":\n  - "
+                             + "\n  - ".join(problems))
 
 
 def check_sequence_len(sequence_len: int, cp: int, problems: Optional[list] = None) -> None:

@@ -51,8 +51,8 @@ DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 # files of a tokenizer that an export copies next to the weights (whatever the tokenizer kind)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
 
 
 # what to do about a damaged file of a Hugging Face directory, said with every refusal of one
@@ -117,7 +117,8 @@ class HFCheckpoint:
             weight_map, files = None, [SINGLE]
         else:
             raise FileNotFoundError(f"base_model {directory!r}: neither {SINGLE} nor {INDEX} found (only "
-                                    f"safetensors checkpoints load; convert .bin files with transformers first)")
+                                    f"safetensors checkpoints load; "
+                                    f"convert .bin files with transformers first)")
         self.tensors: Dict[str, Tuple[str, tuple, str]] = {}
         for name in files:
             path = os.path.join(directory, name)
@@ -128,7 +129,8 @@ class HFCheckpoint:
             lost = sorted(k for k, v in weight_map.items() if self.tensors.get(k, (None,))[0] !=
                           os.path.join(directory, v))
             if lost:
-                raise ValueError(f"base_model {directory!r}: {INDEX} places {len(lost)} tensors in files that "
+                raise ValueError(f"base_model {directory!r}: {INDEX} places {len(lost)} tensors "
+                                 f"in files that "
                                  f"do not hold them, e.g. {lost[:3]}")
 
     @property

@@ -95,7 +95,8 @@ class LlamaAttention(nn.Module):
         self.q_proj = tpl.ColumnParallelLinear(d, config.num_attention_heads * hd, tp, **col)
         self.k_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
         self.v_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
-        self.o_proj = tpl.RowParallelLinear(config.num_attention_heads * hd, d, tp, bias=bias, sequence_parallel=sp)
+        self.o_proj = tpl.RowParallelLinear(config.num_attention_heads * hd, d, tp, bias=bias,
+                                            sequence_parallel=sp)
 
     def forward(self, x, cos, sin, document_ids=None):
         q, k, v = tpl.column_parallel_group(x, (self.q_proj, self.k_proj, self.v_proj))   # one collective
@@ -158,7 +159,8 @@ class LlamaModel(nn.Module):
         sp = pgm.config.sequence_parallel
         self.config, self.pgm = config, pgm
         self.embed_tokens = tpl.VocabParallelEmbedding(config.vocab_size, config.hidden_size, pgm.tp, sp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, pgm, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, pgm, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
 
     def embed(self, input_ids):

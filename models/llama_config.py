@@ -53,7 +53,8 @@ class LlamaConfig:
             ids = getattr(self, key)
             if ids is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                            for i in (ids if isinstance(ids, list) else [ids])):
-                raise ValueError(f"{key}={ids!r}: a token id is an integer >= 0 (or, for eos, a list of them), or null")
+                raise ValueError(f"{key}={ids!r}: a token id is an integer >= 0 "
+                                 f"(or, for eos, a list of them), or null")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]

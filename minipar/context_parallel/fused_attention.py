@@ -179,7 +179,8 @@ def document_mask(tq: int, tk: int, causal: bool, q_doc, k_doc, device=None):
     mask = allowed(tq, tk, causal, q_doc, k_doc, device)
     if not bool(mask.any()):
         return "empty", None
-    if bool(mask.all()) or (causal and torch.equal(mask, allowed(tq, tk, True, device=device).expand_as(mask))):
+    if bool(mask.all()) or (causal and torch.equal(mask,
+                                                   allowed(tq, tk, True, device=device).expand_as(mask))):
         return "plain", None
     return "masked", mask
 

@@ -14,8 +14,9 @@ bytes: the ring passes every K/V block around either way.
 zigzag_shard / zigzag_positions cut a full-sequence tensor / its positions; zigzag_unshard puts the
 shares back in order. The data split (training/data/batches.py local_batch) and the positions for RoPE
 (models/llama.py) both go through shard_sequence and sequence_positions, so input ids, labels
-and positions always agree with the layout ring attention is told (`ring_attention(..., layout=...)`). No communication, except in
-zigzag_unshard (the full sequence back: one all-gather over cp of the local shares).
+and positions always agree with the layout ring attention is told (`ring_attention(...,
+layout=...)`). No communication, except in zigzag_unshard (the full sequence back: one
+all-gather over cp of the local shares).
 """
 from __future__ import annotations
 

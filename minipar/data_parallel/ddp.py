@@ -155,8 +155,8 @@ class GradSync(ReplicaSync):
             if not force and len(bucket.ready) < len(bucket.params):
                 return                           # strictly in order, the same on every rank
             bucket.flat = torch.cat([self._contribution(p).reshape(-1) for p in bucket.params] + [
-                torch.tensor([0.0 if p.grad is None else 1.0 for p in bucket.params], dtype=bucket.params[0].dtype,
-                             device=bucket.params[0].device)])
+                torch.tensor([0.0 if p.grad is None else 1.0 for p in bucket.params],
+                             dtype=bucket.params[0].dtype, device=bucket.params[0].device)])
             bucket.work = comm.all_reduce(bucket.flat, self.dim, async_op=True)
             self._next += 1
 

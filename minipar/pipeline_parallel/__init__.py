@@ -15,5 +15,6 @@ from .executor import Recorder, forward_only, run_schedule
 from .schedules import SCHEDULES, Action, check_schedule, schedule_order, simulate, theory_bubble
 from .stage import PipelineStage, build_stage, split_layers, stage_chunks
 
-__all__ = ["Recorder", "forward_only", "run_schedule", "SCHEDULES", "Action", "check_schedule", "schedule_order",
-           "simulate", "theory_bubble", "PipelineStage", "build_stage", "split_layers", "stage_chunks"]
+__all__ = ["Recorder", "forward_only", "run_schedule", "SCHEDULES", "Action", "check_schedule",
+           "schedule_order", "simulate", "theory_bubble", "PipelineStage", "build_stage", "split_layers",
+           "stage_chunks"]

@@ -15,8 +15,9 @@ exactly when the data it needs has not been computed yet: the bubble.
 Gradient accumulation over the m micro-batches: parameters used by several micro-batches add up
 their gradients. Data parallelism must reduce once per step, not per micro-batch: the caller's
 `before_backward(action, last)` hook learns which backward is this rank's last of the step (the
-caller keeps DDP and ZeRO-3 in no_sync until then; that backward reduces everything once). The loss (sum over micro-batches of sum / num_items_in_batch) is returned on
-the last stage, zero elsewhere: the caller sums it over dp_cp and pp.
+caller keeps DDP and ZeRO-3 in no_sync until then; that backward reduces everything once). The
+loss (sum over micro-batches of sum / num_items_in_batch) is returned on the last stage, zero
+elsewhere: the caller sums it over dp_cp and pp.
 
 `recorder`, when given, receives (action, start, end) of every compute with wall-clock times and the
 count of live micro-batch chunks: what benchmarks/bench_pp.py draws and measures.
@@ -105,7 +106,8 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
     if recorder is not None:
         recorder.stop()
     if saved:
-        raise RuntimeError(f"pipeline schedule left {len(saved)} micro-batches without a backward: {sorted(saved)}")
+        raise RuntimeError(f"pipeline schedule left {len(saved)} micro-batches without a backward: "
+                           f"{sorted(saved)}")
     return loss
 
 

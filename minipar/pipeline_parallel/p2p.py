@@ -38,7 +38,8 @@ class StageLink:
     of h known in advance. `virtual` is the receiving virtual stage (chunk * pp + rank)."""
 
     def __init__(self, pgm, shape: Tuple[int, ...], dtype: torch.dtype, device, num_micro: int):
-        self.pp, self.shape, self.dtype, self.device, self.num_micro = pgm.pp, tuple(shape), dtype, device, num_micro
+        self.pp, self.shape, self.dtype = pgm.pp, tuple(shape), dtype
+        self.device, self.num_micro = device, num_micro
         self.pending: List[Tuple[object, torch.Tensor]] = []      # sends in flight (work, tensor)
         self.bytes_sent = 0
 

@@ -120,18 +120,20 @@ def check_schedule(name: str, p: int, m: int, v: int) -> None:
         raise ValueError(f"pipeline_virtual_stages={v} only applies to pipeline_schedule interleaved_1f1b "
                          f"(got {name}); leave it unset")
     if name == "interleaved_1f1b" and v < 2:
-        raise ValueError(f"interleaved_1f1b needs pipeline_virtual_stages >= 2 model chunks per rank, got {v}")
+        raise ValueError(f"interleaved_1f1b needs pipeline_virtual_stages >= 2 model chunks per rank, "
+                         f"got {v}")
     need = 1 if name == "afab" else p
     why = ("1F1B's steady state needs the pipeline full" if name == "1f1b" else
            "the interleaved schedule sends micro-batches through the chunks in groups of p")
     fix = ("lower micro_batch_size (the count is global_batch_size / (micro_batch_size x dp)), raise "
            "global_batch_size, or use pipeline_schedule afab")
     if m < need:
-        raise ValueError(f"pipeline_schedule {name} on {p} stages needs at least {need} micro-batches per step "
-                         f"({why}), but this run has {m}: {fix}")
+        raise ValueError(f"pipeline_schedule {name} on {p} stages needs at least {need} micro-batches "
+                         f"per step ({why}), but this run has {m}: {fix}")
     if name == "interleaved_1f1b" and m % p:
-        raise ValueError(f"pipeline_schedule interleaved_1f1b needs the micro-batch count to be a multiple of "
-                         f"pipeline_parallel_size {p} ({why}), but this run has {m}: {fix}")
+        raise ValueError(f"pipeline_schedule interleaved_1f1b needs the micro-batch count "
+                         f"to be a multiple of pipeline_parallel_size {p} ({why}), "
+                         f"but this run has {m}: {fix}")
 
 
 # ------------------------------------------------------------------------- a model of the timing

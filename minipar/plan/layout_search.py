@@ -118,7 +118,8 @@ def smallest_world(model: ModelShape, batch: Batch, opts: Options, cluster: Clus
     world = max(start + 1, state_only)
     world = -(-world // g) * g
     while world <= limit:
-        if any(search_fits(model, lay, batch, opts, cluster) for lay, _ in candidates(model, batch, world, False)):
+        if any(search_fits(model, lay, batch, opts, cluster)
+               for lay, _ in candidates(model, batch, world, False)):
             return world
         world += g
     return None

@@ -211,7 +211,8 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
 
     def chunk_bytes(c: int, checkpointed: bool) -> int:
         L = len(st.chunks[c])
-        extra = rope + (ids if st.first and c == 0 else 0) + (head if st.last and c == len(st.chunks) - 1 else 0)
+        extra = (rope + (ids if st.first and c == 0 else 0)
+                 + (head if st.last and c == len(st.chunks) - 1 else 0))
         return extra + L * (keep if checkpointed else act["per_layer"])
 
     def in_flight(checkpointed: bool) -> int:
@@ -222,7 +223,8 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
         return peak
 
     per_micro = sum(chunk_bytes(c, False) for c in range(len(st.chunks)))
-    acts = dict(per_micro=per_micro, per_micro_checkpointed=sum(chunk_bytes(c, True) for c in range(len(st.chunks))),
+    acts = dict(per_micro=per_micro,
+                per_micro_checkpointed=sum(chunk_bytes(c, True) for c in range(len(st.chunks))),
                 full=in_flight(False), checkpointed=in_flight(True),
                 checkpointed_peak=in_flight(True) + act["per_layer"],
                 in_flight=peak_in_flight(order))

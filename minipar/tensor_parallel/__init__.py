@@ -39,7 +39,8 @@ from .vocab_parallel_loss import vocab_parallel_cross_entropy
 
 __all__ = ["AsyncColumnParallelLinear", "async_column_parallel", "SEQ_DIM", "CopyToTPRegion",
            "GatherFromSequenceParallelRegion", "GatherFromTPRegion", "ReduceFromTPRegion",
-           "ReduceScatterToSequenceParallelRegion", "ScatterToTPRegion", "copy_to_tp_region", "enter_tp_region",
+           "ReduceScatterToSequenceParallelRegion", "ScatterToTPRegion", "copy_to_tp_region",
+           "enter_tp_region",
            "gather_from_sequence_parallel_region", "gather_from_tp_region", "reduce_from_tp_region",
            "reduce_scatter_to_sequence_parallel_region", "scatter_to_tp_region", "sequence_parallel_weight",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_group",

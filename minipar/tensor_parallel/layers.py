@@ -37,7 +37,8 @@ small all-reduces: the max (b*s numbers), then the sum of exponentials and the t
 together (2*b*s numbers). The full (b, s, V) logits never exist on one rank (vocab_parallel_loss.py).
 
 The autograd Functions f and g, the sequence-parallel pair and their wrappers are mappings.py
-(Megatron's name for them); this file holds the modules that use them. Shard layout (docs/design.md): column-parallel weight = full.chunk(tp, dim=0)[rank], row-parallel
+(Megatron's name for them); this file holds the modules that use them. Shard layout
+(docs/design.md): column-parallel weight = full.chunk(tp, dim=0)[rank], row-parallel
 weight = full.chunk(tp, dim=1)[rank], embedding = full.chunk(tp, dim=0)[rank]. Every parameter
 carries `tp_split_dim` (None when replicated) so checkpoints and clipping can find the layout.
 """
@@ -65,7 +66,8 @@ def shard_tensor(full: torch.Tensor, split_dim, tp) -> torch.Tensor:
     if split_dim is None or tp.size == 1:
         return full
     if full.shape[split_dim] % tp.size:
-        raise ValueError(f"cannot split dim {split_dim} of size {full.shape[split_dim]} over tp_size={tp.size}")
+        raise ValueError(f"cannot split dim {split_dim} of size {full.shape[split_dim]} "
+                         f"over tp_size={tp.size}")
     return full.chunk(tp.size, dim=split_dim)[tp.rank].contiguous()
 
 
@@ -79,7 +81,8 @@ def gather_tensor(local: torch.Tensor, split_dim, tp) -> torch.Tensor:
 # --------------------------------------------------------------------------------- layers
 def _check_divisible(what: str, value: int, tp) -> int:
     if value % tp.size:
-        raise ValueError(f"{what}={value} is not divisible by tp_size={tp.size}: choose a tp_size that divides it")
+        raise ValueError(f"{what}={value} is not divisible by tp_size={tp.size}: "
+                         f"choose a tp_size that divides it")
     return value // tp.size
 
 
@@ -112,8 +115,8 @@ class _TPLinear(nn.Module):
 class ColumnParallelLinear(_TPLinear):
     """Y_i = X A_i^T (+ b_i): the weight (out/tp, in) is full.chunk(tp, dim=0)[rank]."""
 
-    def __init__(self, in_features, out_features, tp, bias=False, gather_output=False, sequence_parallel=False,
-                 async_overlap=False):
+    def __init__(self, in_features, out_features, tp, bias=False, gather_output=False,
+                 sequence_parallel=False, async_overlap=False):
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel and tp.size > 1
@@ -138,9 +141,10 @@ def column_parallel_group(x, layers):
     input collective for all of them: enter_tp_region then the layers, or, with async_overlap,
     one async_linear Function whose backward overlaps that collective with the weight gradients."""
     first = layers[0]
-    if any((l.tp, l.sequence_parallel, l.async_overlap) != (first.tp, first.sequence_parallel, first.async_overlap)
-           for l in layers):
-        raise ValueError("column_parallel_group: the layers must share tp, sequence_parallel and async_overlap")
+    if any((l.tp, l.sequence_parallel, l.async_overlap)
+           != (first.tp, first.sequence_parallel, first.async_overlap) for l in layers):
+        raise ValueError("column_parallel_group: the layers must share tp, sequence_parallel "
+                         "and async_overlap")
     if first.async_overlap:
         return async_column_parallel(x, [l.weight for l in layers], first.tp, first.sequence_parallel,
                                      [l.bias for l in layers])
@@ -151,7 +155,8 @@ def column_parallel_group(x, layers):
 class RowParallelLinear(_TPLinear):
     """Z = sum_i Y_i B_i^T (+ b): the weight (out, in/tp) is full.chunk(tp, dim=1)[rank]."""
 
-    def __init__(self, in_features, out_features, tp, bias=False, input_is_parallel=True, sequence_parallel=False):
+    def __init__(self, in_features, out_features, tp, bias=False, input_is_parallel=True,
+                 sequence_parallel=False):
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel and tp.size > 1
@@ -197,4 +202,5 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp_region(partial, self.tp)
 
     def extra_repr(self):
-        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}, rows=[{self.vocab_start}, {self.vocab_end})"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}, "
+                f"rows=[{self.vocab_start}, {self.vocab_end})")

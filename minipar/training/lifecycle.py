@@ -120,7 +120,8 @@ class Preempted(Exception):
 
     def __init__(self, step: int, path: str, signum: int):
         self.step, self.path, self.signum = step, path, signum
-        super().__init__(f"stopped on {signal.Signals(signum).name} after step {step}; saved {path}. Continue "
+        super().__init__(f"stopped on {signal.Signals(signum).name} after step {step}; saved {path}. "
+                         f"Continue "
                          f"with --resume_from_checkpoint latest")
 
 

@@ -37,7 +37,8 @@ def open_metrics(path: str, start_step: int, log: Callable[[str], None]):
     if start_step > 0 and os.path.exists(path):    # keep the lines of the steps before the resume
         records, dropped = read_jsonl(path)         # a line cut by a crash is dropped
         if dropped:
-            log(f"note: {path}: dropped {len(dropped)} unreadable line(s) (line {', '.join(map(str, dropped))}; "
+            log(f"note: {path}: dropped {len(dropped)} unreadable line(s) "
+                f"(line {', '.join(map(str, dropped))}; "
                 f"a write cut short by the crash)")
         history = [r for r in records if r.get("step", 0) <= start_step]
     # rewrite through a temporary file: a crash here must not lose the lines kept

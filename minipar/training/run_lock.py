@@ -116,7 +116,8 @@ def _alive(info: dict) -> bool:
 
 def _refuse(path: str, output_dir: str, info: dict) -> ValueError:
     where = "" if info["host"] == host() else " (on another host: its liveness cannot be checked from here)"
-    return ValueError(f"output_dir {output_dir} is in use by another run: pid {info['pid']} on {info['host']}, "
+    return ValueError(f"output_dir {output_dir} is in use by another run: "
+                      f"pid {info['pid']} on {info['host']}, "
                       f"started {info.get('started', '?')}{where}. Use another output_dir, wait for that run "
                       f"to end, or delete {path} if it is gone")
 
@@ -201,7 +202,8 @@ def check_writable(output_dir: str, metrics_path: str) -> None:
     """Create output_dir and the metrics file's directory and write a probe file into each;
     a ValueError of one line naming the path and the reason otherwise. Every rank calls it."""
     probe_name = f".minipar-write-probe-{host()}-{os.getpid()}"
-    for key, directory in (("output_dir", output_dir), ("metrics_file", os.path.dirname(metrics_path) or ".")):
+    for key, directory in (("output_dir", output_dir),
+                           ("metrics_file", os.path.dirname(metrics_path) or ".")):
         try:
             os.makedirs(directory, exist_ok=True)
             probe = os.path.join(directory, probe_name)
@@ -209,7 +211,8 @@ def check_writable(output_dir: str, metrics_path: str) -> None:
                 f.write("minipar write probe\n")
             os.remove(probe)
         except OSError as e:
-            raise ValueError(f"{key} {directory!r} cannot be written: {_reason(directory, e)}; choose another "
+            raise ValueError(f"{key} {directory!r} cannot be written: {_reason(directory, e)}; "
+                             f"choose another "
                              f"{key}") from None
     if os.path.isdir(metrics_path):
         raise ValueError(f"metrics_file {metrics_path!r} is a directory; choose a file path")

@@ -1,7 +1,8 @@
-"""Export a minipar checkpoint (sharded or full, from any layout) as a Hugging Face directory.
+r"""Export a minipar checkpoint (sharded or full, from any layout) as a Hugging Face directory.
 
     python -m minipar.training.checkpoint.export out/default/step-300 out/default/hf-step-300
-    python -m minipar.training.checkpoint.export out/finetune/step-100 out/finetune/hf-100 --tokenizer out/example/model
+    python -m minipar.training.checkpoint.export out/finetune/step-100 out/finetune/hf-100 \
+        --tokenizer out/example/model
 
 Runs on one process: the checkpoint's manifest holds the model config, every shard file is read,
 the full tensors are rebuilt by HF name (save_load.py does the resharding), and
@@ -47,7 +48,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Export a minipar checkpoint as a Hugging Face directory.")
     parser.add_argument("checkpoint", help="a step-N checkpoint directory")
     parser.add_argument("hf_dir", help="where to write config.json and model.safetensors")
-    parser.add_argument("--tokenizer", help="a directory whose tokenizer files to copy beside (default: the run's "
+    parser.add_argument("--tokenizer",
+                        help="a directory whose tokenizer files to copy beside (default: the run's "
                         "tokenizer_config or base_model; a byte-level run gets its byte tokenizer)")
     args = parser.parse_args(argv)
     print(f"exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.hf_dir, args.tokenizer)}")

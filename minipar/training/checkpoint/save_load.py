@@ -27,8 +27,9 @@ kind). A load costs one status all-reduce: every rank checks the files itself fi
 a damaged checkpoint together and none is left waiting in a collective. Atomicity, the manifest
 and the checksums are atomic.py and verify.py. The scheme is
 torch.distributed.checkpoint's (save local shards with their global placement, reshard at load)
-in miniature; ZeRO-3 is Rajbhandari et al. (2020). Each loading rank holds the full model and optimizer in CPU memory for a moment: simple and
-fine at minipar's sizes, where DCP would read only the overlapping pieces.
+in miniature; ZeRO-3 is Rajbhandari et al. (2020). Each loading rank holds the full model and
+optimizer in CPU memory for a moment: simple and fine at minipar's sizes, where DCP would read
+only the overlapping pieces.
 """
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ def load_checkpoint(directory: str, model, optimizer, pgm, *, scheduler=None) ->
         manifest = ck_verify.verify(directory)
         ck_verify.remember_verified(directory, manifest)   # hashed just now: rotation need not hash it again
         groups = len(optimizer.param_groups) if optimizer is not None else None
-        ck_files.check_model(directory, manifest, ck_files.config_dict(model), _param_shapes(model, pgm), groups)
+        ck_files.check_model(directory, manifest, ck_files.config_dict(model), _param_shapes(model, pgm),
+                             groups)
     except Exception as e:                       # noqa: BLE001 - every rank learns of it below
         error = e
     if cio.agree(error is not None, pgm, _device(model)):
@@ -157,7 +159,8 @@ def load_checkpoint(directory: str, model, optimizer, pgm, *, scheduler=None) ->
     if scheduler is not None and trainer["scheduler"] is not None:
         scheduler.load_state_dict(trainer["scheduler"])
     rng = f"rng/rank-{pgm.global_rank:05d}.pt"    # a rank the saving run did not have takes rank 0's
-    ck_files.set_rng_state(ck_files.load(os.path.join(directory, rng if rng in files else "rng/rank-00000.pt")))
+    ck_files.set_rng_state(ck_files.load(os.path.join(directory,
+                                                      rng if rng in files else "rng/rank-00000.pt")))
     return trainer["extra"]
 
 

@@ -39,7 +39,8 @@ def check(cfg) -> None:
         problems.append(kind(message))
 
     positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
-                "dp_replicate_size", "context_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"]
+                "dp_replicate_size", "context_parallel_size", "tensor_parallel_size",
+                "pipeline_parallel_size"]
     for key in positive:                  # (None: derived later, from the world or the dataset)
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             bad(f"{key} must be >= 1, got {getattr(cfg, key)}")
@@ -70,7 +71,8 @@ def check(cfg) -> None:
     if cfg.dtype not in ("float32", "bfloat16"):
         bad(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
     if cfg.fsdp.state_dict_type not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
-        bad(f"fsdp.state_dict_type must be SHARDED_STATE_DICT or FULL_STATE_DICT, got {cfg.fsdp.state_dict_type!r}")
+        bad(f"fsdp.state_dict_type must be SHARDED_STATE_DICT or FULL_STATE_DICT, "
+            f"got {cfg.fsdp.state_dict_type!r}")
     if cfg.fsdp.wrap != ["LlamaDecoderLayer"]:
         bad(f"fsdp.wrap: only [LlamaDecoderLayer] units are known, got {cfg.fsdp.wrap}")
     if cfg.ddp not in ("naive", "bucketed"):

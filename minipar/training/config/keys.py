@@ -88,8 +88,9 @@ def translate(data: dict, unknown: list, notes: List[str]) -> dict:
             merged[FSDP_MAPPED[key]] = value
         elif key == "offload_params":
             if value not in (False, None):
-                raise ValueError(f"fsdp_config.{raw_key}: {value!r} (CPU offload of parameters) is not supported: "
-                                 f"minipar keeps parameters and optimizer states on the device; set it to false")
+                raise ValueError(f"fsdp_config.{raw_key}: {value!r} (CPU offload of parameters) "
+                                 f"is not supported: minipar keeps parameters and optimizer states "
+                                 f"on the device; set it to false")
         elif key == "activation_checkpointing":
             if "gradient_checkpointing" in data and data["gradient_checkpointing"] != value:
                 raise ValueError(f"fsdp_config.{raw_key}: {value!r} contradicts gradient_checkpointing: "
@@ -107,8 +108,9 @@ def translate(data: dict, unknown: list, notes: List[str]) -> dict:
         else:
             unknown.append((raw_key, list(FSDP_CONFIG_KEYS), "fsdp_config."))
     if ignored:
-        notes.append(f"fsdp_config: {', '.join(ignored)} have no effect in minipar (every rank draws the same "
-                     f"weights, the optimizer steps the flat shards, the prefetch depth bounds the gathers)")
+        notes.append(f"fsdp_config: {', '.join(ignored)} have no effect in minipar "
+                     f"(every rank draws the same weights, the optimizer steps the flat shards, "
+                     f"the prefetch depth bounds the gathers)")
     data["fsdp"] = merged
     return data
 
@@ -129,12 +131,14 @@ def resolve(cfg, given: set, notes: List[str]) -> None:
         notes.append(f"bf16: auto -> dtype {cfg.dtype}"
                      + ("" if cfg.dtype == "bfloat16" else " (no GPU with bfloat16 here)"))
     if cfg.lr_scheduler not in LR_SCHEDULERS:
-        raise ValueError(f"lr_scheduler {cfg.lr_scheduler!r} is not supported; supported: {list(LR_SCHEDULERS)} "
-                         f"(linear warmup over warmup_steps, then cosine decay to min_lr_ratio x learning_rate)")
+        raise ValueError(f"lr_scheduler {cfg.lr_scheduler!r} is not supported; "
+                         f"supported: {list(LR_SCHEDULERS)} (linear warmup over warmup_steps, "
+                         f"then cosine decay to min_lr_ratio x learning_rate)")
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {cfg.optimizer!r} is not supported; supported: {list(OPTIMIZERS)}")
     if cfg.fsdp_version is not None and cfg.fsdp_version not in FSDP_VERSIONS:
-        raise ValueError(f"fsdp_version {cfg.fsdp_version!r} is not supported; supported: {list(FSDP_VERSIONS)} "
+        raise ValueError(f"fsdp_version {cfg.fsdp_version!r} is not supported; "
+                         f"supported: {list(FSDP_VERSIONS)} "
                          f"(both mean minipar's ZeRO-3 over dp_shard_size)")
     if cfg.gradient_accumulation_steps is not None and cfg.gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {cfg.gradient_accumulation_steps}")
@@ -161,27 +165,33 @@ def resolve_batch(cfg, dp: int) -> int:
     if G is None:
         if M is None:
             raise ValueError(f"{named}: set micro_batch_size (samples per forward per rank) so that "
-                             f"global_batch_size = micro_batch_size x gradient_accumulation_steps x dp ({dp})")
+                             f"global_batch_size = micro_batch_size x gradient_accumulation_steps "
+                             f"x dp ({dp})")
         G = M * (A or 1) * dp
     elif M is None and A is None:
         if G % dp:
-            raise ValueError(f"global_batch_size {G} is not divisible by the data-parallel size dp_replicate x "
+            raise ValueError(f"global_batch_size {G} is not divisible by the data-parallel size "
+                             f"dp_replicate x "
                              f"dp_shard = {dp}; use a multiple of {dp}")
         M, A = G // dp, 1
     elif M is None:
         if G % (A * dp):
-            raise ValueError(f"{named}: global_batch_size is not divisible by gradient_accumulation_steps x dp = "
+            raise ValueError(f"{named}: global_batch_size is not divisible by "
+                             f"gradient_accumulation_steps x dp = "
                              f"{A} x {dp} = {A * dp}; change one of them")
         M = G // (A * dp)
     elif A is None:
         if G % (M * dp):
-            raise ValueError(f"global_batch_size {G} is not a multiple of micro_batch_size {M} x data-parallel "
+            raise ValueError(f"global_batch_size {G} is not a multiple of micro_batch_size {M} "
+                             f"x data-parallel "
                              f"size {dp} = {M * dp}; use a global_batch_size that is a multiple of {M * dp}, "
                              f"or change micro_batch_size")
         A = G // (M * dp)
     elif G != M * A * dp:
-        raise ValueError(f"{named} contradict each other: micro_batch_size x gradient_accumulation_steps x dp = "
-                         f"{M} x {A} x {dp} = {M * A * dp}, not {G}; give two of the three and the third follows "
+        raise ValueError(f"{named} contradict each other: "
+                         f"micro_batch_size x gradient_accumulation_steps x dp = "
+                         f"{M} x {A} x {dp} = {M * A * dp}, not {G}; "
+                         f"give two of the three and the third follows "
                          f"(null derives it, e.g. --global_batch_size null)")
     cfg.global_batch_size, cfg.micro_batch_size, cfg.gradient_accumulation_steps = G, M, A
     return A
@@ -196,6 +206,7 @@ def resolve_max_steps(cfg, samples_per_epoch: int, notes: List[str]) -> None:
                      f"(max_steps wins, as in Axolotl; max_steps: null trains by epochs)")
         return
     cfg.max_steps = max(1, math.ceil(cfg.num_epochs * samples_per_epoch / cfg.global_batch_size))
-    notes.append(f"num_epochs {cfg.num_epochs:g}: max_steps = ceil({cfg.num_epochs:g} x {samples_per_epoch} samples "
+    notes.append(f"num_epochs {cfg.num_epochs:g}: "
+                 f"max_steps = ceil({cfg.num_epochs:g} x {samples_per_epoch} samples "
                  f"per epoch / global batch {cfg.global_batch_size}) = {cfg.max_steps}")
 

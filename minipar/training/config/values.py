@@ -38,7 +38,8 @@ def unknown_keys_error(unknown: List[tuple]) -> ValueError:
         hint = f" Did you mean '{prefix}{near[0]}'?" if near else ""
         parts.append((f"'{prefix}{key}'", hint))
         valid_lists[prefix] = valid
-    lists = "; ".join(f"Valid keys{' of ' + p[:-1] if p else ''}: {', '.join(v)}" for p, v in valid_lists.items())
+    lists = "; ".join(f"Valid keys{' of ' + p[:-1] if p else ''}: {', '.join(v)}"
+                      for p, v in valid_lists.items())
     if len(parts) == 1:
         return ValueError(f"unknown config key {parts[0][0]}.{parts[0][1]} {lists}")
     listed = ", ".join(f"{name}{' (' + hint.strip() + ')' if hint else ''}" for name, hint in parts)
@@ -96,7 +97,8 @@ def _coerce(key: str, value, typ):
     if typing.get_origin(typ) in (list, List):
         item = (typing.get_args(typ) or (object,))[0]
         if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
-            raise ValueError(f"config key '{key}' must be a list of {getattr(item, '__name__', item)}s, got {value!r}")
+            raise ValueError(f"config key '{key}' must be a list of {getattr(item, '__name__', item)}s, "
+                             f"got {value!r}")
         return value
     return value                              # unions (bf16: true/false/auto) are checked where used
 
@@ -113,7 +115,8 @@ def _apply(obj, updates: dict, prefix: str = "", unknown: Optional[list] = None)
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current) and not prefix:   # fsdp, model: one level of nesting
             if not isinstance(value, dict):
-                raise ValueError(f"config key '{key}' must be a mapping of {', '.join(_valid_keys(type(current)))}")
+                raise ValueError(f"config key '{key}' must be a mapping of "
+                                 f"{', '.join(_valid_keys(type(current)))}")
             _apply(current, value, prefix=key + ".", unknown=collect)
         else:
             setattr(obj, key, _coerce(prefix + key, value, types[key]))

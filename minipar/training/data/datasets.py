@@ -94,9 +94,11 @@ def check_entries(entries, where: str = "datasets") -> List[dict]:
                              f"{sorted(ENTRY_KEYS)}")
         kind = e.get("type", "completion")
         if kind not in TYPES:
-            raise ValueError(f"{where}[{i}] ({e['path']}): type {kind!r} is not supported; use one of {TYPES}")
+            raise ValueError(f"{where}[{i}] ({e['path']}): type {kind!r} is not supported; "
+                             f"use one of {TYPES}")
         if kind == "chat_template" and str(e["path"]).endswith(".txt"):
-            raise ValueError(f"{where}[{i}]: type chat_template reads JSONL rows with `messages`, not the plain "
+            raise ValueError(f"{where}[{i}]: type chat_template reads JSONL rows with `messages`, "
+                             f"not the plain "
                              f"text file {e['path']}")
         out.append(dict(path=str(e["path"]), type=kind, field=e.get("field", "text"),
                         field_messages=e.get("field_messages", "messages")))
@@ -148,7 +150,8 @@ def completion_example(text, tokenizer, where: str) -> Tuple[List[int], List[int
 
 def _check_messages(messages, where: str) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: `messages` must be a non-empty list of {{role, content}}, got {messages!r}")
+        raise ValueError(f"{where}: `messages` must be a non-empty list of {{role, content}}, "
+                         f"got {messages!r}")
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"{where}: message {j} must be a mapping with `role` and `content`, got {m!r}")
@@ -219,7 +222,8 @@ def load_examples(entries: List[dict], tokenizer, sequence_len: int, train_on_in
                 ids, lab = completion_example(text, tokenizer, where)
             else:
                 if not isinstance(row, dict) or e["field_messages"] not in row:
-                    raise ValueError(f"{where}: the row has no field {e['field_messages']!r}; a chat_template "
+                    raise ValueError(f"{where}: the row has no field {e['field_messages']!r}; "
+                                     f"a chat_template "
                                      f"row is {{\"messages\": [{{\"role\": ..., \"content\": ...}}]}}")
                 ids, lab = chat_example(row[e["field_messages"]], tokenizer, train_on_inputs, where)
             if len(ids) > sequence_len and not sample_packing:
@@ -252,7 +256,8 @@ def load_examples(entries: List[dict], tokenizer, sequence_len: int, train_on_in
                     sources, notes)
 
 
-def split_validation(examples: Examples, val_set_size: float, seed: int) -> Tuple[Examples, Optional[Examples]]:
+def split_validation(examples: Examples, val_set_size: float,
+                     seed: int) -> Tuple[Examples, Optional[Examples]]:
     """(train, validation): val_set_size < 1 is a fraction of the examples, >= 1 a count, drawn by
     a permutation seeded by `seed` (the same on every rank and every run); 0 holds nothing out."""
     n = len(examples)

@@ -30,7 +30,8 @@ from models.llama_init import SeededInit
 
 # a small Llama (about 4 M parameters) with what real ones carry: GQA, llama3 RoPE scaling
 EXAMPLE = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048, rope_theta=500000.0,
+               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+               rope_theta=500000.0,
                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=256))
 

@@ -38,7 +38,8 @@ def pack_plan(lengths: List[int], sequence_len: int, seed: int, packing: bool) -
     """Which examples fill each row: [[i, ...], ...]; without packing one example per row, in order."""
     too_long = [i for i, n in enumerate(lengths) if n > sequence_len]
     if too_long:
-        raise ValueError(f"example {too_long[0]} has {lengths[too_long[0]]} tokens > sequence_len {sequence_len}")
+        raise ValueError(f"example {too_long[0]} has {lengths[too_long[0]]} tokens "
+                         f"> sequence_len {sequence_len}")
     if not packing:
         return [[i] for i in range(len(lengths))]
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed + 104729)).tolist()
@@ -105,7 +106,8 @@ class PackedData:
         self.fingerprint = h.hexdigest()[:16]
 
     def take(self, index: torch.Tensor) -> Dict[str, torch.Tensor]:
-        keys = ("input_ids", "labels", "position_ids", "document_ids") if self.packing else ("input_ids", "labels")
+        keys = (("input_ids", "labels", "position_ids", "document_ids") if self.packing
+                else ("input_ids", "labels"))
         return {k: self.rows[k][index] for k in keys}
 
     def fill(self) -> float:

@@ -280,8 +280,9 @@ def _wait(path: str, error_path: str, key: str, tokenizer, timeout_s: float, roo
             except DamagedEntry:
                 seen = stamp            # the writer is replacing it: check again when it changes
         if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:g} s (ddp_timeout) for local rank 0 to prepare the dataset "
-                               f"into {path} (dataset_prepared_path {root}); see local rank 0's error, or raise "
+            raise TimeoutError(f"waited {timeout_s:g} s (ddp_timeout) for local rank 0 "
+                               f"to prepare the dataset into {path} (dataset_prepared_path {root}); "
+                               f"see local rank 0's error, or raise "
                                f"ddp_timeout if preparing takes longer")
         time.sleep(POLL_S)
 

@@ -86,13 +86,15 @@ def load_tokenizer(path: Optional[str]):
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ImportError("tokenizer_config needs the transformers package: pip install transformers") from None
+        raise ImportError("tokenizer_config needs the transformers package: "
+                          "pip install transformers") from None
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"tokenizer_config={path!r}: AutoTokenizer cannot load it ({err})") from None
     if not getattr(tok, "is_fast", False):
-        raise ValueError(f"tokenizer_config={path!r} loaded a slow tokenizer; label masking needs the character "
+        raise ValueError(f"tokenizer_config={path!r} loaded a slow tokenizer; "
+                         f"label masking needs the character "
                          f"offsets of a fast one (a tokenizer.json)")
     return HFTokenizer(tok, path)
 
@@ -139,9 +141,11 @@ def save_byte_tokenizer(directory: str) -> list:
     the names. AutoTokenizer.from_pretrained(directory) then encodes as ByteTokenizer does."""
     byte_level = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=False, use_regex=False)
     stand_in = bytes_to_unicode()
-    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-                 "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
-                 "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                 "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None,
+                 "decoder": byte_level,
+                 "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                           "continuing_subword_prefix": None,
                            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                            "vocab": {stand_in[b]: b for b in range(ByteTokenizer.vocab_size)}, "merges": []}}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,

@@ -71,7 +71,8 @@ def planner_estimate(cfg):
     if res.returncode != 0:
         return None, f"minipar.plan failed ({' '.join(cmd[1:])}): {res.stderr.strip()[-300:]}"
     try:
-        return json.loads(res.stdout), "python -m minipar.plan --model config.json --world 1 --gpus-per-node 1 --json"
+        return json.loads(res.stdout), ("python -m minipar.plan --model config.json --world 1 "
+                                        "--gpus-per-node 1 --json")
     except json.JSONDecodeError:
         return None, f"minipar.plan printed no JSON: {res.stdout[:200]!r}"
 
@@ -93,7 +94,8 @@ def attention_check(cfg, batch, seq, device, dtype, iters=3):
     from minipar.context_parallel.fused_attention import block_backward, block_forward, default_scale
     g = torch.Generator(device="cpu").manual_seed(0)
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q, k, v, dout = (torch.randn(batch, h, seq, hd, generator=g).to(device, dtype) for h in (hq, hkv, hkv, hq))
+    q, k, v, dout = (torch.randn(batch, h, seq, hd, generator=g).to(device, dtype)
+                     for h in (hq, hkv, hkv, hq))
     scale = default_scale(hd, None)
     times = []
     for _ in range(iters + 1):
@@ -107,7 +109,8 @@ def attention_check(cfg, batch, seq, device, dtype, iters=3):
     ref = torch.nn.functional.scaled_dot_product_attention(
         x[0], x[1].repeat_interleave(hq // hkv, 1), x[2].repeat_interleave(hq // hkv, 1), is_causal=True)
     ref.backward(dout.float())
-    err = max((a.float() - b.float()).abs().max().item() for a, b in ((out, ref), (dq, x[0].grad), (dk, x[1].grad)))
+    err = max((a.float() - b.float()).abs().max().item()
+              for a, b in ((out, ref), (dq, x[0].grad), (dk, x[1].grad)))
     return dict(kernel=ctx[0], ms=1e3 * min(times[1:]), max_abs_err_vs_sdpa=err)
 
 
@@ -181,18 +184,23 @@ def main(argv=None):
                   attention=attention_check(cfg, mb, seq, device, torch.bfloat16))
     result["planner"], result["planner_note"] = planner_estimate(cfg)
     print(f"{result['device']} ({backend}), {n_params / 1e9:.3f} B parameters, {mb} x {seq} tokens, bf16: "
-          f"{result['step_ms']:.0f} ms/step, {result['tokens_per_s']:.0f} tokens/s, MFU {100 * result['mfu']:.1f} % "
+          f"{result['step_ms']:.0f} ms/step, {result['tokens_per_s']:.0f} tokens/s, "
+          f"MFU {100 * result['mfu']:.1f} % "
           f"(of {args.peak_tflops:.0f} TFLOP/s)")
     print(f"peak memory {peak / 2 ** 30:.2f} GiB measured; planner: "
-          + (json.dumps(result["planner"])[:400] if result["planner"] is not None else result["planner_note"]))
+          + (json.dumps(result["planner"])[:400] if result["planner"] is not None
+             else result["planner_note"]))
     a = result["attention"]
     print(f"fused block attention ({a['kernel']}): {a['ms']:.2f} ms forward+backward of one "
-          f"{mb}x{cfg.num_attention_heads}x{seq}x{cfg.head_dim} block, max |error| vs SDPA {a['max_abs_err_vs_sdpa']:.2e}")
-    out = args.out or (os.path.join(ROOT, "benchmarks", "results", "bench_gpu.json") if device.type == "cuda" else None)
+          f"{mb}x{cfg.num_attention_heads}x{seq}x{cfg.head_dim} block, "
+          f"max |error| vs SDPA {a['max_abs_err_vs_sdpa']:.2e}")
+    out = args.out or (os.path.join(ROOT, "benchmarks", "results", "bench_gpu.json")
+                       if device.type == "cuda" else None)
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
-            json.dump(dict(status="measured", command="python benchmarks/bench_gpu.py " + " ".join(argv or sys.argv[1:]),
+            json.dump(dict(status="measured",
+                           command="python benchmarks/bench_gpu.py " + " ".join(argv or sys.argv[1:]),
                            result=result), f, indent=1)
     dist.destroy_process_group()
     return result

@@ -1,7 +1,8 @@
-"""Start-up memory: a 317 M parameter Llama checkpoint loaded on 8 ranks and on 1, meta-device
+r"""Start-up memory: a 317 M parameter Llama checkpoint loaded on 8 ranks and on 1, meta-device
 construction with sliced reads against today's path (build the full TP-local model, then shard).
 
-    .venv/bin/python benchmarks/bench_load.py [--dir /tmp/minipar-bench-load] [--out benchmarks/results/bench_load.md]
+    .venv/bin/python benchmarks/bench_load.py [--dir /tmp/minipar-bench-load] \
+        [--out benchmarks/results/bench_load.md]
 
 The checkpoint (bf16, ~0.6 GiB in 512 MiB safetensors shards, random weights) is written once by
 minipar.training.data.make_example.write_checkpoint, tensor by tensor. Each run launches its ranks as
@@ -97,8 +98,8 @@ def launch(mode: str, world: int, directory: str):
     tmp = tempfile.mkdtemp(prefix="minipar-bench-load-")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", mode, "--rank", str(r),
-                               "--world", str(world), "--store", os.path.join(tmp, "store"), "--dir", directory,
-                               "--result", os.path.join(tmp, f"r{r}.json")], env=env)
+                               "--world", str(world), "--store", os.path.join(tmp, "store"),
+                               "--dir", directory, "--result", os.path.join(tmp, f"r{r}.json")], env=env)
              for r in range(world)]
     codes = [p.wait(timeout=1800) for p in procs]
     if any(codes):
@@ -110,7 +111,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "minipar-bench-load"))
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_load.md"))
-    parser.add_argument("--tiny", action="store_true", help="a 4 M parameter model: a smoke test of the script")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a 4 M parameter model: a smoke test of the script")
     parser.add_argument("--worker", choices=["meta", "full"], help=argparse.SUPPRESS)
     for a in ("--rank", "--world"):
         parser.add_argument(a, type=int, help=argparse.SUPPRESS)
@@ -124,8 +126,8 @@ def main(argv=None):
     from minipar.training.data.make_example import write_checkpoint
     from models.llama_config import LlamaConfig
     if args.tiny:
-        CFG.update(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                   num_key_value_heads=4)
+        CFG.update(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=4)
         args.dir += "-tiny"
     if not os.path.exists(os.path.join(args.dir, "config.json")):
         t = time.perf_counter()
@@ -144,14 +146,17 @@ def main(argv=None):
             theory = r["shards"] + r["unit"] + r["baseline"]
             rows.append((mode, world, r["rank"], r["baseline"] / MB, r["shards"] / MB, r["unit"] / MB,
                          theory / MB, r["peak"] / MB, r["peak"] / theory, r["seconds"]))
-    lines = ["# bench_load: start-up memory, meta-device construction + sliced loading vs the full TP-local model",
+    lines = ["# bench_load: start-up memory, meta-device construction + sliced loading "
+             "vs the full TP-local model",
              "",
-             f"Llama {CFG}, {n_params / 1e6:.0f} M parameters; checkpoint bf16, {file_mb:.0f} MiB in safetensors "
-             f"shards; 8 ranks = dp_shard 2 x cp 2 x tp 2 (ZeRO-3 over dp_shard_cp = 4, TP 2); gloo on CPU, fresh "
-             f"processes, 1 thread each; torch {torch.__version__}. MiB per rank; theory = shards + one unit + "
-             f"baseline; the goal is peak <= 1.3 x theory.",
+             f"Llama {CFG}, {n_params / 1e6:.0f} M parameters; checkpoint bf16, "
+             f"{file_mb:.0f} MiB in safetensors shards; "
+             f"8 ranks = dp_shard 2 x cp 2 x tp 2 (ZeRO-3 over dp_shard_cp = 4, TP 2); gloo on CPU, "
+             f"fresh processes, 1 thread each; torch {torch.__version__}. MiB per rank; "
+             f"theory = shards + one unit + baseline; the goal is peak <= 1.3 x theory.",
              "",
-             "| path | ranks | rank | baseline | shards | largest unit | theory | peak | peak / theory | load s |",
+             "| path | ranks | rank | baseline | shards | largest unit | theory | peak | peak / theory "
+             "| load s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for mode, world, rank, base, shards, unit, theory, peak, ratio, sec in rows:
         name = "meta + sliced read" if mode == "meta" else "full TP-local model, then shard (before)"

@@ -46,7 +46,7 @@ from minipar import ParallelismConfig, comm_ledger  # noqa: E402
 from minipar.pipeline_parallel import Recorder, build_stage, run_schedule, schedule_order, simulate  # noqa: E402
 from minipar.pipeline_parallel.schedules import peak_in_flight, theory_bubble  # noqa: E402
 from models.llama import LlamaForCausalLM  # noqa: E402
-from models.llama_config import LlamaConfig
+from models.llama_config import LlamaConfig  # noqa: E402
 
 SCHEDULE_V = (("afab", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
 
@@ -132,11 +132,13 @@ def _draw(results, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.0 + 0.55 * sum(r["p"] for r in results)), squeeze=False)
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.0 + 0.55 * sum(r["p"] for r in results)),
+                             squeeze=False)
     for ax, res in zip(axes[:, 0], results):
         for rank, row in enumerate(res["rows"]):
             for kind, chunk, micro, s, e in row["events"]:
-                color = ("#4c72b0", "#8fb0e0")[chunk % 2] if kind == "F" else ("#55a868", "#a5d6a7")[chunk % 2]
+                color = (("#4c72b0", "#8fb0e0")[chunk % 2] if kind == "F"
+                         else ("#55a868", "#a5d6a7")[chunk % 2])
                 ax.barh(rank, (e - s) * 1e3, left=s * 1e3, color=color, edgecolor="black", linewidth=0.4)
                 if (e - s) / res["step"] > 0.012:
                     label = f"{kind}{micro}" + ("ab"[chunk] if res["v"] > 1 else "")
@@ -144,7 +146,8 @@ def _draw(results, path):
         ax.set_yticks(range(res["p"]), [f"stage {r}" for r in range(res["p"])])
         ax.invert_yaxis()
         bubble = sum(r["bubble"] for r in res["rows"]) / res["p"]
-        ax.set_title(f"{res['schedule']}  p={res['p']} m={res['m']}" + (f" v={res['v']}" if res["v"] > 1 else "")
+        ax.set_title(f"{res['schedule']}  p={res['p']} m={res['m']}"
+                     + (f" v={res['v']}" if res["v"] > 1 else "")
                      + f": step {res['step'] * 1e3:.0f} ms, mean bubble {bubble:.2f} (theory "
                      f"{theory_bubble(res['schedule'], res['p'], res['m'], res['v']):.2f}); F blue, B green"
                      + (", lighter = chunk b" if res["v"] > 1 else ""), fontsize=8)
@@ -184,10 +187,12 @@ def main(argv=None):
         f"{args.seq} tokens, fp32, CPU, gloo, one torch thread per forked rank, torch {torch.__version__}; "
         f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} when run. bytes(h) = "
         f"{act / 2 ** 20:.2f} MiB. Best of {args.iters} steps. `bubble` is measured (idle / step time), "
-        f"`ideal` the same action lists simulated with the measured mean F and B times, `theory` the formula. "
+        f"`ideal` the same action lists simulated with the measured mean F and B times, "
+        f"`theory` the formula. "
         f"`live` is the peak count of micro-batch chunks held for backward (theory in brackets); `saved` "
         f"the peak bytes autograd held for them.", "",
-        "| schedule | p | m | v | stage | step ms | bubble | ideal | theory | live (theory) | saved MiB | sent MiB |",
+        "| schedule | p | m | v | stage | step ms | bubble | ideal | theory | live (theory) | saved MiB "
+        "| sent MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     totals = []
     for res in results:
@@ -195,13 +200,15 @@ def main(argv=None):
         for rank, r in enumerate(res["rows"]):
             lines.append(f"| {res['schedule']} | {res['p']} | {res['m']} | {res['v']} | {rank} | "
                          f"{res['step'] * 1e3:.0f} | {r['bubble']:.3f} | {r['ideal']:.3f} | {th:.3f} | "
-                         f"{r['live']} ({r['peak_theory']}) | {r['saved'] / 2 ** 20:.1f} | {r['sent'] / 2 ** 20:.2f} |")
+                         f"{r['live']} ({r['peak_theory']}) | {r['saved'] / 2 ** 20:.1f} | "
+                         f"{r['sent'] / 2 ** 20:.2f} |")
         boundaries = res["v"] * res["p"] - 1
         totals.append(f"| {res['schedule']} | {res['p']} | {res['m']} | {res['v']} | "
                       f"{sum(r['sent'] for r in res['rows']) / 2 ** 20:.2f} | "
                       f"2 x {boundaries} x {res['m']} x {act / 2 ** 20:.2f} = "
                       f"{2 * boundaries * res['m'] * act / 2 ** 20:.2f} |")
-    lines += ["", "Bytes sent per step over the whole pipeline (ledger) against 2 x boundaries x m x bytes(h):", "",
+    lines += ["", "Bytes sent per step over the whole pipeline (ledger) "
+              "against 2 x boundaries x m x bytes(h):", "",
               "| schedule | p | m | v | sent MiB | theory MiB |", "|---|---|---|---|---|---|", *totals]
     big_p, big_m = max(args.stages), max(args.micro)
     drawn = [r for r in results if r["p"] == big_p and r["m"] == big_m]

@@ -4,8 +4,9 @@ sequence with torch's SDPA and `enable_gqa=True` (no repeated K/V heads: the fai
 What is timed: one attention forward + backward, q (1, 8, T, 64), k and v (1, 4, T, 64), fp32,
 causal. Ring attention: each of the cp ranks holds its zigzag share (T/cp tokens) and K/V blocks
 (and dK/dV in backward) hop round the ring; two more variants show what zigzag balancing and the
-overlap of the next hop with this block's compute are worth (contiguous chunks; overlap off). torch < 2.5 has no `enable_gqa`: the baseline then
-repeats the K/V heads and says so in its result ("gqa": "repeat_interleave").
+overlap of the next hop with this block's compute are worth (contiguous chunks; overlap off).
+torch < 2.5 has no `enable_gqa`: the baseline then repeats the K/V heads and says so in its
+result ("gqa": "repeat_interleave").
 
 Bytes per rank per step (L = T/cp, fp32): forward (cp-1) x 2 L Hkv D 4, backward twice that.
 """
@@ -16,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from common import timed_world
 
-CP = ["SDPA 1 process (enable_gqa)", "ring attention", "ring attention, no overlap", "ring attention, contiguous"]
+CP = ["SDPA 1 process (enable_gqa)", "ring attention", "ring attention, no overlap",
+      "ring attention, contiguous"]
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
 
 

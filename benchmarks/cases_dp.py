@@ -101,7 +101,8 @@ def dp_world(variant, size, steps):
 
     def build():
         sharded = "DDP" not in variant
-        pgm = minipar.init(ParallelismConfig(**(dict(dp_shard_size=n) if sharded else dict(dp_replicate_size=n))))
+        sizes = dict(dp_shard_size=n) if sharded else dict(dp_replicate_size=n)
+        pgm = minipar.init(ParallelismConfig(**sizes))
         cfg = size.llama()
         model = LlamaForCausalLM(cfg, pgm if mine else None, seed=0)
         probe = lambda: 0  # noqa: E731
@@ -199,7 +200,8 @@ def _torch_ddp_bytes(state):
 
     from models.llama import LlamaForCausalLM
     pgm = state["pgm"]
-    model = DistributedDataParallel(LlamaForCausalLM(state["cfg"], None, seed=0), process_group=pgm.dp_replicate.group)
+    model = DistributedDataParallel(LlamaForCausalLM(state["cfg"], None, seed=0),
+                                    process_group=pgm.dp_replicate.group)
     counted = [0]
 
     def hook(st, bucket):

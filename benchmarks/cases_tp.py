@@ -96,7 +96,8 @@ def dtensor_model(cfg, mesh, sp):
             # attention's inputs are (x, cos, sin, document_ids): only x is a sequence shard
             plan[p + "self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
                                                        desired_input_layouts=(Replicate(), None, None, None))
-            plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                 desired_input_layouts=(Replicate(),))
     parallelize_module(model, mesh, plan)
     for layer in model.model.layers:     # the attention code reshapes by its local head counts
         layer.self_attn.local_heads //= mesh.size()
@@ -118,7 +119,8 @@ def tp_world(variant, size, steps):
         ids = torch.randint(0, cfg.vocab_size, (size.rows, size.seq), generator=g)
         labels = torch.randint(0, cfg.vocab_size, (size.rows, size.seq), generator=g)
         if variant.startswith("minipar"):
-            model = LlamaForCausalLM(cfg, minipar.init(ParallelismConfig(tp_size=n, sequence_parallel=sp)), seed=0)
+            model = LlamaForCausalLM(cfg, minipar.init(ParallelismConfig(tp_size=n, sequence_parallel=sp)),
+                                     seed=0)
 
             def loss_fn():
                 model(ids, labels=labels).backward()

@@ -50,7 +50,8 @@ class Size:
 
     def llama(self):
         from models.llama_config import LlamaConfig
-        return LlamaConfig(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
+        return LlamaConfig(vocab_size=self.vocab, hidden_size=self.hidden,
+                           intermediate_size=self.intermediate,
                            num_hidden_layers=self.layers, num_attention_heads=8, num_key_value_heads=4,
                            max_position_embeddings=max(self.seq, 128))
 

@@ -52,8 +52,8 @@ from harness import run_world  # noqa: E402
 import minipar  # noqa: E402
 from minipar import ParallelismConfig, comm, comm_ledger  # noqa: E402
 
-MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4)
+MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=4)
 BATCH = dict(global_batch_size=4, sequence_len=256)
 CP_MODEL = dict(MODEL, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2)
@@ -134,7 +134,8 @@ def _rung(layout, extras, model_kw, batch, wrap, steps):
     # one step of a tiny model of the same layout first: torch's lazily loaded kernels, autograd's
     # threads and gloo's buffers are then in the baseline, not in the rung's peak
     tiny = dict(model_kw, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
-    tiny_model = LlamaForCausalLM(LlamaConfig(**tiny, max_position_embeddings=batch["sequence_len"]), pgm, seed=0)
+    tiny_model = LlamaForCausalLM(LlamaConfig(**tiny, max_position_embeddings=batch["sequence_len"]), pgm,
+                                  seed=0)
     _wrap(tiny_model, pgm, wrap)
     T0 = 8 * pgm.cp.size * pgm.tp.size
     t_ids = torch.zeros(pgm.dp.size, T0 + 1, dtype=torch.long)
@@ -146,7 +147,8 @@ def _rung(layout, extras, model_kw, batch, wrap, steps):
     del tiny_model, tiny_opt, t_b
     resettable = _reset_peak()
     base = _rss_kib("VmRSS")
-    model = LlamaForCausalLM(LlamaConfig(**model_kw, max_position_embeddings=batch["sequence_len"]), pgm, seed=0)
+    model = LlamaForCausalLM(LlamaConfig(**model_kw, max_position_embeddings=batch["sequence_len"]), pgm,
+                             seed=0)
     _wrap(model, pgm, wrap)
     opt = build_optimizer(model, lr=1e-3)
     g = torch.Generator().manual_seed(0)
@@ -160,7 +162,8 @@ def _rung(layout, extras, model_kw, batch, wrap, steps):
         comm.all_reduce(flag, pgm.world)                     # a barrier: every rank starts together
         t0, c0 = time.perf_counter(), time.process_time()
         with comm_ledger.ledger() as led:
-            loss = model(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"], num_items_in_batch=n)
+            loss = model(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
+                         num_items_in_batch=n)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -195,7 +198,8 @@ def measure(names, rounds, steps):
                                                 gathered=ranks[0]["gathered"]))
                 last = results[name][rung][-1]
                 print(f"round {rnd + 1}/{rounds} {name:6s} {rung:20s} {1e3 * last['wall']:8.1f} ms  "
-                      f"{last['sent'] / 2 ** 20:7.2f} MiB  {last['calls']:4d} calls  {last['peak']:7.1f} MiB peak",
+                      f"{last['sent'] / 2 ** 20:7.2f} MiB  {last['calls']:4d} calls  "
+                      f"{last['peak']:7.1f} MiB peak",
                       flush=True)
     best = {}
     for name in names:
@@ -212,10 +216,12 @@ def table(name, rows) -> str:
     title, layout, model_kw, batch, rungs = LADDER[name]
     m = model_kw
     out = [f"### {title}", "",
-           f"Llama hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']} heads "
-           f"({m['num_key_value_heads']} KV), global batch {batch['global_batch_size']} x {batch['sequence_len']} "
+           f"Llama hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
+           f"{m['num_attention_heads']} heads ({m['num_key_value_heads']} KV), "
+           f"global batch {batch['global_batch_size']} x {batch['sequence_len']} "
            f"tokens, fp32, AdamW.", "",
-           "| rung | config | step ms | vs below | CPU ms | MiB sent/rank/step | calls/step | peak MiB | vs below |"
+           "| rung | config | step ms | vs below | CPU ms | MiB sent/rank/step | calls/step | peak MiB "
+           "| vs below |"
            + (" gathered MiB |" if name == "zero3" else ""),
            "|---|---|---|---|---|---|---|---|---|" + ("---|" if name == "zero3" else "")]
     prev = None
@@ -250,7 +256,8 @@ def main(argv=None):
             f"best round kept; CPU, gloo, 1 torch thread per forked rank, torch {torch.__version__}, "
             f"{os.cpu_count()} cores, load average {load:.1f} at the start ({platform.machine()}). "
             f"Bytes and calls are exact (comm ledger); peak MiB is resident memory above the rank's "
-            f"baseline; times on a shared machine are indicative (CPU ms is the slowest rank's process time).", ""]
+            f"baseline; times on a shared machine are indicative "
+            f"(CPU ms is the slowest rank's process time).", ""]
     md = "\n".join(head + [table(n, best[n]) + "\n" for n in names])
     print("\n" + md)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

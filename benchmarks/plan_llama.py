@@ -61,7 +61,8 @@ def main():
             "here ran on a GPU). H100 SXM 80 GB, 8 per node: 989 TFLOP/s dense bf16 at 0.6 efficiency, "
             "NVLink 450 GB/s, IB 50 GB/s per GPU, 10 % of memory reserved; bf16 compute with fp32 masters, "
             "AdamW; micro-batch 1, sequence 8192; prefetch 1. AC = activation checkpointing of every "
-            "decoder layer. The time model is in minipar/plan/estimate.py (per pipeline stage, pipeline.py), the search and its rules in minipar/plan/layout_search.py.", "",
+            "decoder layer. The time model is in minipar/plan/estimate.py (per pipeline stage, "
+            "pipeline.py), the search and its rules in minipar/plan/layout_search.py.", "",
             "| model | GPUs | batch (seq x len) | recommended layout | GB per GPU | step s | tokens/s "
             "| MFU |",
             "|---|---|---|---|---|---|---|---|"]

@@ -44,7 +44,8 @@ from report import COMPARISONS, report, summary  # noqa: E402
 PEERS = {"minipar ZeRO-3": "torch FSDP2", "minipar ZeRO-3 accum no-sync": "torch FSDP2 accum no-sync",
          "minipar ZeRO-3 accum sync-each": "torch FSDP2 accum no-sync", "minipar DDP": "torch DDP",
          "minipar TP": "DTensor TP", "minipar TP + SP": "DTensor TP + SP",
-         "ring attention": "SDPA 1 process (enable_gqa)", "ring attention, no overlap": "SDPA 1 process (enable_gqa)",
+         "ring attention": "SDPA 1 process (enable_gqa)",
+         "ring attention, no overlap": "SDPA 1 process (enable_gqa)",
          "ring attention, contiguous": "SDPA 1 process (enable_gqa)"}
 STEPS = {"1M": 3, "10M": 2, "50M": 1}        # timed steps per world (after one warm-up step)
 
@@ -111,7 +112,8 @@ def run_cell(comparison, size_name, ranks, rounds, steps, log, deadline=None):
                    world=1 if v.startswith("SDPA") else ranks, variant=v, peer=PEERS.get(v),
                    tokens_per_rank=size.rows * size.seq, cp_seq=size.cp_seq if comparison == "cp" else None,
                    steps_per_round=steps, rounds=rs,
-                   step_ms=spread([x["step_s"] * 1e3 for x in rs]), cpu_ms=spread([x["cpu_s"] * 1e3 for x in rs]),
+                   step_ms=spread([x["step_s"] * 1e3 for x in rs]),
+                   cpu_ms=spread([x["cpu_s"] * 1e3 for x in rs]),
                    peak_rss_mb=spread([x["peak_rss"] / MB for x in rs]))
         if row["peer"] in per_round:
             peer = per_round[row["peer"]]
@@ -145,8 +147,10 @@ def main(argv=None):
     p.add_argument("--ranks", nargs="+", type=int, default=None)
     p.add_argument("--only", nargs="+", default=list(COMPARISONS), choices=COMPARISONS)
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="directory of the results")
-    p.add_argument("--report", action="store_true", help="only regenerate README.md and summary.md from run_all.json")
-    p.add_argument("--resume", action="store_true", help="keep the cells already in the results file, run the rest")
+    p.add_argument("--report", action="store_true",
+                   help="only regenerate README.md and summary.md from run_all.json")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the cells already in the results file, run the rest")
     p.add_argument("--budget-min", type=float, default=None,
                    help="start no new cell after this many minutes (the cells left out are listed)")
     args = p.parse_args(argv)
@@ -197,18 +201,21 @@ def main(argv=None):
             meta["notes"].append(f"cut for time (--budget-min {args.budget_min:g}): not run: {left}")
             print(meta["notes"][-1], flush=True)
             break
-        print(f"[{i + 1}/{len(todo)}] {comparison}, {size}, {ranks} ranks ({time.perf_counter() - start:.0f} s)",
-              flush=True)
+        print(f"[{i + 1}/{len(todo)}] {comparison}, {size}, {ranks} ranks "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
         steps = 1 if args.quick else STEPS[size]
         try:
             deadline = None if args.budget_min is None else start + 60 * args.budget_min
-            got = run_cell(comparison, size, ranks, args.rounds, steps, lambda m: print(m, flush=True), deadline)
+            got = run_cell(comparison, size, ranks, args.rounds, steps, lambda m: print(m, flush=True),
+                           deadline)
             if len(got[0]["rounds"]) < args.rounds:
-                meta["notes"].append(f"{comparison} {size} x{ranks}: {len(got[0]['rounds'])} of {args.rounds} "
+                meta["notes"].append(f"{comparison} {size} x{ranks}: "
+                                     f"{len(got[0]['rounds'])} of {args.rounds} "
                                      f"rounds (cut for time)")
             rows += got
         except Exception as err:                         # one failed cell must not lose the others
-            meta["notes"].append(f"{comparison} {size} x{ranks} failed: {str(err).strip().splitlines()[-1][:300]}")
+            meta["notes"].append(f"{comparison} {size} x{ranks} failed: "
+                                 f"{str(err).strip().splitlines()[-1][:300]}")
             print(f"FAILED: {err}", flush=True)
         meta.update(duration_s=time.perf_counter() - start, load_end=os.getloadavg()[0])
         with open(path + ".tmp", "w") as f:             # after every cell: a crash keeps what ran

@@ -1,7 +1,8 @@
-"""Soak test: launch many short real torchrun runs back to back and count the clean exits.
+r"""Soak test: launch many short real torchrun runs back to back and count the clean exits.
 
     python benchmarks/soak.py                          30 runs, 8 ranks: dp_shard 2 x cp 2 x tp 2
-    python benchmarks/soak.py --runs 50 --nproc 4 --layout "--dp_shard_size 4 --context_parallel_size 1 --tensor_parallel_size 1"
+    python benchmarks/soak.py --runs 50 --nproc 4 \
+        --layout "--dp_shard_size 4 --context_parallel_size 1 --tensor_parallel_size 1"
 
 A run that trains, saves and exports correctly but then dies at interpreter exit (a gloo thread
 still alive while the process tears down: "terminate called without an active exception",
@@ -46,9 +47,10 @@ def _allow_core_dumps():
 
 
 def launch(nproc: int, layout: str, extra: str, out: str, timeout: float, cores: bool = False) -> dict:
-    cmd = torchrun() + ["--standalone", "--nproc-per-node", str(nproc), os.path.join(ROOT, "train.py"), *shlex.split(layout), *shlex.split(TINY),
-                        *shlex.split(extra), "--output_dir", out]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = torchrun() + ["--standalone", "--nproc-per-node", str(nproc), os.path.join(ROOT, "train.py"),
+                        *shlex.split(layout), *shlex.split(TINY), *shlex.split(extra), "--output_dir", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
     os.makedirs(out, exist_ok=True)
     try:
@@ -58,8 +60,8 @@ def launch(nproc: int, layout: str, extra: str, out: str, timeout: float, cores:
                            preexec_fn=_allow_core_dumps if cores else None)
         code, text = p.returncode, p.stdout
     except subprocess.TimeoutExpired as err:
-        code, text = "timeout", (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) \
-            else (err.stdout or "")
+        code, text = "timeout", (err.stdout or b"").decode(errors="replace") \
+            if isinstance(err.stdout, bytes) else (err.stdout or "")
     return dict(code=code, seconds=round(time.time() - t0, 1), tail="\n".join(text.splitlines()[-25:]),
                 aborted="terminate called" in text or "SIGABRT" in text)
 
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
             print(f"run {i + 1:>3}/{args.runs}: exit {r['code']}  {r['seconds']:.0f} s"
                   + ("  (abort at exit)" if r["aborted"] else ""), flush=True)
             if r["code"] != 0 and args.cores:
-                r["kept"] = shutil.move(out, os.path.join(tempfile.gettempdir(), f"minipar-soak-failed-{os.getpid()}-{i}"))
+                r["kept"] = shutil.move(out, os.path.join(tempfile.gettempdir(),
+                                                          f"minipar-soak-failed-{os.getpid()}-{i}"))
                 print(f"  kept {r['kept']}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
             text = write_results(args, runs)       # after every run: an interrupted soak still reports

@@ -12,6 +12,13 @@ of the project. In them:
                                                         index/rank-R.json is what a run writes)
     path.py:function                                    `function` (or class) is defined in it
     minipar.x.y, models.llama.Name                      imports, and the attributes exist
+    `Class.method` (inside backticks)                   when Class is a class of minipar/ or
+                                                        models/ (found with ast), method is defined
+                                                        on it or on a base class
+
+And every .py file under minipar/ and models/ is in docs/README.md's reading order (by its full
+path) and in docs/design.md's tree (by its name, in the entry of its package folder; see
+_missing_from_index for the exact rule).
 
 And every command of the code blocks of README.md and docs/*.md:
 
@@ -397,3 +404,158 @@ def test_commands_are_found():
     lines = [line for page, line in _commands() if page == "README.md"]
     assert any(line.startswith("make train") for line in lines)
     assert any("torchrun" in line and "train.py" in line for line in lines)
+
+
+# ------------------------------------------------------------------------- Class.method references
+CODE_SPAN_RE = re.compile(r"`([^`\n]+)`")
+CLASS_METHOD_RE = re.compile(r"(?<![\w.])([A-Z]\w*)\.([A-Za-z_]\w*)")
+PROJECT_DIRS = ("minipar", "models")
+
+
+def _project_files():
+    return sorted(glob.glob(os.path.join(ROOT, "minipar", "**", "*.py"), recursive=True)
+                  + glob.glob(os.path.join(ROOT, "models", "**", "*.py"), recursive=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _project_classes():
+    """{class name: [(module, names defined on it, base names)]} for every class under minipar/ and
+    models/. Names: the class body's functions, classes and assignments, and the `self.x = ...` of
+    its methods (an instance attribute is a name a reader can call up too)."""
+    classes = {}
+    for path in _project_files():
+        module = _rel(path)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        for node in ast.walk(ast.parse(open(path).read())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            names = set()
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(item.name)
+                elif isinstance(item, ast.Assign):
+                    names |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(item.target.id)
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                    targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
+                    names |= {t.attr for t in targets if isinstance(t, ast.Attribute)
+                              and isinstance(t.value, ast.Name) and t.value.id == "self"}
+            bases = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else None
+                     for b in node.bases]
+            classes.setdefault(node.name, []).append((module, names, bases))
+    return classes
+
+
+def _has_member(cls, member, seen=()):
+    """`member` is defined on some project class named `cls`, or on one of its bases: a project
+    base through its source, a base from elsewhere (nn.Module) through the imported class."""
+    for module, names, bases in _project_classes().get(cls, ()):
+        if member in names:
+            return True
+        for base in bases:
+            if base in _project_classes() and base not in seen:
+                if _has_member(base, member, seen + (cls,)):
+                    return True
+            elif base is not None:
+                with contextlib.suppress(ImportError, AttributeError):
+                    if hasattr(getattr(importlib.import_module(module), cls), member):
+                        return True
+    return False
+
+
+def _bad_class_members(texts):
+    """['where: `Class.member`: ...'] for every Class.member written inside backticks whose Class
+    is a class of minipar/ or models/ and on which (or on whose bases) member is not defined.
+    A Class that the project does not define (torch's Tensor.chunk) is not checked."""
+    bad = []
+    for where, text in texts:
+        for span in CODE_SPAN_RE.findall(text):
+            for cls, member in CLASS_METHOD_RE.findall(span):
+                if cls in _project_classes() and not _has_member(cls, member):
+                    modules = ", ".join(m for m, _, _ in _project_classes()[cls])
+                    bad.append(f"{_rel(where)}: `{cls}.{member}`: {cls} ({modules}) defines no {member}")
+    return bad
+
+
+def test_named_class_members_exist():
+    bad = _bad_class_members(_texts())
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_class_member_check_can_fail():
+    page = os.path.join(ROOT, "docs", "x.md")
+    text = ("`GradSync.sync_gradients()` `GradSync.no_sync()` (a base class's) `LlamaModel.run_layers` "
+            "`LlamaForCausalLM.parameters` (nn.Module's) `Tensor.chunk` (not ours) "
+            "`Zero3.grads` (self.grads)")
+    bad = _bad_class_members([(page, text)])
+    assert [b.split(": ", 1)[1].split(":")[0] for b in bad] == ["`GradSync.sync_gradients`"]
+
+
+# ------------------------------------------------------------ every file in the reading order and tree
+def _tree_entries(design_text):
+    """{left column: its text} of the indented block under '## The tree' in design.md: an entry
+    starts at a line whose text begins after 4 spaces (`    minipar/zero3/   flat_param.py ...`) and
+    runs over the more deeply indented lines that follow it."""
+    section = design_text.split("\n## The tree", 1)[1].split("\n## ", 1)[0]
+    entries, key = {}, None
+    for line in section.splitlines():
+        if line.startswith("    ") and not line.startswith("     "):
+            key, _, rest = line.strip().partition("  ")
+            entries[key] = rest.strip()
+        elif key is not None and line.startswith("     "):
+            entries[key] += " " + line.strip()
+        elif line.strip():
+            key = None
+    return entries
+
+
+def _missing_from_index(files, reading_order, design_text):
+    """The files of `files` (repository-relative) that docs/README.md or design.md's tree leaves out.
+
+    The rule: docs/README.md (the reading order) names each file by its full repository path
+    (`minipar/training/checkpoint/atomic.py`, `models/__init__.py`); design.md's tree has an entry
+    whose left column is the file's package folder (`minipar/training/checkpoint/`, `models/`) and
+    whose text names the file (`atomic.py`), every file but a package's __init__.py, which the
+    entry itself stands for (minipar/__init__.py, holding init(), is named all the same)."""
+    entries, missing = _tree_entries(design_text), []
+    for rel in files:
+        if not re.search(rf"(?<![\w/.]){re.escape(rel)}(?![\w/])", reading_order):
+            missing.append(f"docs/README.md: {rel} is not in the reading order")
+        folder, name = os.path.dirname(rel) + "/", os.path.basename(rel)
+        if name == "__init__.py" and folder != "minipar/":
+            continue
+        text = entries.get(folder)
+        if text is None:
+            missing.append(f"docs/design.md: the tree has no entry {folder} (for {rel})")
+        elif not re.search(rf"(?<![\w/.]){re.escape(name)}(?![\w/])", text):
+            missing.append(f"docs/design.md: the tree's entry {folder} does not name {name}")
+    return missing
+
+
+def test_every_file_is_in_the_reading_order_and_the_tree():
+    files = [_rel(f) for f in _project_files()]
+    docs = os.path.join(ROOT, "docs")
+    missing = _missing_from_index(files, open(os.path.join(docs, "README.md")).read(),
+                                  open(os.path.join(docs, "design.md")).read())
+    assert not missing, "\n".join(missing)
+
+
+def test_file_index_check_can_fail():
+    design = ("\n## The tree\n\n    minipar/zero3/      flat_param.py (buffers),\n"
+              "                        unit.py\n    models/   llama.py\n\n"
+              "## Next\n    minipar/zero3/  shard_manager.py\n")
+    assert _tree_entries(design) == {"minipar/zero3/": "flat_param.py (buffers), unit.py",
+                                     "models/": "llama.py"}
+    order = ("`minipar/zero3/flat_param.py`, `minipar/zero3/unit.py`, models/llama.py, "
+             "xminipar/zero3/shard_manager.py")
+    files = ["minipar/zero3/flat_param.py", "minipar/zero3/unit.py", "minipar/zero3/shard_manager.py",
+             "models/llama.py", "models/rope.py", "minipar/plan/model.py", "minipar/zero3/__init__.py"]
+    assert _missing_from_index(files, order, design) == [
+        "docs/README.md: minipar/zero3/shard_manager.py is not in the reading order",
+        "docs/design.md: the tree's entry minipar/zero3/ does not name shard_manager.py",
+        "docs/README.md: models/rope.py is not in the reading order",
+        "docs/design.md: the tree's entry models/ does not name rope.py",
+        "docs/README.md: minipar/plan/model.py is not in the reading order",
+        "docs/design.md: the tree has no entry minipar/plan/ (for minipar/plan/model.py)",
+        "docs/README.md: minipar/zero3/__init__.py is not in the reading order"]

@@ -27,12 +27,14 @@ input, 143 stopped on SIGTERM after saving (resume_from_checkpoint: latest).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 from minipar.comm import CollectiveError
 from minipar.training import lifecycle
 from minipar.training.checkpoint.atomic import CheckpointWriteError
+from minipar.training.config.train_config import TrainConfig
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
@@ -46,9 +48,6 @@ keys (defaults in minipar/training/config/train_config.py):
 
 
 def _usage() -> str:
-    import dataclasses
-
-    from minipar.training.config.train_config import TrainConfig
     lines = []
     for f in dataclasses.fields(TrainConfig):
         value = getattr(TrainConfig(), f.name)

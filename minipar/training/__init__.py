@@ -5,6 +5,7 @@
     checkpoint/       save, load and reshard, verify, rotate, export to Hugging Face
     run_setup.py      every check that needs no communication, then the process groups
     run_lock.py       output_dir writable, and one run per output_dir (a lock file)
+    batch_source.py   a step's global batch, this rank's share of it, the eval batches and their loop
     trainer.py        the model, its parallel wrappers, the optimizer, one step, evaluation, saves
     pipeline_step.py  the step when pipeline_parallel_size > 1: a schedule over the micro-batches
     optim.py          AdamW on the shards, warmup + cosine, global-norm clipping across shards

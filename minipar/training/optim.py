@@ -1,5 +1,6 @@
 """The optimizer side of a step: AdamW with a layout-independent weight-decay rule, warmup then
 cosine decay of the learning rate, and clipping by the global gradient norm across shards.
+OptimizerStep runs them, in that order, at the end of every step (the plain one and the pipeline's).
 
 Global-norm clipping (Pascanu et al., 2013) scales every gradient by min(1, max_norm / ||g||), with
 ||g|| the L2 norm over ALL gradient elements of the model. Under 4D parallelism no rank holds the
@@ -250,3 +251,23 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float], p
         for p in params:
             p.grad.detach().mul_(coef.to(p.grad.device))
     return norm
+
+
+# ----------------------------------------------------------------------------- the step's tail
+class OptimizerStep:
+    """The tail of every training step, plain or pipelined: clip by the global norm, AdamW, the
+    schedule, zero_grad. Called once the step's gradients are reduced; returns grad_norm (before
+    clipping) and the lr the update used (read before the schedule moves it on)."""
+
+    def __init__(self, model, optimizer: torch.optim.Optimizer, scheduler, max_grad_norm: Optional[float],
+                 pgm):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.max_grad_norm, self.pgm = max_grad_norm, pgm
+
+    def __call__(self) -> dict:
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.max_grad_norm, self.pgm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return dict(grad_norm=float(grad_norm), lr=lr)

@@ -1,7 +1,7 @@
-"""The training step when pipeline_parallel_size > 1: the trainer's model is this rank's stage, and
-one optimizer step is a pipeline schedule over the step's micro-batches.
+"""The training step when pipeline_parallel_size > 1: the model is this rank's stage, and one
+optimizer step is a pipeline schedule over the step's micro-batches.
 
-    global batch, num_items_in_batch        as in trainer.py: every rank of every stage builds it
+    global batch, num_items_in_batch        Batches, as in trainer.py: every rank of every stage
     micro-batches m = 0..M-1                 local_batch(dp, cp) as usual: every stage reads the
                                              same ones (the sampler only knows the dp coordinates)
     run_schedule(stage, order)               afab | 1f1b | interleaved_1f1b (minipar.pipeline_parallel)
@@ -10,7 +10,12 @@ one optimizer step is a pipeline schedule over the step's micro-batches.
         all-reduce, ZeRO-3's reduce-scatter of each unit (of the other chunk's units too, at the
         end of that backward, under interleaving), not once per micro-batch
     loss = all-reduce over dp_cp (the last stage's shares), then over pp (the others add zero)
-    clip by the global norm (optim.py sums the squares over pp too), AdamW, lr schedule
+    optim.OptimizerStep                      the plain step's tail: clip by the global norm
+                                             (optim.py sums the squares over pp too), AdamW, schedule
+
+PipelineStep is handed what it uses (the stage, batch_source.Batches, the OptimizerStep, the
+autocast context, the reducers) by the trainer, and reads nothing else of it: the batches, the
+optimizer tail and the evaluation loop (batch_source.eval_loss) are the plain step's own.
 
 Pipeline settings are checked by check_pipeline() in run_setup, before any process group exists.
 """
@@ -29,7 +34,7 @@ from minipar.pipeline_parallel import (
     schedule_order,
     split_layers,
 )
-from minipar.training import optim as moptim
+from minipar.training.batch_source import eval_loss
 from minipar.training.data import batches as mdata
 
 
@@ -57,53 +62,41 @@ def build_pipeline_model(model, cfg, pgm):
 
 
 class PipelineStep:
-    """The trainer's train_step and evaluate for a pipeline-parallel run."""
+    """train_step and evaluate for a pipeline-parallel run, from what it is handed: the stage
+    (`model`), the batch source, the optimizer step, the autocast context, the reducers whose
+    no_sync() the backwards before the last run under, and the dtype of what crosses stages."""
 
-    def __init__(self, trainer):
-        self.t, cfg, pgm = trainer, trainer.cfg, trainer.pgm
-        self.order = schedule_order(cfg.pipeline_schedule, pgm.pp.size, trainer.run.num_micro_steps,
-                                    pgm.pp.rank, virtual_stages(cfg))
-        # what crosses stages has the dtype the residual stream has: bf16 only where ZeRO-3 casts
-        # the weights themselves (autocast keeps the stream in fp32)
-        self.act_dtype = torch.bfloat16 if (trainer.bf16 and trainer.sharded) else torch.float32
+    def __init__(self, model, batches, optimizer_step, autocast, pgm, cfg, num_micro: int,
+                 reducers=(), act_dtype: torch.dtype = torch.float32):
+        self.model, self.batches, self.optimizer_step = model, batches, optimizer_step
+        self.autocast, self.pgm, self.num_micro = autocast, pgm, num_micro
+        self.reducers = [r for r in reducers if r is not None]
+        self.order = schedule_order(cfg.pipeline_schedule, pgm.pp.size, num_micro, pgm.pp.rank,
+                                    virtual_stages(cfg))
+        self.act_dtype = act_dtype
 
     def train_step(self, step: int) -> dict:
-        t, pgm = self.t, self.t.pgm
-        gb = t._global_batch(step)                # the trainer's: byte corpus or packed datasets rows
+        pgm, M = self.pgm, self.num_micro
+        gb = self.batches.global_batch(step)      # byte corpus or packed datasets rows
         n_items = mdata.count_label_tokens(gb["labels"])
-        M = t.run.num_micro_steps
-        batches = [t._local(gb, m, M) for m in range(M)]
-        reducers = [r for r in (t.grad_sync, getattr(t.model, "zero3", None)) if r is not None]
+        micro = [self.batches.local(gb, m, M) for m in range(M)]
         with contextlib.ExitStack() as unsynced:
-            for reducer in reducers:              # DDP / ZeRO-3: accumulate without communicating
+            for reducer in self.reducers:         # DDP / ZeRO-3: accumulate without communicating
                 unsynced.enter_context(reducer.no_sync())
 
             def before_backward(action, last: bool):
                 if last:                          # the step's final backward reduces it all, once
                     unsynced.close()
 
-            loss = run_schedule(t.model, self.order, pgm, batches, n_items, act_dtype=self.act_dtype,
-                                before_backward=before_backward, autocast=t._autocast)
+            loss = run_schedule(self.model, self.order, pgm, micro, n_items, act_dtype=self.act_dtype,
+                                before_backward=before_backward, autocast=self.autocast)
         comm.all_reduce(loss, pgm.dp_cp)
         comm.all_reduce(loss, pgm.pp)
-        grad_norm = moptim.clip_grad_norm_(t.model.parameters(), t.cfg.max_grad_norm, pgm)
-        lr = t.optimizer.param_groups[0]["lr"]
-        t.optimizer.step()
-        t.scheduler.step()
-        t.optimizer.zero_grad(set_to_none=True)
-        return dict(loss=loss.item(), grad_norm=float(grad_norm), lr=lr)
+        return dict(loss=loss.item(), **self.optimizer_step())
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        t, pgm = self.t, self.t.pgm
-        t.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=t.device)
-        count = 0
-        for gb in t._eval_batches():
-            total += forward_only(t.model, pgm, t._local(gb, 0, 1), mdata.count_label_tokens(gb["labels"]),
-                                  act_dtype=self.act_dtype, autocast=t._autocast)
-            count += 1
-        comm.all_reduce(total, pgm.dp_cp)
-        comm.all_reduce(total, pgm.pp)
-        t.model.train()
-        return total.item() / max(count, 1)
+        # only the last stage's forward_only returns a loss (the others zero): summed over pp too
+        def loss_of(batch, n_items):
+            return forward_only(self.model, self.pgm, batch, n_items, act_dtype=self.act_dtype,
+                                autocast=self.autocast)
+        return eval_loss(self.model, self.batches, loss_of, (self.pgm.dp_cp, self.pgm.pp))

@@ -45,6 +45,9 @@ from minipar.training.data.tokenizer import (
     padded_vocab_size,
     tokenizer_path,
 )
+from minipar.training.pipeline_step import check_pipeline
+from models.hf_checkpoint import HFCheckpoint
+from models.llama import LlamaForCausalLM
 
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size",
              "pipeline_parallel_size")
@@ -134,7 +137,6 @@ def setup_run(argv: List[str]) -> Run:
     dp = pconf.dp_replicate_size * pconf.dp_shard_size
     num_micro = config_keys.resolve_batch(cfg, dp)      # global = micro x accumulation x dp
     if pconf.pp_size > 1:                         # the split and the schedule, before any group exists
-        from minipar.training.pipeline_step import check_pipeline
         check_pipeline(cfg, pconf.pp_size, num_micro)
     if cfg.sequence_len > cfg.model.max_position_embeddings:
         raise ValueError(f"sequence_len {cfg.sequence_len} exceeds model.max_position_embeddings "
@@ -185,8 +187,6 @@ def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str
 
 def _check_base_model(cfg: TrainConfig):
     """Read base_model's headers and match every tensor against the model (meta-built: no memory)."""
-    from models.hf_checkpoint import HFCheckpoint
-    from models.llama import LlamaForCausalLM
     ckpt = HFCheckpoint(cfg.base_model)
     ckpt.check(LlamaForCausalLM(cfg.model, None, device="meta"))
     return ckpt

@@ -1,7 +1,10 @@
 """The run around the step: resume, then step after step with its log, evaluation, metrics and
 checkpoints, then the final save, the Hugging Face export and the summary.
 
-Trainer (trainer.py) builds the model and knows one step; TrainLoop, its base class, drives them:
+Trainer (trainer.py) builds the model and knows one step; TrainLoop(trainer), which the trainer
+holds as trainer.loop, drives it from outside, through the trainer's public face only (cfg, pgm,
+run, device, model, n_params, start_step, is_main, log, train_step, evaluate, save, maybe_resume).
+The loop owns the history (one record per step, the earlier ones of metrics.jsonl after a resume):
 
     maybe_resume()                         step-N of resume_from_checkpoint (latest: the newest
                                            whose checksums hold), its sampler position and step
@@ -29,20 +32,30 @@ import time
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from minipar import comm
 from minipar.mesh import describe_grid
 from minipar.training import lifecycle, metrics_file
+from minipar.training.checkpoint import save_load as ckpt
+from minipar.training.data.tokenizer import save_tokenizer
 
 
 class TrainLoop:
-    """The loop of a Trainer: needs its cfg, pgm, run, device, model, sampler, history,
-    start_step, is_main, log, train_step, evaluate, save and maybe_resume."""
+    """The run around a trainer's step. The trainer is passed in, not inherited from: the loop
+    reads the run's settings from it and calls its step, evaluation and saves."""
+
+    def __init__(self, trainer):
+        self.trainer, self.history = trainer, []
+        # the trainer's fixed parts, named once (start_step is read from it: maybe_resume moves it)
+        self.cfg, self.pgm, self.run, self.device = trainer.cfg, trainer.pgm, trainer.run, trainer.device
+        self.is_main, self.log = trainer.is_main, trainer.log
 
     def _open_metrics(self):
         if not self.is_main:
             return None
-        handle, self.history = metrics_file.open_metrics(self.cfg.metrics_path, self.start_step, self.log)
+        handle, self.history = metrics_file.open_metrics(self.cfg.metrics_path, self.trainer.start_step,
+                                                         self.log)
         return handle
 
     def train(self):
@@ -54,31 +67,30 @@ class TrainLoop:
                 self.run.lock.release()
 
     def _train(self):
-        cfg, pgm = self.cfg, self.pgm
+        cfg, pgm, t = self.cfg, self.pgm, self.trainer
         for note in self.run.notes:
             self.log(note)
         self.log(describe_grid(pgm.config))
-        self.log(f"model: {self.n_params / 1e6:.2f} M parameters, {cfg.model.num_hidden_layers} layers, hidden "
+        self.log(f"model: {t.n_params / 1e6:.2f} M parameters, {cfg.model.num_hidden_layers} layers, hidden "
                  f"{cfg.model.hidden_size}; {cfg.global_batch_size} x {cfg.sequence_len} tokens per step in "
                  f"{self.run.num_micro_steps} micro-batch(es) per rank; {cfg.dtype}")
-        self.maybe_resume()
+        t.maybe_resume()
         metrics = self._open_metrics()
         tokens_per_step = cfg.global_batch_size * cfg.sequence_len
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True,
+        bar = tqdm(total=cfg.max_steps, initial=t.start_step, desc="train", dynamic_ncols=True,
                    disable=not (self.is_main and cfg.progress_bar))
         start, last_val = time.time(), None
         stop = lifecycle.StopFlag().install()     # SIGTERM: finish the step, save it, leave (lifecycle.py)
-        for step in range(self.start_step, cfg.max_steps):
+        for step in range(t.start_step, cfg.max_steps):
             t0 = time.time()
-            out = self.train_step(step)
+            out = t.train_step(step)
             dt = time.time() - t0
             record = dict(step=step + 1, loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"],
                           tokens_per_s=tokens_per_step / dt, elapsed_s=time.time() - start)
             done = step + 1
             has_val = self.run.datasets is None or self.run.datasets.val is not None
             if cfg.eval_steps and has_val and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
-                last_val = record["val_loss"] = self.evaluate()
+                last_val = record["val_loss"] = t.evaluate()
             if not math.isfinite(out["loss"]):
                 raise FloatingPointError(f"loss is {out['loss']} at step {done}: lower learning_rate "
                                          f"or enable max_grad_norm")
@@ -93,7 +105,7 @@ class TrainLoop:
                 self.log(f"step {done:>5}/{cfg.max_steps}  loss {out['loss']:.4f}{val}  lr {out['lr']:.2e}  "
                          f"grad_norm {out['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
             if cfg.save_steps and done % cfg.save_steps == 0 and done != cfg.max_steps:
-                self.save(done)
+                t.save(done)
             signum = stop.agreed(pgm, self.device)   # the same answer on every rank
             if signum and done != cfg.max_steps:
                 self._stop_early(done, signum, stop, bar, metrics)
@@ -101,14 +113,12 @@ class TrainLoop:
         bar.close()
         if metrics:
             metrics.close()
-        if cfg.save_final_checkpoint and cfg.max_steps > self.start_step:
-            self.save(cfg.max_steps)
+        if cfg.save_final_checkpoint and cfg.max_steps > t.start_step:
+            t.save(cfg.max_steps)
         if cfg.export_hf:
-            from minipar.training.checkpoint import save_load as ckpt
             hf_dir = os.path.join(cfg.output_dir, "hf")
-            ckpt.export_hf(hf_dir, self.model)
+            ckpt.export_hf(hf_dir, t.model)
             if self.is_main:       # the model's tokenizer beside its weights (bytes: a tokenizer.json)
-                from minipar.training.data.tokenizer import save_tokenizer
                 save_tokenizer(self.run.tokenizer, hf_dir)
             self.log(f"exported Hugging Face model to {hf_dir}")
         self.summary(time.time() - start, last_val)
@@ -121,7 +131,7 @@ class TrainLoop:
         if metrics:
             metrics.close()
         saved = self.cfg.save_steps and done % self.cfg.save_steps == 0
-        path = os.path.join(self.cfg.output_dir, f"step-{done}") if saved else self.save(done)
+        path = os.path.join(self.cfg.output_dir, f"step-{done}") if saved else self.trainer.save(done)
         stop.restore()                            # (a repeated SIGTERM during the save is absorbed)
         err = lifecycle.Preempted(done, path, signum)
         self.log(str(err))
@@ -139,10 +149,11 @@ class TrainLoop:
             return
         png = metrics_file.plot_loss_curve(self.history, self.cfg.output_dir, self.pgm.grid_shape, self.log)
         # what THIS run did: after a resume the history also holds the steps before the checkpoint
-        ran = [r for r in self.history if r["step"] > self.start_step]
+        start_step = self.trainer.start_step
+        ran = [r for r in self.history if r["step"] > start_step]
         first = ran[0]["loss"] if ran else float("nan")
         final = ran[-1]["loss"] if ran else float("nan")
-        span = f" ({self.start_step + 1}-{self.start_step + len(ran)})" if self.start_step and ran else ""
+        span = f" ({start_step + 1}-{start_step + len(ran)})" if start_step and ran else ""
         lines = [f"done: {len(ran)} steps{span} in {elapsed:.1f} s, loss {first:.4f} -> {final:.4f}"
                  + (f", val_loss {last_val:.4f}" if last_val is not None else ""),
                  f"metrics: {self.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),

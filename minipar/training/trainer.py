@@ -1,12 +1,18 @@
-"""The trainer behind train.py: the parallel model, the optimizer, the step, checkpoints (the loop
-around them, with its logs and summary, is train_loop.py).
+"""The trainer behind train.py: the parallel model, the optimizer, the step, checkpoints. It is
+built from parts it holds, not from base classes:
+
+    self.batches         batch_source.Batches: the global batch of a step, this rank's share of
+                         it, the eval batches, the sampler's checkpointed position
+    self.optimizer_step  optim.OptimizerStep: clip, AdamW, schedule, zero_grad (every step's tail)
+    self.pipeline        pipeline_step.PipelineStep when pp > 1 (handed the parts above), else None
+    self.loop            train_loop.TrainLoop(self): the run around the step; train() is its train()
 
 One optimizer step on a rank (B = global_batch_size, M micro-batches, D = dp size, C = cp size):
 
-    global batch (B, T) = sampler.global_batch(step)          same on every rank, a pure function of step
+    global batch (B, T) = batches.global_batch(step)          same on every rank, a pure function of step
     N = non-ignored labels in it                              num_items_in_batch, no communication
     for m in range(M):                                        gradient accumulation
-        local = local_batch(global, pgm, m, M)                (B/(D*M), T/C): dp samples, cp zigzag chunks
+        local = batches.local(global, m, M)                   (B/(D*M), T/C): dp samples, cp zigzag chunks
         loss_m = model(local) = sum of token losses / N       so the losses of all ranks SUM to the mean
         loss_m.backward()                                     ZeRO-3 reduce-scatters / DDP all-reduces (last m)
     clip by the global norm (each element counted once), AdamW on the shards, lr schedule
@@ -28,11 +34,10 @@ import minipar
 from minipar import comm
 from minipar.data_parallel import replicate, replicate_naive
 from minipar.training import optim as moptim
+from minipar.training.batch_source import Batches, eval_loss
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.checkpoint import verify
 from minipar.training.data import batches as mdata
-from minipar.training.data.packing import RowSampler
-from minipar.training.data.packing import eval_batches as packed_eval_batches
 from minipar.training.pipeline_step import PipelineStep, build_pipeline_model
 from minipar.training.run_setup import Run
 from minipar.training.train_loop import TrainLoop  # the run around the step: train(), summary()
@@ -41,8 +46,8 @@ from models.llama import LlamaForCausalLM
 from models.llama_init import SeededInit, materialize
 
 
-class Trainer(TrainLoop):
-    """The model, its parallel wrappers, the optimizer and one step; the run around them is
+class Trainer:
+    """The model, its parallel wrappers, the optimizer and one step; the run around them is its
     train_loop.TrainLoop (train(), the summary)."""
 
     def __init__(self, run: Run):
@@ -81,15 +86,31 @@ class Trainer(TrainLoop):
         self.optimizer = moptim.build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                                 betas=(cfg.adam_beta1, cfg.adam_beta2), **fused)
         self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-        if run.datasets is not None:              # `datasets` rows (packing.py), else the byte corpus
-            self.sampler = RowSampler(run.datasets.train, cfg.global_batch_size, cfg.seed)
-        else:
-            self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size,
-                                              cfg.seed)
-        self.start_step, self.history = 0, []
+        self.optimizer_step = moptim.OptimizerStep(model, self.optimizer, self.scheduler, cfg.max_grad_norm,
+                                                   pgm)
+        self.batches = Batches(run, self.device)
+        self.start_step = 0
         self.pipeline = None                      # the schedule runs the step (pipeline_step.py)
         if pgm.pp.size > 1:
-            self.pipeline = PipelineStep(self)
+            # what crosses stages has the dtype the residual stream has: bf16 only where ZeRO-3
+            # casts the weights themselves (autocast keeps the stream in fp32)
+            act_dtype = torch.bfloat16 if (self.bf16 and self.sharded) else torch.float32
+            reducers = (self.grad_sync, getattr(model, "zero3", None))
+            self.pipeline = PipelineStep(model, self.batches, self.optimizer_step, self.autocast, pgm, cfg,
+                                         run.num_micro_steps, reducers=reducers, act_dtype=act_dtype)
+        self.loop = TrainLoop(self)
+
+    def train(self):
+        """The whole run (train_loop.py); returns the history, one record per step."""
+        return self.loop.train()
+
+    @property
+    def history(self):                            # the loop's records, also after it raised
+        return self.loop.history
+
+    @property
+    def sampler(self):                            # the batch source's, for callers that read it
+        return self.batches.sampler
 
     def _weight_source(self, model):
         if self.run.base_model is None:
@@ -104,46 +125,27 @@ class Trainer(TrainLoop):
         if self.is_main:
             tqdm.write(msg)
 
-    def _autocast(self):
+    def autocast(self):
         if self.bf16 and not self.sharded:        # ZeRO-3 casts the gathered params itself
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _forward(self, batch, n_items):
-        with self._autocast():
+        with self.autocast():
             return self.model(batch["input_ids"], position_ids=batch["position_ids"],
                               labels=batch["labels"], num_items_in_batch=n_items,
                               document_ids=batch.get("document_ids"))
-
-    def _global_batch(self, step: int) -> dict:
-        if self.run.datasets is not None:
-            return self.sampler.global_batch(step)
-        ids, labels = self.sampler.global_batch(self.run.train_tokens, step)
-        return dict(input_ids=ids, labels=labels)
-
-    def _eval_batches(self):
-        cfg = self.cfg
-        if self.run.datasets is not None:
-            yield from packed_eval_batches(self.run.datasets.val, cfg.global_batch_size, cfg.eval_batches)
-            return
-        for ids, labels in mdata.eval_batches(self.run.val_tokens, cfg.sequence_len, cfg.global_batch_size,
-                                              cfg.eval_batches):
-            yield dict(input_ids=ids, labels=labels)
-
-    def _local(self, gb: dict, m: int, M: int) -> dict:
-        return mdata.local_batch(gb["input_ids"], gb["labels"], self.pgm, m, M, device=self.device,
-                                 position_ids=gb.get("position_ids"), document_ids=gb.get("document_ids"))
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict:
         if self.pipeline is not None:
             return self.pipeline.train_step(step)
-        gb = self._global_batch(step)
+        gb = self.batches.global_batch(step)
         n_items = mdata.count_label_tokens(gb["labels"])
         M = self.run.num_micro_steps
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for m in range(M):
-            batch = self._local(gb, m, M)
+            batch = self.batches.local(gb, m, M)
             last = m == M - 1
             no_sync = self.no_sync_owner.no_sync() if (self.no_sync_owner and not last) else contextlib.nullcontext()
             with no_sync:
@@ -151,34 +153,18 @@ class Trainer(TrainLoop):
                 loss.backward()
             loss_sum += loss.detach().double()
         comm.all_reduce(loss_sum, self.pgm.dp_cp)
-        grad_norm = moptim.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, self.pgm)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return dict(loss=loss_sum.item(), grad_norm=float(grad_norm), lr=lr)
+        return dict(loss=loss_sum.item(), **self.optimizer_step())
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         if self.pipeline is not None:
             return self.pipeline.evaluate()
-        self.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
-        for gb in self._eval_batches():
-            n_items = mdata.count_label_tokens(gb["labels"])
-            batch = self._local(gb, 0, 1)
-            total += self._forward(batch, n_items).double()
-            count += 1
-        comm.all_reduce(total, self.pgm.dp_cp)
-        self.model.train()
-        return total.item() / max(count, 1)
+        return eval_loss(self.model, self.batches, self._forward, (self.pgm.dp_cp,))
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int):
         path = os.path.join(self.cfg.output_dir, f"step-{step}")
         ckpt.save_checkpoint(path, self.model, self.optimizer, self.pgm, step=step, scheduler=self.scheduler,
-                             extra=dict(step=step, sampler=self.sampler.state_dict(), config=self.cfg.to_dict()),
+                             extra=dict(step=step, sampler=self.batches.state_dict(), config=self.cfg.to_dict()),
                              state_dict_type=self.cfg.fsdp.state_dict_type,
                              keep_last=self.cfg.save_total_limit)
         self.log(f"saved checkpoint {path}")
@@ -200,7 +186,7 @@ class Trainer(TrainLoop):
         if resume == "latest" and self.is_main:   # after load's barrier: every rank has chosen `path`
             for bad, moved in verify.quarantine_skipped(skipped):   # so no rotation keeps one over it
                 self.log(f"warning: moved the damaged checkpoint {bad} aside to {moved}")
-        self.sampler.load_state_dict(extra["sampler"])
+        self.batches.load_state_dict(extra["sampler"])
         self.start_step = int(extra["step"])
         self.log(f"resumed from {path} at step {self.start_step}")
         # this run's max_steps / warmup / min_lr_ratio, not the checkpoint's (optim.adopt_schedule)

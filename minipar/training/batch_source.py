@@ -1,0 +1,82 @@
+"""Where a step's tokens come from, for the plain step (trainer.py) and the pipeline step
+(pipeline_step.py) alike, and the evaluation loop both run over them.
+
+    Batches(run, device)
+        global_batch(step)      (B, T) input_ids, labels (+ position_ids, document_ids when packed):
+                                the same on every rank, a pure function of seed and step
+        local(gb, m, M)         this rank's share of micro-batch m of M: dp samples, cp chunks
+        eval_batches()          the validation batches, in file order, the same on every rank
+        state_dict()            the sampler's position, saved in a checkpoint's extra
+    eval_loss(model, batches, loss_of, groups)
+        the mean over the eval batches of loss_of(local batch, num_items_in_batch), summed over
+        `groups` (dp_cp; and pp, where only the last stage adds a loss)
+
+Two sources sit behind the one interface: packed `datasets` rows (packing.py) when the config
+names datasets, else windows of the byte corpus (batches.py). A step never asks which.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from minipar import comm
+from minipar.training.data import batches as mdata
+from minipar.training.data.packing import RowSampler
+from minipar.training.data.packing import eval_batches as packed_eval_batches
+
+
+class Batches:
+    """The run's global batches, this rank's share of them, and the eval batches."""
+
+    def __init__(self, run, device: torch.device):
+        self.run, self.cfg, self.pgm, self.device = run, run.cfg, run.pgm, device
+        cfg = self.cfg
+        if run.datasets is not None:              # `datasets` rows (packing.py), else the byte corpus
+            self.sampler = RowSampler(run.datasets.train, cfg.global_batch_size, cfg.seed)
+        else:
+            self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size,
+                                              cfg.seed)
+
+    def global_batch(self, step: int) -> dict:
+        if self.run.datasets is not None:
+            return self.sampler.global_batch(step)
+        ids, labels = self.sampler.global_batch(self.run.train_tokens, step)
+        return dict(input_ids=ids, labels=labels)
+
+    def local(self, gb: dict, m: int, M: int) -> dict:
+        return mdata.local_batch(gb["input_ids"], gb["labels"], self.pgm, m, M, device=self.device,
+                                 position_ids=gb.get("position_ids"), document_ids=gb.get("document_ids"))
+
+    def eval_batches(self) -> Iterator[dict]:
+        cfg = self.cfg
+        if self.run.datasets is not None:
+            yield from packed_eval_batches(self.run.datasets.val, cfg.global_batch_size, cfg.eval_batches)
+            return
+        for ids, labels in mdata.eval_batches(self.run.val_tokens, cfg.sequence_len, cfg.global_batch_size,
+                                              cfg.eval_batches):
+            yield dict(input_ids=ids, labels=labels)
+
+    # the sampler's position travels in a checkpoint, so a resumed run reads the batches it would have
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+
+@torch.no_grad()
+def eval_loss(model, batches: Batches, loss_of: Callable[[dict, int], torch.Tensor],
+              groups: Sequence) -> float:
+    """The mean eval loss: every eval batch whole (one micro-batch), each rank's loss a share of the
+    batch mean, so the sum over `groups` is the loss of the batch on every layout."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=batches.device)
+    count = 0
+    for gb in batches.eval_batches():
+        total += loss_of(batches.local(gb, 0, 1), mdata.count_label_tokens(gb["labels"]))
+        count += 1
+    for group in groups:
+        comm.all_reduce(total, group)
+    model.train()
+    return total.item() / max(count, 1)

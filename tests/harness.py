@@ -62,7 +62,8 @@ def run_world(fn, world_size: int, *args, timeout: float = 120, init: bool = Tru
     """init=False forks the ranks without creating the default group (to test what happens then)."""
     tmp = tempfile.mkdtemp(prefix="minipar-world-")
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, tmp, args, kwargs, timeout, init), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, tmp, args, kwargs, timeout, init),
+                         daemon=True)
              for r in range(world_size)]
     try:
         for p in procs:

@@ -1,5 +1,6 @@
-"""ParallelismConfig (minipar/config.py) and the training config's keys (minipar/training/config/train_config.py):
-sizes, the remainder rule, model checks, accelerate's size variables, command-line values."""
+"""ParallelismConfig (minipar/config.py) and the training config's keys
+(minipar/training/config/train_config.py): sizes, the remainder rule, model checks, accelerate's
+size variables, command-line values."""
 
 import pytest
 
@@ -56,9 +57,11 @@ def test_model_checks_name_the_value_to_change():
         cfg.validate_model(_model())
     with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by tp_size=4"):
         cfg.validate_model(_model(hidden_size=96, num_attention_heads=6, num_key_value_heads=6))
-    with pytest.raises(ValueError, match="vocab_size=258 is not divisible by tp_size=4: pad vocab_size to 260"):
+    with pytest.raises(ValueError, match="vocab_size=258 is not divisible by tp_size=4: "
+                                         "pad vocab_size to 260"):
         cfg.validate_model(_model(vocab_size=258, num_key_value_heads=4))
-    with pytest.raises(ValueError, match="sequence length 60 is not divisible by 2 \\* cp_size = 8.*56 or 64"):
+    with pytest.raises(ValueError, match="sequence length 60 is not divisible by 2 \\* cp_size = 8"
+                                         ".*56 or 64"):
         ParallelismConfig(cp_size=4).resolve(4).validate_model(_model(), sequence_len=60)
 
 
@@ -70,7 +73,8 @@ def test_accelerate_size_variables_fill_the_sizes_not_set(monkeypatch, tmp_path)
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "4")
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
     cfg, notes = load_config(DEFAULT_CONFIG, ["--context_parallel_size", "1"]), []
-    assert _sizes_from_env(cfg, DEFAULT_CONFIG, True, {"context_parallel_size"}, notes) == {"tensor_parallel_size"}
+    assert _sizes_from_env(cfg, DEFAULT_CONFIG, True, {"context_parallel_size"}, notes) \
+        == {"tensor_parallel_size"}
     assert (cfg.tensor_parallel_size, cfg.context_parallel_size) == (4, 1) and "ignored" in notes[0]
     path = tmp_path / "c.yaml"
     path.write_text("tensor_parallel_size: 2\n")

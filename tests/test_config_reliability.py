@@ -51,12 +51,14 @@ def _train(argv):
 
 # ------------------------------------------------------------------ 2. floats as people write them
 def test_float_keys_take_exponents_from_cli_and_yaml(tmp_path):
-    cfg = load_config(DEFAULT, ["--learning_rate", "3e-4", "--adam_beta2", "1E-1", "--model.rope_theta", "1e4"])
+    cfg = load_config(DEFAULT, ["--learning_rate", "3e-4", "--adam_beta2", "1E-1",
+                                "--model.rope_theta", "1e4"])
     assert (cfg.learning_rate, cfg.adam_beta2, cfg.model.rope_theta) == (3e-4, 0.1, 1e4)
     path = tmp_path / "c.yaml"
     path.write_text("learning_rate: 2e-5\nmax_grad_norm: 1e0\nmin_lr_ratio: 5E-2\nweight_decay: 0\n")
     cfg = load_config(str(path))
-    assert (cfg.learning_rate, cfg.max_grad_norm, cfg.min_lr_ratio, cfg.weight_decay) == (2e-5, 1.0, 0.05, 0.0)
+    assert (cfg.learning_rate, cfg.max_grad_norm, cfg.min_lr_ratio, cfg.weight_decay) \
+        == (2e-5, 1.0, 0.05, 0.0)
     assert isinstance(cfg.weight_decay, float)
     for argv, message in [(["--max_steps", "2.5"], "'max_steps' must be an integer, got 2.5"),
                           (["--max_steps", "3e-4"], "'max_steps' must be an integer, got '3e-4'"),
@@ -76,7 +78,8 @@ def test_every_unknown_key_in_one_error(tmp_path):
         load_config(str(path), ["--max_stesp", "3"])
     msg = str(info.value)
     assert msg.startswith("6 unknown config keys"), msg
-    for part in ["'learnig_rate' (Did you mean 'learning_rate'?)", "'warmup_step' (Did you mean 'warmup_steps'?)",
+    for part in ["'learnig_rate' (Did you mean 'learning_rate'?)",
+                 "'warmup_step' (Did you mean 'warmup_steps'?)",
                  "'flash_attention'", "'model.hidden_siz' (Did you mean 'model.hidden_size'?)",
                  "'fsdp_config.fsdp_reshard_after_forwrd'", "'max_stesp' (Did you mean 'max_steps'?)"]:
         assert part in msg, (part, msg)
@@ -88,7 +91,8 @@ def test_axolotl_yaml_loads_in_one_go_and_trains(tmp_path):
     assert config_keys.resolve_batch(cfg, 2) == 2 and (cfg.global_batch_size, cfg.micro_batch_size) == (8, 2)
     assert cfg.max_steps is None and cfg.num_epochs == 1.0   # derived once the dataset is read
     config_keys.resolve_max_steps(cfg, 1000, notes)
-    assert cfg.max_steps == 125 and "max_steps = ceil(1 x 1000 samples per epoch / global batch 8) = 125" in notes[-1]
+    assert cfg.max_steps == 125
+    assert "max_steps = ceil(1 x 1000 samples per epoch / global batch 8) = 125" in notes[-1]
     assert cfg.dtype == "float32" and "bf16: auto -> dtype float32 (no GPU with bfloat16 here)" in notes
     assert vars(cfg.fsdp) == dict(wrap=["LlamaDecoderLayer"], prefetch=1, reshard_after_forward=True,
                                   state_dict_type="FULL_STATE_DICT", sync_each_batch=True)
@@ -120,14 +124,17 @@ def test_batch_any_two_imply_the_third_and_contradictions_name_all_three(tmp_pat
     assert config_keys.resolve_batch(cfg, 2) == 4 and cfg.gradient_accumulation_steps == 4
     cfg = _batch(global_batch_size=16, micro_batch_size=2, gradient_accumulation_steps=4)
     assert config_keys.resolve_batch(cfg, 2) == 4
-    with pytest.raises(ValueError, match=r"global_batch_size=32, micro_batch_size=2, gradient_accumulation_steps=4 "
+    with pytest.raises(ValueError, match=r"global_batch_size=32, micro_batch_size=2, "
+                                         r"gradient_accumulation_steps=4 "
                                          r"contradict.*2 x 4 x 2 = 16, not 32"):
-        config_keys.resolve_batch(_batch(global_batch_size=32, micro_batch_size=2, gradient_accumulation_steps=4), 2)
+        config_keys.resolve_batch(_batch(global_batch_size=32, micro_batch_size=2,
+                                         gradient_accumulation_steps=4), 2)
     # from a config: accumulation and micro given, the global batch follows (the default 16 is not "given")
     path = tmp_path / "c.yaml"
     path.write_text("micro_batch_size: 2\ngradient_accumulation_steps: 3\n")
     cfg = load_config(str(path))
-    assert cfg.global_batch_size is None and config_keys.resolve_batch(cfg, 4) == 3 and cfg.global_batch_size == 24
+    assert cfg.global_batch_size is None and config_keys.resolve_batch(cfg, 4) == 3 \
+        and cfg.global_batch_size == 24
     with pytest.raises(ValueError, match="contradict"):     # configs/default.yaml sets global_batch_size: 16
         config_keys.resolve_batch(load_config(DEFAULT, ["--micro_batch_size", "2",
                                                         "--gradient_accumulation_steps", "3"]), 4)
@@ -139,7 +146,8 @@ def test_bf16_scheduler_optimizer_fsdp_keys(tmp_path):
     refused = [(["--bf16", "true", "--dtype", "float32"], "bf16: true contradicts dtype: float32"),
                (["--bf16", "false", "--dtype", "bfloat16"], "bf16: false contradicts dtype: bfloat16"),
                (["--bf16", "maybe"], "bf16 must be true, false or auto"),
-               (["--lr_scheduler", "linear"], "lr_scheduler 'linear' is not supported; supported: ['cosine']"),
+               (["--lr_scheduler", "linear"], "lr_scheduler 'linear' is not supported; "
+                                              "supported: ['cosine']"),
                (["--optimizer", "sgd"], "optimizer 'sgd' is not supported; supported: ['adamw_torch', "
                                         "'adamw_torch_fused']"),
                (["--fsdp_version", "3"], "fsdp_version 3 is not supported")]
@@ -150,14 +158,16 @@ def test_bf16_scheduler_optimizer_fsdp_keys(tmp_path):
     path.write_text("fsdp_config:\n  reshard_after_forward: false\n  state_dict_type: FULL_STATE_DICT\n"
                     "  transformer_layer_cls_to_wrap: LlamaDecoderLayer\n  activation_checkpointing: true\n")
     cfg = load_config(str(path))
-    assert (cfg.fsdp.reshard_after_forward, cfg.fsdp.state_dict_type, cfg.fsdp.wrap, cfg.gradient_checkpointing) \
-        == (False, "FULL_STATE_DICT", ["LlamaDecoderLayer"], True)
+    assert (cfg.fsdp.reshard_after_forward, cfg.fsdp.state_dict_type, cfg.fsdp.wrap,
+            cfg.gradient_checkpointing) == (False, "FULL_STATE_DICT", ["LlamaDecoderLayer"], True)
     for text, message in [("fsdp_config:\n  offload_params: true\n", "offload_params: True (CPU offload"),
-                          ("fsdp_config:\n  fsdp_offload_params: true\n", "fsdp_offload_params: True (CPU offload"),
+                          ("fsdp_config:\n  fsdp_offload_params: true\n",
+                           "fsdp_offload_params: True (CPU offload"),
                           ("fsdp: [full_shard, offload]\n", "fsdp: offload (CPU offload"),
                           ("fsdp_config:\n  fsdp_transformer_layer_cls_to_wrap: MistralDecoderLayer\n",
                            "only [LlamaDecoderLayer] units"),
-                          ("fsdp_config:\n  sharding_strategy: SHARD_GRAD_OP\n", "SHARD_GRAD_OP' is not supported")]:
+                          ("fsdp_config:\n  sharding_strategy: SHARD_GRAD_OP\n",
+                           "SHARD_GRAD_OP' is not supported")]:
         path.write_text(text)
         with pytest.raises(ValueError, match=re.escape(message)):
             load_config(str(path))
@@ -195,9 +205,10 @@ time.sleep(120)
 def _holder(out, mode):
     # another launch: its own torchrun rendezvous (forked test ranks share the holder's parent,
     # pytest, which would make it look like their own launch)
-    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", TORCHELASTIC_RUN_ID="other")
-    proc = subprocess.Popen([PY, "-c", HOLD, str(out), mode, run_lock.__file__], env=env, stdout=subprocess.PIPE,
-                            text=True)
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT="29999",
+               TORCHELASTIC_RUN_ID="other")
+    proc = subprocess.Popen([PY, "-c", HOLD, str(out), mode, run_lock.__file__], env=env,
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -221,7 +232,8 @@ def test_dead_holder_is_taken_over_with_a_note_and_released_at_the_end(tmp_path)
     dead.wait()
     got = run_world(_train, 1, [DEFAULT, *TINY, "--output_dir", str(out), "--max_steps", "2"], timeout=120)[0]
     assert got["steps"] == [1, 2]
-    assert any(f"took over {out / 'minipar.lock'} from pid {dead.pid}" in n for n in got["notes"]), got["notes"]
+    assert any(f"took over {out / 'minipar.lock'} from pid {dead.pid}" in n
+               for n in got["notes"]), got["notes"]
     assert not (out / "minipar.lock").exists(), "the lock is released when the run ends"
 
 
@@ -251,7 +263,8 @@ def test_cleanup_never_touches_a_live_runs_temporary_directories(tmp_path):
 def test_output_dir_under_a_regular_file_is_refused_before_step_one(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    for key, value in [("--output_dir", blocker / "out"), ("--metrics_file", blocker / "m" / "metrics.jsonl")]:
+    for key, value in [("--output_dir", blocker / "out"),
+                       ("--metrics_file", blocker / "m" / "metrics.jsonl")]:
         errors = run_world(_error, 2, [DEFAULT, *TINY, "--output_dir", str(tmp_path / "o"), key, str(value)],
                            timeout=60)
         name = key[2:]
@@ -314,26 +327,30 @@ def _tiny_checkpoint(path):
     from minipar.training import optim as moptim
     from models.llama import LlamaForCausalLM
     from models.llama_config import LlamaConfig
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2))
     opt = moptim.build_optimizer(model, lr=1e-3)
     sched = moptim.build_scheduler(opt, 1, 10)
-    ck.save_checkpoint(str(path), model, opt, model.pgm, step=1, scheduler=sched, extra=dict(step=1, note="x"))
+    ck.save_checkpoint(str(path), model, opt, model.pgm, step=1, scheduler=sched,
+                       extra=dict(step=1, note="x"))
     return model, opt, sched
 
 
 def test_a_pickle_that_runs_a_command_is_refused_and_does_not_run(tmp_path):
     step = tmp_path / "step-1"
     model, opt, sched = _tiny_checkpoint(step)
-    assert ck.load_checkpoint(str(step), model, opt, model.pgm, scheduler=sched)["note"] == "x"   # plain data loads
+    # plain data loads
+    assert ck.load_checkpoint(str(step), model, opt, model.pgm, scheduler=sched)["note"] == "x"
     marker = tmp_path / "pwned"
     state = torch.load(step / ck.TRAINER_STATE, weights_only=True)
     evil = ck_files.to_bytes(dict(state, extra=_RunsCode(str(marker))))     # all else as saved
     (step / ck.TRAINER_STATE).write_bytes(evil)
     manifest = json.loads((step / "manifest.json").read_text())
-    manifest["files"][ck.TRAINER_STATE] = dict(bytes=len(evil), sha256=verify.sha256_file(str(step / ck.TRAINER_STATE)))
+    manifest["files"][ck.TRAINER_STATE] = dict(bytes=len(evil),
+                                               sha256=verify.sha256_file(str(step / ck.TRAINER_STATE)))
     (step / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValueError, match=r"trainer_state\.pt holds more than tensors and plain data.*refused"):
+    with pytest.raises(ValueError, match=r"trainer_state\.pt holds more than tensors and plain data"
+                                         r".*refused"):
         ck.load_checkpoint(str(step), model, opt, model.pgm, scheduler=sched)
     assert not marker.exists(), "the command ran"
 
@@ -364,7 +381,8 @@ def test_resume_drops_a_partial_metrics_line_and_skips_a_damaged_latest(tmp_path
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "loss": 5.1')                 # a write cut short by a crash
     capfd.readouterr()
-    got = run_world(_train, 1, [*base, "--max_steps", "4", "--resume_from_checkpoint", "latest"], timeout=120)[0]
+    got = run_world(_train, 1, [*base, "--max_steps", "4", "--resume_from_checkpoint", "latest"],
+                    timeout=120)[0]
     printed = capfd.readouterr().out
     assert got["steps"] == [1, 2, 3, 4]                    # step 2's lines kept, 3 and 4 trained again
     assert f"skips {out / 'step-3'}" in printed and "sha256" in printed, printed
@@ -379,7 +397,8 @@ def test_world_size_hint_suggests_a_launch_that_fits(tmp_path, monkeypatch):
         setup_run(argv)
     launches = re.findall(r"`torchrun --nproc-per-node (\d+) train\.py([^`]*)`", str(info.value))
     assert [n for n, _ in launches] == ["2", "4"], str(info.value)
-    monkeypatch.setattr(minipar, "init", lambda config, **kw: config)        # no groups: check the layout only
+    # no groups: check the layout only
+    monkeypatch.setattr(minipar, "init", lambda config, **kw: config)
     monkeypatch.setattr(lifecycle, "check_same_config", lambda cfg, pgm: None)   # (its digest needs a world)
     for n, args in launches:
         monkeypatch.setenv("WORLD_SIZE", n)

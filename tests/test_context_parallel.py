@@ -174,7 +174,8 @@ def test_block_document_mask_classification():
     assert document_mask(4, 4, False, a, b)[0] == "empty"
     assert document_mask(4, 4, True, b, b)[0] == "plain"
     kind, mask = document_mask(4, 4, True, a, a)
-    assert kind == "masked" and mask[0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    assert kind == "masked"
+    assert mask[0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
 
 
 def test_ring_attention_cp1_is_local_causal_attention():
@@ -326,6 +327,6 @@ def test_cuda_kernel_calls_fit_torch_schemas(kind, dtype):
         k = v = torch.empty(2, hkv, tk, 64, device="meta", dtype=dtype)
         out, lse, extra = ba._fused_block_forward(kind, q, k, v, causal, 0.125)
         assert out.shape == q.shape and lse.shape == q.shape[:3]
-        grads = ba._fused_block_backward(kind, extra, torch.empty_like(out), q, k, v, out, lse.float(), causal,
-                                         0.125)
+        grads = ba._fused_block_backward(kind, extra, torch.empty_like(out), q, k, v, out, lse.float(),
+                                         causal, 0.125)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

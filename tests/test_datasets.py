@@ -97,7 +97,8 @@ def test_chat_labels_train_only_assistant_turns(example):
 
 def test_completion_rows_jsonl_txt_and_bytes(tmp_path, example):
     tok = example["tok"]
-    j = _write(tmp_path / "c.jsonl", [json.dumps({"body": "To be, or not to be"}), "", json.dumps({"body": "ay"})])
+    j = _write(tmp_path / "c.jsonl", [json.dumps({"body": "To be, or not to be"}), "",
+                                      json.dumps({"body": "ay"})])
     t = _write(tmp_path / "c.txt", ["First para", "line two", "", "", "second"])
     ex = load_examples(check_entries([dict(path=j, type="completion", field="body"), dict(path=t)]), tok, 64)
     assert len(ex) == 4 and ex.sources == [f"{j}:1", f"{j}:3", f"{t}:1", f"{t}:5"]
@@ -116,10 +117,12 @@ def test_bad_rows_name_file_and_line(tmp_path, example):
         path = _write(tmp_path / "bad.jsonl", lines)
         with pytest.raises(ValueError, match=match):
             load_examples(check_entries([dict(path=path, type=kind, **kw)]), tokenizer, 32)
-    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]})
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                    {"role": "assistant", "content": "ho"}]})
     fails([good, json.dumps({"text": "x"})], r"bad.jsonl:2: the row has no field 'messages'")
     fails([good, "", json.dumps({"messages": []})], r"bad.jsonl:3: `messages` must be a non-empty list")
-    fails([json.dumps({"messages": [{"role": "king", "content": "x"}]})], r"bad.jsonl:1: .*unknown role 'king'")
+    fails([json.dumps({"messages": [{"role": "king", "content": "x"}]})],
+          r"bad.jsonl:1: .*unknown role 'king'")
     fails([json.dumps({"messages": [{"role": "user"}]})], r"bad.jsonl:1: message 0 must be a mapping")
     fails([good, "{not json"], r"bad.jsonl:2: not valid JSON")
     fails([json.dumps({"txt": "x"})], r"bad.jsonl:1: the row has no field 'text'", kind="completion")
@@ -182,7 +185,8 @@ def test_packing_keeps_whole_examples_with_their_positions(example):
         RowSampler(data, 16, seed=5).load_state_dict(s1.state_dict())
     batches = list(eval_batches(data, 8, max_batches=100))
     assert len(batches) == -(-data.num_rows // 8) and mdata.count_label_tokens(
-        torch.cat([b["labels"] for b in batches])) == int((r["labels"] != -100).sum()), "eval counts each row once"
+        torch.cat([b["labels"] for b in batches])) == int((r["labels"] != -100).sum()), \
+        "eval counts each row once"
 
 
 def test_local_batch_cuts_positions_and_documents_like_tokens():
@@ -273,7 +277,8 @@ def test_packed_rows_compute_what_each_example_computes_alone(cp_size, tp_size, 
 
 # ------------------------------------------------------------------------------ the training program
 def _finetune_argv(example, out, steps, **layout):
-    cfg = dict(tokenizer_config=example["tokenizer"], datasets=[dict(path=example["chat"], type="chat_template")],
+    cfg = dict(tokenizer_config=example["tokenizer"],
+               datasets=[dict(path=example["chat"], type="chat_template")],
                sample_packing=True, val_set_size=0.1, sequence_len=64, global_batch_size=8, max_steps=steps,
                warmup_steps=2, learning_rate=3e-3, eval_steps=steps, eval_batches=1, logging_steps=100,
                progress_bar=False, save_final_checkpoint=False, export_hf=False, output_dir=str(out),
@@ -289,7 +294,8 @@ def _train(argv):
     from minipar.training.run_setup import setup_run
     from minipar.training.trainer import Trainer
     torch.set_num_threads(1)
-    return [(r["step"], r["loss"], r.get("val_loss"), r["grad_norm"]) for r in Trainer(setup_run(argv)).train()]
+    return [(r["step"], r["loss"], r.get("val_loss"), r["grad_norm"])
+            for r in Trainer(setup_run(argv)).train()]
 
 
 def _same_curve(ref, got, steps):
@@ -315,7 +321,8 @@ def test_packed_finetune_matches_one_process_fast(example, tmp_path):
 
 @pytest.mark.slow
 def test_packed_finetune_8_ranks_matches_one_process(example, tmp_path):
-    ref = _packed_run(example, tmp_path, 20, 8, dp_shard_size=2, context_parallel_size=2, tensor_parallel_size=2)
+    ref = _packed_run(example, tmp_path, 20, 8, dp_shard_size=2, context_parallel_size=2,
+                      tensor_parallel_size=2)
     assert ref[-1][1] < ref[0][1], "and it learns"
 
 

@@ -53,7 +53,8 @@ def test_a_run_and_the_exporter_leave_the_byte_tokenizer(tmp_path):
     run_world(_train, 1, [os.path.join(ROOT, "configs", "ddp.yaml"), "--dp_replicate_size", "1",
                           "--model.hidden_size", "32", "--model.intermediate_size", "64",
                           "--model.num_hidden_layers", "1", "--model.num_attention_heads", "2",
-                          "--model.num_key_value_heads", "1", "--sequence_len", "16", "--global_batch_size", "4",
+                          "--model.num_key_value_heads", "1", "--sequence_len", "16",
+                          "--global_batch_size", "4",
                           "--max_steps", "2", "--warmup_steps", "1", "--eval_steps", "0", "--save_steps", "0",
                           "--progress_bar", "false", "--output_dir", str(out),
                           "--dataset", os.path.join(ROOT, "data", "shakespeare.txt")], timeout=240)

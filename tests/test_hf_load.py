@@ -36,8 +36,8 @@ VARIANTS = {
 def make_checkpoint(directory, dtype=torch.float32, seed=0, **overrides):
     """transformers.LlamaForCausalLM with random weights (norms and biases too), in two shards."""
     torch.manual_seed(seed)
-    shape = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256)
+    shape = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     cfg = transformers.LlamaConfig(**{**shape, **overrides})
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -50,7 +50,8 @@ def make_checkpoint(directory, dtype=torch.float32, seed=0, **overrides):
     if cfg.vocab_size == 384:                # base_model is also the tokenizer (tokenizer_config's default)
         _tiny_tokenizer(str(directory))
     shards = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-    assert len(shards) == 2 and os.path.exists(os.path.join(directory, "model.safetensors.index.json")), shards
+    assert len(shards) == 2 and os.path.exists(os.path.join(directory, "model.safetensors.index.json")), \
+        shards
     return str(directory)
 
 
@@ -108,7 +109,8 @@ def _first_step_and_hf_loss(argv):
     hf = transformers.LlamaForCausalLM.from_pretrained(run.cfg.base_model, dtype=torch.float32).eval()
     with torch.no_grad():     # our labels arrive shifted (label[t] = token t + 1): a plain mean CE
         logits = hf(input_ids=ids).logits
-        ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(), ignore_index=-100)
+        ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(),
+                                                ignore_index=-100)
     return trainer.train_step(0)["loss"], ref.item()
 
 
@@ -197,7 +199,7 @@ def test_dp_shard2_cp2_tp2_trains_like_one_process(tmp_path, checkpoints):
     assert ref[-1] < ref[0]
 
 
-# ------------------------------------------------------------------ end to end: checkpoint + chat data + packing
+# ---------------------------------------------------------- end to end: checkpoint + chat data + packing
 @pytest.fixture(scope="module")
 def chat_example(tmp_path_factory):
     """example_data's BPE tokenizer (2048 tokens, a chat template) and chat rows, beside a
@@ -326,7 +328,8 @@ def _drop_tensor(base, index, name):
     path = os.path.join(base, next(f for f in os.listdir(base) if f.endswith("00002-of-00002.safetensors")))
     tensors = load_file(path)
     if name not in tensors:
-        path = os.path.join(base, next(f for f in os.listdir(base) if f.endswith("00001-of-00002.safetensors")))
+        path = os.path.join(base, next(f for f in os.listdir(base)
+                                       if f.endswith("00001-of-00002.safetensors")))
         tensors = load_file(path)
     tensors.pop(name)
     save_file(tensors, path, metadata={"format": "pt"})

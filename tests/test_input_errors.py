@@ -31,8 +31,8 @@ TINY = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--mode
 # configs/finetune.yaml on the byte corpus: base_model fixes the model, no `model` section
 FINETUNE = [os.path.join(ROOT, "configs", "finetune.yaml"), "--datasets", "[]", "--sample_packing", "false",
             "--val_set_size", "0", "--max_steps", "2", "--progress_bar", "false"]
-SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256)
+SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 def _refused(argv, out):
@@ -84,7 +84,8 @@ def test_negative_save_total_limit_and_every_wrong_value_in_one_error(tmp_path):
     assert msg.startswith(f"{len(wrong)} config values are wrong: "), msg
     for key in wrong:
         assert f"; {key} must" in msg or f": {key} must" in msg, (key, msg)
-    assert "save_total_limit must be >= 0 (0 or null: keep every checkpoint; N: keep the newest N), got -3" in msg
+    assert ("save_total_limit must be >= 0 (0 or null: keep every checkpoint; N: keep the newest N), "
+            "got -3") in msg
 
 
 @pytest.mark.parametrize("key,value", [("learning_rate", "0"), ("weight_decay", "-1"), ("warmup_steps", "-5"),
@@ -115,7 +116,8 @@ def test_dataset_directory_and_empty_files_say_what_they_are(tmp_path):
     entry = "[{path: %s, type: completion}]"
     msg = _refused([*TINY, "--datasets", entry % folder], tmp_path / "out")
     assert f"datasets: file '{folder}' is a directory" in msg and ".jsonl" in msg, msg
-    for name, text, what in [("empty.jsonl", "", "empty (0 bytes)"), ("blank.jsonl", "\n \n", "empty (blank lines only)")]:
+    for name, text, what in [("empty.jsonl", "", "empty (0 bytes)"),
+                             ("blank.jsonl", "\n \n", "empty (blank lines only)")]:
         path = tmp_path / name
         path.write_text(text)
         msg = _refused([*TINY, "--datasets", entry % path], tmp_path / "out")
@@ -126,7 +128,7 @@ def test_dataset_directory_and_empty_files_say_what_they_are(tmp_path):
     assert msg.startswith("3 config values are wrong") and "is a directory" in msg and "is empty" in msg, msg
 
 
-# ------------------------------------------------------------------ item 3: YAML and JSON errors name the place
+# ------------------------------------------------------------ item 3: YAML and JSON errors name the place
 def test_yaml_with_a_tab_or_a_syntax_error_names_file_line_column(tmp_path, capsys):
     tab, broken = tmp_path / "tab.yaml", tmp_path / "broken.yaml"
     tab.write_text("max_steps: 3\n\tlearning_rate: 1e-3\n")
@@ -174,8 +176,9 @@ def test_planner_refuses_bad_world_and_non_llama_configs(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err == f"error: --world must be a positive integer (the number of GPUs), got {world}", err
     gpt2 = tmp_path / "gpt2.json"
-    gpt2.write_text(json.dumps(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=768, n_layer=12,
-                                    n_head=12, vocab_size=50257, hidden_size=768, num_attention_heads=12,
+    gpt2.write_text(json.dumps(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=768,
+                                    n_layer=12, n_head=12, vocab_size=50257, hidden_size=768,
+                                    num_attention_heads=12,
                                     num_hidden_layers=12, intermediate_size=3072)))
     assert plan_main(["--model", str(gpt2), "--world", "8"]) == 2
     err = capsys.readouterr().err.strip()

@@ -142,8 +142,8 @@ def test_zero3_prefetch_and_reshard_rungs_equal_one_process():
         for rung in ZERO3_RUNGS:
             _compare(got[rung], want)
         # prefetching moves the gathers earlier; it gathers the same bytes
-        gathers = {rung: got[rung]["wire"][("all_gather", "dp_shard_cp")][1] for rung in ("prefetch0", "prefetch1",
-                                                                                         "prefetch2")}
+        gathers = {rung: got[rung]["wire"][("all_gather", "dp_shard_cp")][1]
+                   for rung in ("prefetch0", "prefetch1", "prefetch2")}
         assert len(set(gathers.values())) == 1, gathers
         # reshard_after_forward=False keeps the units gathered for backward: fewer bytes gathered
         assert got["no-reshard"]["wire"][("all_gather", "dp_shard_cp")][1] < gathers["prefetch1"]
@@ -191,7 +191,8 @@ def test_async_column_parallel_alone_equals_plain_layers():
             res = []
             for overlap in (False, True):
                 torch.manual_seed(1)                 # the same weights for both
-                a = tpl.ColumnParallelLinear(16, 12, pgm.tp, bias=True, sequence_parallel=sp, async_overlap=overlap)
+                a = tpl.ColumnParallelLinear(16, 12, pgm.tp, bias=True, sequence_parallel=sp,
+                                             async_overlap=overlap)
                 b = tpl.ColumnParallelLinear(16, 8, pgm.tp, sequence_parallel=sp, async_overlap=overlap)
                 a.double(), b.double()
                 xi = x.clone().requires_grad_(True)
@@ -250,8 +251,9 @@ def test_rung_keys_reach_the_trainer(tmp_path):
     loss curve of one process."""
     import os
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    argv = [os.path.join(root, "configs", "ddp.yaml"), "--dp_replicate_size", "1", "--model.hidden_size", "32",
-            "--model.intermediate_size", "64", "--model.num_hidden_layers", "1", "--model.num_attention_heads", "4",
+    argv = [os.path.join(root, "configs", "ddp.yaml"), "--dp_replicate_size", "1",
+            "--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_hidden_layers", "1",
+            "--model.num_attention_heads", "4",
             "--model.num_key_value_heads", "2", "--sequence_len", "16", "--global_batch_size", "4",
             "--max_steps", "3", "--eval_steps", "0", "--logging_steps", "100", "--progress_bar", "false",
             "--save_final_checkpoint", "false", "--export_hf", "false", "--output_dir", str(tmp_path)]

@@ -47,7 +47,8 @@ def test_hf_to_minipar_and_back(tmp_path, tied):
 
 
 def test_reads_rope_parameters_and_rope_theta():
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4)
     assert LlamaConfig.from_dict({**base, "rope_theta": 500.0}).rope_theta == 500.0
     cfg = LlamaConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 123.0}})
     assert cfg.rope_theta == 123.0 and cfg.num_key_value_heads == 4

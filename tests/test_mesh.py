@@ -151,7 +151,8 @@ def test_pp_size_from_env_cli_and_grid_text(capsys, monkeypatch):
     monkeypatch.setenv("PARALLELISM_CONFIG_PP_SIZE", "2")
     config = ParallelismConfig.from_env(tp_size=2)
     assert config.pp_size == 2 and config.resolve(8).dp_shard_size == 2     # the remainder after pp x tp
-    with pytest.raises(ValueError, match="pp_size x dp_replicate_size x cp_size x tp_size = 4 does not divide 6"):
+    with pytest.raises(ValueError, match="pp_size x dp_replicate_size x cp_size x tp_size = 4 "
+                                         "does not divide 6"):
         config.resolve(6)
     main(["--pp", "2", "--dp-shard", "2", "--cp", "2", "--tp", "2"])
     text = capsys.readouterr().out

@@ -41,7 +41,8 @@ def _tiny(layers=4, steps=3):
     return ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_hidden_layers",
             str(layers), "--model.num_attention_heads", "4", "--model.num_key_value_heads", "2",
             "--sequence_len", "32", "--global_batch_size", "8", "--micro_batch_size", "2",
-            "--max_steps", str(steps), "--warmup_steps", "25", "--eval_steps", str(steps), "--eval_batches", "1",
+            "--max_steps", str(steps), "--warmup_steps", "25", "--eval_steps", str(steps),
+            "--eval_batches", "1",
             "--logging_steps", "100", "--progress_bar", "false", "--save_steps", "0",
             "--save_final_checkpoint", "false", "--export_hf", "false", "--dataset", DATA]
 
@@ -115,7 +116,8 @@ def test_schedules_complete_with_the_bubble_and_memory_of_theory(name):
             for v in ((2, 3) if name == "interleaved_1f1b" else (1,)):
                 orders = [schedule_order(name, p, m, r, v) for r in range(p)]
                 for order in orders:              # every chunk of every micro-batch: one F, then one B
-                    assert sorted(order) == sorted({(k, c, i) for k in "FB" for c in range(v) for i in range(m)})
+                    assert sorted(order) == sorted({(k, c, i) for k in "FB" for c in range(v)
+                                                    for i in range(m)})
                     for c in range(v):
                         for i in range(m):
                             assert order.index(("F", c, i)) < order.index(("B", c, i))
@@ -194,8 +196,8 @@ def _bad_world(argv):
 def test_bad_pipeline_refused_on_every_rank_before_any_collective(tmp_path):
     out = run_world(_bad_world, 2, _argv(tmp_path, "--pipeline_parallel_size", "2", layers=1), timeout=120)
     assert all("num_hidden_layers=1 cannot be split over 2" in o for o in out), out[0]
-    out = run_world(_bad_world, 2, _argv(tmp_path, "--pipeline_parallel_size", "2", "--micro_batch_size", "8"),
-                    timeout=120)
+    out = run_world(_bad_world, 2,
+                    _argv(tmp_path, "--pipeline_parallel_size", "2", "--micro_batch_size", "8"), timeout=120)
     assert all("needs at least 2 micro-batches" in o for o in out), out[0]
 
 
@@ -203,7 +205,8 @@ def test_bad_pipeline_refused_on_every_rank_before_any_collective(tmp_path):
 @pytest.mark.parametrize("schedule", ["afab", "interleaved_1f1b"])   # 1f1b: the checkpoint test's run
 def test_each_schedule_on_pp2_matches_single_process(tmp_path_factory, tmp_path, schedule):
     ref = _reference(tmp_path_factory)
-    got = run_world(_train, 2, _argv(tmp_path, "--pipeline_parallel_size", "2", "--pipeline_schedule", schedule),
+    got = run_world(_train, 2,
+                    _argv(tmp_path, "--pipeline_parallel_size", "2", "--pipeline_schedule", schedule),
                     timeout=300)
     for g in got:                              # every stage logs the same loss
         _same(ref, g)
@@ -215,7 +218,8 @@ def test_pp2_zero3_checkpointing_reduce_scatters_once_per_step(tmp_path_factory,
     save = tmp_path / "pp2-shard2"
     got = run_world(_train_counting, 4, _argv(save, "--pipeline_parallel_size", "2", "--dp_shard_size", "2",
                                               "--pipeline_schedule", "interleaved_1f1b",
-                                              "--gradient_checkpointing", "true", "--save_final_checkpoint", "true",
+                                              "--gradient_checkpointing", "true",
+                                              "--save_final_checkpoint", "true",
                                               "--fsdp.state_dict_type", "FULL_STATE_DICT"), timeout=300)
     steps, m = 3, 2                            # 8 samples / (micro_batch_size 2 x dp 2)
     for curve, led in got:
@@ -242,7 +246,8 @@ def _save_on_pp2(tmp_path_factory, tmp_path):
 
 
 def _resume(ref, step3, out, world, *extra):
-    got = run_world(_train, world, _argv(out, *extra, "--resume_from_checkpoint", step3, steps=5), timeout=300)[0]
+    got = run_world(_train, world, _argv(out, *extra, "--resume_from_checkpoint", step3, steps=5),
+                    timeout=300)[0]
     assert [g[0] for g in got] == [4, 5]
     _same(ref[3:], got)
 
@@ -286,7 +291,8 @@ SLOW = [
     _pp(4, 4, "pp2-shard2-checkpointing", "2", "--dp_shard_size", "2", "--gradient_checkpointing", "true"),
     _pp(4, 4, "pp2-ddp2-interleaved", "2", "--dp_replicate_size", "2", "--dp_shard_size", "1",
         "--pipeline_schedule", "interleaved_1f1b"),
-    _pp(8, 4, "pp2-hsdp2x2", "2", "--dp_replicate_size", "2", "--dp_shard_size", "2", "--micro_batch_size", "1"),
+    _pp(8, 4, "pp2-hsdp2x2", "2", "--dp_replicate_size", "2", "--dp_shard_size", "2",
+        "--micro_batch_size", "1"),
     _pp(16, 4, "pp2-shard2-cp2-tp2-sp", "2", "--dp_shard_size", "2", "--context_parallel_size", "2",
         "--tensor_parallel_size", "2", "--sequence_parallel", "true"),
 ]

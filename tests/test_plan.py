@@ -161,7 +161,8 @@ def _check(r0, results):
         for (checkpointing, seq), measured in r["acts"].items():
             planned = act(dataclasses.replace(batch, sequence_len=seq), checkpointing)
             assert abs(planned - measured) <= 0.15 * measured, \
-                f"{where}, seq {seq}, checkpointing {checkpointing}: planned {planned} B, measured {measured} B"
+                f"{where}, seq {seq}, checkpointing {checkpointing}: " \
+                f"planned {planned} B, measured {measured} B"
 
 
 def _check_world(world, runs, tmp_path):
@@ -205,10 +206,12 @@ VARIANTS = [("fsdp_tp.yaml", ["--sequence_parallel", "true", "--gradient_checkpo
 # inside the stages under AFAB with checkpointing, DDP and ZeRO-3 per stage under the interleaved schedule
 PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16",
                               "--micro_batch_size", "1"]),
-               ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel",
-                            "true", "--pipeline_schedule", "afab", "--gradient_checkpointing", "true"]),
-               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2", "--pipeline_schedule",
-                            "interleaved_1f1b", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
+                            "--sequence_parallel", "true", "--pipeline_schedule", "afab",
+                            "--gradient_checkpointing", "true"]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2",
+                            "--pipeline_schedule", "interleaved_1f1b", "--micro_batch_size", "1",
+                            "--model.num_hidden_layers", "4"]),
                # ZeRO-3 prefetch under interleaving: the learned unit order alternates between chunks
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
                             "interleaved_1f1b", "--micro_batch_size", "1", "--model.num_hidden_layers", "8"])]
@@ -275,7 +278,8 @@ def test_long_steps_extend_the_replay_exactly():
     from minipar.plan import Pipeline, plan_stage
     from minipar.plan.pipeline_stage import _plan_stage, stages
     m8, m70 = _llama("llama-3.1-8b"), _llama("llama-3.1-70b")
-    cases = [(m8, Layout(1, 2, 1, 2, True), Pipeline(4, "1f1b"), Batch(64, 1, 4096), Options(dtype="bfloat16")),
+    cases = [(m8, Layout(1, 2, 1, 2, True), Pipeline(4, "1f1b"), Batch(64, 1, 4096),
+              Options(dtype="bfloat16")),
              (m8, Layout(2, 1, 1, 2, True), Pipeline(2, "afab"), Batch(48, 1, 4096), Options()),
              (m8, Layout(1, 4, 2, 1, False), Pipeline(4, "1f1b"), Batch(192, 2, 4096),
               Options(gradient_checkpointing=True, prefetch=2)),
@@ -284,7 +288,8 @@ def test_long_steps_extend_the_replay_exactly():
     for model, lay, pipe, batch, opts in cases:
         assert batch.micro_steps(lay) > 4 * pipe.pp
         for st in stages(model, pipe):
-            assert plan_stage(model, lay, pipe, st, batch, opts) == _plan_stage(model, lay, pipe, st, batch, opts)
+            assert plan_stage(model, lay, pipe, st, batch, opts) \
+                == _plan_stage(model, lay, pipe, st, batch, opts)
 
 
 def test_cli_json_and_errors(capsys):
@@ -350,10 +355,13 @@ def test_cli_pipeline_json_bubble_and_errors(capsys):
     assert "needs at least 4 micro-batches" in capsys.readouterr().err
     assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--search", "--pp", "2"]) == 2
     assert "--search ranks every pipeline size itself" in capsys.readouterr().err
-    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--search", "--json"]) == 0   # the config's pp: searched over
-    assert json.loads(capsys.readouterr().out)["recommended"]["layout"].get("pp", 1) == 1       # 4 GPUs: one node
+    # the config's pp: searched over
+    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--search", "--json"]) == 0
+    # 4 GPUs: one node
+    assert json.loads(capsys.readouterr().out)["recommended"]["layout"].get("pp", 1) == 1
     llama = os.path.join(LLAMA, "llama-3.1-8b.json")
-    assert plan_main(["--model", llama, "--world", "16", "--pp", "4", "--pipeline-schedule", "interleaved_1f1b",
+    assert plan_main(["--model", llama, "--world", "16", "--pp", "4",
+                      "--pipeline-schedule", "interleaved_1f1b",
                       "--global-batch-size", "16", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["time"]["bubble"] == pytest.approx(3 / (2 * p["micro_steps"] + 3))

@@ -31,8 +31,8 @@ def _data(tmp_path, texts=TEXTS, name="notes.jsonl"):
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(datasets=[dict(path=_data(tmp_path), type="completion")], sequence_len=48, sample_packing=True,
-                val_set_size=0.2, output_dir=str(tmp_path / "out"), ddp_timeout=30)
+    base = dict(datasets=[dict(path=_data(tmp_path), type="completion")], sequence_len=48,
+                sample_packing=True, val_set_size=0.2, output_dir=str(tmp_path / "out"), ddp_timeout=30)
     return TrainConfig(**{**base, **kw})
 
 
@@ -166,7 +166,8 @@ def test_a_damaged_entry_is_named_and_prepared_again(tmp_path, damage):
 def test_a_bad_row_reaches_the_waiting_ranks(tmp_path, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
-    cfg, tok = _cfg(tmp_path, datasets=[dict(path=str(bad), type="completion")], val_set_size=0.0), ByteTokenizer()
+    cfg = _cfg(tmp_path, datasets=[dict(path=str(bad), type="completion")], val_set_size=0.0)
+    tok = ByteTokenizer()
     with pytest.raises(ValueError, match="bad.jsonl:2: the row has no field 'text'") as writer:
         prepared.load_or_prepare(cfg, tok, prepare)
     key = prepared.cache_key(prepared.cache_inputs(cfg, tok))
@@ -222,7 +223,8 @@ def test_two_ranks_on_one_folder_get_the_same_rows(tmp_path):
     r0, r1 = run_world(_both_ranks, 2, cfg, init=False, timeout=60)
     assert r0["note"].startswith("prepared the dataset") and r1["note"].startswith("loaded prepared dataset")
     assert r0["fingerprint"] == r1["fingerprint"] == prepare(cfg, ByteTokenizer()).train.fingerprint
-    assert r0["plan"] == r1["plan"] and all(torch.equal(r0["rows"][k], r1["rows"][k]) for k in prepared.ROW_KEYS)
+    assert r0["plan"] == r1["plan"]
+    assert all(torch.equal(r0["rows"][k], r1["rows"][k]) for k in prepared.ROW_KEYS)
 
 
 # ------------------------------------------------------------------------------ the training program
@@ -243,8 +245,9 @@ def test_a_run_from_the_prepared_dataset_trains_the_same(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot  # noqa: F401  (the run plots its loss curve: imported once, before the fork)
     cfg = dict(datasets=[dict(path=_data(tmp_path, TEXTS * 3), type="completion")], sample_packing=True,
-               val_set_size=0.1, sequence_len=32, global_batch_size=4, max_steps=2, warmup_steps=1, eval_steps=2,
-               eval_batches=1, logging_steps=100, progress_bar=False, save_final_checkpoint=False, export_hf=False,
+               val_set_size=0.1, sequence_len=32, global_batch_size=4, max_steps=2, warmup_steps=1,
+               eval_steps=2, eval_batches=1, logging_steps=100, progress_bar=False,
+               save_final_checkpoint=False, export_hf=False,
                dataset_prepared_path=str(tmp_path / "prepared"),
                model=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                           num_key_value_heads=1))

@@ -105,8 +105,8 @@ needs_venv = pytest.mark.skipif(not os.path.isdir(VENV), reason="no .venv (make 
 def _run(line, timeout=120, check=True):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONUNBUFFERED", None)         # buffered, as a log file gets it: the order must hold
-    out = subprocess.run(line, shell=True, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, timeout=timeout)
+    out = subprocess.run(line, shell=True, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=timeout)
     if check:
         assert out.returncode == 0, f"{line}: exit {out.returncode}\n{out.stdout[-3000:]}"
     return out
@@ -141,7 +141,8 @@ def test_the_configuration_example_trains_and_plan_runs(tmp_path):
 def test_a_refused_run_prints_its_reason_last(tmp_path):
     """exit 2, and the `[rank R] error: ...` line is the last thing the rank writes (the README
     points torchrun users at it, above torchrun's own report)."""
-    out = _run(f".venv/bin/python train.py --max_steps 1 --learning_rate -1 --output_dir {tmp_path}", check=False)
+    out = _run(f".venv/bin/python train.py --max_steps 1 --learning_rate -1 --output_dir {tmp_path}",
+               check=False)
     assert out.returncode == 2, out.stdout
     assert out.stdout.strip().splitlines()[-1].startswith("[rank 0] error: "), out.stdout[-2000:]
     text = open(README).read()
@@ -156,7 +157,8 @@ def test_make_train_and_torchrun_run_as_written(tmp_path):
     if subprocess.run(["make", "-q", ".venv/.installed"], cwd=ROOT).returncode != 0:
         pytest.skip("setup.cfg changed since `make install`: make train would reinstall .venv first")
     head, args = make.split('ARGS="', 1)
-    _run(f'{head}ARGS="{args[:-1]} --max_steps 2 --progress_bar false --output_dir {tmp_path / "make"}"', timeout=300)
+    _run(f'{head}ARGS="{args[:-1]} --max_steps 2 --progress_bar false --output_dir {tmp_path / "make"}"',
+         timeout=300)
     line = _the(".venv/bin/torchrun --nproc-per-node 4 train.py configs/fsdp.yaml")
     _run(f"{line} --max_steps 2 --progress_bar false --output_dir {tmp_path / 'fsdp'}", timeout=300)
     # a rank's reason is its last line after the groups exist too; torchrun itself exits 1

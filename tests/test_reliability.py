@@ -80,7 +80,8 @@ def test_teardown_leaves_no_distributed_thread(tmp_path):
     # ZeRO-3 x TP: async gathers and reduce-scatters, a save and an export at the end
     argv = _argv(tmp_path, "--max_steps", "1", "--dp_shard_size", "2", "--tensor_parallel_size", "2",
                  "--save_final_checkpoint", "true", "--export_hf", "true")
-    for threads, initialized in run_world(_main_then_list_threads, 4, _free_port(), argv, init=False, timeout=300):
+    for threads, initialized in run_world(_main_then_list_threads, 4, _free_port(), argv, init=False,
+                                          timeout=300):
         assert not initialized
         assert threads == [], f"still alive after train.main: {threads} (a group not destroyed)"
 
@@ -107,7 +108,8 @@ def _setup_error(argv):
 def test_ranks_with_different_configs_all_refuse(tmp_path):
     errors = run_world(_setup_error, 4, _argv(tmp_path, "--tensor_parallel_size", "2"), timeout=120)
     for e in errors:
-        assert "different configs" in e and "max_steps (10 on rank 0; 11 on rank 1; 12 on rank 2; 13 on rank 3)" in e, e
+        assert "different configs" in e, e
+        assert "max_steps (10 on rank 0; 11 on rank 1; 12 on rank 2; 13 on rank 3)" in e, e
         assert "learning_rate" in e and "0.01 on rank 2" in e, e
         assert "warmup_steps" not in e
     assert len(set(errors)) == 1                     # the same message on every rank
@@ -156,7 +158,8 @@ def test_stuck_peer_fails_the_others_within_ddp_timeout(tmp_path):
         for p in procs:
             p.start()
         deadline = time.monotonic() + 180
-        while any(p.exitcode is None for i, p in enumerate(procs) if i != stuck) and time.monotonic() < deadline:
+        while any(p.exitcode is None for i, p in enumerate(procs) if i != stuck) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         ended = time.time()
         assert os.path.exists(mark), "the rank never stopped"
@@ -170,7 +173,8 @@ def test_stuck_peer_fails_the_others_within_ddp_timeout(tmp_path):
             assert "CollectiveError" in text, text
             assert re.search(r"(all_gather|reduce_scatter|all_reduce|send_recv|broadcast|barrier) over "
                              r"(tp|dp_shard_cp|dp_cp|dp|world|cp)", text), text
-        assert waited < timeout_s + 20, f"the others took {waited:.1f} s to give up (ddp_timeout {timeout_s} s)"
+        assert waited < timeout_s + 20, \
+            f"the others took {waited:.1f} s to give up (ddp_timeout {timeout_s} s)"
     finally:
         for p in procs:
             if p.is_alive():
@@ -229,8 +233,9 @@ def test_sigterm_to_torchrun_saves_and_resumes(tmp_path):
     out = tmp_path / "run"
     argv = _argv(out, "--dp_shard_size", "2", "--max_steps", "40")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node", "2", os.path.join(ROOT, "train.py"),
-                             *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node", "2",
+                             os.path.join(ROOT, "train.py"), *argv],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert _wait_for_steps(out / "metrics.jsonl", 3, proc, time.monotonic() + 300), proc.stdout.read()
         t0 = time.monotonic()
@@ -247,7 +252,8 @@ def test_sigterm_to_torchrun_saves_and_resumes(tmp_path):
     assert "stopped on SIGTERM" in text, text
     n = steps[-1]
     assert n < 40
-    full = run_world(_train, 2, _argv(tmp_path / "full", "--dp_shard_size", "2", "--max_steps", "40"), timeout=300)[0]
+    full = run_world(_train, 2, _argv(tmp_path / "full", "--dp_shard_size", "2", "--max_steps", "40"),
+                     timeout=300)[0]
     resumed = run_world(_train, 2, _argv(out, "--dp_shard_size", "2", "--max_steps", "40",
                                          "--resume_from_checkpoint", "latest"), timeout=300)[0]
     _same_after(full, resumed, n)

@@ -52,7 +52,8 @@ def _single(tmp_path, *extra):
     # (forked, so that this test process never holds a default group)
     if extra not in _REFERENCE_CURVES:
         _REFERENCE_CURVES[extra] = run_world(
-            _train, 1, _argv("ddp.yaml", tmp_path / "single", "--dp_replicate_size", "1", *extra), timeout=300)[0]
+            _train, 1, _argv("ddp.yaml", tmp_path / "single", "--dp_replicate_size", "1", *extra),
+            timeout=300)[0]
     return _REFERENCE_CURVES[extra]
 
 
@@ -158,7 +159,8 @@ def _bad_world(argv):
 
 def test_world_that_does_not_fit_fails_on_every_rank(tmp_path):
     # 6 ranks cannot hold cp 2 x tp 2: every rank raises the same error before any collective
-    out = run_world(_bad_world, 6, [os.path.join(ROOT, "configs", "default.yaml"), "--output_dir", str(tmp_path)],
+    out = run_world(_bad_world, 6,
+                    [os.path.join(ROOT, "configs", "default.yaml"), "--output_dir", str(tmp_path)],
                     timeout=60)
     assert all("world size 6" in o and "tp_size=2" in o for o in out), out[0]
     out = run_world(_bad_world, 2, _argv("ddp.yaml", tmp_path, "--dp_replicate_size", "2",
@@ -208,7 +210,8 @@ def test_kill_and_resume_same_and_other_layouts(tmp_path):
     other = run_world(_train, 8, _argv("default.yaml", tmp_path / "other", "--dp_shard_size", "4",
                                        "--context_parallel_size", "1", "--resume_from_checkpoint", step10),
                       timeout=600)[0]
-    single = run_world(_train, 1, _argv("default.yaml", tmp_path / "single1", "--resume_from_checkpoint", step10),
+    single = run_world(_train, 1,
+                       _argv("default.yaml", tmp_path / "single1", "--resume_from_checkpoint", step10),
                        timeout=600)[0]
     for resumed in (other, single):
         got = _curve_after(resumed, 10)

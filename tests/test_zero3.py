@@ -1,4 +1,5 @@
-"""ZeRO-3 (minipar/zero3/shard_manager.py) against one process: same weights, same global batch, same steps."""
+"""ZeRO-3 (minipar/zero3/shard_manager.py) against one process: same weights, same global batch,
+same steps."""
 import contextlib
 import functools
 
@@ -48,7 +49,8 @@ def _train(pgm, steps=5, cfg=None, shard=True, micro=1, ckpt=False, dtype=None, 
         for m in range(micro):
             no_sync = model.zero3.no_sync() if not sync_each and m < micro - 1 else contextlib.nullcontext()
             with no_sync, comm_ledger.ledger() as led:
-                loss = model(_rows(ids, pgm, m, micro), labels=_rows(labels, pgm, m, micro), num_items_in_batch=n)
+                loss = model(_rows(ids, pgm, m, micro), labels=_rows(labels, pgm, m, micro),
+                             num_items_in_batch=n)
                 loss.backward()
             total += loss.detach().double()
             if shard:
@@ -116,7 +118,8 @@ def test_gradient_accumulation_equals_one_big_batch():
     _compare(got[0], _reference())
 
 
-@pytest.mark.parametrize("shape,tied", [((1, 2, 1, 1), False), pytest.param((2, 2, 1, 1), True, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("shape,tied", [((1, 2, 1, 1), False),
+                                        pytest.param((2, 2, 1, 1), True, marks=pytest.mark.slow)],
                          ids=["fsdp2", "hsdp2x2-tied"])
 def test_accumulation_without_sync_equals_one_process(shape, tied):
     """no_sync() for micro-batch 1 of 2: no reduce-scatter, the unsharded gradients (all units,
@@ -245,7 +248,8 @@ def _schedule_world(prefetch):
         z.peak_gathered_bytes = 0
         with comm_ledger.ledger() as led:
             left = step(s)
-        events.append([e if isinstance(e, str) else (e.op, e.group, e.bytes, e.wire_bytes) for e in led.events])
+        events.append([e if isinstance(e, str) else (e.op, e.group, e.bytes, e.wire_bytes)
+                       for e in led.events])
     return dict(events=events,
                 seen=seen, left=left, peak=z.peak_gathered_bytes, n_params=n_params,
                 unit_bytes={u.name: u.layout.padded_numel * 4 for u in z.units},

@@ -2,9 +2,14 @@
 (minipar/training/config/train_config.py): sizes, the remainder rule, model checks, accelerate's
 size variables, command-line values."""
 
+import dataclasses
+import os
+
 import pytest
 
 from minipar import ParallelismConfig
+from minipar.training.config.train_config import REPO_ROOT as REPO
+from minipar.training.config.train_config import load_config
 from models.llama_config import LlamaConfig
 
 
@@ -90,3 +95,26 @@ def test_command_line_numbers_without_a_dot():
     """YAML 1.1 reads 1e-3 as a string; the README's `--learning_rate 1e-3` means a number."""
     from minipar.training.config.train_config import load_config
     assert load_config(None, ["--learning_rate", "1e-3", "--min_lr_ratio", "5E-2"]).learning_rate == 1e-3
+
+
+def test_the_default_model_is_what_train_config_says():
+    """Issue 20, item 7: TrainConfig's default model has 2 KV heads; a config without a `model:`
+    block trained 4/4 heads while configs/default.yaml trained 4/2. Now both are 4/2, and giving
+    the heads alone keeps HF's rule (KV heads = heads)."""
+    bare = load_config(None, [])
+    assert (bare.model.num_attention_heads, bare.model.num_key_value_heads) == (4, 2)
+    default = load_config(os.path.join(REPO, "configs", "default.yaml"), [])
+    assert dataclasses.asdict(bare.model) == dataclasses.asdict(default.model)
+    heads = load_config(None, ["--model.num_attention_heads", "8"])
+    assert (heads.model.num_attention_heads, heads.model.num_key_value_heads) == (8, 8)
+
+
+def test_pipeline_settings_that_fail_together_are_one_error(tmp_path):
+    """Issue 20, item 7: too few layers for the stages AND too few micro-batches for 1F1B are
+    reported together, in one ValueError, as unknown keys are."""
+    from minipar.training.pipeline_step import check_pipeline
+    cfg = load_config(None, ["--model.num_hidden_layers", "2", "--pipeline_schedule", "1f1b"])
+    with pytest.raises(ValueError) as err:
+        check_pipeline(cfg, 4, 1)
+    msg = str(err.value)
+    assert "num_hidden_layers=2" in msg and "at least 4 micro-batches" in msg, msg

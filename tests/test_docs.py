@@ -53,7 +53,8 @@ PY_DIRS = ("minipar", "models", "benchmarks", "tests")
 # paths that name files of other projects, written with their project in front
 EXTERNAL = ("torch/", "picotron/", "nanotron/", "torchtitan/", "megatron/", "Megatron-LM/", "transformers/",
             "accelerate/", "axolotl/", "shksprdata/", "ring-flash-attention/", "flash-attention/")
-PATH_RE = re.compile(r"(?<![\w/.-])((?:\.\./|\./)?[\w.-]*(?:/[\w.-]+)*\.(?:py|md|yaml|json))(?::(\w+))?(?![\w/])")
+PATH_RE = re.compile(r"(?<![\w/.-])((?:\.\./|\./)?[\w.-]*(?:/[\w.-]+)*\.(?:py|md|yaml|json))"
+                     r"(?::(\w+))?(?![\w/])")
 MODULE_RE = re.compile(r"(?<![\w./])((?:minipar|models)(?:\.[A-Za-z_]\w*)+)")   # not output_dir/minipar.lock
 
 
@@ -188,7 +189,8 @@ def test_copied_tables_match_their_results_files():
     for page in _pages():
         text = open(page).read()
         for ref in COPIED_RE.findall(text):
-            rows = [line for line in open(os.path.join(ROOT, ref)).read().splitlines() if line.startswith("|")]
+            rows = [line for line in open(os.path.join(ROOT, ref)).read().splitlines()
+                    if line.startswith("|")]
             assert rows, f"{ref} holds no table"
             stale += [f"{_rel(page)}: row not in {ref}'s tables: {line}"
                       for line in text.splitlines() if line.startswith("| ") and "---" not in line
@@ -208,11 +210,13 @@ def test_quoted_figures_are_in_their_results_files():
     stale = []
     for page in _pages():
         for section in re.split(r"\n(?=#+ )", open(page).read()):
-            refs = [os.path.join(ROOT, "benchmarks", "results", r) for r in set(RESULTS_REF_RE.findall(section))]
+            refs = [os.path.join(ROOT, "benchmarks", "results", r)
+                    for r in set(RESULTS_REF_RE.findall(section))]
             source = "".join(open(r).read() for r in refs if os.path.isfile(r))
             if not source:
                 continue
-            stale += [f"{_rel(page)}, {section.splitlines()[0][:50]!r}: {'-'.join(x for x in m if x)} is not in "
+            stale += [f"{_rel(page)}, {section.splitlines()[0][:50]!r}: "
+                      f"{'-'.join(x for x in m if x)} is not in "
                       f"{', '.join(_rel(r) for r in refs)}" for m in FIGURE_RE.findall(section)
                       if "-".join(x for x in m if x) not in source]
     assert not stale, "\n".join(stale)
@@ -275,13 +279,15 @@ def _check_train(args, world, monkeypatch, page=None, line=""):
     if args and not args[0].startswith("--"):
         with open(os.path.join(ROOT, args[0])) as f:
             config = yaml.safe_load(f) or {}
-    refs = [a for a in args if "out/" in a] + [v for k, v in config.items() if k not in WRITTEN_KEYS for v in _strings(v) if "out/" in v]
+    refs = [a for a in args if "out/" in a] + [v for k, v in config.items() if k not in WRITTEN_KEYS
+                                               for v in _strings(v) if "out/" in v]
     outputs = sorted({"/".join(a.split("out/", 1)[1].split("/")[:1]) for a in refs})
     if outputs:
         earlier = [l for p, l in _commands() if p == page]
         earlier = earlier[:earlier.index(line)]
         for out in outputs:
-            assert any(f"out/{out}" in e for e in earlier), f"{line}: nothing before it on {page} writes out/{out}"
+            assert any(f"out/{out}" in e for e in earlier), \
+                f"{line}: nothing before it on {page} writes out/{out}"
         from minipar.training.config.train_config import TrainConfig, parse_overrides
         from minipar.training.config.values import _apply
         overrides = args[1:] if args and not args[0].startswith("--") else args
@@ -327,8 +333,10 @@ def _argparse_options(path):
     has_parser = any(isinstance(n, ast.Attribute) and n.attr == "ArgumentParser" for n in ast.walk(tree))
     options = {"-h", "--help"}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
-            options |= {a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")}
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "add_argument":
+            options |= {a.value for a in node.args
+                        if isinstance(a, ast.Constant) and str(a.value).startswith("-")}
     return has_parser, options
 
 
@@ -346,7 +354,8 @@ def _check_python(argv):
     assert os.path.isfile(path), f"{target}: no such script or module in the repository"
     has_parser, options = _argparse_options(path)
     runs = re.search(r"^from (\w+) import main\b", open(path).read(), re.M)
-    if not has_parser and path.endswith("__main__.py") and runs:   # a package's __main__ running a sibling's main()
+    # a package's __main__ running a sibling's main()
+    if not has_parser and path.endswith("__main__.py") and runs:
         has_parser, options = _argparse_options(os.path.join(os.path.dirname(path), runs.group(1) + ".py"))
     assert has_parser, f"{target} has no argparse command line"
     unknown = [a.split("=")[0] for a in args if a.startswith("-") and a.split("=")[0] not in options]
@@ -389,13 +398,15 @@ def test_commands_in_code_blocks_parse(page, line, monkeypatch):
 def test_the_scanner_sees_what_it_must():
     """The patterns find the forms the pages use, and a stale name does not resolve."""
     text = "see [x](../minipar/comm.py), minipar/training/optim.py:clip_grad_norm_ and zero3.py; NOWHERE.md"
-    assert PATH_RE.findall(text) == [("../minipar/comm.py", ""), ("minipar/training/optim.py", "clip_grad_norm_"),
+    assert PATH_RE.findall(text) == [("../minipar/comm.py", ""),
+                                     ("minipar/training/optim.py", "clip_grad_norm_"),
                                      ("zero3.py", ""), ("NOWHERE.md", "")]
     page = os.path.join(ROOT, "docs", "x.md")
     assert _resolve("../minipar/comm.py", page) and _resolve("training/data/batches.py", page)
     assert _resolve("zero3.py", page) is None and _resolve("NOWHERE.md", page) is None
     assert "clip_grad_norm_" in _defined(_resolve("minipar/training/optim.py", page))
-    assert MODULE_RE.findall("call minipar.training.optim.build_optimizer.") == ["minipar.training.optim.build_optimizer"]
+    assert MODULE_RE.findall("call minipar.training.optim.build_optimizer.") \
+        == ["minipar.training.optim.build_optimizer"]
 
 
 def test_commands_are_found():

@@ -48,7 +48,8 @@ def test_imports_only_point_down_the_layers(graph):
         for imp in mod.imports:
             theirs = layer_of(imp.target, layers)
             if theirs is not None and mine is not None and theirs > mine:
-                wrong.append(f"{mod.name} (layer {mine}) imports {imp.target} (layer {theirs}), line {imp.line}")
+                wrong.append(f"{mod.name} (layer {mine}) imports {imp.target} (layer {theirs}), "
+                             f"line {imp.line}")
     assert not wrong, "imports against the layer order of docs/design.md:\n" + "\n".join(wrong)
 
 

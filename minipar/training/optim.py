@@ -25,7 +25,8 @@ every replica after the gradient all-reduce, so it is counted once. Parameters w
 attributes count as replicated and unsharded.
 
 Communication per step: one all-reduce of 2 numbers over tp, one of 1 number over
-dp_shard_cp and one of 1 number over pp (float64, so the sum is as exact as one process's), then a local scaling.
+dp_shard_cp and one of 1 number over pp (float64, so the sum is as exact as one process's), then a
+local scaling.
 
 Weight decay. AdamW (Loshchilov & Hutter, 2019) decays decoupled from the gradient:
 p <- p * (1 - lr * wd) before the Adam update. As in GPT-2 / Llama recipes, matrices are decayed and

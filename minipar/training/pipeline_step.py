@@ -46,14 +46,26 @@ def virtual_stages(cfg) -> int:
 
 
 def check_pipeline(cfg, pp: int, num_micro: int) -> None:
-    """Every pipeline setting that can fail, as a ValueError naming the values; no communication."""
+    """Every pipeline setting that can fail, as ONE ValueError naming all that do (so a config is
+    fixed in one edit, as unknown keys are); no communication."""
     v = virtual_stages(cfg)
-    check_schedule(cfg.pipeline_schedule, pp, num_micro, v)
-    if cfg.model.tie_word_embeddings:
-        raise ValueError("model.tie_word_embeddings with pipeline_parallel_size > 1 is not supported: the "
-                         "embedding (first stage) and lm_head (last stage) would share one weight across "
-                         "stages; untie them or use pipeline_parallel_size 1")
-    split_layers(cfg.model.num_hidden_layers, pp * v, cfg.pipeline_layers)
+
+    def tied():
+        if cfg.model.tie_word_embeddings:
+            raise ValueError("model.tie_word_embeddings with pipeline_parallel_size > 1 is not supported: "
+                             "the embedding (first stage) and lm_head (last stage) would share one weight "
+                             "across stages; untie them or use pipeline_parallel_size 1")
+    problems = []
+    for check in (lambda: check_schedule(cfg.pipeline_schedule, pp, num_micro, v), tied,
+                  lambda: split_layers(cfg.model.num_hidden_layers, pp * v, cfg.pipeline_layers)):
+        try:
+            check()
+        except ValueError as err:
+            problems.append(str(err))
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ValueError(f"{len(problems)} pipeline settings are wrong: " + "; ".join(problems))
 
 
 def build_pipeline_model(model, cfg, pgm):

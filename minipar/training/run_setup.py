@@ -111,12 +111,14 @@ def setup_run(argv: List[str]) -> Run:
         # a model from scratch takes the tokenizer's vocabulary (padded so any tp up to 64 divides it)
         vocab = padded_vocab_size(tokenizer.vocab_size)
         if cfg.model.vocab_size != vocab:
-            notes.append(f"model.vocab_size {cfg.model.vocab_size} -> {vocab}: the tokenizer's {tokenizer.vocab_size} "
+            notes.append(f"model.vocab_size {cfg.model.vocab_size} -> {vocab}: the tokenizer's "
+                         f"{tokenizer.vocab_size} "
                          f"tokens, padded to a multiple of 64")
             cfg.model.vocab_size = vocab
     fill_special_token_ids(cfg.model, tokenizer)   # bos/eos/pad ids, for the exported config.json
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer ({tokenizer_path(cfg)}) has {tokenizer.vocab_size} tokens, more than "
+        raise ValueError(f"the tokenizer ({tokenizer_path(cfg)}) has {tokenizer.vocab_size} tokens, "
+                         f"more than "
                          f"model.vocab_size {cfg.model.vocab_size}: use the model's own tokenizer")
     world = _world_size()
     sizes = dict(dp_replicate_size=cfg.dp_replicate_size, dp_shard_size=cfg.dp_shard_size,
@@ -144,11 +146,13 @@ def setup_run(argv: List[str]) -> Run:
     datasets = None
     if cfg.datasets:
         # tokenized once, then loaded from dataset_prepared_path (one writer per node, no collective)
-        datasets = load_or_prepare(cfg, tokenizer, prepare_datasets, progress=int(os.environ.get("RANK", 0)) == 0)
+        progress = int(os.environ.get("RANK", 0)) == 0
+        datasets = load_or_prepare(cfg, tokenizer, prepare_datasets, progress=progress)
         notes.extend(datasets.notes)
         train_tokens = val_tokens = torch.empty(0, dtype=torch.uint8)
     else:
-        train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction, sequence_len=cfg.sequence_len,
+        train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction,
+                                                     sequence_len=cfg.sequence_len,
                                                      tokenizer=tokenizer)
     if cfg.num_epochs is not None:                      # max_steps from the sampler's samples per epoch
         samples = datasets.train.num_rows if datasets is not None else \
@@ -169,10 +173,12 @@ def setup_run(argv: List[str]) -> Run:
             lock.release()
         lifecycle.teardown(pgm, clean=False)
         raise
-    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, datasets, tokenizer, lock, base_model=base)
+    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, datasets, tokenizer, lock,
+               base_model=base)
 
 
-def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str], default_config: bool) -> str:
+def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str],
+                 default_config: bool) -> str:
     """A launch that fits the sizes asked for: the same arguments, a process count they resolve to."""
     fixed = (pconf.dp_replicate_size or 1) * (pconf.cp_size or 1) * (pconf.tp_size or 1)
     if pconf.dp_shard_size is not None:
@@ -181,7 +187,8 @@ def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str
         below = world // fixed * fixed
         counts = [n for n in (below, below + fixed) if n > 0]
     args = " ".join(([] if default_config else [path]) + list(argv))
-    launches = " or ".join(f"`torchrun --nproc-per-node {n} train.py{' ' + args if args else ''}`" for n in counts)
+    tail = " " + args if args else ""
+    launches = " or ".join(f"`torchrun --nproc-per-node {n} train.py{tail}`" for n in counts)
     return f"config {path}; launch {launches}, or change the sizes so that they fit {world} processes"
 
 
@@ -208,7 +215,8 @@ def _sizes_from_env(cfg: TrainConfig, path: str, default_config: bool, from_cli:
         setattr(cfg, key, value)
     ignored = sorted(set(env) - set(applied))
     notes.append(f"sizes from PARALLELISM_CONFIG_* variables: {_fmt(applied) or 'none applied'}"
-                 + (f" (ignored for {', '.join(ignored)}: set by the command line or {path})" if ignored else ""))
+                 + (f" (ignored for {', '.join(ignored)}: set by the command line or {path})"
+                    if ignored else ""))
     return set(applied)
 
 

@@ -14,7 +14,7 @@ One optimizer step on a rank (B = global_batch_size, M micro-batches, D = dp siz
     for m in range(M):                                        gradient accumulation
         local = batches.local(global, m, M)                   (B/(D*M), T/C): dp samples, cp zigzag chunks
         loss_m = model(local) = sum of token losses / N       so the losses of all ranks SUM to the mean
-        loss_m.backward()                                     ZeRO-3 reduce-scatters / DDP all-reduces (last m)
+        loss_m.backward()                                     ZeRO-3 reduce-scatters, DDP all-reduces (last m)
     clip by the global norm (each element counted once), AdamW on the shards, lr schedule
     logged loss = all-reduce over dp_cp of sum_m loss_m       identical on every layout
 
@@ -75,7 +75,8 @@ class Trainer:
         else:
             materialize(model, source)
         if pgm.dp_cp.size > 1 and not self.sharded:   # replicas (and cp ranks) all-reduce gradients
-            self.grad_sync = replicate_naive(model, pgm.dp_cp) if cfg.ddp == "naive" else replicate(model, pgm.dp_cp)
+            wrap = replicate_naive if cfg.ddp == "naive" else replicate
+            self.grad_sync = wrap(model, pgm.dp_cp)
         # whose no_sync() the micro-batches before the last run under (None: sync every one)
         self.no_sync_owner = self.grad_sync if not self.sharded else \
             (None if cfg.fsdp.sync_each_batch else model.zero3)
@@ -85,7 +86,8 @@ class Trainer:
         fused = dict(fused=True) if cfg.optimizer == "adamw_torch_fused" else {}   # torch's fused kernel
         self.optimizer = moptim.build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                                 betas=(cfg.adam_beta1, cfg.adam_beta2), **fused)
-        self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps,
+                                                cfg.min_lr_ratio)
         self.optimizer_step = moptim.OptimizerStep(model, self.optimizer, self.scheduler, cfg.max_grad_norm,
                                                    pgm)
         self.batches = Batches(run, self.device)
@@ -116,7 +118,8 @@ class Trainer:
         if self.run.base_model is None:
             return SeededInit(model, self.cfg.seed, self.pgm.tp, self.device)
         ckpt = self.run.base_model
-        self.log(f"loading {ckpt.directory}: {len(ckpt.tensors)} tensors, {ckpt.nbytes / 2**30:.2f} GiB; each "
+        self.log(f"loading {ckpt.directory}: {len(ckpt.tensors)} tensors, {ckpt.nbytes / 2**30:.2f} GiB; "
+                 f"each "
                  f"rank reads only its slices")
         return ckpt.source(self.pgm.tp, self.device)
 
@@ -147,7 +150,8 @@ class Trainer:
         for m in range(M):
             batch = self.batches.local(gb, m, M)
             last = m == M - 1
-            no_sync = self.no_sync_owner.no_sync() if (self.no_sync_owner and not last) else contextlib.nullcontext()
+            unsynced = self.no_sync_owner and not last
+            no_sync = self.no_sync_owner.no_sync() if unsynced else contextlib.nullcontext()
             with no_sync:
                 loss = self._forward(batch, n_items)
                 loss.backward()
@@ -164,7 +168,8 @@ class Trainer:
     def save(self, step: int):
         path = os.path.join(self.cfg.output_dir, f"step-{step}")
         ckpt.save_checkpoint(path, self.model, self.optimizer, self.pgm, step=step, scheduler=self.scheduler,
-                             extra=dict(step=step, sampler=self.batches.state_dict(), config=self.cfg.to_dict()),
+                             extra=dict(step=step, sampler=self.batches.state_dict(),
+                                        config=self.cfg.to_dict()),
                              state_dict_type=self.cfg.fsdp.state_dict_type,
                              keep_last=self.cfg.save_total_limit)
         self.log(f"saved checkpoint {path}")

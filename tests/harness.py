@@ -25,6 +25,18 @@ import torch
 import torch.distributed as dist
 
 
+def _pytest_timeout() -> float:
+    import configparser
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.cfg"))
+    return cfg.getfloat("tool:pytest", "timeout", fallback=float("inf"))
+
+
+# pytest-timeout (setup.cfg) kills the whole test with a stack dump; a world must time out well
+# before it, so that WorldTimeout can name the stuck ranks: at most half of pytest's limit
+MAX_WORLD_TIMEOUT = _pytest_timeout() / 2
+
+
 class RankError(RuntimeError):
     pass
 
@@ -60,6 +72,9 @@ def _worker(fn, rank, world_size, tmp, args, kwargs, timeout, init):
 
 def run_world(fn, world_size: int, *args, timeout: float = 120, init: bool = True, **kwargs):
     """init=False forks the ranks without creating the default group (to test what happens then)."""
+    if timeout > MAX_WORLD_TIMEOUT:
+        raise ValueError(f"timeout={timeout} s: a world must time out before pytest-timeout does "
+                         f"(at most {MAX_WORLD_TIMEOUT:.0f} s, half of setup.cfg's timeout)")
     tmp = tempfile.mkdtemp(prefix="minipar-world-")
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, tmp, args, kwargs, timeout, init),

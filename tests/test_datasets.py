@@ -302,7 +302,7 @@ def _same_curve(ref, got, steps):
     assert len(ref) == len(got) == steps
     for (s, a, va, ga), (_, b, vb, gb) in zip(ref, got):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {s}: loss {b} vs one process {a}"
-        assert abs(ga - gb) <= 1e-3 * abs(ga) + 1e-6, f"step {s}: grad_norm {gb} vs {ga}"
+        assert abs(ga - gb) <= 1e-4 * abs(ga), f"step {s}: grad_norm {gb} vs {ga}"
         assert (va is None) == (vb is None) and (va is None or abs(va - vb) <= 1e-4 * abs(va))
 
 
@@ -334,6 +334,7 @@ def test_packed_resume_is_exact_and_export_carries_the_tokenizer(example, tmp_pa
     resumed = run_world(_train, 1, argv + ["--resume_from_checkpoint", str(out / "step-2"),
                                            "--output_dir", str(tmp_path / "resumed")], timeout=300)[0]
     assert [r[1] for r in resumed] == [r[1] for r in full[2:]], "the resumed steps read the same rows"
+    assert [r[3] for r in resumed] == [r[3] for r in full[2:]], "and have the same gradients"
     from transformers import AutoTokenizer, LlamaForCausalLM
     hf = out / "hf"
     tok = AutoTokenizer.from_pretrained(str(hf))

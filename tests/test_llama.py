@@ -94,3 +94,46 @@ def test_missing_file_and_wrong_shape(tmp_path):
     from safetensors.torch import load_file
     with pytest.raises(ValueError, match="another model shape"):
         model.load_full_state_dict(load_file(str(tmp_path / "model.safetensors")))
+
+
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,
+                                                attention_bias=True, mlp_bias=True,
+                                                tie_word_embeddings=True)],
+                         ids=["plain", "llama3-rope-biases-tied"])
+def test_logits_loss_and_every_gradient_equal_transformers(tmp_path, extra):
+    """fp64, the same weights (norms and biases random): logits, loss and each parameter's gradient.
+    transformers computes its loss in fp32 (logits.float()) and the RoPE tables are fp32, so the two
+    agree to ~1e-7 relative, not to fp64's 1e-15."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, max_position_embeddings=128,
+                                             tie_word_embeddings=False), **extra})
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "hf")
+    ours = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).double().train()
+    assert (ours.config.rope_scaling is not None) == ("rope_scaling" in extra)
+    hf = hf.double().train()
+    ids = torch.randint(0, 256, (2, 24))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, atol=1e-6, rtol=1e-6)
+    targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)      # HF shifts inside
+    loss, ref = ours(ids, labels=targets), hf(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss, ref.double(), atol=0, rtol=1e-6)
+    loss.backward()
+    ref.backward()
+    theirs = dict(hf.named_parameters())
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    assert sorted(grads) == sorted(theirs) and any(n.endswith("bias") for n in grads) == ("mlp_bias" in extra)
+    for name, g in grads.items():
+        want = theirs[name].grad
+        assert want.norm() > 0 and (g - want).norm() <= 1e-6 * want.norm(), name     # measured: < 5e-7

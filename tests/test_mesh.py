@@ -47,11 +47,31 @@ def _check_groups(shape):
     return out
 
 
+# dp_replicate x dp_shard x cp x tp = 2x2x2x2, written out by hand (tp fastest), not derived from
+# mesh.py's DIMENSIONS or coords_of: the groups _expected_members computes must be these
+GROUPS_2x2x2x2 = {
+    "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+    "cp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+    "dp_shard": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+    "dp_replicate": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+    "dp_shard_cp": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
+    "dp": [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]],
+    "dp_cp": [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]],
+    "pp": [[r] for r in range(16)],
+}
+
+
 @pytest.mark.parametrize("shape", LAYOUTS, ids=lambda s: "x".join(map(str, s)))
 def test_groups_match_grid(shape):
     world = shape[0] * shape[1] * shape[2] * shape[3]
     results = run_world(_check_groups, world, shape, timeout=120)
     assert len(results) == world
+    if shape == (2, 2, 2, 2):
+        for rank, groups in enumerate(results):
+            assert sorted(groups) == sorted(GROUPS_2x2x2x2), sorted(groups)
+            for name, members in groups.items():
+                want = [g for g in GROUPS_2x2x2x2[name] if rank in g]
+                assert [members] == want, (rank, name, members)
 
 
 def test_grid_formula_roundtrip():

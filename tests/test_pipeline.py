@@ -3,7 +3,8 @@
 Fast (default suite): the split and schedule checks (pure), every schedule on pp 2 for 3 steps,
 pp 2 x dp_shard 2 with activation checkpointing and clipping (ZeRO-3 reduce-scatters once per
 step; its FULL_STATE_DICT checkpoint resumes on one process), a sharded checkpoint saved on pp 2
-and resumed on one process (on pp 4: slow), the export of a pp run, bad settings refused on every rank.
+and resumed on one process (on pp 4: slow), the export of a pp run, bad settings refused on every rank,
+2 steps on pp 4 and on pp 2 x tp 2 with sp.
 Slow (make test-slow): 20 steps of every schedule on pp 2 and pp 4, and pp 2 composed with
 tp (with and without sp), cp, dp_shard, DDP, and all of them on 16 ranks (configs/5d.yaml).
 """
@@ -73,12 +74,15 @@ def _train_counting(argv):
 
 
 def _same(ref, got, rel=1e-4):
-    assert len(got) <= len(ref) and got
+    """Every step of ref, no more and no fewer (slice a longer reference: ref[:3]), at rel: loss,
+    grad_norm, and val_loss wherever the reference evaluated."""
+    assert len(got) == len(ref) and got, (len(got), len(ref))
     for (s, a, va, ga), (s2, b, vb, gb) in zip(ref, got):
         assert s == s2
         assert abs(a - b) <= rel * abs(a), f"step {s}: loss {b} vs single-process {a}"
-        assert abs(ga - gb) <= 1e-3 * abs(ga) + 1e-6, f"step {s}: grad_norm {gb} vs {ga}"
-        if va is not None and vb is not None:
+        assert abs(ga - gb) <= rel * abs(ga), f"step {s}: grad_norm {gb} vs {ga}"
+        if va is not None:
+            assert vb is not None, f"step {s}: no val_loss, the single process has {va}"
             assert abs(va - vb) <= rel * abs(va), f"step {s}: val_loss {vb} vs {va}"
 
 
@@ -89,7 +93,10 @@ def _reference(tmp_path_factory, layers=4, steps=5, *extra):
     key = (layers, steps, extra)
     if key not in _REFS:
         out = tmp_path_factory.mktemp("single")
-        _REFS[key] = run_world(_train, 1, _argv(out, *extra, layers=layers, steps=steps), timeout=600)[0]
+        # 5 steps: evaluated at step 3 too, where the 3-step runs evaluate (at the end)
+        at3 = ["--eval_steps", "3"] if steps == 5 else []
+        _REFS[key] = run_world(_train, 1, _argv(out, *extra, *at3, layers=layers, steps=steps),
+                               timeout=600)[0]
         assert all(g > 1.0 for *_, g in _REFS[key])        # clipping at 1.0 really engages
     return _REFS[key]
 
@@ -209,7 +216,7 @@ def test_each_schedule_on_pp2_matches_single_process(tmp_path_factory, tmp_path,
                     _argv(tmp_path, "--pipeline_parallel_size", "2", "--pipeline_schedule", schedule),
                     timeout=300)
     for g in got:                              # every stage logs the same loss
-        _same(ref, g)
+        _same(ref[:3], g)
 
 
 def test_pp2_zero3_checkpointing_reduce_scatters_once_per_step(tmp_path_factory, tmp_path):
@@ -223,7 +230,7 @@ def test_pp2_zero3_checkpointing_reduce_scatters_once_per_step(tmp_path_factory,
                                               "--fsdp.state_dict_type", "FULL_STATE_DICT"), timeout=300)
     steps, m = 3, 2                            # 8 samples / (micro_batch_size 2 x dp 2)
     for curve, led in got:
-        _same(ref, curve)
+        _same(ref[:3], curve)
         assert led["units"] > 0 and led["reduce_scatters"] == steps * led["units"], led   # not x m
         # v p - 1 = 3 boundaries: rank 0 sends 2 activations and 1 gradient per micro-batch, rank 1 the
         # reverse; an evaluation sends one activation per boundary (rank 0: 2, rank 1: 1)
@@ -241,7 +248,7 @@ def _save_on_pp2(tmp_path_factory, tmp_path):
     got = run_world(_train, 2, _argv(save, "--pipeline_parallel_size", "2", "--pipeline_schedule", "1f1b",
                                      "--save_final_checkpoint", "true", "--export_hf", "true"), timeout=300)
     for g in got:
-        _same(ref, g)
+        _same(ref[:3], g)
     return ref, save
 
 
@@ -265,6 +272,22 @@ def test_checkpoint_saved_on_pp2_resumes_on_one_process_and_exports(tmp_path_fac
     assert sorted(mine) == sorted(one) and "model.layers.3.mlp.up_proj.weight" in mine
     for name in one:
         torch.testing.assert_close(mine[name], one[name], rtol=0, atol=0)
+
+
+# fast twins of the slow 20-step runs below, 2 steps on 4 ranks (~8 s each on 2 cores, most of it
+# starting the ranks): pp 4, and pp 2 x tp 2 with sp. pp x cp and pp x DDP: slow only (see SLOW)
+@pytest.mark.parametrize("world,extra", [
+    (4, ["--pipeline_parallel_size", "4", "--pipeline_schedule", "1f1b"]),
+    (4, ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
+    pytest.param(4, ["--pipeline_parallel_size", "2", "--context_parallel_size", "2"],
+                 marks=pytest.mark.slow),
+    pytest.param(4, ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2", "--dp_shard_size", "1"],
+                 marks=pytest.mark.slow),
+], ids=["pp4-1f1b", "pp2-tp2-sp", "pp2-cp2", "pp2-ddp2"])
+def test_pp_layouts_match_single_process_fast(tmp_path_factory, tmp_path, world, extra):
+    ref = _reference(tmp_path_factory)
+    for g in run_world(_train, world, _argv(tmp_path, *extra, steps=2), timeout=300):
+        _same(ref[:2], g)
 
 
 @pytest.mark.slow
@@ -313,8 +336,9 @@ def test_twenty_steps_match_single_process(tmp_path_factory, tmp_path, world, la
 def test_pipeline_configs_match_single_process(tmp_path_factory, tmp_path, config, world):
     ref = _reference(tmp_path_factory, 4, 20)
     got = run_world(_train, world, _argv(tmp_path, config=config, steps=20), timeout=1800)
-    _same(ref, got[0])
-    assert len(got[0]) == 20
+    for g in got:                              # every rank, not rank 0 alone
+        assert len(g) == 20
+        _same(ref, g)
 
 
 @pytest.mark.slow

@@ -337,7 +337,9 @@ def _decoder_ledger(tp_size, sp):
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_decoder_collectives_match_the_count(tp_size, sp):
     L, bsh, tokens, h = DEC["num_hidden_layers"], 2 * 16 * DEC["hidden_size"], 2 * 16, DEC["hidden_size"]
-    fwd, bwd, fwd_wire, bwd_wire = run_world(_decoder_ledger, tp_size, tp_size, sp, timeout=180)[0]
+    ledgers = run_world(_decoder_ledger, tp_size, tp_size, sp, timeout=180)
+    assert all(led == ledgers[0] for led in ledgers), "every tp rank runs the same collectives"
+    fwd, bwd, fwd_wire, bwd_wire = ledgers[0]
     loss_ops = [("all_reduce", "tp", tokens), ("all_reduce", "tp", 2 * tokens)]   # max; sum exp + target
     if not sp:
         # forward: the embedding's g + 2 g per block (o_proj, down_proj); backward: 2 f per block

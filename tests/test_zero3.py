@@ -108,14 +108,14 @@ def test_zero3_equals_one_process(shape, tied, dtype):
 
 def test_zero3_one_process_and_no_prefetch_no_reshard():
     _compare(_train(ProcessGroupManager.local()), _reference())
-    got = run_world(_zero3_world, 2, (1, 2, 1, 1), prefetch=0, reshard_after_forward=False, timeout=120)
-    _compare(got[0], _reference())
+    for got in run_world(_zero3_world, 2, (1, 2, 1, 1), prefetch=0, reshard_after_forward=False, timeout=120):
+        _compare(got, _reference())
 
 
 def test_gradient_accumulation_equals_one_big_batch():
     """2 micro-batches of 2 rows per rank (dp_shard 2) = 1 batch of 4 rows = one process."""
-    got = run_world(_zero3_world, 2, (1, 2, 1, 1), micro=2, timeout=120)
-    _compare(got[0], _reference())
+    for got in run_world(_zero3_world, 2, (1, 2, 1, 1), micro=2, timeout=120):     # every rank
+        _compare(got, _reference())
 
 
 @pytest.mark.parametrize("shape,tied", [((1, 2, 1, 1), False),
@@ -178,9 +178,9 @@ def test_checkpoint_from_another_unit_grouping_resumes(tmp_path):
 
 def test_activation_checkpointing_equals_plain():
     """The decoder layers' forward runs again inside backward: the pre-forward hook fires then."""
-    got = run_world(_zero3_world, 2, (1, 2, 1, 1), ckpt=True, timeout=120)
-    _compare(got[0], _reference())
-    _compare(got[0], _reference(ckpt=True))
+    for got in run_world(_zero3_world, 2, (1, 2, 1, 1), ckpt=True, timeout=120):   # every rank
+        _compare(got, _reference())
+        _compare(got, _reference(ckpt=True))
 
 
 def _rel_err(a, b):
@@ -432,8 +432,9 @@ def test_state_dicts_roundtrip_across_layouts(tmp_path):
     moved = {n: t + 1 for n, t in want.items()}
     directory = str(tmp_path / "step-0")
     saved = run_world(_state_world, 4, (1, 2, 1, 2), directory, timeout=120)
-    for name, w in want.items():
-        torch.testing.assert_close(saved[0]["full"][name], w, atol=0, rtol=0)
+    for rank in saved:                             # every rank's full_state_dict is the whole model
+        for name, w in want.items():
+            torch.testing.assert_close(rank["full"][name], w, atol=0, rtol=0)
     # load full tensors on one layout, save its shards, resume them on another
     for got in run_world(_state_world, 4, (1, 2, 1, 2), directory, moved, timeout=120):
         assert all(torch.equal(got["full"][n], moved[n]) for n in want)

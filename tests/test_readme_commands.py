@@ -21,6 +21,8 @@ import subprocess
 
 import pytest
 
+from tests.test_docs import _code_lines
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 VENV = os.path.join(ROOT, ".venv", "bin")
@@ -30,17 +32,8 @@ INLINE = re.compile(r"`((?:\S*/)?(?:python3?|torchrun) [^`]*(?:-m \w|\.py)[^`]*)
 
 
 def _block_lines(text):
-    """Lines of the indented (4 spaces, after a blank line) and fenced code blocks, comments cut."""
-    lines, out, fenced, indented = text.splitlines(), [], False, False
-    for i, line in enumerate(lines):
-        if line.strip().startswith("```"):
-            fenced = not fenced
-        elif fenced or (line.startswith("    ") and (indented or not lines[i - 1].strip())):
-            indented = not fenced
-            out.append(line.split("  #")[0].strip())
-        elif line.strip():
-            indented = False
-    return [line for line in out if line]
+    """Lines of the README's code blocks (test_docs' reading of them), comments cut."""
+    return [cut for cut in (line.split("  #")[0].strip() for line in _code_lines(text)) if cut]
 
 
 def _commands():

@@ -65,7 +65,7 @@ def worker(args):
     n_params = sum(math.prod(p.tp_full_shape) for p in meta.parameters())
     unit_classes = (VocabParallelEmbedding, LlamaDecoderLayer)          # fully_shard's default units
     units = [sum(p.numel() for _, p in params) * 4 for _, _, params, _ in plan_units(meta, unit_classes)]
-    sharded = pgm.config.dp_shard_size > 1
+    sharded = pgm.dp_shard_cp.size > 1                                  # as the trainer decides
     dist.barrier()
     try:                                           # Linux >= 4.0: VmHWM := current RSS
         baseline, reset = reset_peak_rss(), True

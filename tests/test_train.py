@@ -303,3 +303,25 @@ def test_command_line_sizes_replace_the_default_layout(tmp_path):
     # an explicit config combines with the command line
     assert run_world(_layout, 8, [os.path.join(ROOT, "configs", "cp_tp.yaml"), "--dp_shard_size", "2",
                                   "--output_dir", str(tmp_path)]) == [(1, 2, 2, 2)] * 8
+
+
+def _state_per_rank(argv):
+    """(ZeRO-3 on?, this rank's fp32 parameter elements, the model's) after one step."""
+    torch.set_num_threads(1)
+    trainer = Trainer(setup_run(argv))
+    trainer.train_step(0)
+    mine = sum(p.numel() for p in trainer.model.parameters())
+    return hasattr(trainer.model, "zero3"), mine, trainer.n_params
+
+
+def test_cp_only_layout_shards_the_model_over_the_cp_ranks(tmp_path):
+    """Issue 24, item 1: with dp_shard_size 1 and cp 2 the two cp ranks hold the same parameters;
+    ZeRO-3 over dp_shard_cp shares them out, so each rank keeps half (its padded shard), as
+    accelerate's FSDP mesh does, instead of the whole model twice. (The curve of this layout is
+    test_more_layouts_match_single_process[cp2].)"""
+    got = run_world(_state_per_rank, 2, _argv("ddp.yaml", tmp_path / "run", "--dp_replicate_size", "1",
+                                              "--dp_shard_size", "1", "--context_parallel_size", "2"),
+                    timeout=300)
+    for sharded, mine, total in got:
+        assert sharded, "cp 2 with dp_shard 1 ran without ZeRO-3"
+        assert total / 2 <= mine < total / 2 + 64 * 4, (mine, total)   # half, plus unit padding

@@ -141,7 +141,7 @@ def describe(p: dict, model: ModelShape) -> str:
              ""]
     unit, size = _unit(m["total"])
     lines.append(f"memory per rank ({unit})")
-    sharded = p["layout"]["dp_shard"] > 1
+    sharded = p["layout"]["dp_shard"] * p["layout"]["cp"] > 1        # ZeRO-3 over dp_shard_cp
     gathered = f"gathered units ({o['dtype']}: root + {1 + o['prefetch']} units)" \
         if sharded else "gathered units (no ZeRO-3)"
     rows = [("parameters (fp32 masters" + (", 1/N shards)" if sharded else ")"), m["params"]),

@@ -82,8 +82,8 @@ class Layout:
         return self.sequence_parallel and self.tp > 1
 
     @property
-    def sharded(self) -> bool:         # the trainer runs ZeRO-3 exactly when dp_shard > 1
-        return self.dp_shard > 1
+    def sharded(self) -> bool:         # the trainer runs ZeRO-3 exactly when dp_shard x cp > 1
+        return self.dp_shard * self.cp > 1
 
     def sizes(self) -> Dict[str, int]:
         return dict(tp=self.tp, cp=self.cp, dp_shard_cp=self.dp_shard * self.cp,

@@ -66,15 +66,18 @@ class Trainer:
         if pgm.pp.size > 1:                       # pipeline parallelism: keep this rank's stage only
             model = build_pipeline_model(model, cfg, pgm)
         self.grad_sync = None
-        self.sharded = pgm.config.dp_shard_size > 1
-        if self.sharded:                          # ZeRO-3 over dp_shard_cp, HSDP over dp_replicate
+        # ZeRO-3 over dp_shard_cp whenever it has more than one rank, cp-only layouts included (as
+        # accelerate's FSDP mesh): the cp ranks hold the same parameters, so they share them out
+        # instead of each keeping 16 bytes x params. HSDP over dp_replicate on top.
+        self.sharded = pgm.dp_shard_cp.size > 1
+        if self.sharded:
             fully_shard(model, pgm, prefetch=cfg.fsdp.prefetch,
                         reshard_after_forward=cfg.fsdp.reshard_after_forward,
                         param_dtype=torch.bfloat16 if self.bf16 else None,
                         reduce_dtype=torch.float32 if self.bf16 else None, init=source)
         else:
             materialize(model, source)
-        if pgm.dp_cp.size > 1 and not self.sharded:   # replicas (and cp ranks) all-reduce gradients
+        if pgm.dp_cp.size > 1 and not self.sharded:   # replicas only: DDP all-reduces the gradients
             wrap = replicate_naive if cfg.ddp == "naive" else replicate
             self.grad_sync = wrap(model, pgm.dp_cp)
         # whose no_sync() the micro-batches before the last run under (None: sync every one)

@@ -8,6 +8,7 @@ which group a call went over.
     all_reduce          x: [N]                 -> [N] summed    2 (n-1)/n * bytes(x)
     all_gather          x: [N/n] per rank      -> [N]           (n-1)/n * bytes(out)
     reduce_scatter      x: [N]                 -> [N/n] summed  (n-1)/n * bytes(in)
+    all_to_all          x: [n, N/n], slot i    -> rank i        (n-1)/n * bytes(x), its own slot stays
     ring send/recv      x -> next rank, y <- previous rank      bytes(x)
     send / recv         x -> any member (pipeline stages)      bytes(x), counted on the sender
 
@@ -188,6 +189,24 @@ def reduce_scatter(tensor: torch.Tensor, dim, scatter_dim: int = 0) -> torch.Ten
     out = moved.new_empty((moved.shape[0] // dim.size,) + tuple(moved.shape[1:]))
     reduce_scatter_into(out, moved, dim)
     return out.movedim(0, scatter_dim)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, dim, async_op: bool = False):
+    """Slot i of `input` (its dim 0 cut into dim.size equal slots) goes to member i; slot i of
+    `output` (same shape) arrives from member i. Ulysses attention turns a sequence split into a head
+    split with it (context_parallel/ulysses.py). A size-1 group copies input into output."""
+    n = dim.size
+    if output.shape != input.shape or input.shape[0] % n:
+        raise ValueError(f"all_to_all: input {tuple(input.shape)} and output {tuple(output.shape)} must have "
+                         f"one shape, its dim 0 divisible by the {dim.name} group size {n}")
+    if n == 1:
+        output.copy_(input)
+        return _Done() if async_op else output
+    _record("all_to_all", dim, input, (n - 1) / n)
+    src = input.contiguous()
+    work = _run("all_to_all", dim,
+                lambda: dist.all_to_all_single(output, src, group=dim.group, async_op=async_op), async_op)
+    return work if async_op else output
 
 
 def broadcast(tensor: torch.Tensor, dim, src_group_rank: int = 0):

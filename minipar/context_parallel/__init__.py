@@ -1,6 +1,10 @@
-"""Context parallelism: the sequence split over cp ranks, attention as ring attention.
+"""Context parallelism: the sequence split over cp ranks, attention as ring attention, Ulysses or both.
 
     ring_attention.py   the ring schedule, the forward merge and hand-written backward
+    ulysses.py          DeepSpeed-Ulysses: all-to-alls from the sequence split to a head split and
+                        back (sequence_to_heads, heads_to_sequence), attention of the whole
+                        sequence per head; USP: Ulysses inside groups of u ranks, the ring across
+                        (ulysses_attention, check_ulysses: the head counts that split)
     layouts.py          zigzag or contiguous: the sequence split the data, RoPE and the ring share
                         (zigzag_shard, zigzag_unshard, zigzag_positions)
     block_attention.py  the reference math of one query block against one key/value block: out,
@@ -9,11 +13,13 @@
     fused_attention.py  which kernel attends a block: torch's fused kernels (their aten schemas
                         checked before use) or the reference math; document masks classified
 
-    from minipar.context_parallel import ring_attention, zigzag_shard
+    from minipar.context_parallel import ring_attention, ulysses_attention, zigzag_shard
 """
 from .layouts import sequence_positions, shard_sequence, zigzag_positions, zigzag_shard, zigzag_unshard
 from .ring_attention import ring_attention, ring_schedule, schedule_score_elements
+from .ulysses import check_ulysses, heads_to_sequence, ring_order, sequence_to_heads, ulysses_attention
 
 __all__ = ["ring_attention", "ring_schedule", "schedule_score_elements", "sequence_positions",
            "shard_sequence", "zigzag_positions",
-           "zigzag_shard", "zigzag_unshard"]
+           "zigzag_shard", "zigzag_unshard",
+           "ulysses_attention", "check_ulysses", "sequence_to_heads", "heads_to_sequence", "ring_order"]

@@ -30,6 +30,10 @@ ENV_PREFIX = "PARALLELISM_CONFIG_"
 # positional ParallelismConfig(dp_replicate, dp_shard, cp, tp) of a 4D layout still reads the same
 SIZE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
 CP_LAYOUTS = ("zigzag", "contiguous")
+# How attention crosses the cp ranks (context_parallel/): K/V blocks round a ring, two all-to-alls
+# that trade the sequence split for a head split (Ulysses), or Ulysses inside groups of
+# cp_ulysses_size ranks and the ring across them (USP)
+CP_IMPLS = ("ring", "ulysses", "usp")
 
 
 @dataclass
@@ -49,6 +53,11 @@ class ParallelismConfig:
     # How cp splits the sequence: "zigzag" (balanced, the default) or "contiguous" (rank c keeps
     # chunk c of cp: the textbook split, causal work unbalanced). context_parallel/ring_attention.py.
     cp_layout: str = "zigzag"
+    # cp_impl "ring" (ring_attention.py), "ulysses" or "usp" (ulysses.py); cp_ulysses_size is the
+    # Ulysses group of USP (u consecutive cp ranks, so a node's), resolved to 1 for ring and cp for
+    # ulysses; the ring then runs over cp / u
+    cp_impl: str = "ring"
+    cp_ulysses_size: Optional[int] = None
 
     def __post_init__(self):
         for name in SIZE_FIELDS:
@@ -61,6 +70,12 @@ class ParallelismConfig:
         if self.cp_layout not in CP_LAYOUTS:
             raise ValueError(f"ParallelismConfig.cp_layout must be one of {CP_LAYOUTS}, "
                              f"got {self.cp_layout!r}")
+        if self.cp_impl not in CP_IMPLS:
+            raise ValueError(f"ParallelismConfig.cp_impl must be one of {CP_IMPLS}, got {self.cp_impl!r}")
+        u = self.cp_ulysses_size
+        if u is not None and (isinstance(u, bool) or not isinstance(u, int) or u < 1):
+            raise ValueError(f"ParallelismConfig.cp_ulysses_size must be a positive integer or None, "
+                             f"got {u!r}")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -124,7 +139,25 @@ class ParallelismConfig:
             resolved = dataclasses.replace(resolved, sequence_parallel=False)
         if resolved.tp_async_overlap and resolved.tp_size == 1:
             resolved = dataclasses.replace(resolved, tp_async_overlap=False)
-        return resolved
+        return dataclasses.replace(resolved, cp_ulysses_size=resolved.ulysses_size())
+
+    def ulysses_size(self) -> int:
+        """u, the ranks of one Ulysses group: 1 under ring (or cp 1), cp under ulysses, and under usp
+        cp_ulysses_size, which must divide cp (u = cp is pure Ulysses, u = 1 the pure ring)."""
+        cp = self.cp_size or 1
+        if cp == 1 or self.cp_impl == "ring":
+            return 1
+        if self.cp_impl == "ulysses":
+            if self.cp_ulysses_size not in (None, cp):
+                raise ValueError(f"cp_ulysses_size={self.cp_ulysses_size} with cp_impl ulysses: the Ulysses "
+                                 f"group is the whole cp group ({cp}); use cp_impl usp to nest it in a ring")
+            return cp
+        u = self.cp_ulysses_size
+        if u is None or cp % u:
+            raise ValueError(f"cp_impl usp needs cp_ulysses_size dividing context_parallel_size={cp} (the "
+                             f"Ulysses group inside a node, the ring across: one of {_divisors(cp)}), "
+                             f"got {u}")
+        return u
 
     # ------------------------------------------------------------------ model checks
     def validate_model(self, model_config, sequence_len: Optional[int] = None) -> None:

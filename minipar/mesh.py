@@ -36,8 +36,12 @@ in one fixed order, creates each, and keeps the ones that contain it. Groups wit
 (dp_shard_cp and dp_shard when cp = 1, say) are created once and shared.
 
     python -m minipar.mesh --pp 2 --dp-replicate 2 --dp-shard 2 --cp 2 --tp 2
+    python -m minipar.mesh --cp 4 --tp 2 --cp-impl usp --cp-ulysses 2     (+ cp_ulysses, cp_ring)
 
-prints the whole grid and every group without launching anything.
+prints the whole grid and every group without launching anything. Two more groups split each cp
+group for USP (cp_impl usp, context_parallel/ulysses.py): cp_ulysses, u = cp_ulysses_size
+consecutive cp ranks, and cp_ring, the cp / u ranks at the same place in each (under ring both are
+trivial: cp_ulysses of one rank, cp_ring = cp).
 """
 from __future__ import annotations
 
@@ -65,6 +69,11 @@ DIMENSIONS: Dict[str, Tuple[str, ...]] = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+# USP's two parts of a cp group, by position in it (u = cp_ulysses_size, config.py): the Ulysses
+# group holds u consecutive cp ranks (neighbours in the grid, so one node's when u fits in one),
+# the ring group the cp / u ranks at the same place in each Ulysses group. cp rank c = r * u + j
+# sits in Ulysses group r at index j, and in ring group j at index r.
+CP_PARTS: Dict[str, str] = {"cp_ulysses": "u consecutive cp ranks", "cp_ring": "every u-th cp rank"}
 
 
 def _shape(config: ParallelismConfig) -> Tuple[int, int, int, int, int]:
@@ -110,6 +119,9 @@ def all_groups(config: ParallelismConfig) -> Dict[str, List[List[int]]]:
                 members.append(rank_of(tuple(coords), shape))
             groups.append(sorted(members))
         out[name] = groups
+    u = config.cp_ulysses_size or 1                # each cp group is sorted, so in cp order
+    out["cp_ulysses"] = [g[k * u:(k + 1) * u] for g in out["cp"] for k in range(len(g) // u)]
+    out["cp_ring"] = [g[j::u] for g in out["cp"] for j in range(u)]
     return out
 
 
@@ -172,12 +184,12 @@ class ProcessGroupManager:
         for name, groups in all_groups(self.config).items():  # same order on every rank
             for members in groups:
                 key = tuple(members)
-                if key not in created:
+                if key not in created and (len(members) > 1 or name not in CP_PARTS):
                     created[key] = dist.new_group(ranks=members, backend=backend, timeout=timeout)
                 if rank in members:
                     mine[name] = members
-        for name, members in mine.items():
-            setattr(self, name, MeshDim(name, members, rank, created[tuple(members)]))
+        for name, members in mine.items():     # (a CP_PARTS group of one needs no torch group)
+            setattr(self, name, MeshDim(name, members, rank, created.get(tuple(members))))
         # every rank, over the default group: for the few calls that span the whole job
         # (checkpoint agreement, the closing memory summary)
         self.world = MeshDim("world", list(range(world_size)), rank, None)
@@ -196,13 +208,13 @@ class ProcessGroupManager:
         self.world_size, self.global_rank = 1, 0
         self.grid_shape, self.shape = (1, 1, 1, 1, 1), (1, 1, 1, 1)
         self.coords = dict.fromkeys(COORDS, 0)
-        for name in list(DIMENSIONS) + ["world"]:
+        for name in list(DIMENSIONS) + list(CP_PARTS) + ["world"]:
             setattr(self, name, MeshDim(name, [0], 0, None))
         return self
 
     @property
     def dims(self) -> Dict[str, MeshDim]:
-        return {name: getattr(self, name) for name in DIMENSIONS}
+        return {name: getattr(self, name) for name in DIMENSIONS}    # (+ pgm.cp_ulysses, pgm.cp_ring)
 
     @property
     def is_first_stage(self) -> bool:
@@ -232,8 +244,8 @@ def describe_grid(config: ParallelismConfig) -> str:
     for rank in range(world):
         lines.append(f"{rank:>4}  " + "  ".join(f"{v:>12}" for v in coords_of(rank, shape)))
     for name, groups in all_groups(config).items():
-        varying = ", ".join(DIMENSIONS[name])
-        lines += ["", f"{name} groups (size {len(groups[0])}, varying {varying}):"]
+        varying = "varying " + ", ".join(DIMENSIONS[name]) if name in DIMENSIONS else CP_PARTS[name]
+        lines += ["", f"{name} groups (size {len(groups[0])}, {varying}):"]
         lines += ["  " + " ".join(str(g) for g in groups)]
     return "\n".join(lines)
 
@@ -245,14 +257,18 @@ def main(argv=None):
     parser.add_argument("--dp-shard", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--cp-impl", choices=("ring", "ulysses", "usp"), default="ring")
+    parser.add_argument("--cp-ulysses", type=int, default=None, help="USP's Ulysses group size")
     args = parser.parse_args(argv)
     try:                                            # a bad size: one line, exit 2 (cli.py)
         positive_ints(args, dict(pp="pipeline stages", dp_replicate="replicas", dp_shard="ZeRO-3 shards",
                                  cp="context-parallel ranks", tp="tensor-parallel ranks"))
-        config = ParallelismConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp, pp_size=args.pp)
+        config = ParallelismConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp, pp_size=args.pp,
+                                   cp_impl=args.cp_impl, cp_ulysses_size=args.cp_ulysses)
+        text = describe_grid(config)
     except ValueError as err:
         return fail(err)
-    print(describe_grid(config))
+    print(text)
     return 0
 
 

@@ -14,9 +14,10 @@ Where the parallelisms plug in (all through `pgm`, passed explicitly; pgm=None i
       heads, intermediate/tp MLP columns); o and down are row-parallel (one all-reduce each);
       the vocabulary is split in the embedding and the lm_head. With sequence_parallel the
       residual stream between them is split along the sequence instead of replicated.
-  cp  attention runs as ring attention over pgm.cp; the sequence arrives in the zigzag layout (or
-      contiguous, pgm.config.cp_layout) and position_ids carry the true positions, so RoPE is
-      right on every chunk.
+  cp  attention runs as ring attention over pgm.cp (cp_impl ring), as Ulysses' two all-to-alls
+      (ulysses), or as Ulysses inside pgm.cp_ulysses and the ring over pgm.cp_ring (usp); the
+      sequence arrives in the zigzag layout (or contiguous, pgm.config.cp_layout) and
+      position_ids carry the true positions, so RoPE is right on every chunk.
   packing  document_ids (b, s), one id per token, keep attention inside each packed example (a
       block-diagonal causal mask; under cp the ids travel with K/V round the ring), and
       position_ids restart at each example, so a packed row computes what its examples alone do.
@@ -42,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minipar import comm
 from minipar import tensor_parallel as tpl
-from minipar.context_parallel import ring_attention, sequence_positions
+from minipar.context_parallel import ring_attention, sequence_positions, ulysses_attention
 from minipar.mesh import ProcessGroupManager
 
 from .hf_checkpoint import HFCheckpoint, save_pretrained  # HF's files: the reader and the writer
@@ -105,9 +106,12 @@ class LlamaAttention(nn.Module):
         k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.pgm.cp.size > 1:
+        if self.pgm.cp.size > 1 and self.pgm.config.cp_impl == "ring":
             out = ring_attention(q, k, v, self.pgm.cp, causal=True, layout=self.pgm.config.cp_layout,
                                  document_ids=document_ids)
+        elif self.pgm.cp.size > 1:                # Ulysses over cp_ulysses, the ring over cp_ring (USP)
+            out = ulysses_attention(q, k, v, self.pgm.cp_ulysses, self.pgm.cp_ring,
+                                    layout=self.pgm.config.cp_layout, document_ids=document_ids)
         else:
             out = causal_attention(q, k, v, document_ids)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))

@@ -7,7 +7,7 @@ from harness import run_world
 
 import minipar
 from minipar import ParallelismConfig, comm, comm_ledger
-from minipar.mesh import DIMENSIONS, coords_of, describe_grid, main, rank_of
+from minipar.mesh import DIMENSIONS, all_groups, coords_of, describe_grid, main, rank_of
 
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 2), (2, 2, 2, 2), (1, 2, 1, 4), (1, 1, 8, 1),
            (4, 1, 1, 2), (2, 2, 1, 2), (1, 2, 2, 2), (2, 1, 2, 1)]
@@ -180,3 +180,22 @@ def test_pp_size_from_env_cli_and_grid_text(capsys, monkeypatch):
     assert "pp groups (size 2, varying pp):\n  [0, 8] [1, 9]" in text
     # pp 1: the same grid, the same groups as before the fifth dimension existed
     assert rank_of((0, 1, 0, 1), (2, 2, 2, 2)) == rank_of((0, 0, 1, 0, 1), (1, 2, 2, 2, 2)) == 5
+
+
+def _usp_groups():
+    pgm = minipar.init(ParallelismConfig(cp_size=4, tp_size=2, cp_impl="usp", cp_ulysses_size=2))
+    return pgm.cp_ulysses.ranks, pgm.cp_ring.ranks, pgm.cp_ulysses.rank, pgm.cp_ring.rank
+
+
+def test_usp_splits_each_cp_group_into_ulysses_and_ring_groups():
+    """cp 4 x tp 2 with u = 2: the cp groups are [0 2 4 6] and [1 3 5 7]; Ulysses takes consecutive
+    cp ranks (cp rank c = r * u + j), the ring every u-th. Written out by hand, not computed."""
+    ulysses = {0: [0, 2], 2: [0, 2], 4: [4, 6], 6: [4, 6], 1: [1, 3], 3: [1, 3], 5: [5, 7], 7: [5, 7]}
+    ring = {0: [0, 4], 4: [0, 4], 2: [2, 6], 6: [2, 6], 1: [1, 5], 5: [1, 5], 3: [3, 7], 7: [3, 7]}
+    for rank, (u, r, j, i) in enumerate(run_world(_usp_groups, 8, timeout=120)):
+        assert (u, r) == (ulysses[rank], ring[rank]), rank
+        assert (j, i) == (u.index(rank), r.index(rank))
+    ring_only = ParallelismConfig(cp_size=4).resolve(4)
+    assert all_groups(ring_only)["cp_ring"] == [[0, 1, 2, 3]]      # ring: the ring is the cp group
+    with pytest.raises(ValueError, match="cp_impl usp needs cp_ulysses_size dividing"):
+        ParallelismConfig(cp_size=4, cp_impl="usp", cp_ulysses_size=3).resolve(4)

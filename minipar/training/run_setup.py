@@ -32,6 +32,7 @@ import torch.distributed as dist
 import minipar
 from minipar import ParallelismConfig
 from minipar.config_files import read_yaml
+from minipar.context_parallel import check_ulysses
 from minipar.training import lifecycle, run_lock
 from minipar.training.config import keys as config_keys
 from minipar.training.config.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
@@ -130,12 +131,18 @@ def setup_run(argv: List[str]) -> Run:
                      f"launches; running with all sizes 1")
         sizes = dict.fromkeys(sizes, 1)
     pconf = ParallelismConfig(**sizes, sequence_parallel=cfg.sequence_parallel,
-                              tp_async_overlap=cfg.tp_async_overlap, cp_layout=cfg.cp_layout)
+                              tp_async_overlap=cfg.tp_async_overlap, cp_layout=cfg.cp_layout,
+                              cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size)
     try:
         pconf = pconf.resolve(world)
     except ValueError as err:
         raise ValueError(f"{err} ({_launch_hint(pconf, world, path, argv, default_config)})") from None
     pconf.validate_model(cfg.model, cfg.sequence_len)
+    if pconf.cp_size > 1 and pconf.cp_impl != "ring":   # Ulysses splits the heads of each tp rank
+        problems = check_ulysses(cfg.model.num_attention_heads, cfg.model.num_key_value_heads,
+                                 pconf.tp_size, pconf.cp_size, pconf.cp_ulysses_size)
+        if problems:
+            raise ValueError(f"cp_impl {pconf.cp_impl}: " + "; ".join(problems))
     dp = pconf.dp_replicate_size * pconf.dp_shard_size
     num_micro = config_keys.resolve_batch(cfg, dp)      # global = micro x accumulation x dp
     if pconf.pp_size > 1:                         # the split and the schedule, before any group exists

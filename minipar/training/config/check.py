@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import List
 
+from minipar.config import CP_IMPLS, CP_LAYOUTS
 from minipar.training.data.batches import DATASET_IS, check_data_file
 from minipar.training.data.datasets import check_entries
 
@@ -77,8 +78,13 @@ def check(cfg) -> None:
         bad(f"fsdp.wrap: only [LlamaDecoderLayer] units are known, got {cfg.fsdp.wrap}")
     if cfg.ddp not in ("naive", "bucketed"):
         bad(f"ddp must be naive or bucketed, got {cfg.ddp!r}")
-    if cfg.cp_layout not in ("zigzag", "contiguous"):
+    if cfg.cp_layout not in CP_LAYOUTS:
         bad(f"cp_layout must be zigzag or contiguous, got {cfg.cp_layout!r}")
+    if cfg.cp_impl not in CP_IMPLS:
+        bad(f"cp_impl must be one of {', '.join(CP_IMPLS)}, got {cfg.cp_impl!r}")
+    if cfg.cp_ulysses_size is not None and cfg.cp_ulysses_size < 1:
+        bad(f"cp_ulysses_size must be >= 1 (USP's Ulysses group, dividing context_parallel_size), "
+            f"got {cfg.cp_ulysses_size}")
     if cfg.fsdp.prefetch < 0:
         bad(f"fsdp.prefetch must be >= 0, got {cfg.fsdp.prefetch}")
     if cfg.model.vocab_size < 256 and not (cfg.tokenizer_config or getattr(cfg, "base_model", None)):

@@ -100,6 +100,10 @@ class TrainConfig:
     ddp: str = "bucketed"
     tp_async_overlap: bool = False
     cp_layout: str = "zigzag"
+    # how attention crosses the cp ranks: ring | ulysses | usp (Ulysses in groups of
+    # cp_ulysses_size consecutive cp ranks, the ring across them); context_parallel/ulysses.py
+    cp_impl: str = "ring"
+    cp_ulysses_size: Optional[int] = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     fsdp_version: Optional[int] = None    # Axolotl's; 1 or 2: both are minipar's ZeRO-3 over dp_shard
     output_dir: str = "out/default"

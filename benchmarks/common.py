@@ -46,7 +46,7 @@ class Size:
     layers: int
     rows: int = 2          # samples per rank per step (ZeRO-3, DDP) or per tp group (TP)
     seq: int = 64          # tokens per sample
-    cp_seq: int = 1024     # the ring-attention comparison: sequence length of one attention
+    cp_seq: int = 4096     # the CP comparison (ring, ulysses, usp): sequence length of one attention
 
     def llama(self):
         from models.llama_config import LlamaConfig
@@ -61,9 +61,9 @@ class Size:
         return 2 * v * h + h + self.layers * (2 * h * h + 2 * h * kv + 3 * h * f + 2 * h)
 
 
-SIZES = {"1M": Size("1M", 512, 128, 384, 4, cp_seq=512),
-         "10M": Size("10M", 2048, 384, 1024, 5, cp_seq=1024),
-         "50M": Size("50M", 4096, 768, 2048, 7, cp_seq=2048)}
+SIZES = {"1M": Size("1M", 512, 128, 384, 4, cp_seq=2048),
+         "10M": Size("10M", 2048, 384, 1024, 5, cp_seq=4096),
+         "50M": Size("50M", 4096, 768, 2048, 7, cp_seq=8192)}
 
 
 # ------------------------------------------------------------------------------ memory

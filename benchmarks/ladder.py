@@ -1,13 +1,15 @@
 """The ladder, measured: for each technique, its rungs from the textbook version to the optimised
 one (docs/ladder.md), each a config value, each a full training step of the same Llama.
 
-    python benchmarks/ladder.py [--rounds 2] [--steps 3] [--only dp,zero3,tp,cp]
+    python benchmarks/ladder.py [--rounds 2] [--steps 3] [--only dp,zero3,tp,cp,cp_impl]
 
     technique  world            rungs (config values)
     DP         dp_replicate 2   ddp: naive -> bucketed
     ZeRO-3     dp_shard 2       fsdp.prefetch: 0 -> 1 -> 2; fsdp.reshard_after_forward: false
     TP         tp 2             plain -> sequence_parallel -> tp_async_overlap (without, then with SP)
     CP         cp 2             cp_layout: contiguous -> zigzag (a longer sequence: attention matters)
+    CP impl    cp 4             cp_impl: ring -> ulysses -> usp (cp_ulysses_size 2), zigzag, the same
+                                sequence: K/V hops, two all-to-alls, or both (context_parallel/ulysses.py)
 
 What one measurement is: a fresh gloo world of forked ranks (tests/harness.py, one torch thread
 each) builds the model, takes one warm-up step, then --steps timed steps (forward, backward,
@@ -79,6 +81,12 @@ LADDER = {
     "cp": ("Context parallelism (cp 2, T = 2048)", dict(cp_size=2), CP_MODEL, CP_BATCH, [
         ("contiguous", "cp_layout: contiguous", dict(cp_layout="contiguous"), ("ddp", "bucketed")),
         ("zigzag", "cp_layout: zigzag", dict(cp_layout="zigzag"), ("ddp", "bucketed"))]),
+    # DDP over cp here as in the cp rungs, so that the bytes that differ are attention's alone
+    "cp_impl": ("Context parallelism: attention impl (cp 4, T = 2048)", dict(cp_size=4), CP_MODEL, CP_BATCH, [
+        ("ring", "cp_impl: ring", dict(cp_impl="ring"), ("ddp", "bucketed")),
+        ("ulysses", "cp_impl: ulysses", dict(cp_impl="ulysses"), ("ddp", "bucketed")),
+        ("usp", "cp_impl: usp, cp_ulysses_size: 2", dict(cp_impl="usp", cp_ulysses_size=2),
+         ("ddp", "bucketed"))]),
 }
 
 
@@ -240,7 +248,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all rungs (best kept)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per measurement (median kept)")
-    ap.add_argument("--only", default="dp,zero3,tp,cp", help="comma-separated: dp, zero3, tp, cp")
+    ap.add_argument("--only", default="dp,zero3,tp,cp,cp_impl",
+                    help="comma-separated: dp, zero3, tp, cp, cp_impl")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ladder"))
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]

@@ -20,7 +20,7 @@ TITLES = {"zero3": "ZeRO-3 vs torch FSDP2 (fully_shard, defaults)",
                           "or one per micro-batch (sync-each)",
           "ddp": "DDP vs torch DistributedDataParallel",
           "tp": "Tensor parallelism vs DTensor (same plan)",
-          "cp": "Ring attention vs one process (SDPA, enable_gqa)"}
+          "cp": "Ring attention, Ulysses and USP vs one process (SDPA, enable_gqa)"}
 
 
 def _fmt(s, digits=0):
@@ -49,7 +49,8 @@ def report(data) -> str:
         "parameter bytes, sampled at every tensor autograd saves or unpacks (both libraries alike; minipar's "
         "exact count in brackets); held grads: unsharded gradients kept between micro-batches; comm: MB "
         "handed to collectives per step and rank (all-gather output, reduce-scatter input, "
-        "all-reduce buffer, ring send), or the number of collectives.", ""]
+        "all-reduce buffer, ring send, all-to-all input), or the number of collectives; wire (CP): the "
+        "bytes that leave the rank (an all-to-all keeps 1/u of its input).", ""]
     if meta.get("notes"):
         lines += [f"Note: {n}" for n in meta["notes"]] + [""]
     for comparison in COMPARISONS:
@@ -58,7 +59,7 @@ def report(data) -> str:
             continue
         lines += [f"## {TITLES[comparison]}", ""]
         first = "| seq | ranks |" if comparison == "cp" else "| size | ranks | tokens/rank |"
-        extra = {"cp": ["send MB/step"], "tp": ["collectives", "comm MB/step"]}.get(
+        extra = {"cp": ["send MB/step", "wire MB/step"], "tp": ["collectives", "comm MB/step"]}.get(
             comparison, ["gathered MB", "held grads MB", "params+grads MB", "comm MB/step"])
         head = (first + " variant | step ms | vs peer | CPU ms | CPU vs peer | peak RSS MB | "
                 + " | ".join(extra) + " |")
@@ -72,7 +73,7 @@ def report(data) -> str:
                       _fmt(r["cpu_ms"]), _fmt(r["cpu_ratio"], 2) if "cpu_ratio" in r else "-",
                       _fmt(r["peak_rss_mb"])]
             if comparison == "cp":
-                cells += [comm]
+                cells += [comm, _mb(r.get("wire"))]
             elif comparison == "tp":
                 cells += [", ".join(f"{k} {v}" for k, v in sorted(r.get("collectives", {}).items())), comm]
             else:

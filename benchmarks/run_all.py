@@ -3,6 +3,7 @@
     python -m benchmarks                  the full table (3 sizes x 2 and 4 ranks), ~20 min on 2 cores
     python -m benchmarks --quick          the smallest cell (1M parameters, 2 ranks), under a minute
     python -m benchmarks --report         rewrite results/README.md and summary.md from results/run_all.json
+    python -m benchmarks --only cp --merge   rerun the CP cells only, the other rows of run_all.json kept
 
     comparison         minipar                       peer (torch)
     zero3              ZeRO-3 (prefetch 1)           FSDP2 fully_shard, its defaults
@@ -10,7 +11,8 @@
                        no_sync() / sync each         on the first
     ddp                DDP (bucketed)                DistributedDataParallel
     tp                 TP, TP + SP                   DTensor parallelize_module, the same plan (+ SP)
-    cp                 ring attention (zigzag)       one process, SDPA with enable_gqa=True
+    cp                 ring attention (zigzag),      one process, SDPA with enable_gqa=True
+                       ulysses, usp (u = 2, cp >= 4)
 
 Fairness: every variant runs in a fresh world of forked processes (common.py), so its memory is its
 own: peak resident set over the post-import baseline, the same measure for every row, none
@@ -18,6 +20,10 @@ computed. Variants of a comparison are interleaved, A B A B, for --rounds rounds
 run); each round's value is the median of its timed steps; the table prints the median over rounds
 and [min-max], and the ratio to the peer taken round by round (paired, so machine drift cancels).
 Tensor-level gathered bytes (ZeRO-3 / FSDP2) are sampled the same way for both (cases_dp.py).
+
+CP cells run attention alone at sequence 2048, 4096 and 8192 (the 1M, 10M and 50M cells; --quick: 512);
+`python -m benchmarks --only cp --merge` runs only them and keeps the file's other rows (without --merge
+the results file is rewritten with the cells of this run alone).
 
 Results: results/run_all.json (every round of every row) and, generated from it (report.py),
 results/README.md (every row) and results/summary.md (one line per variant, which the README copies);
@@ -27,6 +33,7 @@ machine: per-step overheads and exact bytes, not GPU overlap (benchmarks/bench_g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -46,17 +53,25 @@ PEERS = {"minipar ZeRO-3": "torch FSDP2", "minipar ZeRO-3 accum no-sync": "torch
          "minipar TP": "DTensor TP", "minipar TP + SP": "DTensor TP + SP",
          "ring attention": "SDPA 1 process (enable_gqa)",
          "ring attention, no overlap": "SDPA 1 process (enable_gqa)",
-         "ring attention, contiguous": "SDPA 1 process (enable_gqa)"}
+         "ring attention, contiguous": "SDPA 1 process (enable_gqa)",
+         "ulysses attention": "SDPA 1 process (enable_gqa)",
+         "usp attention (ulysses 2 x ring)": "SDPA 1 process (enable_gqa)"}
+QUICK_CP_SEQ = 512                            # --quick: the CP cell at a short sequence
 STEPS = {"1M": 3, "10M": 2, "50M": 1}        # timed steps per world (after one warm-up step)
 
 
-def _variants(comparison):
+def _variants(comparison, ranks):
+    """The variants of a comparison that run at `ranks` (USP needs cp >= 4), and their world function."""
     import cases_cp
     import cases_dp
     import cases_tp
-    return {"zero3": (cases_dp.ZERO3, cases_dp.dp_world), "accumulation": (cases_dp.ACCUM, cases_dp.dp_world),
-            "ddp": (cases_dp.DDP, cases_dp.dp_world), "tp": (cases_tp.TP, cases_tp.tp_world),
-            "cp": (cases_cp.CP, cases_cp.cp_world)}[comparison]
+    variants, fn = {"zero3": (cases_dp.ZERO3, cases_dp.dp_world),
+                    "accumulation": (cases_dp.ACCUM, cases_dp.dp_world),
+                    "ddp": (cases_dp.DDP, cases_dp.dp_world), "tp": (cases_tp.TP, cases_tp.tp_world),
+                    "cp": (cases_cp.CP, cases_cp.cp_world)}[comparison]
+    if comparison == "cp":
+        variants = [v for v in variants if cases_cp.runs_at(v, ranks)]
+    return variants, fn
 
 
 def _preimport():
@@ -89,9 +104,9 @@ def cells(args):
     return sorted(out, key=order)
 
 
-def run_cell(comparison, size_name, ranks, rounds, steps, log, deadline=None):
-    variants, fn = _variants(comparison)
-    size = SIZES[size_name]
+def run_cell(comparison, size_name, ranks, rounds, steps, log, deadline=None, cp_seq=None):
+    variants, fn = _variants(comparison, ranks)
+    size = SIZES[size_name] if cp_seq is None else dataclasses.replace(SIZES[size_name], cp_seq=cp_seq)
     per_round = {v: [] for v in variants}
     for r in range(rounds):
         if deadline is not None and r >= 1 and time.perf_counter() > deadline:
@@ -119,8 +134,8 @@ def run_cell(comparison, size_name, ranks, rounds, steps, log, deadline=None):
             peer = per_round[row["peer"]]
             row["ratio"] = spread([a["step_s"] / b["step_s"] for a, b in zip(rs, peer)])
             row["cpu_ratio"] = spread([a["cpu_s"] / b["cpu_s"] for a, b in zip(rs, peer)])
-        for key in ("comm", "collectives", "gathered_sampled", "gathered_exact", "held_unsharded_grads",
-                    "state_bytes", "gqa"):
+        for key in ("comm", "wire", "collectives", "gathered_sampled", "gathered_exact",
+                    "held_unsharded_grads", "state_bytes", "gqa"):
             if key in rs[-1]:
                 row[key] = rs[-1][key]            # exact quantities: the same in every round
         rows.append(row)
@@ -149,6 +164,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "results"), help="directory of the results")
     p.add_argument("--report", action="store_true",
                    help="only regenerate README.md and summary.md from run_all.json")
+    p.add_argument("--merge", action="store_true",
+                   help="run this run's cells (--only, --sizes, --ranks), keep the results file's other rows")
     p.add_argument("--resume", action="store_true",
                    help="keep the cells already in the results file, run the rest")
     p.add_argument("--budget-min", type=float, default=None,
@@ -164,6 +181,8 @@ def main(argv=None):
     args.sizes = args.sizes or (["1M"] if args.quick else list(SIZES))
     args.ranks = args.ranks or ([2] if args.quick else [2, 4])
     args.rounds = args.rounds or (2 if args.quick else 5)
+    if args.merge and args.resume:
+        raise ValueError("--merge reruns this run's cells, --resume skips the cells already run: pick one")
     if args.rounds < 1 or any(r < 2 for r in args.ranks):
         raise ValueError(f"--rounds must be >= 1 and --ranks >= 2, got {args.rounds} and {args.ranks}")
     _preimport()
@@ -194,6 +213,16 @@ def main(argv=None):
             f"{before['meta'].get('commit', '?')}, {before['meta']['duration_s']:.0f} s) kept"]
         meta["load_start"] = before["meta"]["load_start"]
         start -= before["meta"]["duration_s"]           # durations and the budget count both runs
+    if args.merge and os.path.exists(path):             # rerun some cells (one comparison), keep the rest
+        with open(path) as f:
+            before = json.load(f)
+        rerun = set(todo)
+        rows = [r for r in before["rows"] if (r["comparison"], r["size"], r["ranks"]) not in rerun]
+        kept = sorted({(r["comparison"], r["size"], r["ranks"]) for r in rows})
+        meta["notes"] = before["meta"].get("notes", []) + [
+            f"merged: {len(kept)} cells ({', '.join(sorted({c for c, _, _ in kept}))}) from the run of "
+            f"{before['meta']['date']} (commit {before['meta'].get('commit', '?')}, "
+            f"`{before['meta']['command']}`) kept; the header describes the run of the other cells"]
     data = dict(meta=meta, rows=rows)
     for i, (comparison, size, ranks) in enumerate(todo):
         if args.budget_min is not None and time.perf_counter() - start > 60 * args.budget_min:
@@ -207,7 +236,7 @@ def main(argv=None):
         try:
             deadline = None if args.budget_min is None else start + 60 * args.budget_min
             got = run_cell(comparison, size, ranks, args.rounds, steps, lambda m: print(m, flush=True),
-                           deadline)
+                           deadline, cp_seq=QUICK_CP_SEQ if args.quick and comparison == "cp" else None)
             if len(got[0]["rounds"]) < args.rounds:
                 meta["notes"].append(f"{comparison} {size} x{ranks}: "
                                      f"{len(got[0]['rounds'])} of {args.rounds} "

@@ -22,8 +22,8 @@ def _check_rows(data, rounds):
 
 
 def test_quick_subset_measures_every_row(tmp_path):
-    """The smallest cell, one round: ZeRO-3 vs FSDP2, TP vs DTensor and ring attention vs SDPA (the
-    rest: the slow twin)."""
+    """The smallest cell, one round: ZeRO-3 vs FSDP2, TP vs DTensor and ring attention and Ulysses vs
+    SDPA (the rest: the slow twin)."""
     run_all.main(["--quick", "--rounds", "1", "--only", "zero3", "tp", "cp", "--out", str(tmp_path)])
     data = json.load(open(tmp_path / "quick.json"))
     assert not [n for n in data["meta"]["notes"] if "failed" in n], data["meta"]["notes"]
@@ -43,10 +43,17 @@ def test_quick_subset_measures_every_row(tmp_path):
     assert mine["gathered_exact"] > 0 and peer["gathered_sampled"] > 0
     ring = rows[("cp", "ring attention")]
     L = ring["cp_seq"] // 2                    # cp = 2: one hop forward (K, V), K, V + dK, dV backward
-    assert ring["comm"]["send_recv"] == 3 * 2 * 4 * L * 64 * 4
+    assert ring["comm"]["send_recv"] == 3 * 2 * 4 * L * 64 * 4 == ring["wire"]
+    # Ulysses at cp 2 (context_parallel/ulysses.py): q, k, v, out forward and dout, dq, dk, dv backward,
+    # each all-to-all over its (B, H, L, D) buffer, 8 query and 4 KV heads (no repeats at u = 2); the
+    # wire carries the half that leaves the rank. USP needs cp >= 4: not in a 2-rank cell
+    uly = rows[("cp", "ulysses attention")]
+    assert uly["comm"] == {"all_to_all": 2 * (8 + 4 + 4 + 8) * L * 64 * 4}
+    assert uly["wire"] == uly["comm"]["all_to_all"] / 2 and uly["peer"] == "SDPA 1 process (enable_gqa)"
+    assert ("cp", "usp attention (ulysses 2 x ring)") not in rows and ring["cp_seq"] == run_all.QUICK_CP_SEQ
     assert rows[("cp", "SDPA 1 process (enable_gqa)")]["gqa"] == "enable_gqa"
     text = open(tmp_path / "quick.md").read()
-    assert "ZeRO-3 vs torch FSDP2" in text and "Ring attention" in text and "vs DTensor" in text
+    assert "ZeRO-3 vs torch FSDP2" in text and "Ring attention, Ulysses" in text and "vs DTensor" in text
     assert "quick.json" in text
     line = [l for l in open(tmp_path / "quick_summary.md").read().splitlines() if "| minipar ZeRO-3 |" in l]
     assert len(line) == 1 and f"| {mine['ratio'][0]:.2f} |" in line[0], line

@@ -1,7 +1,7 @@
 """The ladder (docs/ladder.md): every rung of every technique equals one process.
 
 Each rung is a config value (ddp, fsdp.prefetch, fsdp.reshard_after_forward, sequence_parallel,
-tp_async_overlap, cp_layout); here each is run on a small gloo world, in float64 so that the
+tp_async_overlap, cp_layout, cp_impl); here each is run on a small gloo world, in float64 so that the
 comparison is about the algorithm and not about the order of fp32 sums, and compared with one
 process on the same global batches: losses, the gradients of the first step, and the weights
 after a few AdamW steps. Rungs that change only the schedule must also send the same bytes.
@@ -220,6 +220,39 @@ def test_cp_contiguous_and_zigzag_equal_one_process():
             _compare(got[layout], want)
         # the same ring, the same bytes: the layouts differ only in who computes how much
         assert got["contiguous"]["wire"] == got["zigzag"]["wire"]
+
+
+CP_IMPL_RUNGS = {"ring": dict(cp_impl="ring"), "ulysses": dict(cp_impl="ulysses"),
+                 "usp": dict(cp_impl="usp", cp_ulysses_size=2)}
+
+
+def _cp_impl_world():
+    from minipar.data_parallel import replicate
+    return {name: _train(minipar.init(ParallelismConfig(cp_size=4, **kw)),
+                         lambda m, pgm: replicate(m, pgm.dp_cp)) for name, kw in CP_IMPL_RUNGS.items()}
+
+
+def test_cp_impl_ring_ulysses_and_usp_equal_one_process():
+    """cp 4: the ring, Ulysses over the 4 ranks (the 2 KV heads repeated twice) and USP (Ulysses over
+    2, the ring over 2) give one process's losses, gradients and weights; each moves what
+    context_parallel/ulysses.py's docstring says, over its own groups."""
+    want = _reference()
+    hq, hkv = CFG["num_attention_heads"], CFG["num_key_value_heads"]
+    d, L, B = CFG["hidden_size"] // hq, 8 // 4, 8                   # tiny_batch: B 8 x T 8, L = T / cp
+    layers = STEPS * CFG["num_hidden_layers"]
+    for got in run_world(_cp_impl_world, 4, timeout=240):
+        for rung in CP_IMPL_RUNGS:
+            _compare(got[rung], want)
+        ring, uly, usp = (got[r]["wire"] for r in CP_IMPL_RUNGS)
+        assert not [k for k in ring if k[0] == "all_to_all"] and ("send_recv", "cp") in ring
+        assert not [k for k in uly if k[0] == "send_recv"]
+        # q, k, v, out and dout, dq, dk, dv: 8 all-to-alls per layer and step, fp64; Ulysses over 4
+        # repeats each KV head f = 4 / gcd(2, 4) = 2 times, USP's group of 2 needs none
+        for wire, u, f in ((uly, 4, 2), (usp, 2, 1)):
+            calls, nbytes = wire[("all_to_all", "cp_ulysses")]
+            assert calls == 8 * layers and nbytes == layers * 4 * B * L * d * 8 * (hq + f * hkv), (u, wire)
+        # USP's ring runs over the 2 groups: 1 hop instead of the cp ring's 3, the same bytes per hop
+        assert usp[("send_recv", "cp_ring")][1] * 3 == ring[("send_recv", "cp")][1]
 
 
 def test_bad_rung_values_are_clear_errors():

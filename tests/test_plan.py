@@ -140,7 +140,8 @@ def _plan_rank(model, layout, pipe, batch, opts, rank):
 def _check(r0, results):
     model, sizes, batch, opts = from_train_config(r0["cfg"])
     lc = r0["layout"]
-    layout = Layout(lc.dp_replicate_size, lc.dp_shard_size, lc.cp_size, lc.tp_size, lc.sequence_parallel)
+    layout = Layout(lc.dp_replicate_size, lc.dp_shard_size, lc.cp_size, lc.tp_size, lc.sequence_parallel,
+                    lc.cp_impl, lc.cp_ulysses_size)
     pipe = None
     if sizes.get("pp", 1) > 1:
         layers = sizes["pipeline_layers"]
@@ -249,7 +250,8 @@ def test_llama_parameter_counts():
 def test_crosses_nodes_follows_the_grid():
     # 2x2x2x2 on nodes of 4: tp (ranks t, t+1) and cp (stride 2) stay inside; dp_shard_cp spans 0..6
     cross = crosses_nodes(Layout(2, 2, 2, 2), gpus_per_node=4)
-    assert cross == dict(tp=False, cp=False, dp_shard_cp=True, dp_replicate=True, dp_cp=True)
+    assert cross == dict(tp=False, cp=False, cp_ulysses=False, cp_ring=False, dp_shard_cp=True,  # ring: u 1
+                         dp_replicate=True, dp_cp=True)
     assert not any(crosses_nodes(Layout(2, 2, 2, 2), gpus_per_node=16).values())
 
 
@@ -296,7 +298,8 @@ def test_cli_json_and_errors(capsys):
     import json
     assert plan_main([os.path.join(ROOT, "configs", "hsdp.yaml"), "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
-    assert p["layout"] == dict(dp_replicate=2, dp_shard=2, cp=1, tp=1, sequence_parallel=False)
+    assert p["layout"] == dict(dp_replicate=2, dp_shard=2, cp=1, tp=1, sequence_parallel=False,
+                               cp_impl="ring", cp_ulysses_size=None)
     m = p["memory"]
     assert m["persistent"] == m["params"] + m["grads"] + m["optimizer"] and m["gathered"] > 0
     assert set(p["comm"]) == {"dp_shard_cp", "dp_replicate", "dp_cp"}

@@ -3,13 +3,17 @@
     python -m minipar.plan configs/fsdp.yaml                       the config's model, layout, batch
     python -m minipar.plan --model configs/models/llama-3.1-8b.json --world 16 --tp 8 --sp
     python -m minipar.plan --model configs/models/llama-3.1-70b.json --world 1024 --search
+    python -m minipar.plan configs/cp_tp.yaml --cp-impl usp --cp-ulysses 2 --cp 4 --world 8
+                                                                   attention across cp: ring
+                                                                   (default), ulysses or usp
     python -m minipar.plan configs/5d.yaml                         pipeline: one line per stage,
                                                                    the worst in full
     ... --json                                                     the same, as JSON for scripts
 
 The counts are minipar's own code paths (minipar/plan/model.py; per pipeline stage
 minipar/plan/pipeline.py), held exactly against real runs by
-tests/test_plan.py; the time is a stated model (minipar/plan/estimate.py), not a measurement.
+tests/test_plan.py (cp_impl ulysses / usp: tests/test_plan_cp_impls.py); the time is a stated
+model (minipar/plan/estimate.py), not a measurement; the text is minipar/plan/report.py's.
 """
 from __future__ import annotations
 
@@ -28,14 +32,14 @@ from .inputs import Batch, Layout, ModelShape, Options
 from .layout_search import search, smallest_world
 from .pipeline import plan_pipeline
 from .pipeline_stage import Pipeline
+from .report import describe, describe_pipeline, describe_search
 
-GB = 1e9
 # the flags that count something: 0 or less is refused by name (minipar/cli.py)
 SIZE_FLAGS = dict(world="the number of GPUs", gpus_per_node="GPUs per node", dp_replicate="replicas",
                   dp_shard="ZeRO-3 shards", cp="context-parallel ranks", tp="tensor-parallel ranks",
                   pp="pipeline stages", virtual_stages="model chunks per rank", seq_len="tokens per sequence",
                   global_batch_size="sequences per step", micro_batch_size="rows per forward",
-                  top="layouts shown")
+                  top="layouts shown", cp_ulysses="ranks of a Ulysses group")
 
 
 def _pipeline(args, base: dict) -> Pipeline:
@@ -61,13 +65,21 @@ def _layout(args, base: dict, world: int) -> Layout:
             sizes[key] = flag
     if args.sequence_parallel is not None:
         sizes["sequence_parallel"] = args.sequence_parallel
+    if args.cp_impl is not None and args.cp_impl != sizes.get("cp_impl"):   # the config's u was its impl's
+        sizes.update(cp_impl=args.cp_impl, cp_ulysses_size=None)
+    if args.cp_ulysses is not None:
+        if sizes.get("cp_impl", "ring") == "ring":     # the trainer would ignore it: say so instead
+            raise ValueError(f"--cp-ulysses {args.cp_ulysses} is USP's Ulysses group: give --cp-impl usp "
+                             f"(or ulysses, where u is all of cp)")
+        sizes["cp_ulysses_size"] = args.cp_ulysses
     others = sizes.get("dp_replicate", 1) * sizes.get("cp", 1) * sizes.get("tp", 1)
     if sizes.get("dp_shard") is None:       # the remainder of the world, as the trainer does
         if world % others:
             raise ValueError(f"dp_replicate x cp x tp = {others} does not divide --world {world}")
         sizes["dp_shard"] = world // others
     lay = Layout(sizes.get("dp_replicate", 1), sizes["dp_shard"], sizes.get("cp", 1), sizes.get("tp", 1),
-                 bool(sizes.get("sequence_parallel", False)))
+                 bool(sizes.get("sequence_parallel", False)), sizes.get("cp_impl", "ring"),
+                 sizes.get("cp_ulysses_size"))
     if lay.world != world:
         raise ValueError(f"the sizes ({lay}) multiply to {lay.world * pp}, not --world {world * pp}: "
                          f"change a size "
@@ -79,7 +91,8 @@ def from_train_config(cfg):
     """(model, layout sizes, batch, options) of a TrainConfig (what train.py would run)."""
     model = ModelShape.from_dict(dataclasses.asdict(cfg.model))
     sizes = dict(dp_replicate=cfg.dp_replicate_size, dp_shard=cfg.dp_shard_size, cp=cfg.context_parallel_size,
-                 tp=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel)
+                 tp=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel,
+                 cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size)
     if (getattr(cfg, "pipeline_parallel_size", 1) or 1) > 1:          # minipar/plan/pipeline.py
         sizes.update(pp=cfg.pipeline_parallel_size, pipeline_schedule=cfg.pipeline_schedule,
                      virtual_stages=virtual_stages(cfg), pipeline_layers=cfg.pipeline_layers)
@@ -119,117 +132,6 @@ def load(args):
     return model, base, batch, dataclasses.replace(opts, **changes), world
 
 
-def _unit(largest: float):
-    """(name, bytes) of the decimal unit that shows `largest` with a few digits before the point."""
-    for name, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if largest >= size:
-            return name, size
-    return "B", 1.0
-
-
-def describe(p: dict, model: ModelShape) -> str:
-    m, t, o = p["memory"], p["time"], p["options"]
-    a = m["activations"]
-    lines = [f"model: {p['params'] / 1e9:.3f} B parameters ({model.num_hidden_layers} layers, hidden "
-             f"{model.hidden_size}, {model.num_attention_heads}/{model.num_key_value_heads} heads, "
-             f"vocab {model.vocab_size})",
-             f"layout: {p['layout_str']} on {p['world']} GPUs ({p['nodes']} node(s))",
-             f"batch: {p['batch']['global_batch_size']} x {p['batch']['sequence_len']} tokens per step, "
-             f"micro-batch {p['micro_batch']} row(s) x {p['micro_steps']} step(s) per dp rank; {o['dtype']}, "
-             f"prefetch {o['prefetch']}, activation checkpointing "
-             f"{'on' if o['gradient_checkpointing'] else 'off'}",
-             ""]
-    unit, size = _unit(m["total"])
-    lines.append(f"memory per rank ({unit})")
-    sharded = p["layout"]["dp_shard"] * p["layout"]["cp"] > 1        # ZeRO-3 over dp_shard_cp
-    gathered = f"gathered units ({o['dtype']}: root + {1 + o['prefetch']} units)" \
-        if sharded else "gathered units (no ZeRO-3)"
-    rows = [("parameters (fp32 masters" + (", 1/N shards)" if sharded else ")"), m["params"]),
-            ("gradients (fp32)", m["grads"]), ("optimizer (AdamW m, v fp32 + step)", m["optimizer"]),
-            ("= persistent", m["persistent"]), (gathered, m["gathered"]),
-            ("accumulated grads (no_sync: fp32, unsharded)", m["accumulated_grads"]),
-            ("activations, no checkpointing", a["full"]),
-            ("activations, checkpointing (kept / peak)", None),
-            ("transient (logits, gradients in flight)", m["transient"]),
-            ("= total (as chosen)", m["total"])]
-    for label, v in rows:
-        if v is None:
-            kept, peak = a["checkpointed"] / size, a["checkpointed_peak"] / size
-            lines.append(f"  {label:<44}{kept:10.3f} / {peak:.3f}")
-        else:
-            lines.append(f"  {label:<44}{v / size:10.3f}")
-    lines.append(f"  {'budget (GPU memory less the reserve)':<44}{m['budget'] / size:10.3f}   "
-                 + ("fits" if m["fits"] else "DOES NOT FIT"))
-    unit, size = _unit(max([c["bytes"] for g in p["comm"].values() for c in g["ops"].values()] or [0]))
-    lines += ["", "communication per step per rank (buffer: the bytes comm.py's ledger records; "
-              "wire: what the rank sends)",
-              f"  {'group':<13}{'size':>5}  {'crosses nodes':<14}{'op':<16}{'calls':>7}{'buffer ' + unit:>12}"
-              f"{'wire ' + unit:>10}{'est. s':>10}"]
-    for group, g in p["comm"].items():
-        for i, (op, c) in enumerate(g["ops"].items()):
-            head = f"  {group:<13}{g['size']:>5}  {('yes' if g['crosses_nodes'] else 'no'):<14}" if i == 0 \
-                else " " * 36
-            sec = f"{g['seconds']:10.2e}" if i == 0 else ""
-            nbytes, wire = c["bytes"] / size, c["wire_bytes"] / size
-            lines.append(f"{head}{op:<16}{c['calls']:>7}{nbytes:12.3f}{wire:10.3f}{sec}")
-    lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
-              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g} + what cp ({t['cp_s']:.3g}) and dp "
-              f"({t['dp_s']:.3g}) "
-              f"do not hide; {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f} %"]
-    return "\n".join(lines)
-
-
-def describe_pipeline(p: dict, model: ModelShape) -> str:
-    """Each stage's line, then the worst stage (the most memory) in full, then the pipeline's time."""
-    t = p["time"]
-    unit, size = _unit(max(s["memory"]["total"] for s in p["stages"]))
-    lines = [f"pipeline: {p['layout_str']} on {p['world']} GPUs; per stage ({unit} per rank; "
-             f"activations = per micro-batch x in flight):",
-             f"  {'stage':<7}{'layers':<18}{'persistent':>11}{'gathered':>10}{'activations':>12}"
-             f"{'in flight':>10}"
-             f"{'total':>10}{'sends':>7}"]
-    chosen = "checkpointed_peak" if p["options"]["gradient_checkpointing"] else "full"
-    for s in p["stages"]:
-        m, a = s["memory"], s["activations"]
-        layers = "+".join(f"{c[0]}-{c[-1]}" for c in s["layers"]) + (" +emb" if s["first"] else "") + \
-            (" +head" if s["last"] else "")
-        sends = s["comm"].get("pp", {}).get("ops", {}).get("send", {}).get("calls", 0)
-        lines.append(f"  {s['rank']:<7}{layers:<18}{m['persistent'] / size:11.3f}{m['gathered'] / size:10.3f}"
-                     f"{a[chosen] / size:12.3f}{a['in_flight']:10d}{m['total'] / size:10.3f}{sends:7d}")
-    body = describe(p, model).split("\n")[:-1]        # the 4D step line does not apply
-    body[1] = f"layout: {p['layout_str']} on {p['world']} GPUs ({p['nodes']} node(s)); the worst stage: " \
-              f"{p['worst_stage']}, shown below"
-    tail = [f"estimated step (minipar/plan/pipeline.py): {t['step_s']:.3g} s = the slowest stage's work "
-            f"(stage {t['slowest_stage']}: {t['work_s']:.3g} s) / (1 - bubble {t['bubble']:.3f}) "
-            f"+ the sends on the critical path {t['pp_s']:.3g} s; "
-            f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f} %"]
-    return "\n".join(body + [""] + lines + ["", *tail])
-
-
-def describe_search(s: dict, model: ModelShape, top: int = 10) -> str:
-    lines = [f"{len(s['ranked'])} of {s['considered']} layouts fit; fastest first "
-             f"(est. step s, MFU, GB per rank):"]
-    for p in s["ranked"][:top]:
-        ac = " +AC" if p["options"]["gradient_checkpointing"] else ""
-        t = p["time"]
-        lines.append(f"  {p['layout_str'] + ac:<66}{t['step_s']:8.3f} s {100 * t['mfu']:5.1f} %"
-                     f"{p['memory']['total'] / GB:8.1f} GB")
-    if len(s["ranked"]) > top:
-        lines.append(f"  ... {len(s['ranked']) - top} more (--top)")
-    rec = s["recommended"]
-    if rec is None:
-        need = s.get("smallest_world")
-        where = f"the fewest that fit are {need} GPUs (--world {need})" if need else \
-            "none fits up to 4096 GPUs"
-        return "\n".join(lines + [f"no layout fits (the persistent state alone is 16 B x "
-                                   f"{s['params'] / 1e9:.2f} B "
-                                   f"parameters, over all GPUs); {where}, or use a shorter sequence"])
-    rules = ", ".join(s["rules_applied"]) or "none"
-    lines += ["", f"recommended (rules: {rules}; then the fastest; within 1 % "
-              f"of it the most memory free):", ""]
-    return "\n".join(lines) + "\n" + (describe_pipeline if "stages" in rec else describe)(rec, model)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m minipar.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -245,6 +147,9 @@ def main(argv=None):
     ap.add_argument("--reserve", type=float, default=0.1, help="fraction of GPU memory kept free")
     for size in ("dp-replicate", "dp-shard", "cp", "tp"):
         ap.add_argument(f"--{size}", type=int)
+    ap.add_argument("--cp-impl", choices=("ring", "ulysses", "usp"),
+                    help="attention across cp: K/V round a ring, Ulysses' all-to-alls, or both (USP)")
+    ap.add_argument("--cp-ulysses", type=int, help="USP's Ulysses group size (divides --cp)")
     ap.add_argument("--pp", type=int, help="pipeline stages (default: the config's; --search tries every pp)")
     ap.add_argument("--pipeline-schedule", choices=("afab", "1f1b", "interleaved_1f1b"))
     ap.add_argument("--virtual-stages", type=int, help="model chunks per rank (interleaved_1f1b; default 2)")

@@ -2,16 +2,22 @@
 
 Placement. Ranks sit on the grid of mesh.py, tp fastest (global_rank = ((r S + s) C + c) T + t),
 and node k holds ranks [k g, (k+1) g) for g GPUs per node. A group crosses nodes when its members
-lie on more than one node; its collectives then run at the inter-node bandwidth.
+lie on more than one node; its collectives then run at the inter-node bandwidth. USP's two parts of
+cp (mesh.py) are two more axes: cp rank c = i u + j, cp_ulysses the u ranks j (consecutive, so
+u T global ranks apart at most: inside a node when u T <= g and the grid aligns), cp_ring the C / u
+ranks i. The grid is (R, S, C / u, u, T) and AXES names each group's axes of it.
 
 The time model (stated, simple, and the same for every layout so that the ranking is fair):
 
     compute     FLOPs executed by the rank / (peak x efficiency)        efficiency: large bf16 GEMMs
     tp          wire bytes / bandwidth, NOT overlapped (each TP collective sits between two matmuls)
-    cp          wire bytes / bandwidth, overlapped with the attention compute of the rank
+    cp          ring hops (cp under ring, cp_ring under usp): wire bytes / bandwidth, overlapped
+                with the attention compute of the rank
+    all-to-all  Ulysses' exchanges (cp_ulysses): wire bytes / bandwidth, NOT overlapped (comm.py's
+                all_to_all is synchronous and attention needs its result: q, k, v in, out back)
     dp          ZeRO-3 all-gather + reduce-scatter, HSDP / DDP all-reduce: wire bytes / bandwidth,
                 overlapped with the whole compute (prefetch >= 1; buckets); not at prefetch 0
-    step        compute + tp + max(0, cp - attention) + max(0, dp - compute)
+    step        compute + tp + all-to-all + max(0, cp - attention) + max(0, dp - compute)
     MFU         model FLOPs (6 N tokens + causal attention) / (step x world x peak)
 
     bandwidth   intra-node (NVLink) for a group inside one node, inter-node (IB, per GPU) otherwise
@@ -38,7 +44,10 @@ from . import inputs as inputs_mod
 from . import model as pm
 from .inputs import Batch, Layout, ModelShape, Options
 
-AXES = {"tp": (3,), "cp": (2,), "dp_shard_cp": (1, 2), "dp_replicate": (0,), "dp_cp": (0, 1, 2)}
+# the axes of the grid (R, S, C / u, u, T) that each group spans
+AXES = {"tp": (4,), "cp": (2, 3), "cp_ulysses": (3,), "cp_ring": (2,), "dp_shard_cp": (1, 2, 3),
+        "dp_replicate": (0,), "dp_cp": (0, 1, 2, 3)}
+RING_GROUPS = ("cp", "cp_ring")       # hops hidden behind attention; cp_ulysses is exposed
 
 
 @dataclass(frozen=True)
@@ -53,14 +62,20 @@ class Cluster:
 
 
 def crosses_nodes(layout: Layout, gpus_per_node: int) -> Dict[str, bool]:
-    shape = (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+    u = layout.ulysses_size()
+    shape = (layout.dp_replicate, layout.dp_shard, layout.cp // u, u, layout.tp)
     node = (np.arange(layout.world) // gpus_per_node).reshape(shape)
     out = {}
     for group, axes in AXES.items():
-        rest = [a for a in range(4) if a not in axes]
+        rest = [a for a in range(len(shape)) if a not in axes]
         members = node.transpose(rest + list(axes)).reshape(-1, int(np.prod([shape[a] for a in axes])))
         out[group] = bool((members.min(axis=1) != members.max(axis=1)).any())
     return out
+
+
+def cp_seconds(seconds: Dict[str, float]):
+    """(ring, all-to-all) seconds of the cp groups: the part attention can hide, the part it cannot."""
+    return sum(seconds.get(g, 0.0) for g in RING_GROUPS), seconds.get("cp_ulysses", 0.0)
 
 
 def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster: Cluster) -> dict:
@@ -90,7 +105,8 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     attention = fl["attention_rank"] / (peak * cluster.efficiency)
     dp = sum(seconds.get(k, 0.0) for k in ("dp_shard_cp", "dp_replicate", "dp_cp"))
     exposed_dp = max(0.0, dp - compute) if opts.prefetch > 0 else dp
-    step = compute + seconds.get("tp", 0.0) + max(0.0, seconds.get("cp", 0.0) - attention) + exposed_dp
+    ring, a2a = cp_seconds(seconds)
+    step = compute + seconds.get("tp", 0.0) + a2a + max(0.0, ring - attention) + exposed_dp
     e = inputs_mod.DTYPE_BYTES[opts.dtype]
     n = batch.micro(layout) * batch.sequence_len // layout.cp
     transient = n * model.vocab_size // layout.tp * (e + 4)
@@ -108,7 +124,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         memory=dict(mem, activations=act, transient=transient, total=total, budget=budget,
                     fits=total <= budget),
         comm=groups,
-        time=dict(compute_s=compute, tp_s=seconds.get("tp", 0.0), cp_s=seconds.get("cp", 0.0),
+        time=dict(compute_s=compute, tp_s=seconds.get("tp", 0.0), cp_s=ring, all_to_all_s=a2a,
                   dp_s=dp, step_s=step, tokens_per_s=tokens / step,
                   mfu=fl["model"] / (step * layout.world * peak), model_flops=fl["model"]))
 

@@ -5,16 +5,20 @@ that layout can run the model at all. The counts that answer it are model.py's.
                 tensors(tp): the TP-local element counts of every parameter, in the model's order
                 (root-before-layers [embedding], one layer [9 tensors], root-after-layers [norm,
                 lm_head]), the list every memory and ledger count is summed from
-    Layout      dp_replicate R x dp_shard S x cp C x tp T (+ sequence_parallel); sizes() gives the
-                process groups the trainer builds: tp, cp, dp_shard_cp (N = S C, ZeRO-3's shard
-                group), dp_replicate, dp_cp (DDP's group when nothing is sharded)
+    Layout      dp_replicate R x dp_shard S x cp C x tp T (+ sequence_parallel), and how attention
+                crosses cp: cp_impl ring | ulysses | usp with cp_ulysses_size u (resolved by the
+                trainer's own rule, ParallelismConfig.ulysses_size: 1 under ring, C under ulysses);
+                sizes() gives the process groups the trainer builds: tp, cp, its two parts
+                cp_ulysses (u consecutive cp ranks) and cp_ring (C / u, every u-th), dp_shard_cp
+                (N = S C, ZeRO-3's shard group), dp_replicate, dp_cp (DDP's group when nothing is sharded)
     Batch       global_batch_size, micro_batch_size, sequence_len: b rows per dp rank per forward,
                 M = global / (dp b) micro-batches per step
     Options     compute dtype, ZeRO-3's prefetch / reshard_after_forward / sync_each_batch,
                 activation checkpointing, gradient clipping
 
 check() repeats the trainer's own divisibility checks (heads, vocab and f by tp; sequence by 2 cp,
-and by tp under SP; the batch by dp x micro) so that a plan is only made for a layout that runs.
+and by tp under SP; the batch by dp x micro; under ulysses / usp the head split, by calling the
+trainer's check_ulysses itself, not a copy of it) so that a plan is only made for a layout that runs.
 Pure data: no process group, no tensor, no communication.
 """
 from __future__ import annotations
@@ -22,8 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from minipar.config import ParallelismConfig
+from minipar.context_parallel.ulysses import check_ulysses
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-GROUPS = ("tp", "cp", "dp_shard_cp", "dp_replicate", "dp_cp")
+GROUPS = ("tp", "cp", "cp_ulysses", "cp_ring", "dp_shard_cp", "dp_replicate", "dp_cp")
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,8 @@ class Layout:
     cp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
+    cp_impl: str = "ring"                  # ring | ulysses | usp (config.py's CP_IMPLS)
+    cp_ulysses_size: Optional[int] = None  # USP's Ulysses group; None: the impl's default
 
     @property
     def world(self) -> int:
@@ -85,13 +94,23 @@ class Layout:
     def sharded(self) -> bool:         # the trainer runs ZeRO-3 exactly when dp_shard x cp > 1
         return self.dp_shard * self.cp > 1
 
+    def ulysses_size(self) -> int:
+        """u, the ranks of one Ulysses group: the trainer's rule (ValueError where it refuses)."""
+        return ParallelismConfig(cp_size=self.cp, cp_impl=self.cp_impl,
+                                 cp_ulysses_size=self.cp_ulysses_size).ulysses_size()
+
     def sizes(self) -> Dict[str, int]:
-        return dict(tp=self.tp, cp=self.cp, dp_shard_cp=self.dp_shard * self.cp,
-                    dp_replicate=self.dp_replicate, dp_cp=self.dp_replicate * self.dp_shard * self.cp)
+        u = self.ulysses_size()           # under ring the mesh's trivial parts: 1 and cp
+        return dict(tp=self.tp, cp=self.cp, cp_ulysses=u, cp_ring=self.cp // u,
+                    dp_shard_cp=self.dp_shard * self.cp, dp_replicate=self.dp_replicate,
+                    dp_cp=self.dp_replicate * self.dp_shard * self.cp)
 
     def __str__(self) -> str:
-        return (f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp}"
-                + (" +SP" if self.sp else ""))
+        impl = ""
+        if self.cp > 1 and self.cp_impl != "ring":     # ring's string stays what it always was
+            impl = " ulysses" if self.cp_impl == "ulysses" else f" usp u {self.cp_ulysses_size}"
+        return (f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp}{impl} x tp "
+                f"{self.tp}" + (" +SP" if self.sp else ""))
 
 
 @dataclass(frozen=True)
@@ -130,6 +149,12 @@ def check(model: ModelShape, layout: Layout, batch: Batch) -> List[str]:
     elif layout.sp and (batch.sequence_len // C) % T:
         out.append(f"sequence parallelism needs sequence_len / cp = {batch.sequence_len // C} divisible "
                    f"by tp {T}")
+    heads_by_tp = m.num_attention_heads % T == 0 and m.num_key_value_heads % T == 0   # said above if not
+    if C > 1 and layout.cp_impl != "ring" and heads_by_tp:
+        try:
+            out += check_ulysses(m.num_attention_heads, m.num_key_value_heads, T, C, layout.ulysses_size())
+        except ValueError as err:         # u that ParallelismConfig refuses (not a divisor of cp)
+            out.append(str(err))
     dp = layout.dp_replicate * layout.dp_shard
     if batch.global_batch_size % (dp * batch.micro(layout)):
         out.append(f"global_batch_size {batch.global_batch_size} is not a multiple of dp {dp} x "

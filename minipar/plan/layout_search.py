@@ -4,9 +4,11 @@ Candidates. Every (R, S, C, T) whose product is the world (sequence parallelism 
 the same bytes, less memory), and, for each pp that divides the world with 2 <= pp <= MAX_PP and
 at least two layers a stage, every pp x (R, S, C, T) with the 1F1B schedule (interleaving is planned on
 request, `--pipeline-schedule interleaved_1f1b`: it trades the bubble for more sends, a choice the
-search leaves to the user). A candidate must pass the trainer's checks (model.py's `check`, and
-pipeline.py's for pp: enough micro-batches, a multiple of pp) and fit: activation checkpointing
-is switched on only where the activations would not fit without it.
+search leaves to the user). Every layout with cp > 1 comes once per cp_impl: ring, ulysses (u = cp),
+and usp for each u dividing cp with 1 < u < cp (`cp_impls`). A candidate must pass the trainer's
+checks (inputs.py's `check`: under ulysses / usp u must divide the query heads of a tp rank,
+check_ulysses; pipeline.py's for pp: enough micro-batches, a multiple of pp) and fit: activation
+checkpointing is switched on only where the activations would not fit without it.
 
 Ranking: by estimated step time (estimate.py; under pp, pipeline.py: the slowest stage over
 (1 - bubble) plus the sends on the critical path).
@@ -24,6 +26,12 @@ The recommendation, by these rules, each applied while some candidate still sati
        that fits; else at least replicas (dp_replicate > 1) over shard groups that span nodes, so no
        all-gather spans the whole job.
     then the fastest estimate; among those within 1 % of it, the one with the most memory free.
+The cp_impl has no rule of its own: the rules above see a layout's sizes, the same for its three
+impls, so the estimate chooses between them. What it weighs: ring's hops (2(C-1) K/V volumes a
+layer) hide behind the attention compute until they outgrow it; Ulysses' all-to-alls (about 4 q + 4
+k/v volumes x (u-1)/u, not growing with cp) are exposed, and cross nodes once u x tp > GPUs per
+node; USP nests them (the all-to-all over u, the ring over cp / u). Near-ties go to the least
+memory, which under Ulysses grows by the repeated KV heads when u does not divide them.
 """
 from __future__ import annotations
 
@@ -46,13 +54,23 @@ def layouts(world: int) -> List[Layout]:
             if world % (r * c * t) == 0]
 
 
+def cp_impls(lay: Layout) -> List[Layout]:
+    """`lay` once per way attention can cross its cp ranks: ring alone when cp is 1; else ring,
+    ulysses, and usp for each u dividing cp with 1 < u < cp (whether heads split is check()'s)."""
+    if lay.cp == 1:
+        return [lay]
+    usp = [dataclasses.replace(lay, cp_impl="usp", cp_ulysses_size=u) for u in range(2, lay.cp)
+           if lay.cp % u == 0]
+    return [dataclasses.replace(lay, cp_impl="ring"), dataclasses.replace(lay, cp_impl="ulysses")] + usp
+
+
 def candidates(model: ModelShape, batch: Batch, world: int, pipeline: bool = True):
-    """(layout, Pipeline or None) for every layout that passes the trainer's checks."""
+    """(layout, Pipeline or None) for every layout and cp_impl that passes the trainer's checks."""
     deepest = min(world, MAX_PP, model.num_hidden_layers // 2)
     pps = [1] + ([k for k in range(2, deepest + 1) if world % k == 0] if pipeline else [])
     for pp in pps:
         pipe = pipeline_stage.Pipeline(pp, "1f1b", 1) if pp > 1 else None
-        for lay in layouts(world // pp):
+        for lay in (v for grid in layouts(world // pp) for v in cp_impls(grid)):
             if inputs_mod.check(model, lay, batch) or (pipe and pl.check(model, lay, pipe, batch)):
                 continue
             yield lay, pipe

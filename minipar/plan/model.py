@@ -27,6 +27,10 @@ storage by storage (what `torch.autograd.graph.saved_tensors_hooks` sees), param
                        attention  e n (2 H + 2 K') D / T + 4 b H s / T   q, k, v, out; fp32 lse
                                   (K' = H: SDPA gets K/V repeated to the query heads; under cp
                                    ring attention keeps K heads and o_proj's input is a copy: + e n H D / T)
+                                  ulysses / usp: the same count with K' = f K, f = u / gcd(K / T, u)
+                                  the KV repeat: ring_attention saves the head-split q, k, v, out (u s
+                                  tokens of H / u heads: the local elements, f times for k and v) and
+                                  its lse; the all-to-alls and repeat_interleave save nothing
                        MLP        4 e n f / T                gate, silu(gate), up, product
     under SP the norms see n / T tokens and save their input's gathered copy (e n d) instead
     of their output; with activation checkpointing a layer keeps only its input, and one layer's
@@ -35,12 +39,24 @@ storage by storage (what `torch.autograd.graph.saved_tensors_hooks` sees), param
 
 Collectives per step (op, group) -> calls and buffer bytes as comm.py's ledger records them
 (all_reduce: the tensor; all_gather: the output; reduce_scatter: the input; send_recv: the
-message), see `collectives`.
+message; all_to_all: the input), see `collectives`. Attention across cp, per layer and
+micro-batch (`cp_attention`; context_parallel/ulysses.py's docstring for the exchanges), with
+kv = 2 b f (K / T) s D and f the KV repeat (1 under ring):
+    ring  ("send_recv", "cp")          C - 1 K/V hops forward, C - 1 backward (+ C - 1 when the
+                                       layer is recomputed), kv e each; C - 1 dK/dV hops, kv x 4
+    ulysses ("all_to_all", "cp_ulysses")  q, k, v, out forward, dout, dq, dk, dv backward (+ the
+                                       forward four when recomputed): b (H / T) s D e for q-sized,
+                                       kv e / 2 for k- and v-sized buffers
+    usp   both: the all-to-alls over u, and the ring over "cp_ring" with R - 1 = C / u - 1 hops
+Packed documents (document ids) are not modelled: the planner has no packing option, so it leaves
+out the ids' all-gather over cp_ulysses and their ring hops (b u s and b s int64 per call).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
+
+from minipar.context_parallel.ulysses import kv_repeats
 
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 
@@ -114,7 +130,7 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     def norm(output_saved: bool) -> int:                # fp32 x, rsqrt, x_hat; output or gathered copy
         return 4 * ns * d + 4 * ns + e * ns * d + e * n * d * (1 if output_saved or layout.sp else 0)
 
-    kv_heads = K if (C > 1 or H == K) else H
+    kv_heads = K * kv_repeat(model, layout) if (C > 1 or H == K) else H
     attention = e * n * (2 * H + 2 * kv_heads) * D + 4 * b * H * s + (e * n * H * D if C > 1 else 0)
     layer = 2 * norm(True) + attention + 4 * e * n * f // T
     root = 8 * n + 2 * e * n * D                        # ids (int64; under tp the local ids), cos, sin
@@ -133,14 +149,15 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
     """{(op, group): [calls, bytes]} of one optimizer step on one rank, as comm.py's ledger records
     them (size-1 groups never communicate, so never appear)."""
     out: Dict[Tuple[str, str], List[int]] = {}
+    sizes = layout.sizes()
 
     def add(op, group, calls, nbytes):
-        if calls and layout.sizes()[group] > 1:
+        if calls and sizes[group] > 1:
             c = out.setdefault((op, group), [0, 0])
             c[0] += calls
             c[1] += calls * nbytes
 
-    m, T, C, L = model, layout.tp, layout.cp, model.num_hidden_layers
+    m, C, L = model, layout.cp, model.num_hidden_layers
     e = DTYPE_BYTES[opts.dtype]
     M = batch.micro_steps(layout)
     b, s = batch.micro(layout), batch.sequence_len // C
@@ -160,9 +177,7 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
             add("all_reduce", "tp", (2 * L + 1) + (2 * L + 1) + ac, act)
         add("all_reduce", "tp", 1, 4 * n)                 # loss: the max of the logits
         add("all_reduce", "tp", 1, 8 * n)                 # loss: sum of exps and the target logit
-        kv = 2 * b * (m.num_key_value_heads // T) * s * m.head_dim
-        add("send_recv", "cp", (C - 1) * (2 * L + ac), kv * e)   # K/V hops, forward and backward
-        add("send_recv", "cp", (C - 1) * L, kv * 4)              # dK/dV hops, fp32
+        cp_attention(add, m, layout, batch, opts, L, ac)
         if layout.sharded:
             N = layout.dp_shard * C
             synced = opts.sync_each_batch or micro == M - 1      # no_sync: only the last micro-batch
@@ -178,6 +193,32 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
         add("all_reduce", "tp", 1, 16)                    # the global norm: 2 fp64 sums over tp
         add("all_reduce", "dp_shard_cp", 1, 8)            # and 1 over the shard group
     return out
+
+
+def kv_repeat(model: ModelShape, layout: Layout) -> int:
+    """f, how often Ulysses repeats each KV head of a tp rank (1 under ring): ulysses.py's rule."""
+    T = layout.tp
+    return kv_repeats(model.num_attention_heads // T, model.num_key_value_heads // T, layout.ulysses_size())
+
+
+def cp_attention(add, model: ModelShape, layout: Layout, batch: Batch, opts: Options, layers: int,
+                 recomputed: int) -> None:
+    """add(op, group, calls, bytes) the cp collectives of one micro-batch through `layers` decoder
+    layers, `recomputed` of which run their forward again in backward (the module docstring)."""
+    T, C = layout.tp, layout.cp
+    if C == 1:
+        return
+    e, u = DTYPE_BYTES[opts.dtype], layout.ulysses_size()
+    b, s, D = batch.micro(layout), batch.sequence_len // C, model.head_dim
+    kv = 2 * b * kv_repeat(model, layout) * (model.num_key_value_heads // T) * s * D
+    hops = C // u - 1                    # the ring: all of cp (ring), C / u groups (usp), none (ulysses)
+    ring = "cp" if layout.cp_impl == "ring" else "cp_ring"
+    add("send_recv", ring, hops * (2 * layers + recomputed), kv * e)   # K/V, forward and backward
+    add("send_recv", ring, hops * layers, kv * 4)                      # dK/dV, fp32 accumulators
+    passes = 2 * layers + recomputed     # forward, backward, the recompute: 4 exchanges each
+    q = b * (model.num_attention_heads // T) * s * D * e
+    add("all_to_all", "cp_ulysses", 2 * passes, q)                     # q and out (dout and dq)
+    add("all_to_all", "cp_ulysses", 2 * passes, kv * e // 2)           # k and v (dk and dv)
 
 
 def ddp_buckets(model: ModelShape, layout: Layout, bucket_mb: float = 25) -> List[int]:
@@ -200,7 +241,8 @@ def bucket_bytes(sizes: List[int], bucket_mb: float = 25) -> List[int]:
 
 
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-        "reduce_scatter": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
+        "reduce_scatter": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0,
+        "all_to_all": lambda n: (n - 1) / n}      # keeps its own slot, sends the other n - 1
 
 
 def wire_bytes(op: str, group_size: int, nbytes: float) -> float:

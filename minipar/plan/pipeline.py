@@ -7,7 +7,7 @@ on the first stage, the final norm + lm_head + loss on the last. Inside a stage 
 flight and ledger), and the worst stage is what must fit.
 
 Time: the stage with the most work sets the pace, and the schedule adds the bubble
-    step = (compute + tp + exposed cp/dp of the slowest stage) / (1 - bubble) + sends
+    step = (compute + tp + all-to-all + exposed cp/dp of the slowest stage) / (1 - bubble) + sends
     bubble = (p - 1) / (m + p - 1)  (afab, 1f1b)     (p - 1) / (v m + p - 1)  (interleaved)
     sends  = 2 (m v + p - 1) x bytes(h) / bandwidth of pp: the messages on the critical path
              (the fill and drain's p - 1 hops, and each micro-batch chunk's hop in and out)
@@ -21,7 +21,7 @@ from minipar.pipeline_parallel.schedules import check_schedule
 
 from . import inputs as inputs_mod
 from . import model as pm
-from .estimate import crosses_nodes
+from .estimate import cp_seconds, crosses_nodes
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 from .pipeline_stage import Pipeline, message_bytes, plan_stage, stage_units, stages
 
@@ -88,7 +88,8 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         compute = (per_token + recompute) * tokens / W / speed
         attention = L * attn * tokens / W / speed
         dp = sum(sec.get(k, 0.0) for k in ("dp_shard_cp", "dp_replicate", "dp_cp"))
-        work = compute + sec.get("tp", 0.0) + max(0.0, sec.get("cp", 0.0) - attention) + \
+        ring, a2a = cp_seconds(sec)          # estimate.py: ring hops hidden, all-to-alls not
+        work = compute + sec.get("tp", 0.0) + a2a + max(0.0, ring - attention) + \
             (max(0.0, dp - compute) if opts.prefetch > 0 else dp)
         n = batch.micro(layout) * batch.sequence_len // layout.cp
         transient = n * model.vocab_size // layout.tp * (e + 4) if st.last else 0
@@ -99,8 +100,8 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
         p.update(memory=dict(mem, activations=acts, transient=transient, total=total, budget=budget,
                              fits=total <= budget),
-                 comm=groups, time=dict(compute_s=compute, tp_s=sec.get("tp", 0.0), cp_s=sec.get("cp", 0.0),
-                                        dp_s=dp, work_s=work))
+                 comm=groups, time=dict(compute_s=compute, tp_s=sec.get("tp", 0.0), cp_s=ring,
+                                        all_to_all_s=a2a, dp_s=dp, work_s=work))
         out.append(p)
     bub = bubble(pipe, M)
     bw = (cluster.inter_gbps if cross["pp"] else cluster.intra_gbps) * 1e9

@@ -233,7 +233,6 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
     L, fst, lst = st.num_layers, int(st.first), int(st.last)
     acL = L if ac else 0
     pe = e if layout.sharded else 4
-    s = batch.sequence_len // C
     for _ in range(M):
         h = n * model.hidden_size * e
         if layout.sp:
@@ -244,9 +243,7 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
             add("all_reduce", "tp", 4 * L + fst + lst + acL, h)
         add("all_reduce", "tp", lst, 4 * n)
         add("all_reduce", "tp", lst, 8 * n)
-        kv = 2 * b * (model.num_key_value_heads // T) * s * D
-        add("send_recv", "cp", (C - 1) * (2 * L + acL), kv * e)
-        add("send_recv", "cp", (C - 1) * L, kv * 4)
+        pm.cp_attention(add, model, layout, batch, opts, L, acL)     # ring hops and/or all-to-alls
 
     # ---- the pipeline's own messages, and the step's small reductions
     msg = message_bytes(model, layout, batch, opts)

@@ -12,9 +12,9 @@ Each Record holds (op, group name, group size, element count, bytes of the full 
 bytes, dtype). Which buffer counts is fixed per op, as the planner (minipar/plan/model.py) counts:
 all_reduce the tensor, all_gather the output, reduce_scatter and all_to_all the input, send_recv
 and send the message; wire bytes apply the factors of comm.py's table (all_reduce 2 (n-1)/n,
-all_gather, reduce_scatter and all_to_all (n-1)/n, point-to-point 1). A size-1 group never communicates and is never recorded.
-`mark("label")` interleaves a marker with the records, so an order of events (a prefetch issued
-before a forward ends) can be checked.
+all_gather, reduce_scatter and all_to_all (n-1)/n, point-to-point 1). A size-1 group never
+communicates and is never recorded. `mark("label")` interleaves a marker with the records, so an
+order of events (a prefetch issued before a forward ends) can be checked.
 
 It records, it never decides: nothing in the model reads it, and with no ledger open _record
 returns at once. The open ledgers are one module-level list, not thread-local, because backward

@@ -16,8 +16,8 @@ sys.path.insert(0, ROOT)
 
 from minipar.plan import estimate as pe  # noqa: E402
 from minipar.plan import layout_search as ps  # noqa: E402
-from minipar.plan.__main__ import describe, describe_pipeline  # noqa: E402
 from minipar.plan.inputs import Batch, ModelShape, Options  # noqa: E402
+from minipar.plan.report import describe, describe_pipeline  # noqa: E402
 
 SEQ = 8192
 CASES = [(model, world, 64 if world <= 16 else 1024) for model in ("llama-3.1-8b", "llama-3.1-70b")

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 import minipar
 from minipar import comm
+from minipar.mesh import MeshDim
 
 # 128 + SIGTERM, what a shell reports for a process terminated by SIGTERM: "stopped early on
 # request, checkpoint saved; relaunch with resume_from_checkpoint: latest", distinct from 0 (done),
@@ -169,6 +170,7 @@ def teardown(pgm=None, clean: bool = True) -> None:
             comm.barrier(pgm.world)
         dist.destroy_process_group()               # every group, newest first, then the default
     if pgm is not None:
-        for dim in list(pgm.dims.values()) + [pgm.world]:
-            dim.group = None                       # the last references to the group objects
+        for dim in vars(pgm).values():             # every MeshDim: dims, cp_ulysses, cp_ring, world
+            if isinstance(dim, MeshDim):
+                dim.group = None                   # the last references to the group objects
     gc.collect()                                   # and those held in reference cycles (a model's hooks)

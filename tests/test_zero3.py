@@ -168,12 +168,12 @@ def _regroup_world(directory):
 
 
 def test_checkpoint_from_another_unit_grouping_resumes(tmp_path):
-    got = run_world(_regroup_world, 2, str(tmp_path / "step-1"), timeout=120)[0]
-    assert got["old_units"] == ["<root>"] + [f"model.layers.{i}" for i in range(2)]
-    assert got["new_units"] == ["<root>", "model.embed_tokens"] + [f"model.layers.{i}" for i in range(2)]
-    for name, w in got["saved"].items():
-        assert torch.equal(got["loaded"][name], w), name
-        torch.testing.assert_close(got["new"][name], got["old"][name], atol=1e-6, rtol=0, msg=name)
+    for got in run_world(_regroup_world, 2, str(tmp_path / "step-1"), timeout=120):   # every rank
+        assert got["old_units"] == ["<root>"] + [f"model.layers.{i}" for i in range(2)]
+        assert got["new_units"] == ["<root>", "model.embed_tokens"] + [f"model.layers.{i}" for i in range(2)]
+        for name, w in got["saved"].items():
+            assert torch.equal(got["loaded"][name], w), name
+            torch.testing.assert_close(got["new"][name], got["old"][name], atol=1e-6, rtol=0, msg=name)
 
 
 def test_activation_checkpointing_equals_plain():
@@ -204,7 +204,11 @@ def _bf16_world(shape):
 
 def test_bf16_mixed_precision_within_bf16_tolerance():
     want = _reference()
-    got = run_world(_bf16_world, 2, (1, 2, 1, 1), timeout=120)[0]
+    for got in run_world(_bf16_world, 2, (1, 2, 1, 1), timeout=120):          # every rank
+        _check_bf16(got, want)
+
+
+def _check_bf16(got, want):
     assert got["dtypes"] == {("all_gather", "torch.bfloat16"), ("reduce_scatter", "torch.bfloat16")}
     assert got["shard_dtypes"] == {torch.float32}                # fp32 masters and their grads
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-2)
@@ -261,7 +265,11 @@ def _schedule_world(prefetch):
 @pytest.mark.parametrize("prefetch", [2, 1, 0])
 def test_memory_prefetch_and_communication(prefetch):
     N, layers = 4, [f"model.layers.{i}" for i in range(3)]
-    got = run_world(_schedule_world, N, prefetch, timeout=120)[0]
+    for got in run_world(_schedule_world, N, prefetch, timeout=120):          # every rank
+        _check_schedule(got, N, layers, prefetch)
+
+
+def _check_schedule(got, N, layers, prefetch):
     ub = got["unit_bytes"]
     assert list(ub) == ["<root>", "model.embed_tokens", *layers]   # the embedding is a unit of its own
     # outside a unit's forward and backward its gathered parameters are freed

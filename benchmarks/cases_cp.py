@@ -36,6 +36,28 @@ HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
 USP_ULYSSES = 2
 
 
+def planner_bytes(variant, seq, ranks):
+    """What the planner (minipar/plan/model.py, cp_attention) counts for this cell's one attention
+    forward + backward, {op: bytes}, to print beside the ledger's; {} for the one-process baseline."""
+    from minipar.plan.inputs import Batch, Layout, ModelShape, Options
+    from minipar.plan.model import cp_attention
+    if variant.startswith("SDPA"):
+        return {}
+    impl = variant.split()[0]
+    model = ModelShape(vocab_size=256, hidden_size=HEADS * HEAD_DIM, intermediate_size=HEADS * HEAD_DIM,
+                       num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                       head_dim=HEAD_DIM)
+    layout = Layout(cp=ranks, cp_impl=impl, cp_ulysses_size=USP_ULYSSES if impl == "usp" else None)
+    u, out = layout.ulysses_size(), {}
+    sizes = {"cp": ranks, "cp_ulysses": u, "cp_ring": ranks // u}    # a group of one sends nothing
+
+    def add(op, group, calls, nbytes):
+        if calls and sizes[group] > 1:
+            out[op] = out.get(op, 0) + calls * nbytes
+    cp_attention(add, model, layout, Batch(1, 1, seq), Options(dtype="float32"), layers=1, recomputed=0)
+    return out
+
+
 def runs_at(variant, ranks):
     """USP with u = 2 needs a ring of at least 2 groups: cp >= 4 (at cp 2 it is Ulysses)."""
     return not variant.startswith("usp") or ranks >= 2 * USP_ULYSSES

@@ -12,6 +12,7 @@ without running anything.
 """
 from __future__ import annotations
 
+from cases_cp import planner_bytes
 from common import MB
 
 COMPARISONS = ("zero3", "accumulation", "ddp", "tp", "cp")
@@ -49,8 +50,9 @@ def report(data) -> str:
         "parameter bytes, sampled at every tensor autograd saves or unpacks (both libraries alike; minipar's "
         "exact count in brackets); held grads: unsharded gradients kept between micro-batches; comm: MB "
         "handed to collectives per step and rank (all-gather output, reduce-scatter input, "
-        "all-reduce buffer, ring send, all-to-all input), or the number of collectives; wire (CP): the "
-        "bytes that leave the rank (an all-to-all keeps 1/u of its input).", ""]
+        "all-reduce buffer, ring send, all-to-all input), or the number of collectives; planner (CP): "
+        "what `python -m minipar.plan` counts for the same attention (cases_cp.planner_bytes); wire (CP): "
+        "the bytes that leave the rank (an all-to-all keeps 1/u of its input).", ""]
     if meta.get("notes"):
         lines += [f"Note: {n}" for n in meta["notes"]] + [""]
     for comparison in COMPARISONS:
@@ -59,7 +61,8 @@ def report(data) -> str:
             continue
         lines += [f"## {TITLES[comparison]}", ""]
         first = "| seq | ranks |" if comparison == "cp" else "| size | ranks | tokens/rank |"
-        extra = {"cp": ["send MB/step", "wire MB/step"], "tp": ["collectives", "comm MB/step"]}.get(
+        extra = {"cp": ["send MB/step", "planner MB/step", "wire MB/step"],
+                 "tp": ["collectives", "comm MB/step"]}.get(
             comparison, ["gathered MB", "held grads MB", "params+grads MB", "comm MB/step"])
         head = (first + " variant | step ms | vs peer | CPU ms | CPU vs peer | peak RSS MB | "
                 + " | ".join(extra) + " |")
@@ -73,7 +76,9 @@ def report(data) -> str:
                       _fmt(r["cpu_ms"]), _fmt(r["cpu_ratio"], 2) if "cpu_ratio" in r else "-",
                       _fmt(r["peak_rss_mb"])]
             if comparison == "cp":
-                cells += [comm, _mb(r.get("wire"))]
+                planned = planner_bytes(r["variant"], r["cp_seq"], r["world"])
+                cells += [comm, ", ".join(f"{k} {v / MB:.2f}" for k, v in sorted(planned.items())) or "-",
+                          _mb(r.get("wire"))]
             elif comparison == "tp":
                 cells += [", ".join(f"{k} {v}" for k, v in sorted(r.get("collectives", {}).items())), comm]
             else:

@@ -74,6 +74,17 @@ def test_committed_results_and_their_tables_agree():
     assert row[4] == f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
+def test_planner_counts_the_measured_cp_bytes():
+    """Every measured CP row's bytes per op (the comm ledger of ring, Ulysses and USP runs) are what
+    the planner's cp_attention counts for that attention: the column beside them in the results."""
+    import cases_cp
+    data = json.load(open(os.path.join(ROOT, "benchmarks", "results", "run_all.json")))
+    rows = [r for r in data["rows"] if r["comparison"] == "cp" and "comm" in r]
+    assert {r["variant"].split()[0] for r in rows} == {"ring", "ulysses", "usp"}
+    for r in rows:
+        assert cases_cp.planner_bytes(r["variant"], r["cp_seq"], r["world"]) == r["comm"], r["variant"]
+
+
 def test_quickstart_results_are_their_table():
     """benchmarks/results/quickstart.md (which the README quotes) is what quickstart.py makes of its
     json, and the json is a real pair of runs: 300 steps each, the losses the runs logged, the

@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,plot]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,plot,tensorboard]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -11,11 +11,19 @@ reached ParallelismConfig as a traceback and --world 0 read as "not given" (0 is
 
 positive_ints() checks every flag at once and names all the wrong ones in one error; fail()
 prints the one line and gives the exit status for main() to return.
+
+A memory size takes its unit, because "80" means 80 GiB to torch (torch.cuda.mem_get_info,
+nvidia-smi's MiB) and 80 GB (10^9) to a data sheet; the two differ by 7 %, enough to turn a run
+that fits into "DOES NOT FIT". memory_bytes() reads "80GiB", "80GB", "512MiB", "1.5TiB"; a bare
+number is GiB, as torch reports:
+
+    memory_bytes("80") == memory_bytes("80GiB") == 80 * 2**30;  memory_bytes("80GB") == 80e9
 """
 from __future__ import annotations
 
+import re
 import sys
-from typing import Dict
+from typing import Callable, Dict, Tuple
 
 EXIT_BAD_INPUT = 2
 
@@ -25,6 +33,31 @@ def positive_ints(args, flags: Dict[str, str]) -> None:
     bad = [f"--{name.replace('_', '-')} must be a positive integer ({what}), got {getattr(args, name)}"
            for name, what in flags.items()
            if getattr(args, name, None) is not None and getattr(args, name) < 1]
+    if bad:
+        raise ValueError("; ".join(bad))
+
+
+MEMORY_UNITS = {"": 2 ** 30, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+                "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def memory_bytes(text: str, flag: str = "--gpu-memory") -> float:
+    """Bytes of a memory size: a number and an optional unit (GB = 10^9, GiB = 2^30; none: GiB)."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = found.group(2).lower() if found else None
+    if unit not in MEMORY_UNITS:
+        raise ValueError(f"{flag} must be a memory size such as 80GiB, 80GB or 80 (GiB), got {text!r}")
+    value = float(found.group(1)) * MEMORY_UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"{flag} must be more than 0 bytes, got {text!r}")
+    return value
+
+
+def within(args, rules: Dict[str, Tuple[Callable[[float], bool], str]]) -> None:
+    """Refuse (ValueError) each set float flag that breaks its rule: dest -> (test, what it must be)."""
+    bad = [f"--{name.replace('_', '-')} must be {must}, got {getattr(args, name):g}"
+           for name, (test, must) in rules.items()
+           if getattr(args, name, None) is not None and not test(getattr(args, name))]
     if bad:
         raise ValueError("; ".join(bad))
 

@@ -192,6 +192,27 @@ def test_planner_refuses_bad_world_and_non_llama_configs(tmp_path, capsys):
     assert code == 2 and "--world must be a positive integer" in err, err
 
 
+def test_planner_reads_memory_units_and_refuses_bad_rates(capsys):
+    def budget(memory):
+        assert plan_main(["--model", LLAMA_8B, "--world", "8", "--gpu-memory", memory, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["memory"]["budget"]
+    reserve = 0.1                                   # the planner's default share kept free
+    assert budget("80") == budget("80GiB") == pytest.approx(80 * 2 ** 30 * (1 - reserve))
+    assert budget("80GB") == pytest.approx(80e9 * (1 - reserve))
+    assert budget("81920MiB") == budget("80GiB")
+    for memory in ("abc", "80 parsecs", "0GB"):
+        assert plan_main(["--model", LLAMA_8B, "--gpu-memory", memory]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "--gpu-memory must be" in err and repr(memory) in err, err
+    assert plan_main(["--model", LLAMA_8B, "--world", "0", "--efficiency", "1.5", "--reserve", "1",
+                      "--gpu-memory", "lots"]) == 2
+    err = capsys.readouterr().err.strip()
+    for part in ("--world must be a positive integer", "--efficiency must be in (0, 1]", "got 1.5",
+                 "--reserve must be in [0, 1)", "--gpu-memory must be a memory size"):
+        assert part in err, (part, err)
+    assert "\n" not in err
+
+
 def test_mesh_refuses_a_zero_size_in_one_line(capsys):
     assert mesh_main(["--tp", "0", "--cp", "-1"]) == 2
     err = capsys.readouterr().err.strip()

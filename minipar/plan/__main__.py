@@ -22,7 +22,7 @@ import dataclasses
 import json
 import sys
 
-from minipar.cli import fail, positive_ints
+from minipar.cli import fail, memory_bytes, positive_ints, within
 from minipar.training.config.train_config import load_config
 from minipar.training.pipeline_step import virtual_stages
 from models.hf_checkpoint import read_hf_config
@@ -40,6 +40,12 @@ SIZE_FLAGS = dict(world="the number of GPUs", gpus_per_node="GPUs per node", dp_
                   pp="pipeline stages", virtual_stages="model chunks per rank", seq_len="tokens per sequence",
                   global_batch_size="sequences per step", micro_batch_size="rows per forward",
                   top="layouts shown", cp_ulysses="ranks of a Ulysses group")
+# the flags that are rates or fractions: each with the test it must pass
+FLOAT_FLAGS = dict(peak_tflops=(lambda v: v > 0, "more than 0 (dense bf16 TFLOP/s of one GPU)"),
+                   intra_bw=(lambda v: v > 0, "more than 0 (GB/s per GPU inside a node)"),
+                   inter_bw=(lambda v: v > 0, "more than 0 (GB/s per GPU between nodes)"),
+                   efficiency=(lambda v: 0 < v <= 1, "in (0, 1] (a fraction of peak)"),
+                   reserve=(lambda v: 0 <= v < 1, "in [0, 1) (a fraction of GPU memory kept free)"))
 
 
 def _pipeline(args, base: dict) -> Pipeline:
@@ -139,7 +145,9 @@ def main(argv=None):
     ap.add_argument("--model", help="a Hugging Face config.json (replaces the config's model)")
     ap.add_argument("--world", type=int, help="number of GPUs (default: the layout's product)")
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default 80, H100)")
+    ap.add_argument("--gpu-memory", default="80GiB",
+                    help="memory per GPU with its unit: 80GiB, 80GB (10^9), 141GB; a bare number is GiB, "
+                         "as torch reports (default 80GiB, H100 80GB)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 SXM: 989)")
     ap.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU inside a node (NVLink)")
     ap.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU between nodes (IB 400 Gb/s)")
@@ -172,9 +180,18 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
-        positive_ints(args, SIZE_FLAGS)      # --world 0 is refused, not read as "not given"
+        problems = []
+        for check in (lambda: positive_ints(args, SIZE_FLAGS),   # --world 0 refused, not read as "not given"
+                      lambda: within(args, FLOAT_FLAGS), lambda: memory_bytes(args.gpu_memory)):
+            try:
+                check()
+            except ValueError as err:                            # every wrong flag in one line
+                problems.append(str(err))
+        if problems:
+            raise ValueError("; ".join(problems))
         model, base, batch, opts, world = load(args)
-        cluster = Cluster(args.gpus_per_node, args.gpu_memory, args.peak_tflops, args.intra_bw, args.inter_bw,
+        cluster = Cluster(args.gpus_per_node, memory_bytes(args.gpu_memory), args.peak_tflops,
+                          args.intra_bw, args.inter_bw,
                           args.efficiency, args.reserve)
         pipe = _pipeline(args, base)
         if args.search and (args.pp or args.pipeline_schedule or args.virtual_stages):

@@ -22,7 +22,7 @@ The time model (stated, simple, and the same for every layout so that the rankin
 
     bandwidth   intra-node (NVLink) for a group inside one node, inter-node (IB, per GPU) otherwise
     defaults    H100 SXM: 989 TFLOP/s dense bf16, NVLink ~450 GB/s per direction effective,
-                IB 400 Gb/s = 50 GB/s per GPU, 80 GB, 8 GPUs per node; efficiency 0.6
+                IB 400 Gb/s = 50 GB/s per GPU, 80 GiB, 8 GPUs per node; efficiency 0.6
 Latency of small collectives, kernel launch gaps and the optimizer step are not modelled.
 
 Fits: persistent + gathered + activations (with or without checkpointing) + transient (ZeRO-3:
@@ -53,7 +53,7 @@ RING_GROUPS = ("cp", "cp_ring")       # hops hidden behind attention; cp_ulysses
 @dataclass(frozen=True)
 class Cluster:
     gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0
+    gpu_memory_bytes: float = 80 * 2 ** 30   # --gpu-memory 80GiB (a bare number is GiB, as torch reports)
     peak_tflops: float = 989.0
     intra_gbps: float = 450.0      # GB/s per GPU per direction, inside a node
     inter_gbps: float = 50.0       # GB/s per GPU, between nodes
@@ -114,7 +114,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         transient += 2 * 4 * max(u.numel for u in pm.units(model, layout))
     activation = act["checkpointed_peak" if opts.gradient_checkpointing else "full"]
     total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
-    budget = cluster.gpu_memory_gb * 1e9 * (1 - cluster.reserve)
+    budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
     tokens = batch.global_batch_size * batch.sequence_len
     return dict(
         layout=dataclasses.asdict(layout), layout_str=str(layout), world=layout.world,

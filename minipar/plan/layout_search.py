@@ -131,7 +131,7 @@ def smallest_world(model: ModelShape, batch: Batch, opts: Options, cluster: Clus
     """The fewest whole nodes (more than `start` GPUs) on which some layout without pp fits (pp
     does not lower the state per rank: see rule 2); None up to `limit`."""
     g = cluster.gpus_per_node
-    budget = cluster.gpu_memory_gb * 1e9 * (1 - cluster.reserve)
+    budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
     state_only = -(-16 * model.num_params() // int(budget))      # the persistent state, sharded over all
     world = max(start + 1, state_only)
     world = -(-world // g) * g

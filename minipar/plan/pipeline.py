@@ -65,7 +65,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     tokens = batch.global_batch_size * batch.sequence_len
     attn = 6 * model.num_attention_heads * model.head_dim * batch.sequence_len     # per token, layer
     full = pm.flops(model, layout, batch, opts)["model"]
-    budget = cluster.gpu_memory_gb * 1e9 * (1 - cluster.reserve)
+    budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
     out = []
     for st in stages(model, pipe):
         p = plan_stage(model, layout, pipe, st, batch, opts)

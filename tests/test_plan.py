@@ -256,22 +256,34 @@ def test_crosses_nodes_follows_the_grid():
 
 
 def test_search_follows_its_rules():
+    """The estimate ranks; the placement rules only choose among the layouts within 5 % of the fastest."""
     model, cluster = _llama("llama-3.1-8b"), Cluster()
     for world in (8, 16):
         s = search(model, Batch(64, 1, 8192), Options(), cluster, world)
         rec, ranked = s["recommended"], s["ranked"]
         assert rec in ranked and all(p["memory"]["fits"] for p in ranked)
         assert [p["time"]["step_s"] for p in ranked] == sorted(p["time"]["step_s"] for p in ranked)
-        assert rec["layout"]["tp"] <= 8
-        assert rec["layout"]["cp"] == min(p["layout"]["cp"] for p in ranked if p["layout"]["tp"] <= 8)
-        if world > 8:
-            assert not rec["comm"]["dp_shard_cp"]["crosses_nodes"] and rec["layout"]["dp_replicate"] > 1
+        band = [p for p in ranked if p["time"]["step_s"] <= 1.05 * ranked[0]["time"]["step_s"]]
+        assert rec in band and rec["layout"]["tp"] <= 8
+        if any(p["layout"]["tp"] <= 8 for p in band):
+            band = [p for p in band if p["layout"]["tp"] <= 8]
+        assert rec["layout"]["cp"] == min(p["layout"]["cp"] for p in band)
+        if world > 8 and any(not p["comm"]["dp_shard_cp"]["crosses_nodes"] for p in band):
+            assert not rec["comm"]["dp_shard_cp"]["crosses_nodes"]
         # pipeline layouts are ranked too (planned stage by stage, 1F1B), recommended across nodes only
         pps = {p["layout"].get("pp", 1) for p in ranked}
         assert pps == ({1, 2, 4, 8} if world <= 8 else {1, 2, 4, 8, 16})
         assert world > 8 or rec["layout"].get("pp", 1) == 1
         assert all(p["pipeline"]["schedule"] == "1f1b" and len(p["stages"]) == p["layout"]["pp"]
                    for p in ranked if "stages" in p)
+
+
+def test_search_never_trades_a_real_slowdown_for_a_placement_rule():
+    """70B on 256 GPUs: "shard groups inside a node" once picked a layout 2.2x slower than the
+    fastest that fit (85th of 98); now the recommendation is within 5 % (the issue asks 10 %)."""
+    s = search(_llama("llama-3.1-70b"), Batch(256, 1, 8192), Options(), Cluster(), 256)
+    fastest, rec = s["ranked"][0]["time"]["step_s"], s["recommended"]["time"]["step_s"]
+    assert len(s["ranked"]) > 100 and rec <= 1.05 * fastest, (rec, fastest)
 
 
 def test_long_steps_extend_the_replay_exactly():
@@ -360,8 +372,14 @@ def test_cli_pipeline_json_bubble_and_errors(capsys):
     assert "--search ranks every pipeline size itself" in capsys.readouterr().err
     # the config's pp: searched over
     assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--search", "--json"]) == 0
-    # 4 GPUs: one node
-    assert json.loads(capsys.readouterr().out)["recommended"]["layout"].get("pp", 1) == 1
+    # 4 GPUs, one node: "PP only across nodes" breaks near-ties only; for this tiny model the estimate
+    # puts pp 2 (half the all-reduce) well ahead of every pp 1 layout, so the estimate wins
+    found = json.loads(capsys.readouterr().out)
+    times = [p["time"]["step_s"] for p in found["ranked"]]
+    assert {p["layout"].get("pp", 1) for p in found["ranked"]} == {1, 2}
+    assert found["recommended"]["time"]["step_s"] <= 1.05 * times[0]
+    assert found["recommended"]["layout"].get("pp", 1) == 1 or \
+        all(t > 1.05 * times[0] for p, t in zip(found["ranked"], times) if p["layout"].get("pp", 1) == 1)
     llama = os.path.join(LLAMA, "llama-3.1-8b.json")
     assert plan_main(["--model", llama, "--world", "16", "--pp", "4",
                       "--pipeline-schedule", "interleaved_1f1b",

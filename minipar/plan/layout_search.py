@@ -13,19 +13,23 @@ checkpointing is switched on only where the activations would not fit without it
 Ranking: by estimated step time (estimate.py; under pp, pipeline.py: the slowest stage over
 (1 - bubble) plus the sends on the critical path).
 
-The recommendation, by these rules, each applied while some candidate still satisfies it:
+The recommendation. The estimate decides: only the layouts within NEAR_TIE (5 %) of the fastest
+that fits are eligible, and inside that band these placement rules break the near-tie, each applied
+while some eligible layout still satisfies it (so the recommended layout is never more than 5 %
+slower than the fastest; a rule never overrides a real slowdown, as "shard groups inside a node"
+once did for 70B on 256 GPUs, recommending a layout 2.2x slower than the fastest that fit):
     1. TP within a node (tp <= GPUs per node): its collectives are on the critical path.
     2. PP only across nodes (pp 1 when the job fits in one node). Inside a node ZeRO-3 and TP
        move their bytes over NVLink and a pipeline would only add its bubble; across nodes a
        stage's data-parallel traffic covers 1/pp of the parameters, which is what pp buys, and
-       the time estimate weighs it against the bubble. (pp rarely rescues memory in minipar:
-       ZeRO-3 already spreads the state over every rank, 16 B x P / world either way, and 1F1B's
-       first stage holds p micro-batches of L / p layers, one micro-batch of the whole model.)
-    3. CP only when the activations do not fit otherwise (the smallest cp that fits).
+       the time estimate weighs it against the bubble.
+    3. The smallest cp among the near-ties: CP for length, not for its own sake.
     4. Across nodes, HSDP rather than pure ZeRO-3: shard groups (dp_shard x cp) inside one node if
        that fits; else at least replicas (dp_replicate > 1) over shard groups that span nodes, so no
        all-gather spans the whole job.
-    then the fastest estimate; among those within 1 % of it, the one with the most memory free.
+    then the fastest left; among those within 1 % of it, the one with the most memory free.
+The rules encode what the estimate does not see (a job's tolerance of a slow link, a failed node
+taking one replica rather than the whole job); they are worth a few per cent, not a factor.
 The cp_impl has no rule of its own: the rules above see a layout's sizes, the same for its three
 impls, so the estimate chooses between them. What it weighs: ring's hops (2(C-1) K/V volumes a
 layer) hide behind the attention compute until they outgrow it; Ulysses' all-to-alls (about 4 q + 4
@@ -44,6 +48,7 @@ from . import pipeline_stage
 from .estimate import Cluster, plan
 from .inputs import Batch, Layout, ModelShape, Options
 
+NEAR_TIE = 0.05   # the placement rules choose only among layouts this close to the fastest
 MAX_PP = 16    # deeper pipelines: a bubble of (p - 1) / (m + p - 1) and a stage or two of layers
 
 
@@ -105,14 +110,16 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
     g = cluster.gpus_per_node
     rules = [("TP within a node", lambda p, pool: p["layout"]["tp"] <= g),
              ("PP only across nodes", lambda p, pool: pp_of(p) == 1 or world > g),
-             ("CP only when activations do not fit",
+             ("the smallest cp among near-ties",
               lambda p, pool: p["layout"]["cp"] == min(q["layout"]["cp"] for q in pool))]
     if world > g:
         rules.append(("shard groups inside a node",
                       lambda p, pool: not p["comm"].get("dp_shard_cp", {}).get("crosses_nodes", False)))
         rules.append(("HSDP rather than ZeRO-3 across nodes",
                       lambda p, pool: p["layout"]["dp_replicate"] > 1))
-    pool, applied = list(fitting), []
+    fastest = fitting[0]["time"]["step_s"] if fitting else 0.0
+    pool = [p for p in fitting if p["time"]["step_s"] <= (1 + NEAR_TIE) * fastest]
+    applied = []
     for name, rule in rules:
         kept = [p for p in pool if rule(p, pool)]
         if kept:
@@ -123,7 +130,8 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
         near = [p for p in pool if p["time"]["step_s"] <= 1.01 * best]
         pool = sorted(near, key=lambda p: p["memory"]["total"])
     return dict(ranked=fitting, recommended=pool[0] if pool else None, rules_applied=applied,
-                considered=considered, params=model.num_params())
+                considered=considered, params=model.num_params(),
+                near_tie=NEAR_TIE)
 
 
 def smallest_world(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, start: int,

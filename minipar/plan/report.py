@@ -118,6 +118,8 @@ def describe_search(s: dict, model: ModelShape, top: int = 10) -> str:
                                    f"{s['params'] / 1e9:.2f} B "
                                    f"parameters, over all GPUs); {where}, or use a shorter sequence"])
     rules = ", ".join(s["rules_applied"]) or "none"
-    lines += ["", f"recommended (rules: {rules}; then the fastest; within 1 % "
-              f"of it the most memory free):", ""]
+    slower = rec["time"]["step_s"] / s["ranked"][0]["time"]["step_s"] - 1
+    lines += ["", f"recommended: among the layouts within {100 * s['near_tie']:.0f} % of the fastest, "
+              f"the placement rules ({rules}), then the fastest, within 1 % of it the most memory free; "
+              f"{100 * slower:.1f} % slower than the fastest:", ""]
     return "\n".join(lines) + "\n" + (describe_pipeline if "stages" in rec else describe)(rec, model)

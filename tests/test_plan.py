@@ -387,3 +387,12 @@ def test_cli_pipeline_json_bubble_and_errors(capsys):
     p = json.loads(capsys.readouterr().out)
     assert p["time"]["bubble"] == pytest.approx(3 / (2 * p["micro_steps"] + 3))
     assert [len(s["layers"]) for s in p["stages"]] == [2] * 4     # 32 layers: 8 virtual stages of 4
+
+
+def test_the_fewest_gpus_hint_is_a_world_where_the_search_finds_a_fit():
+    """The hint counts pipelines too, and the world it names has a recommendation (70B: 16 GPUs)."""
+    from minipar.plan.layout_search import smallest_world
+    model, batch, cluster = _llama("llama-3.1-70b"), Batch(64, 1, 8192), Cluster()
+    assert search(model, batch, Options(), cluster, 8)["recommended"] is None
+    need = smallest_world(model, batch, Options(), cluster, 8)
+    assert need == 16 and search(model, batch, Options(), cluster, need)["recommended"] is not None

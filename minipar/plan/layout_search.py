@@ -136,21 +136,18 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
 
 def smallest_world(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, start: int,
                    limit: int = 4096) -> Optional[int]:
-    """The fewest whole nodes (more than `start` GPUs) on which some layout without pp fits (pp
-    does not lower the state per rank: see rule 2); None up to `limit`."""
+    """The fewest whole nodes (more than `start` GPUs) on which some layout fits, pipelines included
+    (a 1F1B stage holds L / p layers of activations for up to p micro-batches, which with
+    checkpointing can be what makes a tight model fit); None up to `limit`."""
     g = cluster.gpus_per_node
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
     state_only = -(-16 * model.num_params() // int(budget))      # the persistent state, sharded over all
     world = max(start + 1, state_only)
     world = -(-world // g) * g
+    checkpointed = dataclasses.replace(opts, gradient_checkpointing=True)
     while world <= limit:
-        if any(search_fits(model, lay, batch, opts, cluster)
-               for lay, _ in candidates(model, batch, world, False)):
+        if any(_fits(_plan(model, lay, pipe, batch, checkpointed, cluster))
+               for lay, pipe in candidates(model, batch, world)):
             return world
         world += g
     return None
-
-
-def search_fits(model, lay, batch, opts, cluster) -> bool:
-    checkpointed = dataclasses.replace(opts, gradient_checkpointing=True)
-    return plan(model, lay, batch, checkpointed, cluster)["memory"]["fits"]

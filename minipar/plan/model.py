@@ -266,4 +266,5 @@ def flops(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> Dic
     recompute = (layers_share / 3) if opts.gradient_checkpointing else 0.0
     rank = model_flops * (1 + recompute) / layout.world
     attn_rank = attn * tokens * (1 + (1 / 3 if opts.gradient_checkpointing else 0)) / layout.world
-    return dict(model=model_flops, rank=rank, attention_rank=attn_rank, params=m.num_params())
+    return dict(model=model_flops, rank=rank, attention_rank=attn_rank, attention_model=attn * tokens,
+                params=m.num_params())

@@ -9,8 +9,9 @@ One MoE layer on one rank (T local tokens of hidden size d, E experts of width F
       w = w / sum_k w                                        Mixtral always; Qwen3-MoE iff norm_topk_prob
       sort the T*k copies by expert id (stable)   (N, d)     N = T*k rows: expert 0's, then 1's, ...
       counts per expert                           (E,)       (capped at C with a capacity factor)
-      DISPATCH                                               expert parallelism's exchange: the
-                                                             identity while one rank holds all E
+      DISPATCH                                               minipar/expert_parallel/dispatch.py: to
+                                                             the ranks that hold each expert (the
+                                                             identity while one rank holds all E)
       expert j on its run of rows                 SwiGLU:    down_j(silu(gate_j x) * up_j x)
       COMBINE                                                the inverse of DISPATCH
       y[t] = sum over t's k copies of w * out     (T, d)     un-permuted by index_add
@@ -45,6 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minipar import tensor_parallel as tpl
+from minipar.expert_parallel import combine, dispatch
 from minipar.mesh import ProcessGroupManager
 
 from .llama_config import LlamaConfig
@@ -99,6 +101,7 @@ class MoEFeedForward(nn.Module):
         self.num_experts, self.top_k = E, config.num_experts_per_tok
         self.norm_topk_prob, self.capacity_factor = config.norm_topk_prob, config.moe_capacity_factor
         self.tp, self.sp = pgm.tp, pgm.config.sequence_parallel
+        self.ep = None                # the ep group when the experts are split over one (one rank: all E)
         self.gate = MoERouter(E, d)
         self.experts = MoEExperts(E, d, config.moe_intermediate_size)
         self.router_stats, self.dropped = None, 0
@@ -129,7 +132,8 @@ class MoEFeedForward(nn.Module):
             order, counts = order[keep], counts.clamp(max=cap)
             self.dropped = int(keep.numel() - order.numel())
         token = order // self.top_k                         # the token of each sorted copy
-        out = self.experts(x[token], counts, self.tp, self.sp)
+        local, local_counts, handle = dispatch(x[token], counts, self.ep)
+        out = combine(self.experts(local, local_counts, self.tp, self.sp), handle)
         w = weights.reshape(-1)[order].to(out.dtype)
         y = torch.zeros_like(x).index_add_(0, token, out * w[:, None])
         return y.view(b, s, d)

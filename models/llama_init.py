@@ -93,10 +93,12 @@ class SeededInit:
 
 @torch.no_grad()
 def materialize(model: nn.Module, source) -> nn.Module:
-    """Replace every (meta) parameter of `model` by its TP slice from `source`, on source.device,
+    """Replace every meta parameter of `model` by its TP slice from `source`, on source.device,
     one tensor at a time; tied parameters stay tied (one new Parameter for all their places)."""
     new: Dict[int, nn.Parameter] = {}
     for name, p in model.named_parameters():     # tied weights once
+        if not p.is_meta:                        # already real (LoRA's adapters): kept as they are
+            continue
         t = source.tp_local(name, p.tp_full_shape, p.tp_split_dim)
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"{name}: the weight source gave shape {tuple(t.shape)}, this rank's slice "

@@ -9,6 +9,7 @@ which group a call went over.
     all_gather          x: [N/n] per rank      -> [N]           (n-1)/n * bytes(out)
     reduce_scatter      x: [N]                 -> [N/n] summed  (n-1)/n * bytes(in)
     all_to_all          x: [n, N/n], slot i    -> rank i        (n-1)/n * bytes(x), its own slot stays
+    all_to_all_uneven   x: rows cut in n runs, run i -> rank i  bytes(x) - bytes(own run)
     ring send/recv      x -> next rank, y <- previous rank      bytes(x)
     send / recv         x -> any member (pipeline stages)      bytes(x), counted on the sender
 
@@ -222,6 +223,29 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, dim, async_op: bool = 
     work = _run("all_to_all", dim,
                 lambda: dist.all_to_all_single(output, src, group=dim.group, async_op=async_op), async_op)
     return work if async_op else output
+
+
+def all_to_all_uneven(input: torch.Tensor, dim, input_splits: Sequence[int],
+                      output_splits: Sequence[int]) -> torch.Tensor:
+    """Rows [sum(input_splits[:i]), +input_splits[i]) of `input` go to member i; the result holds
+    output_splits[i] rows from member i, in member order (expert parallelism's token exchange,
+    expert_parallel/dispatch.py). Every member must agree: my input_splits[j] is member j's
+    output_splits[me]. The ledger counts the rows that leave this rank (its own run stays)."""
+    n = dim.size
+    if len(input_splits) != n or len(output_splits) != n or sum(input_splits) != input.shape[0]:
+        raise ValueError(f"all_to_all_uneven: {len(input_splits)} input and {len(output_splits)} output "
+                         f"splits for a {dim.name} group of {n}; the input splits sum to "
+                         f"{sum(input_splits)}, the input has {input.shape[0]} rows")
+    output = input.new_empty((sum(output_splits),) + tuple(input.shape[1:]))
+    if n == 1:
+        return output.copy_(input)
+    rows = max(input.shape[0], 1)
+    _record("all_to_all_uneven", dim, input, (input.shape[0] - input_splits[dim.rank]) / rows)
+    src = input.contiguous()
+    _run("all_to_all_uneven", dim,
+         lambda: dist.all_to_all_single(output, src, list(output_splits), list(input_splits),
+                                        group=dim.group), False)
+    return output
 
 
 def broadcast(tensor: torch.Tensor, dim, src_group_rank: int = 0):

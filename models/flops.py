@@ -6,7 +6,9 @@ planner (minipar/plan/model.py) both read this one count, so a run and its plan 
 A matmul of an (n, k) input by a (k, m) weight costs 2 n k m FLOPs forward and twice that
 backward (the input's gradient and the weight's): 6 FLOPs per weight element per token.
 
-    matmul weights  per layer q, o (2 d H D), k, v (2 d K D), gate, up, down (3 d f); and the
+    matmul weights  per layer q, o (2 d H D), k, v (2 d K D), gate, up, down (3 d f; in a
+                    mixture-of-experts layer the k experts a token visits, 3 k d f_moe, and the
+                    router, d E: the active weights, as MoE MFU is counted); and the
                     lm_head (V d), counted even when tied to the embedding (the lookup costs no
                     FLOPs, the head's matmul does). Norms and biases are left out (O(d) per token).
     attention       per layer and token, Q K^T and P V against the s keys it attends to:
@@ -45,16 +47,26 @@ class StepFlops:
         return self.matmul + self.attention_full
 
 
-def layer_matmul_weights(shape) -> int:
-    """Elements of one decoder layer's matmul weights (q, k, v, o, gate, up, down): full, not TP-local."""
+def layer_matmul_weights(shape, i: int = 0) -> int:
+    """Elements of decoder layer i's matmul weights a token goes through (q, k, v, o, and gate, up,
+    down, or its experts' and the router): full, not TP-local. A shape without is_moe_layer is dense."""
     d, f, D = shape.hidden_size, shape.intermediate_size, shape.head_dim
     H, K = shape.num_attention_heads, shape.num_key_value_heads
-    return 2 * d * H * D + 2 * d * K * D + 3 * d * f
+    attention = 2 * d * H * D + 2 * d * K * D
+    if getattr(shape, "is_moe_layer", None) is not None and shape.is_moe_layer(i):
+        return attention + 3 * d * shape.moe_intermediate_size * shape.num_experts_per_tok \
+            + d * shape.num_local_experts
+    return attention + 3 * d * f
+
+
+def layers_matmul_weights(shape) -> int:
+    """The decoder layers' matmul weights a token goes through."""
+    return sum(layer_matmul_weights(shape, i) for i in range(shape.num_hidden_layers))
 
 
 def matmul_weights(shape) -> int:
-    """Every matmul weight of the model: the layers and the lm_head (tied or not)."""
-    return shape.num_hidden_layers * layer_matmul_weights(shape) + shape.vocab_size * shape.hidden_size
+    """Every matmul weight a token goes through: the layers and the lm_head (tied or not)."""
+    return layers_matmul_weights(shape) + shape.vocab_size * shape.hidden_size
 
 
 def attention_flops_per_token(shape, sequence_len: int, causal: bool = True) -> float:

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 from minipar.context_parallel.ulysses import kv_repeats
-from models.flops import layer_matmul_weights, matmul_weights, step_flops
+from models.flops import layers_matmul_weights, matmul_weights, step_flops
 
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 
@@ -257,13 +257,14 @@ def flops(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> Dic
     `model` (6 x matmul weights x tokens + the causal half of attention: what MFU divides),
     `model_full_attention` (attention counted whole, torchtitan's convention), `rank` (executed
     by one rank, + the forward again under activation checkpointing)."""
-    m, L = model, model.num_hidden_layers
+    m = model
     step = step_flops(m, batch.global_batch_size, batch.sequence_len)
     model_flops = step.causal
-    layers_share = (step.matmul * L * layer_matmul_weights(m) / matmul_weights(m)
+    layers_share = (step.matmul * layers_matmul_weights(m) / matmul_weights(m)
                     + step.attention_causal) / model_flops
     recompute = (layers_share / 3) if opts.gradient_checkpointing else 0.0
     rank = model_flops * (1 + recompute) / layout.world
     attn_rank = step.attention_causal * (1 + (1 / 3 if opts.gradient_checkpointing else 0)) / layout.world
     return dict(model=model_flops, model_full_attention=step.full, rank=rank, attention_rank=attn_rank,
+                attention_model=step.attention_causal,
                 params=m.num_params())

@@ -42,7 +42,7 @@ def check(cfg) -> None:
 
     positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
                 "dp_replicate_size", "context_parallel_size", "tensor_parallel_size",
-                "pipeline_parallel_size"]
+                "pipeline_parallel_size", "expert_parallel_size"]
     for key in positive:                  # (None: derived later, from the world or the dataset)
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             bad(f"{key} must be >= 1, got {getattr(cfg, key)}")

@@ -104,6 +104,9 @@ class TrainConfig:
     # cp_ulysses_size consecutive cp ranks, the ring across them); context_parallel/ulysses.py
     cp_impl: str = "ring"
     cp_ulysses_size: Optional[int] = None
+    # expert parallelism [ParallelismConfig.ep_size]: each MoE layer's experts split over this many
+    # ranks borrowed from dp_shard x cp (no extra ranks); expert_parallel/dispatch.py
+    expert_parallel_size: int = 1
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     fsdp_version: Optional[int] = None    # Axolotl's; 1 or 2: both are minipar's ZeRO-3 over dp_shard
     output_dir: str = "out/default"

@@ -6,6 +6,8 @@ memory whatever its size. A *weight source* then answers one question, for one p
 
     source.tp_local(hf_name, full_shape, tp_split_dim) -> this rank's TP slice (a real tensor)
                         = full.chunk(tp, dim=tp_split_dim)[tp_rank]     (the whole tensor if None)
+    source.tp_local(..., experts=(first, count))        -> full[first:first + count] of a stacked
+                                                           expert weight (an ep rank's experts)
 
 Two sources answer it: `SeededInit` below (random initialisation) and the Hugging Face checkpoint
 reader (models/hf_checkpoint.py, which reads the slice straight from the safetensors
@@ -83,11 +85,15 @@ class SeededInit:
         self.states[self.next] = self.gen.get_state()
         return full
 
-    def tp_local(self, name: str, full_shape, tp_split_dim: Optional[int]) -> torch.Tensor:
+    def tp_local(self, name: str, full_shape, tp_split_dim: Optional[int], experts=None) -> torch.Tensor:
+        """This rank's TP slice of `name`; experts=(first, count): only those experts (dim 0) of a
+        stacked expert weight, an expert-parallel rank's share (drawn whole, then cut)."""
         full = self.full(name)
         if tuple(full.shape) != tuple(full_shape):
             raise ValueError(f"SeededInit: {name} has shape {tuple(full.shape)}, "
                              f"asked for {tuple(full_shape)}")
+        if experts is not None:
+            full = full[experts[0]:experts[0] + experts[1]]
         return shard_tensor(full, tp_split_dim, self.tp).to(self.device)
 
 

@@ -213,6 +213,9 @@ class LlamaForCausalLM(nn.Module):
     # What ZeRO-3 gathers and frees as one unit (as transformers' _no_split_modules names what must
     # not be split across devices): the embedding and each decoder layer; the root keeps the rest.
     zero3_unit_classes = (tpl.VocabParallelEmbedding, LlamaDecoderLayer)
+    # The Linear layers a LoRA adapter may sit on (minipar/lora/adapter.py; PEFT's target_modules
+    # names): every projection of a decoder layer, which Axolotl's lora_target_linear means
+    lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     def __init__(self, config: LlamaConfig, pgm: Optional[ProcessGroupManager] = None, seed: int = 0,
                  device: Optional[str] = None):

@@ -123,6 +123,14 @@ class TrainConfig:
     resume_from_checkpoint: Optional[str] = None   # a path, or "latest"
     export_hf: bool = True                # write <output_dir>/hf at the end
     progress_bar: bool = True
+    # what a run reports besides metrics.jsonl (training/throughput.py, profiling.py, run_loggers.py):
+    peak_tflops: Optional[float] = None   # per device, for mfu; None: the GPU's (a table), a CPU's measured
+    profile_steps: Optional[List[int]] = None   # [a, b]: a torch.profiler trace of steps a..b per rank
+    use_tensorboard: bool = False         # Axolotl's: event files under <output_dir>/runs
+    wandb_project: Optional[str] = None   # Axolotl's wandb_* keys: log to Weights & Biases (rank 0)
+    wandb_entity: Optional[str] = None
+    wandb_name: Optional[str] = None
+    wandb_mode: Optional[str] = None      # online | offline | disabled (None: wandb's own default)
     # a Hugging Face directory (Axolotl's key): the model config comes from its config.json and the
     # weights from its safetensors, each rank reading only its slices (models/hf_checkpoint.py)
     base_model: Optional[str] = None

@@ -7,6 +7,7 @@ import pytest
 import torch
 from harness import run_world
 
+from minipar.training.config.train_config import load_config
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
@@ -52,9 +53,9 @@ def _single(tmp_path, steps, *extra):
 
 
 @pytest.mark.parametrize("world,extra", [
-    (2, ["--tensor_parallel_size", "2"]),                                    # dropless
+    (2, ["--tensor_parallel_size", "2", "--sequence_parallel", "true"]),     # dropless
     (2, ["--dp_shard_size", "2", "--moe_capacity_factor", "1.0"]),           # dropping
-], ids=["tp2", "shard2-capacity"])
+], ids=["tp2-sp", "shard2-capacity"])
 def test_moe_layout_equals_one_process(tmp_path, world, extra):
     capacity = [e for e in extra if e in ("--moe_capacity_factor", "1.0")]
     ref = _single(tmp_path, 4, *capacity)
@@ -79,3 +80,17 @@ def test_moe_more_layouts_equal_one_process_for_20_steps(tmp_path, world, extra)
     assert ref[-1]["loss"] < ref[0]["loss"]        # and it learns
     for got in run_world(_train, world, _argv(tmp_path / "run", 20, *extra), timeout=600):
         _same(ref, got)
+
+
+def test_moe_config_refusals_name_every_value():
+    """Refused on load, before any group exists: pp with an MoE, a capacity factor <= 0 or on a
+    dense model, top-k above the experts; several at once in one error."""
+    moe = os.path.join(ROOT, "configs", "moe.yaml")
+    with pytest.raises(ValueError,
+                       match=r"moe_capacity_factor=0\.0.*pipeline_parallel_size=2 with a mixture"):
+        load_config(moe, ["--pipeline_parallel_size", "2", "--moe_capacity_factor", "0"])
+    with pytest.raises(ValueError, match=r"moe_capacity_factor=1\.5: .*applies to a mixture of experts"):
+        load_config(os.path.join(ROOT, "configs", "ddp.yaml"), ["--moe_capacity_factor", "1.5"])
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 must be between 1 and the number of experts"):
+        load_config(moe, ["--model.num_experts_per_tok", "9"])
+    assert load_config(moe, ["--moe_capacity_factor", "1.25"]).model.moe_capacity_factor == 1.25

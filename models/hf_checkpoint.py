@@ -77,7 +77,7 @@ def read_hf_config(path: str, where: str, families=("llama",)) -> dict:
     if kind not in families or archs != [FAMILIES[kind]]:
         names = ", ".join(f"{FAMILIES[f]} (model_type {f!r})" for f in families)
         raise ValueError(f"{where} is a {'/'.join(map(str, archs))} (model_type {kind!r}); minipar "
-                         f"reads only {names} checkpoints here")
+                         f"loads only {names} checkpoints here")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {d['hidden_act']!r}; the Llama MLP here is SwiGLU (silu)")
     return d

@@ -35,6 +35,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from minipar.expert_parallel.sharding import ep_block
 from minipar.tensor_parallel import shard_tensor
 
 
@@ -97,18 +98,30 @@ class SeededInit:
         return shard_tensor(full, tp_split_dim, self.tp).to(self.device)
 
 
+def local_from_source(source, name: str, p, ep=None) -> torch.Tensor:
+    """`source`'s slice of parameter `p` (meta or real): its TP slice, and for an expert weight
+    split over the ep group `ep` only this member's block of experts (expert_parallel/sharding.py)."""
+    if getattr(p, "ep_split_dim", None) is None:
+        return source.tp_local(name, p.tp_full_shape, p.tp_split_dim)
+    return source.tp_local(name, p.tp_full_shape, p.tp_split_dim,
+                           experts=ep_block(p.tp_full_shape[p.ep_split_dim], ep))
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, source) -> nn.Module:
     """Replace every (meta) parameter of `model` by its TP slice from `source`, on source.device,
     one tensor at a time; tied parameters stay tied (one new Parameter for all their places)."""
     new: Dict[int, nn.Parameter] = {}
+    ep = getattr(getattr(model, "pgm", None), "ep", None)
     for name, p in model.named_parameters():     # tied weights once
-        t = source.tp_local(name, p.tp_full_shape, p.tp_split_dim)
+        t = local_from_source(source, name, p, ep)
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"{name}: the weight source gave shape {tuple(t.shape)}, this rank's slice "
                              f"is {tuple(p.shape)}")
         q = nn.Parameter(t.to(dtype=p.dtype).contiguous(), requires_grad=p.requires_grad)
         q.tp_split_dim, q.tp_full_shape = p.tp_split_dim, p.tp_full_shape
+        if hasattr(p, "ep_split_dim"):           # an expert weight: split over ep too
+            q.ep_split_dim, q.ep_full_shape = p.ep_split_dim, p.ep_full_shape
         new[id(p)] = q
     for m in model.modules():
         for attr, p in list(m._parameters.items()):

@@ -107,6 +107,9 @@ class TrainConfig:
     # expert parallelism [ParallelismConfig.ep_size]: each MoE layer's experts split over this many
     # ranks borrowed from dp_shard x cp (no extra ranks); expert_parallel/dispatch.py
     expert_parallel_size: int = 1
+    # an MoE's expert capacity: null is dropless; c keeps ceil(c * tokens * top_k / experts) copies
+    # per expert and forward, drops the rest (models/moe.py) and counts them in metrics.jsonl
+    moe_capacity_factor: Optional[float] = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     fsdp_version: Optional[int] = None    # Axolotl's; 1 or 2: both are minipar's ZeRO-3 over dp_shard
     output_dir: str = "out/default"
@@ -120,6 +123,14 @@ class TrainConfig:
     resume_from_checkpoint: Optional[str] = None   # a path, or "latest"
     export_hf: bool = True                # write <output_dir>/hf at the end
     progress_bar: bool = True
+    # what a run reports besides metrics.jsonl (training/throughput.py, profiling.py, run_loggers.py):
+    peak_tflops: Optional[float] = None   # per device, for mfu; None: the GPU's (a table), a CPU's measured
+    profile_steps: Optional[List[int]] = None   # [a, b]: a torch.profiler trace of steps a..b per rank
+    use_tensorboard: bool = False         # Axolotl's: event files under <output_dir>/runs
+    wandb_project: Optional[str] = None   # Axolotl's wandb_* keys: log to Weights & Biases (rank 0)
+    wandb_entity: Optional[str] = None
+    wandb_name: Optional[str] = None
+    wandb_mode: Optional[str] = None      # online | offline | disabled (None: wandb's own default)
     # a Hugging Face directory (Axolotl's key): the model config comes from its config.json and the
     # weights from its safetensors, each rank reading only its slices (models/hf_checkpoint.py)
     base_model: Optional[str] = None
@@ -223,6 +234,7 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
     cfg.model = LlamaConfig(**model)
     if cfg.base_model:
         cfg.model = _base_model_config(cfg, explicit_model_keys)
+    cfg.model.moe_capacity_factor = cfg.moe_capacity_factor   # a training option, not config.json's
     root = REPO_ROOT
     if not os.path.isabs(cfg.dataset) and not os.path.exists(cfg.dataset) \
             and os.path.exists(os.path.join(root, cfg.dataset)):

@@ -9,6 +9,7 @@ which group a call went over.
     all_gather          x: [N/n] per rank      -> [N]           (n-1)/n * bytes(out)
     reduce_scatter      x: [N]                 -> [N/n] summed  (n-1)/n * bytes(in)
     all_to_all          x: [n, N/n], slot i    -> rank i        (n-1)/n * bytes(x), its own slot stays
+    all_to_all_uneven   x: rows cut in n runs, run i -> rank i  bytes(x) - bytes(own run)
     ring send/recv      x -> next rank, y <- previous rank      bytes(x)
     send / recv         x -> any member (pipeline stages)      bytes(x), counted on the sender
 
@@ -21,6 +22,12 @@ group name, group size, element count, bytes of the full buffer, and the bytes t
 the wire by the table above). Tests and benchmarks compare it against theory. It is an opt-in
 recorder, not a setting: nothing in the model reads it. `comm_ledger.mark("label")` adds a marker to the
 record, so an order of events (a prefetch issued before a forward ends, say) can be checked.
+
+In a profiler trace (profile_steps) every call is a span named as the ledger names it,
+"all_gather:dp_shard_cp", around its launch (the whole call when synchronous), and every wait on
+an async one a span "wait:all_gather:dp_shard_cp": where a gather was issued and where the rank
+waited for it show whether the prefetch hid it. (A ring hop that also carries packed document ids
+is one span and two ledger records.) With no profiler recording, no span is made.
 
 Failures are named. A collective whose peer is stuck (stopped, swapped out, deadlocked) waits for
 the group's timeout (`ddp_timeout`, given to every group by mesh.py) and then fails; one whose peer
@@ -102,15 +109,24 @@ class _NamedWork:
         if self._work is None:
             return True
         work, self._work = self._work, None
-        with _named(self.op, self.dim):
+        with _named(self.op, self.dim), span(f"wait:{self.op}:{self.dim.name}"):
             return work.wait() if timeout is None else work.wait(timeout)
 
     def is_completed(self):
         return self._work is None or self._work.is_completed()
 
 
+def span(name: str):
+    """A torch.profiler span (record_function) while a profiler records, else nothing: every
+    collective is one, named "op:group" as the ledger names it, so a trace (profile_steps,
+    minipar/training/profiling.py) shows each call where it was issued (a prefetch during the
+    previous layer) and, as "wait:op:group", where the rank blocked on an async one."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() \
+        else contextlib.nullcontext()
+
+
 def _run(op: str, dim, call, async_op: bool):
-    with _named(op, dim):
+    with _named(op, dim), span(f"{op}:{dim.name}"):
         work = call()
     return _NamedWork(work, op, dim) if async_op else work
 
@@ -209,6 +225,29 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, dim, async_op: bool = 
     return work if async_op else output
 
 
+def all_to_all_uneven(input: torch.Tensor, dim, input_splits: Sequence[int],
+                      output_splits: Sequence[int]) -> torch.Tensor:
+    """Rows [sum(input_splits[:i]), +input_splits[i]) of `input` go to member i; the result holds
+    output_splits[i] rows from member i, in member order (expert parallelism's token exchange,
+    expert_parallel/dispatch.py). Every member must agree: my input_splits[j] is member j's
+    output_splits[me]. The ledger counts the rows that leave this rank (its own run stays)."""
+    n = dim.size
+    if len(input_splits) != n or len(output_splits) != n or sum(input_splits) != input.shape[0]:
+        raise ValueError(f"all_to_all_uneven: {len(input_splits)} input and {len(output_splits)} output "
+                         f"splits for a {dim.name} group of {n}; the input splits sum to "
+                         f"{sum(input_splits)}, the input has {input.shape[0]} rows")
+    output = input.new_empty((sum(output_splits),) + tuple(input.shape[1:]))
+    if n == 1:
+        return output.copy_(input)
+    rows = max(input.shape[0], 1)
+    _record("all_to_all_uneven", dim, input, (input.shape[0] - input_splits[dim.rank]) / rows)
+    src = input.contiguous()
+    _run("all_to_all_uneven", dim,
+         lambda: dist.all_to_all_single(output, src, list(output_splits), list(input_splits),
+                                        group=dim.group), False)
+    return output
+
+
 def broadcast(tensor: torch.Tensor, dim, src_group_rank: int = 0):
     """In place, from the member with group rank `src_group_rank`."""
     if dim.size == 1:
@@ -248,7 +287,10 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], dim) -> list:
         ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group=dim.group, tag=tag))
     for t, peer, tag in recvs:
         ops.append(dist.P2POp(dist.irecv, t, peer, group=dim.group, tag=tag))
-    return dist.batch_isend_irecv(ops) if ops else []
+    if not ops:
+        return []
+    with span(f"{'send' if sends else 'recv'}:{dim.name}"):   # (a recv is not in the ledger)
+        return dist.batch_isend_irecv(ops)
 
 
 def wait_all(works) -> None:

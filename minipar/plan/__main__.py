@@ -45,6 +45,10 @@ FLOAT_FLAGS = dict(peak_tflops=(lambda v: v > 0, "more than 0 (dense bf16 TFLOP/
                    intra_bw=(lambda v: v > 0, "more than 0 (GB/s per GPU inside a node)"),
                    inter_bw=(lambda v: v > 0, "more than 0 (GB/s per GPU between nodes)"),
                    efficiency=(lambda v: 0 < v <= 1, "in (0, 1] (a fraction of peak)"),
+                   attention_efficiency=(lambda v: 0 < v <= 1, "in (0, 1] (a fraction of peak)"),
+                   hbm_bandwidth=(lambda v: v > 0, "more than 0 (GB/s of GPU memory)"),
+                   intra_latency_us=(lambda v: v >= 0, "at least 0 (microseconds per hop)"),
+                   inter_latency_us=(lambda v: v >= 0, "at least 0 (microseconds per hop)"),
                    reserve=(lambda v: 0 <= v < 1, "in [0, 1) (a fraction of GPU memory kept free)"))
 
 
@@ -151,7 +155,13 @@ def main(argv=None):
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 SXM: 989)")
     ap.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU inside a node (NVLink)")
     ap.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU between nodes (IB 400 Gb/s)")
-    ap.add_argument("--efficiency", type=float, default=0.6, help="achieved fraction of peak on the matmuls")
+    ap.add_argument("--efficiency", type=float, default=0.7, help="achieved fraction of peak on large GEMMs")
+    ap.add_argument("--attention-efficiency", type=float, default=0.5,
+                    help="achieved fraction of peak in attention (FlashAttention on H100: 0.5-0.75 forward)")
+    ap.add_argument("--hbm-bandwidth", type=float, default=3350.0,
+                    help="GB/s of GPU memory, for memory-bound work (H100 SXM HBM3: 3350)")
+    ap.add_argument("--intra-latency-us", type=float, default=1.0, help="us per hop inside a node")
+    ap.add_argument("--inter-latency-us", type=float, default=5.0, help="us per hop between nodes")
     ap.add_argument("--reserve", type=float, default=0.1, help="fraction of GPU memory kept free")
     for size in ("dp-replicate", "dp-shard", "cp", "tp"):
         ap.add_argument(f"--{size}", type=int)
@@ -191,8 +201,9 @@ def main(argv=None):
             raise ValueError("; ".join(problems))
         model, base, batch, opts, world = load(args)
         cluster = Cluster(args.gpus_per_node, memory_bytes(args.gpu_memory), args.peak_tflops,
-                          args.intra_bw, args.inter_bw,
-                          args.efficiency, args.reserve)
+                          args.intra_bw, args.inter_bw, args.efficiency, args.reserve,
+                          hbm_gbps=args.hbm_bandwidth, attention_efficiency=args.attention_efficiency,
+                          intra_latency_us=args.intra_latency_us, inter_latency_us=args.inter_latency_us)
         pipe = _pipeline(args, base)
         if args.search and (args.pp or args.pipeline_schedule or args.virtual_stages):
             raise ValueError("--search ranks every pipeline size itself "

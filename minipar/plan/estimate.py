@@ -7,23 +7,32 @@ cp (mesh.py) are two more axes: cp rank c = i u + j, cp_ulysses the u ranks j (c
 u T global ranks apart at most: inside a node when u T <= g and the grid aligns), cp_ring the C / u
 ranks i. The grid is (R, S, C / u, u, T) and AXES names each group's axes of it.
 
-The time model (stated, simple, and the same for every layout so that the ranking is fair):
+The time model (stated, and the same for every layout so that the ranking is fair):
 
-    compute     FLOPs executed by the rank / (peak x efficiency)        efficiency: large bf16 GEMMs
-    tp          wire bytes / bandwidth, NOT overlapped (each TP collective sits between two matmuls)
+    compute     time_model.py, by operation: GEMMs on a roofline (--efficiency of peak for large
+                ones, HBM-bound when a per-rank slice is thin), attention at --attention-efficiency,
+                norms / RoPE / SwiGLU / residuals / the loss and the optimizer step at --hbm-bandwidth
+    collective  wire bytes / bandwidth + calls x hops x latency (time_model.latency_seconds)
+    tp          its collectives, NOT overlapped (each TP collective sits between two matmuls)
     cp          ring hops (cp under ring, cp_ring under usp): wire bytes / bandwidth, overlapped
                 with the attention compute of the rank
     all-to-all  Ulysses' exchanges (cp_ulysses): wire bytes / bandwidth, NOT overlapped (comm.py's
                 all_to_all is synchronous and attention needs its result: q, k, v in, out back)
     dp          ZeRO-3 all-gather + reduce-scatter, HSDP / DDP all-reduce: wire bytes / bandwidth,
-                overlapped with the whole compute (prefetch >= 1; buckets); not at prefetch 0
-    step        compute + tp + all-to-all + max(0, cp - attention) + max(0, dp - compute)
-    MFU         model FLOPs (6 N tokens + causal attention) / (step x world x peak)
+                overlapped with the whole compute (prefetch >= 1; buckets) except one call of each
+                (the first gather has no compute before it, the last reduction none after it:
+                dp_fill_seconds); not overlapped at prefetch 0
+    step        compute + tp + all-to-all + max(0, cp - attention) + max(0, dp - compute) + fill
+    MFU         model FLOPs / (step x world x peak), in two conventions: `mfu` counts causal
+                attention as half the score matrix (the FLOPs a causal kernel does: 6 L H D s per
+                token), `mfu_full_attention` counts it whole (12 L H D s, as torchtitan and
+                Megatron-LM report), which reads higher for the same step
 
     bandwidth   intra-node (NVLink) for a group inside one node, inter-node (IB, per GPU) otherwise
     defaults    H100 SXM: 989 TFLOP/s dense bf16, NVLink ~450 GB/s per direction effective,
-                IB 400 Gb/s = 50 GB/s per GPU, 80 GiB, 8 GPUs per node; efficiency 0.6
-Latency of small collectives, kernel launch gaps and the optimizer step are not modelled.
+                IB 400 Gb/s = 50 GB/s per GPU, 80 GiB, 8 GPUs per node, HBM3 3.35 TB/s;
+                GEMM efficiency 0.7, attention 0.5, latency 1 us (NVLink) / 5 us (IB) per hop
+Kernel launch gaps and the host are not modelled.
 
 Fits: persistent + gathered + activations (with or without checkpointing) + transient (ZeRO-3:
 two units' unsharded fp32 gradients in flight; the loss: the logits and their fp32 softmax) must
@@ -42,11 +51,13 @@ import numpy as np
 
 from . import inputs as inputs_mod
 from . import model as pm
+from . import time_model as tm
 from .inputs import Batch, Layout, ModelShape, Options
 
 # the axes of the grid (R, S, C / u, u, T) that each group spans
 AXES = {"tp": (4,), "cp": (2, 3), "cp_ulysses": (3,), "cp_ring": (2,), "dp_shard_cp": (1, 2, 3),
         "dp_replicate": (0,), "dp_cp": (0, 1, 2, 3)}
+DP_GROUPS = ("dp_shard_cp", "dp_replicate", "dp_cp")
 RING_GROUPS = ("cp", "cp_ring")       # hops hidden behind attention; cp_ulysses is exposed
 
 
@@ -57,8 +68,30 @@ class Cluster:
     peak_tflops: float = 989.0
     intra_gbps: float = 450.0      # GB/s per GPU per direction, inside a node
     inter_gbps: float = 50.0       # GB/s per GPU, between nodes
-    efficiency: float = 0.6
+    efficiency: float = 0.7        # of peak, large GEMMs (cuBLAS bf16 on H100: 0.6-0.8)
     reserve: float = 0.1
+    hbm_gbps: float = 3350.0       # H100 SXM HBM3, NVIDIA's data sheet
+    attention_efficiency: float = 0.5
+    intra_latency_us: float = 1.0  # per hop of a ring collective over NVLink
+    inter_latency_us: float = 5.0  # per hop over InfiniBand
+
+
+def group_seconds(groups: Dict[str, dict], cluster: Cluster) -> Dict[str, float]:
+    """Each group's collectives: wire bytes at its placement's bandwidth + hops x latency per call."""
+    out = {}
+    for name, g in groups.items():
+        bw = (cluster.inter_gbps if g["crosses_nodes"] else cluster.intra_gbps) * 1e9
+        lat = sum(tm.latency_seconds(op, g["size"], o["calls"], g["crosses_nodes"], cluster)
+                  for op, o in g["ops"].items())
+        out[name] = g["seconds"] = g["wire_bytes"] / bw + lat
+    return out
+
+
+def mfu(model_flops: float, full_attention_flops: float, step: float, world: int, cluster: Cluster) -> dict:
+    """Both MFU conventions (the docstring above), for one step's time."""
+    peak = cluster.peak_tflops * 1e12
+    return dict(mfu=model_flops / (step * world * peak),
+                mfu_full_attention=(model_flops + full_attention_flops) / (step * world * peak))
 
 
 def crosses_nodes(layout: Layout, gpus_per_node: int) -> Dict[str, bool]:
@@ -70,6 +103,23 @@ def crosses_nodes(layout: Layout, gpus_per_node: int) -> Dict[str, bool]:
         rest = [a for a in range(len(shape)) if a not in axes]
         members = node.transpose(rest + list(axes)).reshape(-1, int(np.prod([shape[a] for a in axes])))
         out[group] = bool((members.min(axis=1) != members.max(axis=1)).any())
+    return out
+
+
+def dp_fill_seconds(groups: Dict[str, dict], cluster: Cluster) -> float:
+    """What prefetching cannot hide: the first all-gather (nothing computes before it) and the last
+    reduction (nothing computes after it), one call of each at its group's placement."""
+    out = 0.0
+    for name in DP_GROUPS:
+        g = groups.get(name)
+        if not g:
+            continue
+        bw = (cluster.inter_gbps if g["crosses_nodes"] else cluster.intra_gbps) * 1e9
+        for op in ("all_gather", "reduce_scatter", "all_reduce"):
+            o = g["ops"].get(op)
+            if o and o["calls"]:
+                out += (o["wire_bytes"] / bw + tm.latency_seconds(op, g["size"], o["calls"],
+                                                                   g["crosses_nodes"], cluster)) / o["calls"]
     return out
 
 
@@ -96,15 +146,12 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         wire = pm.wire_bytes(op, sizes[group], nbytes)
         g["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
         g["wire_bytes"] += wire
-    seconds = {}
-    for group, g in groups.items():
-        bw = (cluster.inter_gbps if g["crosses_nodes"] else cluster.intra_gbps) * 1e9
-        seconds[group] = g["seconds"] = g["wire_bytes"] / bw
-    peak = cluster.peak_tflops * 1e12
-    compute = fl["rank"] / (peak * cluster.efficiency)
-    attention = fl["attention_rank"] / (peak * cluster.efficiency)
-    dp = sum(seconds.get(k, 0.0) for k in ("dp_shard_cp", "dp_replicate", "dp_cp"))
-    exposed_dp = max(0.0, dp - compute) if opts.prefetch > 0 else dp
+    seconds = group_seconds(groups, cluster)
+    parts = tm.compute_seconds(model, layout, batch, opts, cluster, model.num_hidden_layers, True,
+                               fl["attention_rank"], mem["param_elements"])
+    compute, attention = parts["compute_s"], parts["attention_s"]
+    dp = sum(seconds.get(k, 0.0) for k in DP_GROUPS)
+    exposed_dp = max(0.0, dp - compute) + dp_fill_seconds(groups, cluster) if opts.prefetch > 0 else dp
     ring, a2a = cp_seconds(seconds)
     step = compute + seconds.get("tp", 0.0) + a2a + max(0.0, ring - attention) + exposed_dp
     e = inputs_mod.DTYPE_BYTES[opts.dtype]
@@ -124,7 +171,8 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         memory=dict(mem, activations=act, transient=transient, total=total, budget=budget,
                     fits=total <= budget),
         comm=groups,
-        time=dict(compute_s=compute, tp_s=seconds.get("tp", 0.0), cp_s=ring, all_to_all_s=a2a,
+        time=dict(parts, tp_s=seconds.get("tp", 0.0), cp_s=ring, all_to_all_s=a2a,
                   dp_s=dp, step_s=step, tokens_per_s=tokens / step,
-                  mfu=fl["model"] / (step * layout.world * peak), model_flops=fl["model"]))
+                  **mfu(fl["model"], fl["attention_model"], step, layout.world, cluster),
+                  model_flops=fl["model"]))
 

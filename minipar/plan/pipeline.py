@@ -21,7 +21,8 @@ from minipar.pipeline_parallel.schedules import check_schedule
 
 from . import inputs as inputs_mod
 from . import model as pm
-from .estimate import cp_seconds, crosses_nodes
+from . import time_model as tm
+from .estimate import DP_GROUPS, cp_seconds, crosses_nodes, dp_fill_seconds, group_seconds, mfu
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 from .pipeline_stage import Pipeline, message_bytes, plan_stage, stage_units, stages
 
@@ -59,9 +60,6 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     cross = crosses_nodes(layout, g)
     cross["pp"] = any(len({(w + k * W) // g for k in range(pipe.pp)}) > 1 for w in range(W))
     sizes = dict(layout.sizes(), pp=pipe.pp)
-    peak = cluster.peak_tflops * 1e12
-    speed = peak * cluster.efficiency
-    _, layer, _ = model.tensors(1)
     tokens = batch.global_batch_size * batch.sequence_len
     attn = 6 * model.num_attention_heads * model.head_dim * batch.sequence_len     # per token, layer
     full = pm.flops(model, layout, batch, opts)["model"]
@@ -76,21 +74,16 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
             wire = nbytes if op == "send" else pm.wire_bytes(op, sizes[group], nbytes)   # p2p: as is
             gr["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
             gr["wire_bytes"] += wire
-        sec = {k: gr["wire_bytes"]
-               / ((cluster.inter_gbps if gr["crosses_nodes"] else cluster.intra_gbps) * 1e9)
-               for k, gr in groups.items()}
-        for k, gr in groups.items():
-            gr["seconds"] = sec[k]
+        sec = group_seconds(groups, cluster)
         L = st.num_layers
-        lay_fl = 6 * L * (sum(layer) - 2 * model.hidden_size) + L * attn
-        per_token = lay_fl + (6 * model.vocab_size * model.hidden_size if st.last else 0)
-        recompute = lay_fl / 3 if opts.gradient_checkpointing else 0
-        compute = (per_token + recompute) * tokens / W / speed
-        attention = L * attn * tokens / W / speed
-        dp = sum(sec.get(k, 0.0) for k in ("dp_shard_cp", "dp_replicate", "dp_cp"))
+        attention_flops = L * attn * tokens / W * (4 / 3 if opts.gradient_checkpointing else 1)
+        parts = tm.compute_seconds(model, layout, batch, opts, cluster, L, st.last, attention_flops,
+                                   p["memory"]["param_elements"])
+        compute, attention = parts["compute_s"], parts["attention_s"]
+        dp = sum(sec.get(k, 0.0) for k in DP_GROUPS)
         ring, a2a = cp_seconds(sec)          # estimate.py: ring hops hidden, all-to-alls not
-        work = compute + sec.get("tp", 0.0) + a2a + max(0.0, ring - attention) + \
-            (max(0.0, dp - compute) if opts.prefetch > 0 else dp)
+        exposed_dp = max(0.0, dp - compute) + dp_fill_seconds(groups, cluster) if opts.prefetch > 0 else dp
+        work = compute + sec.get("tp", 0.0) + a2a + max(0.0, ring - attention) + exposed_dp
         n = batch.micro(layout) * batch.sequence_len // layout.cp
         transient = n * model.vocab_size // layout.tp * (e + 4) if st.last else 0
         if layout.sharded:
@@ -100,17 +93,19 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
         p.update(memory=dict(mem, activations=acts, transient=transient, total=total, budget=budget,
                              fits=total <= budget),
-                 comm=groups, time=dict(compute_s=compute, tp_s=sec.get("tp", 0.0), cp_s=ring,
+                 comm=groups, time=dict(parts, tp_s=sec.get("tp", 0.0), cp_s=ring,
                                         all_to_all_s=a2a, dp_s=dp, work_s=work))
         out.append(p)
     bub = bubble(pipe, M)
     bw = (cluster.inter_gbps if cross["pp"] else cluster.intra_gbps) * 1e9
-    pp_s = critical_sends(pipe, M) * message_bytes(model, layout, batch, opts) / bw
+    pp_s = critical_sends(pipe, M) * message_bytes(model, layout, batch, opts) / bw \
+        + tm.latency_seconds("send", pipe.pp, critical_sends(pipe, M), cross["pp"], cluster)
     slowest = max(out, key=lambda p: p["time"]["work_s"])
     step = slowest["time"]["work_s"] / (1 - bub) + pp_s
     worst = max(out, key=lambda p: p["memory"]["total"])
     t = dict(slowest["time"], step_s=step, bubble=bub, pp_s=pp_s, slowest_stage=slowest["rank"],
-             tokens_per_s=tokens / step, mfu=full / (step * world * peak), model_flops=full)
+             tokens_per_s=tokens / step, model_flops=full,
+             **mfu(full, pm.flops(model, layout, batch, opts)["attention_model"], step, world, cluster))
     return dict(layout=dict(dataclasses.asdict(layout), pp=pipe.pp), pipeline=dataclasses.asdict(pipe),
                 layout_str=f"{pipe} x {layout}", world=world, nodes=-(-world // g), micro_steps=M,
                 batch=dataclasses.asdict(batch), micro_batch=batch.micro(layout),

@@ -68,8 +68,19 @@ def describe(p: dict, model: ModelShape) -> str:
     lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
               f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g}{a2a} + what cp ({t['cp_s']:.3g}) and dp "
               f"({t['dp_s']:.3g}) "
-              f"do not hide; {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f} %"]
+              f"do not hide; {t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
     return "\n".join(lines)
+
+
+def _mfu(t: dict) -> str:
+    return (f"MFU {100 * t['mfu']:.1f} % (causal attention counted half; "
+            f"{100 * t['mfu_full_attention']:.1f} % counted whole, as torchtitan and Megatron-LM)")
+
+
+def _parts(t: dict) -> str:
+    return (f"  compute by operation (minipar/plan/time_model.py): GEMMs {t['gemm_s']:.3g} s, attention "
+            f"{t['attention_s']:.3g} s, memory-bound (norms, RoPE, SwiGLU, residuals, loss) "
+            f"{t['memory_bound_s']:.3g} s, optimizer step {t['optimizer_s']:.3g} s")
 
 
 def describe_pipeline(p: dict, model: ModelShape) -> str:
@@ -89,13 +100,13 @@ def describe_pipeline(p: dict, model: ModelShape) -> str:
         sends = s["comm"].get("pp", {}).get("ops", {}).get("send", {}).get("calls", 0)
         lines.append(f"  {s['rank']:<7}{layers:<18}{m['persistent'] / size:11.3f}{m['gathered'] / size:10.3f}"
                      f"{a[chosen] / size:12.3f}{a['in_flight']:10d}{m['total'] / size:10.3f}{sends:7d}")
-    body = describe(p, model).split("\n")[:-1]        # the 4D step line does not apply
+    body = describe(p, model).split("\n")[:-2]        # the 4D step lines do not apply
     body[1] = f"layout: {p['layout_str']} on {p['world']} GPUs ({p['nodes']} node(s)); the worst stage: " \
               f"{p['worst_stage']}, shown below"
     tail = [f"estimated step (minipar/plan/pipeline.py): {t['step_s']:.3g} s = the slowest stage's work "
             f"(stage {t['slowest_stage']}: {t['work_s']:.3g} s) / (1 - bubble {t['bubble']:.3f}) "
             f"+ the sends on the critical path {t['pp_s']:.3g} s; "
-            f"{t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f} %"]
+            f"{t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
     return "\n".join(body + [""] + lines + ["", *tail])
 
 

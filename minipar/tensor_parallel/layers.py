@@ -134,6 +134,7 @@ class ColumnParallelLinear(_TPLinear):
         local_out = _check_divisible("out_features", out_features, tp)
         self.weight = _param((local_out, in_features), 0, (out_features, in_features))
         self.bias = _param((local_out,), 0, (out_features,)) if bias else None
+        self.lora = None             # a LoRA adapter (minipar/lora/adapter.py) adds to y_i
         self.reset_parameters()
 
     def forward(self, x, skip_input_comm: bool = False):
@@ -144,6 +145,8 @@ class ColumnParallelLinear(_TPLinear):
             if not skip_input_comm:   # (b, s/tp, h) -> (b, s, h) under SP; f otherwise
                 x = enter_tp_region(x, self.tp, self.sequence_parallel)
             y = self._linear(x, self.bias)
+            if self.lora is not None:
+                y = y + self.lora(x)
         return gather_from_tp_region(y, self.tp, dim=-1) if self.gather_output else y
 
 
@@ -174,12 +177,15 @@ class RowParallelLinear(_TPLinear):
         local_in = _check_divisible("in_features", in_features, tp)
         self.weight = _param((out_features, local_in), 1, (out_features, in_features))
         self.bias = _param((out_features,), None, (out_features,)) if bias else None
+        self.lora = None             # a LoRA adapter adds to the partial sum, before its reduction
         self.reset_parameters()
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp, dim=-1)
         partial = self._linear(x, None)
+        if self.lora is not None:    # reduced together with x W^T: no collective of its own
+            partial = partial + self.lora(x)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp)
         else:

@@ -22,6 +22,7 @@ collective: every rank refuses alike.
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import List
 
 from minipar.config import CP_IMPLS, CP_LAYOUTS
@@ -41,7 +42,7 @@ def check(cfg) -> None:
 
     positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
                 "dp_replicate_size", "context_parallel_size", "tensor_parallel_size",
-                "pipeline_parallel_size"]
+                "pipeline_parallel_size", "expert_parallel_size"]
     for key in positive:                  # (None: derived later, from the world or the dataset)
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             bad(f"{key} must be >= 1, got {getattr(cfg, key)}")
@@ -103,10 +104,39 @@ def check(cfg) -> None:
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         bad(f"pipeline_virtual_stages must be >= 1 or null, got {cfg.pipeline_virtual_stages}")
     problems += _data_files(cfg)
+    problems += [ValueError(p) for p in _reporting(cfg)]
     if len(problems) == 1:
         raise problems[0]
     if problems:
         raise ValueError(f"{len(problems)} config values are wrong: " + "; ".join(str(p) for p in problems))
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def _reporting(cfg) -> List[str]:
+    """peak_tflops, profile_steps, and the optional loggers: their packages must be importable
+    here, on every rank, not found missing at the first step (after the groups exist)."""
+    out = []
+    if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
+        out.append(f"peak_tflops must be > 0 (dense TFLOP/s of one device), got {cfg.peak_tflops}")
+    ps = cfg.profile_steps
+    if ps is not None:
+        if len(ps) != 2 or not 1 <= ps[0] <= ps[1]:
+            out.append(f"profile_steps must be [first, last] steps to trace, 1 <= first <= last (e.g. "
+                       f"[3, 4]), got {ps}")
+        elif cfg.max_steps is not None and ps[1] > cfg.max_steps:
+            out.append(f"profile_steps {ps} ends after max_steps {cfg.max_steps}: trace steps up to "
+                       f"{cfg.max_steps}")
+    if cfg.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        out.append("use_tensorboard: true needs the tensorboard package, which is not installed: "
+                   "pip install -e '.[tensorboard]' (make installs it), or set use_tensorboard: false")
+    if cfg.wandb_mode is not None and cfg.wandb_mode not in WANDB_MODES:
+        out.append(f"wandb_mode must be one of {', '.join(WANDB_MODES)}, got {cfg.wandb_mode!r}")
+    if cfg.wandb_project and cfg.wandb_mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        out.append(f"wandb_project {cfg.wandb_project!r} needs the wandb package, which is not installed: "
+                   f"pip install wandb, or remove wandb_project (or set wandb_mode: disabled)")
+    return out
 
 
 def _data_files(cfg) -> List[Exception]:

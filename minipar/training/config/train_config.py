@@ -104,6 +104,9 @@ class TrainConfig:
     # cp_ulysses_size consecutive cp ranks, the ring across them); context_parallel/ulysses.py
     cp_impl: str = "ring"
     cp_ulysses_size: Optional[int] = None
+    # expert parallelism [ParallelismConfig.ep_size]: each MoE layer's experts split over this many
+    # ranks borrowed from dp_shard x cp (no extra ranks); expert_parallel/dispatch.py
+    expert_parallel_size: int = 1
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     fsdp_version: Optional[int] = None    # Axolotl's; 1 or 2: both are minipar's ZeRO-3 over dp_shard
     output_dir: str = "out/default"
@@ -117,6 +120,14 @@ class TrainConfig:
     resume_from_checkpoint: Optional[str] = None   # a path, or "latest"
     export_hf: bool = True                # write <output_dir>/hf at the end
     progress_bar: bool = True
+    # what a run reports besides metrics.jsonl (training/throughput.py, profiling.py, run_loggers.py):
+    peak_tflops: Optional[float] = None   # per device, for mfu; None: the GPU's (a table), a CPU's measured
+    profile_steps: Optional[List[int]] = None   # [a, b]: a torch.profiler trace of steps a..b per rank
+    use_tensorboard: bool = False         # Axolotl's: event files under <output_dir>/runs
+    wandb_project: Optional[str] = None   # Axolotl's wandb_* keys: log to Weights & Biases (rank 0)
+    wandb_entity: Optional[str] = None
+    wandb_name: Optional[str] = None
+    wandb_mode: Optional[str] = None      # online | offline | disabled (None: wandb's own default)
     # a Hugging Face directory (Axolotl's key): the model config comes from its config.json and the
     # weights from its safetensors, each rank reading only its slices (models/hf_checkpoint.py)
     base_model: Optional[str] = None

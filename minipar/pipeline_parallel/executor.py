@@ -49,11 +49,12 @@ class Recorder:
     def __init__(self):
         self.events: List[tuple] = []           # (kind, chunk, micro, start, end)
         self.live = self.peak_live = 0
+        self.peak_held_w = 0                    # bytes the split backward kept for W, at most
         self.t0 = self.t_end = None
 
     def start(self):
         self.t0 = time.perf_counter()
-        self.events, self.live, self.peak_live = [], 0, 0
+        self.events, self.live, self.peak_live, self.peak_held_w = [], 0, 0, 0
 
     def stop(self):
         self.t_end = time.perf_counter() - self.t0
@@ -123,6 +124,8 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
                 torch.autograd.backward(out, grad)
             if recorder is not None:
                 recorder.note(a, t, time.perf_counter(), freed_by)
+                if split:
+                    recorder.peak_held_w = max(recorder.peak_held_w, store.held_bytes())
             if not stage.is_first_virtual(a.chunk):
                 link.send_backward(x.grad, vs - 1, a.micro)
             del x, out

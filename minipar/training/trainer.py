@@ -63,8 +63,9 @@ class Trainer:
         model = LlamaForCausalLM(cfg.model, pgm, seed=cfg.seed, device="meta")
         self.n_params = sum(math.prod(p.tp_full_shape) for p in model.parameters())
         source, t_load = self._weight_source(model), time.time()
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        if cfg.gradient_checkpointing:            # true: full; selective: per op, or every n-th layer
+            model.gradient_checkpointing_enable("full" if cfg.gradient_checkpointing is True else
+                                                cfg.gradient_checkpointing, cfg.selective_ac_option)
         if pgm.pp.size > 1:                       # pipeline parallelism: keep this rank's stage only
             model = build_pipeline_model(model, cfg, pgm)
         self.grad_sync = None

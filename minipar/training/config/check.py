@@ -28,6 +28,7 @@ from typing import List
 from minipar.config import CP_IMPLS, CP_LAYOUTS
 from minipar.training.data.batches import DATASET_IS, check_data_file
 from minipar.training.data.datasets import check_entries
+from models.activation_checkpoint import check_option
 
 # what a `datasets` path must be, said with every refusal of one (data.check_data_file)
 DATASETS_ARE = "each `datasets` path is a local .jsonl, .json or .txt file (no hub names, no directories)"
@@ -105,6 +106,10 @@ def check(cfg) -> None:
         bad(f"pipeline_virtual_stages must be >= 1 or null, got {cfg.pipeline_virtual_stages}")
     problems += _data_files(cfg)
     problems += [ValueError(p) for p in _reporting(cfg)]
+    if cfg.gradient_checkpointing not in (False, True):
+        problem = check_option(cfg.gradient_checkpointing, cfg.selective_ac_option)
+        if problem:
+            bad(problem)
     if len(problems) == 1:
         raise problems[0]
     if problems:

@@ -46,12 +46,13 @@ import torch.nn.functional as F
 from minipar import comm
 from minipar import tensor_parallel as tpl
 from minipar.context_parallel import ring_attention, sequence_positions, ulysses_attention
+from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.mesh import ProcessGroupManager
 
 from .activation_checkpoint import ActivationCheckpointing  # full, or selective (per op / every n-th)
 from .hf_checkpoint import HFCheckpoint, save_pretrained  # HF's files: the reader and the writer
 from .llama_config import LlamaConfig  # the shape, HF's config.json keys
-from .llama_init import SeededInit, materialize
+from .llama_init import SeededInit, local_from_source, materialize
 from .moe import MoEFeedForward
 from .moe_aux import add_aux_loss
 from .rope import apply_rotary, rotary_tables
@@ -244,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
     def init_weights(self, seed: int = 0):
         init = SeededInit(self, seed)            # full tensors from the seed, in parameter order
         for name, p in self.named_parameters():
-            p.copy_(init.tp_local(name, p.tp_full_shape, p.tp_split_dim))
+            p.copy_(local_from_source(init, name, p, self.pgm.ep))
 
     def gradient_checkpointing_enable(self, mode: str = "full", option="op"):
         """Checkpoint the decoder layers: mode full, or selective with option op or n (every n-th layer)."""
@@ -285,7 +286,8 @@ class LlamaForCausalLM(nn.Module):
         Collective: every rank must call it."""
         if getattr(self, "zero3", None) is not None:
             return self.zero3.full_state_dict()
-        return {n: tpl.gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp).clone()
+        return {n: ep_gather(tpl.gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp),
+                             getattr(p, "ep_split_dim", None), self.pgm.ep).clone()
                 for n, p in self.named_parameters()}
 
     @torch.no_grad()
@@ -302,7 +304,8 @@ class LlamaForCausalLM(nn.Module):
             if tuple(t.shape) != tuple(p.tp_full_shape):
                 raise ValueError(f"{source}: {name} has shape {tuple(t.shape)}, this model expects "
                                  f"{tuple(p.tp_full_shape)}: the checkpoint is of another model shape")
-            p.copy_(tpl.shard_tensor(t.to(p.dtype), p.tp_split_dim, self.pgm.tp))
+            p.copy_(ep_shard(tpl.shard_tensor(t.to(p.dtype), p.tp_split_dim, self.pgm.tp),
+                             getattr(p, "ep_split_dim", None), self.pgm.ep))
 
     @classmethod
     def from_pretrained(cls, directory: str, pgm: Optional[ProcessGroupManager] = None,

@@ -52,9 +52,10 @@ from minipar.mesh import ProcessGroupManager
 from .llama_config import LlamaConfig
 
 
-def _stacked(shape) -> nn.Parameter:
-    """An expert weight (E, ...): replicated over tp, split over ep along the expert dimension."""
-    p = nn.Parameter(torch.empty(shape))
+def _stacked(shape, ep_size: int = 1) -> nn.Parameter:
+    """An expert weight (E, ...): replicated over tp, split over ep along the expert dimension; this
+    rank's block is (E/ep, ...), and both full shapes are the whole (E, ...)."""
+    p = nn.Parameter(torch.empty((shape[0] // ep_size,) + tuple(shape[1:])))
     p.tp_split_dim, p.tp_full_shape = None, tuple(shape)
     p.ep_split_dim, p.ep_full_shape = 0, tuple(shape)
     return p
@@ -65,11 +66,11 @@ class MoEExperts(nn.Module):
     rows: the rows arrive grouped by expert, counts[j] of them for expert j, in order. A loop over
     the experts, each two (F, d) matmuls and one (d, F); an expert with no rows costs nothing."""
 
-    def __init__(self, num_experts: int, hidden: int, width: int):
+    def __init__(self, num_experts: int, hidden: int, width: int, ep_size: int = 1):
         super().__init__()
-        self.gate_proj = _stacked((num_experts, width, hidden))
-        self.up_proj = _stacked((num_experts, width, hidden))
-        self.down_proj = _stacked((num_experts, hidden, width))
+        self.gate_proj = _stacked((num_experts, width, hidden), ep_size)
+        self.up_proj = _stacked((num_experts, width, hidden), ep_size)
+        self.down_proj = _stacked((num_experts, hidden, width), ep_size)
 
     def forward(self, x, counts, tp, sequence_parallel: bool):
         gate, up, down = (tpl.sequence_parallel_weight(w, tp, sequence_parallel)
@@ -78,7 +79,12 @@ class MoEExperts(nn.Module):
         for j, rows in enumerate(torch.split(x, counts.tolist())):   # a host copy of E ints
             if rows.shape[0]:
                 outs.append(F.linear(F.silu(F.linear(rows, gate[j])) * F.linear(rows, up[j]), down[j]))
-        return torch.cat(outs) if outs else x[:0]
+        if not outs:    # no row here (expert parallelism can leave a rank none): still use the
+            # weights, on zero rows, so their gradient (zero) exists and the ZeRO-3 reduce-scatter of
+            # the experts, which the edp peers join, runs here too instead of hanging them
+            rows = x[:0]
+            outs.append(F.linear(F.silu(F.linear(rows, gate[0])) * F.linear(rows, up[0]), down[0]))
+        return torch.cat(outs)
 
 
 class MoERouter(nn.Module):
@@ -101,9 +107,10 @@ class MoEFeedForward(nn.Module):
         self.num_experts, self.top_k = E, config.num_experts_per_tok
         self.norm_topk_prob, self.capacity_factor = config.norm_topk_prob, config.moe_capacity_factor
         self.tp, self.sp = pgm.tp, pgm.config.sequence_parallel
-        self.ep = None                # the ep group when the experts are split over one (one rank: all E)
+        ep = getattr(pgm, "ep", None)          # the ep group (mesh.py); one rank holds all E
+        self.ep = ep if ep is not None and ep.size > 1 else None
         self.gate = MoERouter(E, d)
-        self.experts = MoEExperts(E, d, config.moe_intermediate_size)
+        self.experts = MoEExperts(E, d, config.moe_intermediate_size, ep.size if self.ep else 1)
         self.router_stats, self.dropped = None, 0
 
     def route(self, x):

@@ -105,6 +105,7 @@ class TrainLoop:
             record = dict(step=step + 1, loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"],
                           tokens_per_s=tokens_per_step / dt, **self.throughput.of_step(dt),
                           elapsed_s=time.time() - start)
+            record.update(out.get("moe") or {})   # an MoE's aux loss, imbalance, drops (moe_metrics.py)
             done = step + 1
             has_val = self.run.datasets is None or self.run.datasets.val is not None
             if cfg.eval_steps and has_val and (done % cfg.eval_steps == 0 or done == cfg.max_steps):

@@ -18,6 +18,10 @@ One optimizer step on a rank (B = global_batch_size, M micro-batches, D = dp siz
     clip by the global norm (each element counted once), AdamW on the shards, lr schedule
     logged loss = all-reduce over dp_cp of sum_m loss_m       identical on every layout
 
+A mixture of experts adds router_aux_loss_coef / (D*M) x each micro-batch's load-balancing loss to
+loss_m (models/moe_aux.py: the mean over the global batch's D*M micro-batches), and its aux loss,
+load imbalance and dropped copies to the step's record (moe_metrics.py).
+
 Everything that can be checked without communicating is checked before, by run_setup.setup_run.
 """
 from __future__ import annotations
@@ -38,6 +42,7 @@ from minipar.training.batch_source import Batches, eval_loss
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.checkpoint import verify
 from minipar.training.data import batches as mdata
+from minipar.training.moe_metrics import MoEStepMetrics
 from minipar.training.pipeline_step import PipelineStep, build_pipeline_model
 from minipar.training.run_setup import Run
 from minipar.training.train_loop import TrainLoop  # the run around the step: train(), summary()
@@ -139,11 +144,13 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, batch, n_items):
+    def _forward(self, batch, n_items, aux_weight=0.0):
+        """The loss of one micro-batch; aux_weight: its load-balancing loss's weight (an MoE; 0 in
+        evaluation, whose loss is the cross-entropy alone)."""
         with self.autocast():
             return self.model(batch["input_ids"], position_ids=batch["position_ids"],
                               labels=batch["labels"], num_items_in_batch=n_items,
-                              document_ids=batch.get("document_ids"))
+                              document_ids=batch.get("document_ids"), aux_weight=aux_weight)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict:
@@ -153,17 +160,19 @@ class Trainer:
         n_items = mdata.count_label_tokens(gb["labels"])
         M = self.run.num_micro_steps
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        moe = MoEStepMetrics(self.pgm, self.device)
         for m in range(M):
             batch = self.batches.local(gb, m, M)
             last = m == M - 1
             unsynced = self.no_sync_owner and not last
             no_sync = self.no_sync_owner.no_sync() if unsynced else contextlib.nullcontext()
             with no_sync:
-                loss = self._forward(batch, n_items)
+                loss = self._forward(batch, n_items, aux_weight=1.0 / (self.pgm.dp.size * M))
                 loss.backward()
             loss_sum += loss.detach().double()
+            moe.add(self.model.moe_metrics)
         comm.all_reduce(loss_sum, self.pgm.dp_cp)
-        return dict(loss=loss_sum.item(), **self.optimizer_step())
+        return dict(loss=loss_sum.item(), **self.optimizer_step(), moe=moe.reduce())
 
     def evaluate(self) -> float:
         if self.pipeline is not None:

@@ -78,6 +78,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm_ledger
+from ..expert_parallel.sharding import split_experts
 from .flat_param import plan_units
 from .grad_reduce import GradientReduction
 from .state_dicts import ShardedStateDicts
@@ -275,9 +276,16 @@ def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
         for ref in refs:
             for m, attr in ref:                            # the original Parameters go away
                 del m._parameters[attr]
+        # a unit's experts get a flat buffer of their own, sharded over edp (expert_parallel/sharding.py)
+        (params, refs), (expert_params, expert_refs) = split_experts(params, refs)
         unit = Unit(uname, module, params, refs, pgm, param_dtype, reduce_dtype, init)
         if not unit.empty:
             module.register_parameter("zero3_flat_shard", unit.shard)
         units.append(unit)
+        if expert_params:
+            unit = Unit(f"{uname}.experts", module, expert_params, expert_refs, pgm, param_dtype,
+                        reduce_dtype, init, experts=True)
+            module.register_parameter("zero3_expert_shard", unit.shard)
+            units.append(unit)
     model.zero3 = Zero3(model, pgm, units, names, prefetch, reshard_after_forward)
     return model

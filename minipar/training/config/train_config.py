@@ -111,6 +111,9 @@ class TrainConfig:
     # expert parallelism [ParallelismConfig.ep_size]: each MoE layer's experts split over this many
     # ranks borrowed from dp_shard x cp (no extra ranks); expert_parallel/dispatch.py
     expert_parallel_size: int = 1
+    # an MoE's expert capacity: null is dropless; c keeps ceil(c * tokens * top_k / experts) copies
+    # per expert and forward, drops the rest (models/moe.py) and counts them in metrics.jsonl
+    moe_capacity_factor: Optional[float] = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     fsdp_version: Optional[int] = None    # Axolotl's; 1 or 2: both are minipar's ZeRO-3 over dp_shard
     output_dir: str = "out/default"
@@ -223,6 +226,7 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
     cfg.model = LlamaConfig(**model)
     if cfg.base_model:
         cfg.model = _base_model_config(cfg, explicit_model_keys)
+    cfg.model.moe_capacity_factor = cfg.moe_capacity_factor   # a training option, not config.json's
     root = REPO_ROOT
     if not os.path.isabs(cfg.dataset) and not os.path.exists(cfg.dataset) \
             and os.path.exists(os.path.join(root, cfg.dataset)):

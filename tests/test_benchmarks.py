@@ -143,3 +143,17 @@ def test_bench_pp_small_run_matches_its_theory(tmp_path):
     assert (tmp_path / "bench_pp.png").stat().st_size > 0 and "theory MiB" in out.read_text()
     with pytest.raises(ValueError, match="multiple of 64"):
         bench_pp.main(["--hidden", "32", "--out", str(out)])
+
+
+def test_bench_ep_quick(tmp_path):
+    """benchmarks/bench_ep.py in its quick mode: the three variants measured; EP sends the counts and
+    four exchanges (the ledger's bytes near the balanced theory), holds half the experts, and the
+    rung below it (all experts on every rank) and one process send nothing."""
+    import bench_ep
+    assert bench_ep.main(["--quick", "--out", str(tmp_path / "ep")]) == 0
+    rows = {r["variant"]: r for r in json.load(open(tmp_path / "ep.json"))["rows"]}
+    assert set(rows) == {"one process", "all experts", "ep 2"}
+    ep, alone = rows["ep 2"], rows["all experts"]
+    assert ep["calls"] == 5 and alone["sent"] == rows["one process"]["sent"] == 0
+    assert 0.5 * ep["theory"] < ep["sent"] < 1.5 * ep["theory"]
+    assert 2 * ep["expert_bytes"] == alone["expert_bytes"] == rows["one process"]["expert_bytes"]

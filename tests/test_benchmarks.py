@@ -134,15 +134,19 @@ def test_bench_pp_small_run_matches_its_theory(tmp_path):
     out = tmp_path / "bench_pp.md"
     results = bench_pp.main(["--stages", "2", "--micro", "2", "--hidden", "64", "--seq", "32", "--iters", "1",
                              "--out", str(out)])
-    assert {r["schedule"] for r in results} == {"afab", "1f1b", "interleaved_1f1b"}
+    assert {r["schedule"] for r in results} == {"afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"}
     act = 2 * 32 * 64 * 4                          # micro-batch 2 x seq 32 x hidden 64, fp32
-    for r in results:
-        assert sum(row["sent"] for row in r["rows"]) == 2 * (r["v"] * r["p"] - 1) * r["m"] * act, \
-            r["schedule"]
+    for r in results:                              # zbv: 2 (p - 1) boundaries cross ranks, the rest v p - 1
+        crossing = 2 * (r["p"] - 1) if r["schedule"] == "zbv" else r["v"] * r["p"] - 1
+        assert sum(row["sent"] for row in r["rows"]) == 2 * crossing * r["m"] * act, r["schedule"]
         assert all(row["live"] == row["peak_theory"] for row in r["rows"]), r["schedule"]
-    assert (tmp_path / "bench_pp.png").stat().st_size > 0 and "theory MiB" in out.read_text()
+        assert all(row["held_w"] > 0 for row in r["rows"]) == (r["schedule"] in ("zb_h1", "zbv"))
+    text = out.read_text()
+    assert (tmp_path / "bench_pp.png").stat().st_size > 0 and "theory MiB" in text and "load average" in text
     with pytest.raises(ValueError, match="multiple of 64"):
         bench_pp.main(["--hidden", "32", "--out", str(out)])
+    with pytest.raises(SystemExit, match="refusing to write"):   # a smoke run never lands in results/
+        bench_pp.main(["--quick"])
 
 
 def test_bench_ep_quick(tmp_path):

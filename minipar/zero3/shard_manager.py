@@ -54,7 +54,8 @@ How the hooks find their moments, for any model:
   - after backward:  the flat buffer is one autograd leaf; its post-accumulate-grad hook fires
     once all gradients of the unit are in its .grad: reduce-scatter, free;
   - end of backward: a callback queued on the autograd engine waits for the outstanding
-    reduce-scatters, so when loss.backward() returns the shard gradients are final.
+    reduce-scatters, so when loss.backward() returns the shard gradients are final (queued by the
+    first of these hooks to fire: a pipeline's W pass only reaches the post-accumulate-grad one).
 Prefetching follows the execution orders (`prefetch` units ahead; 0 turns it off). Before the
 first step they are a static guess, the registration order forward and its reverse (root first)
 backward, so step 1 prefetches too; each forward and backward records the order it really ran and
@@ -209,11 +210,14 @@ class Zero3:
         if grad and self._fwd_seen != self.forward_order:
             self.forward_order = list(self._fwd_seen)           # relearn: this step ran otherwise
 
-    def _pre_backward(self, u: Unit):
+    def _start_backward(self):
         if not self._backward_running:
             self._backward_running = True
             self._bwd_seen = []
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _pre_backward(self, u: Unit):
+        self._start_backward()
         if u.in_backward:
             return
         u.in_backward = True
@@ -224,6 +228,9 @@ class Zero3:
         self._gather_now(u, self.backward_order, len(self._bwd_seen) - 1)
 
     def _post_backward(self, u: Unit):
+        # a backward that reaches the flat buffers without passing a unit's output (a pipeline's W
+        # action: minipar/pipeline_parallel/split_backward.py) must still end with the callback
+        self._start_backward()
         u.free()                                 # its backward is done; its gradient is in flat.grad
         self.grads.post_backward(u)
 
@@ -232,8 +239,8 @@ class Zero3:
         for u in self.units:                     # prefetched but unused, or kept by reshard=False
             u.free()
             u.in_backward = False
-        if self._bwd_seen != self.backward_order:
-            self.backward_order = list(self._bwd_seen)          # relearn
+        if self._bwd_seen and self._bwd_seen != self.backward_order:
+            self.backward_order = list(self._bwd_seen)          # relearn (a W pass gathers nothing)
         self._backward_running = False
 
 

@@ -91,7 +91,7 @@ class TrainConfig:
     sequence_parallel: bool = False
     # pipeline parallelism, the outermost dimension [pp_size] (minipar/pipeline_parallel/)
     pipeline_parallel_size: int = 1
-    pipeline_schedule: str = "1f1b"       # afab | 1f1b | interleaved_1f1b
+    pipeline_schedule: str = "1f1b"       # afab | 1f1b | interleaved_1f1b | zb_h1 | zbv
     pipeline_virtual_stages: Optional[int] = None   # model chunks per rank; None: 2 if interleaved, else 1
     pipeline_layers: Optional[List[int]] = None     # layers per (virtual) stage; None: the even split
     ddp_timeout: int = 1800               # seconds a collective waits for a stuck peer (Axolotl's name)

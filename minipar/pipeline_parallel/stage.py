@@ -105,8 +105,10 @@ class PipelineStage(nn.Module):
         self.is_first, self.is_last = 0 in self.virtual, self.num_virtual - 1 in self.virtual
         self.weight_grads = None                 # a WeightGradStore under zb_h1 / zbv (build_stage)
         # the whole model's names and full shapes: what a checkpoint of any stage must describe
+        # (the trained ones: a frozen base, LoRA's, comes back from its source, not a checkpoint)
         self.full_param_shapes: Dict[str, list] = {
-            n: list(getattr(p, "tp_full_shape", None) or p.shape) for n, p in model.named_parameters()}
+            n: list(getattr(p, "tp_full_shape", None) or p.shape) for n, p in model.named_parameters()
+            if p.requires_grad}
         body = model.model
         kept = [i for c in chunks for i in c]
         body.layers = nn.ModuleDict({str(i): body.layers[i] for i in kept})

@@ -134,6 +134,18 @@ class TrainConfig:
     # a Hugging Face directory (Axolotl's key): the model config comes from its config.json and the
     # weights from its safetensors, each rank reading only its slices (models/hf_checkpoint.py)
     base_model: Optional[str] = None
+    # LoRA, Axolotl's keys (minipar/lora/): adapters on a frozen base; null trains every weight
+    adapter: Optional[str] = None         # lora (qlora is refused: it needs 4-bit GPU kernels)
+    lora_r: int = 8
+    lora_alpha: float = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: Optional[List[str]] = None   # some of the model's projections (q_proj, ...)
+    lora_target_linear: bool = False      # true: every projection of a decoder layer
+    lora_model_dir: Optional[str] = None  # a PEFT adapter directory to start from
+    lora_modules_to_save: Optional[List[str]] = None  # refused: full copies of other modules
+    merge_lora: bool = False              # also write <output_dir>/merged: W0 + (alpha/r) B A
+    load_in_4bit: bool = False            # refused (quantised bases need GPU kernels)
+    load_in_8bit: bool = False
     model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
         hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024))

@@ -137,7 +137,8 @@ def load(args):
     mbs = args.micro_batch_size or (batch.micro_batch_size if batch else 1)
     batch = Batch(gbs, mbs, seq)
     flags = dict(dtype=args.dtype, prefetch=args.prefetch, sync_each_batch=args.sync_each_batch,
-                 gradient_checkpointing=args.gradient_checkpointing)
+                 gradient_checkpointing=args.gradient_checkpointing,
+                 reshard_after_forward=args.reshard_after_forward)
     changes = {k: v for k, v in flags.items() if v is not None}
     return model, base, batch, dataclasses.replace(opts, **changes), world
 
@@ -181,7 +182,13 @@ def main(argv=None):
     ap.add_argument("--prefetch", type=int)
     ap.add_argument("--no-sync", dest="sync_each_batch", action="store_const", const=False,
                     help="ZeRO-3: accumulate unsharded gradients, one reduce-scatter per step")
-    ap.add_argument("--gradient-checkpointing", action="store_const", const=True)
+    ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                    help="checkpoint every decoder layer (--no-gradient-checkpointing: none, over the "
+                         "config's)")
+    ap.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                    help="ZeRO-3: free each layer's gathered weights after its forward and gather them "
+                         "again for the backward (the default); --no-reshard-after-forward keeps them, "
+                         "one gather per micro-batch for more memory")
     ap.add_argument("--search", action="store_true",
                     help="rank every layout of --world that fits (pp included)")
     ap.add_argument("--no-pp", action="store_true",

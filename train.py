@@ -32,6 +32,8 @@ import os
 import sys
 
 from minipar.comm import CollectiveError
+from minipar.plan import Cluster, Layout, Pipeline, plan, plan_pipeline
+from minipar.plan.__main__ import from_train_config
 from minipar.training import lifecycle
 from minipar.training.checkpoint.atomic import CheckpointWriteError
 from minipar.training.config.train_config import TrainConfig
@@ -59,6 +61,27 @@ def _usage() -> str:
     return USAGE + "\n".join(lines)
 
 
+def planner_prediction(cfg, pconf):
+    """peak TFLOP/s -> what `python -m minipar.plan` predicts for this run's own layout, for the
+    trainer's closing summary. Here, because train.py sits above both: the trainer (minipar/training)
+    may not import the planner (minipar/plan), which already imports the trainer's config."""
+    model, sizes, batch, opts = from_train_config(cfg)
+    layout = Layout(pconf.dp_replicate_size, pconf.dp_shard_size, pconf.cp_size, pconf.tp_size,
+                    pconf.sequence_parallel, pconf.cp_impl, pconf.cp_ulysses_size)
+
+    def predict(peak_tflops: float) -> dict:
+        cluster = Cluster(peak_tflops=peak_tflops)
+        if pconf.pp_size > 1:
+            pipe = Pipeline(pconf.pp_size, sizes["pipeline_schedule"], sizes["virtual_stages"],
+                            tuple(sizes["pipeline_layers"]) if sizes.get("pipeline_layers") else None)
+            p = plan_pipeline(model, layout, pipe, batch, opts, cluster)
+        else:
+            p = plan(model, layout, batch, opts, cluster)
+        return dict(tokens_per_s=p["time"]["tokens_per_s"], mfu=p["time"]["mfu"],
+                    memory_bytes=p["memory"]["total"])
+    return predict
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -67,7 +90,7 @@ def main(argv=None):
     run = setup_run(argv)           # raises ValueError/FileNotFoundError on every rank, before any collective
     clean = False
     try:
-        Trainer(run).train()
+        Trainer(run, predict=planner_prediction(run.cfg, run.pgm.config)).train()
         clean = True
     except lifecycle.Preempted:
         clean = True                # every rank stopped after the same step and saved it

@@ -1,29 +1,38 @@
 """Pipeline schedules as they really run: bubble, activation memory and bytes sent per stage,
-next to the theory, and the timeline of one step drawn from the recorded events.
+next to the ideal and the theory, and the timeline of one step drawn from the recorded events.
 
     python benchmarks/bench_pp.py [--stages 2 4] [--micro 4 8] [--hidden 256] [--seq 256] [--iters 3]
+    python benchmarks/bench_pp.py --quick --out /tmp/bench_pp.md          # a 1-minute smoke run
 
-For each schedule (afab, 1f1b, interleaved_1f1b with v = 2), p stages and m micro-batches: a Llama
-of p x v x --layers-per-chunk decoder layers (so every schedule runs the same model), split with
+Run it with nothing else on the machine: it records the load average at its start and end, and
+REFUSES to write under benchmarks/results/ when the load at the start exceeds the core count (a
+rank that shares a core stretches its compute while its neighbour runs, and the bubble it measures
+means nothing; p = 2 wants 2 idle cores, p = 4 four).
+
+For each schedule (afab, 1f1b, interleaved_1f1b with v = 2, zb_h1, zbv), p stages and m
+micro-batches: one Llama of p x 2 x --layers-per-chunk decoder layers for every schedule (so 1F1B's
+stage is two of zbv's or the interleaved schedule's chunks), split with
 minipar.pipeline_parallel.build_stage, one step run by run_schedule on p forked gloo ranks (one
 torch thread each). Per stage, from the executor's Recorder and the comm ledger:
 
-    bubble       1 - (time in forward/backward compute) / (step time)       theory (p-1)/(m+p-1),
-                                                                           interleaved (p-1)/(v m+p-1)
-    live         the most micro-batch chunks whose forward ran and whose backward has not
-                 (AFAB m, 1F1B p - rank, interleaved 2 (p - rank - 1) + (v - 1) p + 1 chunks of 1/v)
+    bubble       1 - (time in F / B / W compute) / (step time)
+    ideal        the same action lists through schedules.simulate with this run's mean t_F, t_B
+                 (and t_W): what the stage would see on its own core with free sends
+    theory       schedules.theory_bubble: the formula at t_F = t_B (= t_W)
+    live         the most micro-batch chunks held (F done; B, or W under zb_h1 / zbv, not yet)
     saved MiB    the peak of the bytes autograd holds for backward (saved_tensors_hooks count
                  every saved tensor that is not a parameter, while it is alive)
+    W MiB        the peak of what the split backward keeps for W (x and dy of each Linear; x
+                 may also be counted in `saved` while its B has not run)
     sent         the bytes the ledger saw this rank send; over the pipeline it must be
-                 2 (p - 1) m x bytes(h) (interleaved: 2 (v p - 1) m), h = (micro_batch, seq, hidden) fp32
+                 2 x boundaries x m x bytes(h), boundaries p - 1 (interleaved v p - 1, zbv 2 (p - 1)
+                 that cross ranks), h = (micro_batch, seq, hidden) fp32
 
-A step's numbers are from the iteration whose slowest stage was fastest (the machine is shared).
-The figure: one row per stage, time across, F and B boxes labelled with the micro-batch, for
-p = max(--stages) and m = max(--micro), each schedule; written to benchmarks/results/bench_pp.png.
-On a machine with fewer cores than p, ranks share cores: a stage's compute then stretches while
-its neighbour computes, and the measured bubble reads lower or higher than the ideal one; the
-"ideal" column runs the same action lists through schedules.simulate with the measured mean
-forward and backward times, which is what the stage would see on its own core.
+A second table puts the schedules side by side per (p, m): the mean measured and ideal bubble,
+measured / ideal, and each ideal bubble (in idle time per step) over 1F1B's. A step's numbers are
+from the iteration whose slowest stage was fastest. The figure: one row per stage, time across,
+F, B and W boxes in three colours (lighter: chunk b), for p = max(--stages) and m = max(--micro),
+each schedule; written next to the table (bench_pp.png).
 """
 from __future__ import annotations
 
@@ -43,12 +52,21 @@ from harness import run_world  # noqa: E402
 
 import minipar  # noqa: E402
 from minipar import ParallelismConfig, comm_ledger  # noqa: E402
-from minipar.pipeline_parallel import Recorder, build_stage, run_schedule, schedule_order, simulate  # noqa: E402
+from minipar.pipeline_parallel import (  # noqa: E402
+    Recorder,
+    arrival_order,
+    build_stage,
+    run_schedule,
+    schedule_order,
+    simulate,
+)
 from minipar.pipeline_parallel.schedules import peak_in_flight, theory_bubble  # noqa: E402
 from models.llama import LlamaForCausalLM  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 
-SCHEDULE_V = (("afab", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+SCHEDULE_V = (("afab", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2))
+COLOURS = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#a5d6a7"), "W": ("#dd8452", "#f3c19b")}
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
 class SavedBytes:
@@ -86,11 +104,12 @@ def _rank(args, schedule, p, m, v):
     torch.set_num_threads(1)
     pgm = minipar.init(ParallelismConfig(pp_size=p, dp_shard_size=1))
     cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                      num_hidden_layers=p * v * args.layers_per_chunk,
+                      num_hidden_layers=p * 2 * args.layers_per_chunk,
                       num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128),
                       max_position_embeddings=args.seq)
-    stage = build_stage(LlamaForCausalLM(cfg, pgm, seed=0), pgm, v)
+    stage = build_stage(LlamaForCausalLM(cfg, pgm, seed=0), pgm, v, None, schedule)
     order = schedule_order(schedule, p, m, pgm.pp.rank, v)
+    arrivals = arrival_order(schedule, p, m, v, pgm.pp.rank)
     gen = torch.Generator().manual_seed(0)
     batches = [dict(input_ids=torch.randint(0, 256, (args.micro_batch, args.seq), generator=gen),
                     labels=torch.randint(0, 256, (args.micro_batch, args.seq), generator=gen),
@@ -101,11 +120,12 @@ def _rank(args, schedule, p, m, v):
         rec, mem = Recorder(), SavedBytes()
         dist.barrier()
         with comm_ledger.ledger() as led, torch.autograd.graph.saved_tensors_hooks(mem.pack, mem.unpack):
-            run_schedule(stage, order, pgm, batches, n_items, recorder=rec)
+            run_schedule(stage, order, pgm, batches, n_items, recorder=rec, arrivals=arrivals)
         stage.zero_grad(set_to_none=True)
         if it:                                   # the first step warms up allocator and gloo
             runs.append(dict(t0=rec.t0, step=rec.t_end, events=rec.events, live=rec.peak_live,
-                             saved=mem.peak, sent=led.total_bytes("send"), peak_theory=peak_in_flight(order)))
+                             saved=mem.peak, sent=led.total_bytes("send"), peak_theory=peak_in_flight(order),
+                             held_w=rec.peak_held_w))
     return runs
 
 
@@ -117,15 +137,18 @@ def _measure(args, schedule, p, m, v):
     for r in rows:                               # one time axis for all stages
         r["events"] = [(k, c, mi, s + r["t0"] - t0, e + r["t0"] - t0) for k, c, mi, s, e in r["events"]]
     step = max(r["events"][-1][4] for r in rows)
-    f = [e - s for r in rows for k, _, _, s, e in r["events"] if k == "F"]
-    b = [e - s for r in rows for k, _, _, s, e in r["events"] if k == "B"]
+    def mean(kind):                              # per whole stage: a chunk's time x v
+        ts = [e - s for r in rows for k, _, _, s, e in r["events"] if k == kind]
+        return v * sum(ts) / len(ts) if ts else 0.0
+    times = dict(t_f=mean("F"), t_b=mean("B"), t_w=mean("W"))
     orders = [schedule_order(schedule, p, m, rank, v) for rank in range(p)]
-    ideal_events, ideal_step = simulate(orders, v, t_f=v * sum(f) / len(f), t_b=v * sum(b) / len(b))
+    ideal_events, ideal_step = simulate(orders, v, name=schedule, **times)
     for rank, r in enumerate(rows):
         busy = sum(e - s for _, _, _, s, e in r["events"])
         r["bubble"] = 1 - busy / step
         r["ideal"] = 1 - sum(e - s for _, s, e in ideal_events[rank]) / ideal_step
-    return dict(schedule=schedule, p=p, m=m, v=v, step=step, rows=rows)
+        r["ideal_idle"] = ideal_step - sum(e - s for _, s, e in ideal_events[rank])
+    return dict(schedule=schedule, p=p, m=m, v=v, step=step, rows=rows, ideal_step=ideal_step, **times)
 
 
 def _draw(results, path):
@@ -137,8 +160,7 @@ def _draw(results, path):
     for ax, res in zip(axes[:, 0], results):
         for rank, row in enumerate(res["rows"]):
             for kind, chunk, micro, s, e in row["events"]:
-                color = (("#4c72b0", "#8fb0e0")[chunk % 2] if kind == "F"
-                         else ("#55a868", "#a5d6a7")[chunk % 2])
+                color = COLOURS[kind][chunk % 2]
                 ax.barh(rank, (e - s) * 1e3, left=s * 1e3, color=color, edgecolor="black", linewidth=0.4)
                 if (e - s) / res["step"] > 0.012:
                     label = f"{kind}{micro}" + ("ab"[chunk] if res["v"] > 1 else "")
@@ -149,12 +171,32 @@ def _draw(results, path):
         ax.set_title(f"{res['schedule']}  p={res['p']} m={res['m']}"
                      + (f" v={res['v']}" if res["v"] > 1 else "")
                      + f": step {res['step'] * 1e3:.0f} ms, mean bubble {bubble:.2f} (theory "
-                     f"{theory_bubble(res['schedule'], res['p'], res['m'], res['v']):.2f}); F blue, B green"
+                     f"{theory_bubble(res['schedule'], res['p'], res['m'], res['v']):.2f}); "
+                     f"F blue, B green, W orange"
                      + (", lighter = chunk b" if res["v"] > 1 else ""), fontsize=8)
         ax.set_xlabel("ms")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _summary(results):
+    """Per (p, m): the schedules side by side, mean over stages; ideal idle time over 1F1B's."""
+    lines = ["| p | m | schedule | t_F ms | t_B ms | t_W ms | bubble | ideal | theory | measured / ideal "
+             "| ideal idle / 1F1B's |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted({(r["p"], r["m"]) for r in results}):
+        group = [r for r in results if (r["p"], r["m"]) == key]
+        base = next((r for r in group if r["schedule"] == "1f1b"), None)
+        for r in group:
+            n = r["p"]
+            bubble, ideal = (sum(x[k] for x in r["rows"]) / n for k in ("bubble", "ideal"))
+            idle = sum(x["ideal_idle"] for x in r["rows"]) / n
+            vs = "" if base is None else f"{idle / (sum(x['ideal_idle'] for x in base['rows']) / n):.2f}"
+            lines.append(f"| {key[0]} | {key[1]} | {r['schedule']} | {r['t_f'] * 1e3:.1f} | "
+                         f"{r['t_b'] * 1e3:.1f} | {r['t_w'] * 1e3:.1f} | {bubble:.3f} | {ideal:.3f} | "
+                         f"{theory_bubble(r['schedule'], r['p'], r['m'], r['v']):.3f} | "
+                         f"{bubble / ideal if ideal > 0 else float('nan'):.2f} | {vs} |")
+    return lines
 
 
 def main(argv=None):
@@ -166,34 +208,52 @@ def main(argv=None):
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--layers-per-chunk", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_pp.md"))
+    ap.add_argument("--schedules", nargs="+", default=[s for s, _ in SCHEDULE_V],
+                    choices=[s for s, _ in SCHEDULE_V])
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: p 2, m 4, hidden 64, seq 32, 1 iteration (not a measurement)")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "bench_pp.md"))
     args = ap.parse_args(argv)
+    if args.quick:
+        args.stages, args.micro, args.hidden, args.seq, args.iters = [2], [4], 64, 32, 1
     if args.hidden < 64 or args.hidden % 64:       # head_dim 64: hidden / 64 query heads
         raise ValueError(f"--hidden must be a positive multiple of 64 (heads of 64), got {args.hidden}")
+    load_start, cores = os.getloadavg()[0], os.cpu_count()
+    published = os.path.abspath(args.out).startswith(RESULTS + os.sep)
+    if published and (load_start > cores or args.quick):
+        raise SystemExit(f"bench_pp: load average {load_start:.1f} at the start on {cores} cores"
+                         + (" (or --quick)" if args.quick else "") + f": refusing to write {args.out}, "
+                         f"whose bubbles must be measured on a quiet machine (pass --out elsewhere to try "
+                         f"it)")
     act = args.micro_batch * args.seq * args.hidden * 4
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)   # the table and the PNG
     results, t_start = [], time.time()
     for p in args.stages:
         for m in args.micro:
             for schedule, v in SCHEDULE_V:
+                if schedule not in args.schedules:
+                    continue
                 if schedule != "afab" and m < p or (schedule == "interleaved_1f1b" and m % p):
                     continue
                 results.append(_measure(args, schedule, p, m, v))
                 print(f"  {schedule} p={p} m={m}: step {results[-1]['step'] * 1e3:.0f} ms", flush=True)
+    load_end = os.getloadavg()[0]
     lines = [
         "# Pipeline schedules benchmark (bench_pp.py)", "",
-        f"One training step of a Llama (hidden {args.hidden}, p x v x {args.layers_per_chunk} layers, so "
-        f"{args.layers_per_chunk * 1} layer(s) per virtual stage), micro-batches of {args.micro_batch} x "
+        f"One training step of a Llama (hidden {args.hidden}, p x 2 x {args.layers_per_chunk} layers: "
+        f"{args.layers_per_chunk} layer(s) per half stage), micro-batches of {args.micro_batch} x "
         f"{args.seq} tokens, fp32, CPU, gloo, one torch thread per forked rank, torch {torch.__version__}; "
-        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} when run. bytes(h) = "
-        f"{act / 2 ** 20:.2f} MiB. Best of {args.iters} steps. `bubble` is measured (idle / step time), "
-        f"`ideal` the same action lists simulated with the measured mean F and B times, "
-        f"`theory` the formula. "
+        f"{cores} cores, load average {load_start:.2f} at the start and {load_end:.2f} at the end. "
+        f"bytes(h) = {act / 2 ** 20:.2f} MiB. Best of {args.iters} steps. `bubble` is measured (idle / step "
+        f"time), `ideal` the same action lists simulated with the measured mean t_F, t_B, t_W, "
+        f"`theory` the formula (t_F = t_B = t_W). "
         f"`live` is the peak count of micro-batch chunks held for backward (theory in brackets); `saved` "
-        f"the peak bytes autograd held for them.", "",
+        f"the peak bytes autograd held for them; `W` what the split backward kept for W.", "",
+        "## Side by side (mean over stages)", "", *_summary(results), "",
+        "## Per stage", "",
         "| schedule | p | m | v | stage | step ms | bubble | ideal | theory | live (theory) | saved MiB "
-        "| sent MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| W MiB | sent MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     totals = []
     for res in results:
         th = theory_bubble(res["schedule"], res["p"], res["m"], res["v"])
@@ -201,8 +261,8 @@ def main(argv=None):
             lines.append(f"| {res['schedule']} | {res['p']} | {res['m']} | {res['v']} | {rank} | "
                          f"{res['step'] * 1e3:.0f} | {r['bubble']:.3f} | {r['ideal']:.3f} | {th:.3f} | "
                          f"{r['live']} ({r['peak_theory']}) | {r['saved'] / 2 ** 20:.1f} | "
-                         f"{r['sent'] / 2 ** 20:.2f} |")
-        boundaries = res["v"] * res["p"] - 1
+                         f"{r['held_w'] / 2 ** 20:.1f} | {r['sent'] / 2 ** 20:.2f} |")
+        boundaries = boundaries_crossing(res["schedule"], res["p"], res["v"])
         totals.append(f"| {res['schedule']} | {res['p']} | {res['m']} | {res['v']} | "
                       f"{sum(r['sent'] for r in res['rows']) / 2 ** 20:.2f} | "
                       f"2 x {boundaries} x {res['m']} x {act / 2 ** 20:.2f} = "
@@ -215,7 +275,8 @@ def main(argv=None):
     png = os.path.splitext(args.out)[0] + ".png"
     if drawn:
         _draw(drawn, png)
-        lines += ["", f"Timeline of p={big_p}, m={big_m} as recorded: `{os.path.relpath(png, ROOT)}`."]
+        shown = os.path.relpath(png, ROOT) if published else os.path.basename(png)
+        lines += ["", f"Timeline of p={big_p}, m={big_m} as recorded: `{shown}`."]
     lines += ["", f"Regenerate: `{' '.join(['python benchmarks/bench_pp.py', *(argv or sys.argv[1:])])}` "
               f"({time.time() - t_start:.0f} s)."]
     text = "\n".join(lines) + "\n"
@@ -223,6 +284,14 @@ def main(argv=None):
     with open(args.out, "w") as f:
         f.write(text)
     return results
+
+
+def boundaries_crossing(schedule: str, p: int, v: int) -> int:
+    """Boundaries between virtual stages on different ranks: p - 1; v p - 1 interleaved (a ring);
+    2 (p - 1) for the V of zbv, whose turn at rank p - 1 stays on the rank."""
+    if schedule == "zbv":
+        return 2 * (p - 1)
+    return v * p - 1
 
 
 if __name__ == "__main__":

@@ -23,6 +23,12 @@ the wire by the table above). Tests and benchmarks compare it against theory. It
 recorder, not a setting: nothing in the model reads it. `comm_ledger.mark("label")` adds a marker to the
 record, so an order of events (a prefetch issued before a forward ends, say) can be checked.
 
+In a profiler trace (profile_steps) every call is a span named as the ledger names it,
+"all_gather:dp_shard_cp", around its launch (the whole call when synchronous), and every wait on
+an async one a span "wait:all_gather:dp_shard_cp": where a gather was issued and where the rank
+waited for it show whether the prefetch hid it. (A ring hop that also carries packed document ids
+is one span and two ledger records.) With no profiler recording, no span is made.
+
 Failures are named. A collective whose peer is stuck (stopped, swapped out, deadlocked) waits for
 the group's timeout (`ddp_timeout`, given to every group by mesh.py) and then fails; one whose peer
 died fails at once. gloo's own messages say neither which collective nor which group ("Timed out
@@ -103,15 +109,24 @@ class _NamedWork:
         if self._work is None:
             return True
         work, self._work = self._work, None
-        with _named(self.op, self.dim):
+        with _named(self.op, self.dim), span(f"wait:{self.op}:{self.dim.name}"):
             return work.wait() if timeout is None else work.wait(timeout)
 
     def is_completed(self):
         return self._work is None or self._work.is_completed()
 
 
+def span(name: str):
+    """A torch.profiler span (record_function) while a profiler records, else nothing: every
+    collective is one, named "op:group" as the ledger names it, so a trace (profile_steps,
+    minipar/training/profiling.py) shows each call where it was issued (a prefetch during the
+    previous layer) and, as "wait:op:group", where the rank blocked on an async one."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() \
+        else contextlib.nullcontext()
+
+
 def _run(op: str, dim, call, async_op: bool):
-    with _named(op, dim):
+    with _named(op, dim), span(f"{op}:{dim.name}"):
         work = call()
     return _NamedWork(work, op, dim) if async_op else work
 
@@ -272,7 +287,10 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], dim) -> list:
         ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group=dim.group, tag=tag))
     for t, peer, tag in recvs:
         ops.append(dist.P2POp(dist.irecv, t, peer, group=dim.group, tag=tag))
-    return dist.batch_isend_irecv(ops) if ops else []
+    if not ops:
+        return []
+    with span(f"{'send' if sends else 'recv'}:{dim.name}"):   # (a recv is not in the ledger)
+        return dist.batch_isend_irecv(ops)
 
 
 def wait_all(works) -> None:

@@ -10,6 +10,12 @@ The world is a grid of ranks (see mesh.py for the layout): pp_size pipeline stag
     cp_size             the sequence split; attention as ring attention       (context parallel)
     tp_size             weight matrices and heads split; activations reduced  (tensor parallel)
 
+Expert parallelism, ep_size (the YAML key `expert_parallel_size`, in the style of Axolotl's *_size
+keys; accelerate has no name for it, torchtitan calls it expert_parallel_degree), adds no ranks: it
+borrows them from dp_shard x cp, as torchtitan does. ep consecutive ranks of a dp_shard_cp group
+hold E/ep experts each and exchange tokens; ep must divide dp_shard_size x cp_size (mesh.py's ep and
+edp groups, expert_parallel/dispatch.py).
+
 The names are HF accelerate's `ParallelismConfig`; sizes may also come from accelerate's
 environment variables PARALLELISM_CONFIG_{PP,DP_REPLICATE,DP_SHARD,CP,TP}_SIZE. A dp_shard_size left
 unset (None) takes whatever is left of the world after the other three, as Axolotl does, so
@@ -58,6 +64,9 @@ class ParallelismConfig:
     # ulysses; the ring then runs over cp / u
     cp_impl: str = "ring"
     cp_ulysses_size: Optional[int] = None
+    # expert parallelism: the experts of each MoE layer split over ep ranks borrowed from
+    # dp_shard x cp (not a factor of the world size); None = 1
+    ep_size: Optional[int] = None
 
     def __post_init__(self):
         for name in SIZE_FIELDS:
@@ -72,10 +81,11 @@ class ParallelismConfig:
                              f"got {self.cp_layout!r}")
         if self.cp_impl not in CP_IMPLS:
             raise ValueError(f"ParallelismConfig.cp_impl must be one of {CP_IMPLS}, got {self.cp_impl!r}")
-        u = self.cp_ulysses_size
-        if u is not None and (isinstance(u, bool) or not isinstance(u, int) or u < 1):
-            raise ValueError(f"ParallelismConfig.cp_ulysses_size must be a positive integer or None, "
-                             f"got {u!r}")
+        for name in ("cp_ulysses_size", "ep_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"ParallelismConfig.{name} must be a positive integer or None, "
+                                 f"got {value!r}")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -107,7 +117,8 @@ class ParallelismConfig:
         return total
 
     def _describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.sizes.items())
+        ep = f", ep_size={self.ep_size}" if (self.ep_size or 1) > 1 else ""
+        return ", ".join(f"{k}={v}" for k, v in self.sizes.items()) + ep
 
     def resolve(self, world_size: int) -> "ParallelismConfig":
         """A copy with every size set, checked against the world size.
@@ -139,7 +150,37 @@ class ParallelismConfig:
             resolved = dataclasses.replace(resolved, sequence_parallel=False)
         if resolved.tp_async_overlap and resolved.tp_size == 1:
             resolved = dataclasses.replace(resolved, tp_async_overlap=False)
-        return dataclasses.replace(resolved, cp_ulysses_size=resolved.ulysses_size())
+        # ep is checked against dp_shard x cp by validate_model (with the model's problems, in one
+        # error) and by mesh.all_groups (expert_problems), not here
+        return dataclasses.replace(resolved, cp_ulysses_size=resolved.ulysses_size(),
+                                   ep_size=resolved.ep_size or 1)
+
+    def expert_problems(self, model_config=None) -> list:
+        """What stops the experts being split over ep (a resolved config): ep not dividing
+        dp_shard x cp and, given a model, E not divisible by ep, top-k > E, ep > 1 on a dense model."""
+        ep, problems = self.ep_size or 1, []
+        borrowed = (self.dp_shard_size or 1) * (self.cp_size or 1)
+        if borrowed % ep:
+            problems.append(f"expert_parallel_size={ep} does not divide dp_shard_size x "
+                            f"context_parallel_size = {self.dp_shard_size or 1} x {self.cp_size or 1} = "
+                            f"{borrowed} (EP borrows its ranks from them): choose one of "
+                            f"{_divisors(borrowed)}")
+        if model_config is None:
+            return problems
+        experts = num_experts(model_config)
+        top_k = getattr(model_config, "num_experts_per_tok", None)
+        if not experts:
+            if ep > 1:
+                problems.append(f"expert_parallel_size={ep} needs a Mixture-of-Experts model, and this "
+                                f"model is dense (no num_local_experts): set expert_parallel_size 1")
+            return problems
+        if experts % ep:
+            problems.append(f"the {experts} experts cannot be split over expert_parallel_size={ep}: "
+                            f"choose one of {_divisors(experts)}")
+        if top_k is not None and not 1 <= top_k <= experts:
+            problems.append(f"num_experts_per_tok={top_k} must lie in 1 ... {experts} (the number of "
+                            f"experts): each token picks top-k distinct experts")
+        return problems
 
     def ulysses_size(self) -> int:
         """u, the ranks of one Ulysses group: 1 under ring (or cp 1), cp under ulysses, and under usp
@@ -192,9 +233,15 @@ class ParallelismConfig:
                 problems.append(f"sequence_parallel needs the local sequence length "
                                 f"(sequence_len / cp_size = "
                                 f"{sequence_len // cp}) divisible by tp_size={tp}: change sequence_len")
+        problems += self.expert_problems(model_config)
         if problems:
             raise ValueError("the model cannot be split with " + self._describe() + ":\n  - "
                              + "\n  - ".join(problems))
+
+
+def num_experts(model_config) -> int:
+    """E of an MoE model config (Mixtral's num_local_experts, Qwen3-MoE's num_experts); 0 if dense."""
+    return getattr(model_config, "num_local_experts", None) or getattr(model_config, "num_experts", None) or 0
 
 
 def check_sequence_len(sequence_len: int, cp: int, problems: Optional[list] = None) -> None:

@@ -38,10 +38,21 @@ in one fixed order, creates each, and keeps the ones that contain it. Groups wit
     python -m minipar.mesh --pp 2 --dp-replicate 2 --dp-shard 2 --cp 2 --tp 2
     python -m minipar.mesh --cp 4 --tp 2 --cp-impl usp --cp-ulysses 2     (+ cp_ulysses, cp_ring)
 
-prints the whole grid and every group without launching anything. Two more groups split each cp
-group for USP (cp_impl usp, context_parallel/ulysses.py): cp_ulysses, u = cp_ulysses_size
-consecutive cp ranks, and cp_ring, the cp / u ranks at the same place in each (under ring both are
-trivial: cp_ulysses of one rank, cp_ring = cp).
+prints the whole grid and every group without launching anything (--ep N adds ep and edp). Two
+more groups split each cp group for USP (cp_impl usp, context_parallel/ulysses.py): cp_ulysses,
+u = cp_ulysses_size consecutive cp ranks, and cp_ring, the cp / u ranks at the same place in each
+(under ring both are trivial: cp_ulysses of one rank, cp_ring = cp).
+
+Expert parallelism borrows its ranks from dp_shard_cp (config.py's ep_size must divide its D =
+dp_shard x cp ranks, as torchtitan does) and splits each dp_shard_cp group in two the same way:
+
+    ep     ep consecutive ranks of dp_shard_cp: each holds E/ep experts of every MoE layer, and they
+           exchange tokens (expert_parallel/dispatch.py)
+    edp    the D/ep ranks at the same place in each ep group: they hold the same experts, so they
+           are the experts' ZeRO-3 shard group (the rest of the model shards over dp_shard_cp)
+
+For dp_shard 4, ep 2 (ranks 0-3): ep [0, 1] [2, 3], edp [0, 2] [1, 3]. Attention, norms, router
+and embeddings see the grid exactly as without ep.
 """
 from __future__ import annotations
 
@@ -74,6 +85,11 @@ DIMENSIONS: Dict[str, Tuple[str, ...]] = {
 # the ring group the cp / u ranks at the same place in each Ulysses group. cp rank c = r * u + j
 # sits in Ulysses group r at index j, and in ring group j at index r.
 CP_PARTS: Dict[str, str] = {"cp_ulysses": "u consecutive cp ranks", "cp_ring": "every u-th cp rank"}
+# expert parallelism's two parts of a dp_shard_cp group, by position in it (ep = ep_size): dp_shard_cp
+# index i = a * ep + j sits in ep group a at index j (it holds expert block j), and in edp group j
+EP_PARTS: Dict[str, str] = {"ep": "ep consecutive dp_shard_cp ranks",
+                            "edp": "every ep-th dp_shard_cp rank: the same experts"}
+PARTS: Dict[str, str] = {**CP_PARTS, **EP_PARTS}
 
 
 def _shape(config: ParallelismConfig) -> Tuple[int, int, int, int, int]:
@@ -122,6 +138,12 @@ def all_groups(config: ParallelismConfig) -> Dict[str, List[List[int]]]:
     u = config.cp_ulysses_size or 1                # each cp group is sorted, so in cp order
     out["cp_ulysses"] = [g[k * u:(k + 1) * u] for g in out["cp"] for k in range(len(g) // u)]
     out["cp_ring"] = [g[j::u] for g in out["cp"] for j in range(u)]
+    problems = config.expert_problems()
+    if problems:
+        raise ValueError(problems[0])
+    ep = config.ep_size or 1
+    out["ep"] = [g[a * ep:(a + 1) * ep] for g in out["dp_shard_cp"] for a in range(len(g) // ep)]
+    out["edp"] = [g[j::ep] for g in out["dp_shard_cp"] for j in range(ep)]
     return out
 
 
@@ -184,11 +206,11 @@ class ProcessGroupManager:
         for name, groups in all_groups(self.config).items():  # same order on every rank
             for members in groups:
                 key = tuple(members)
-                if key not in created and (len(members) > 1 or name not in CP_PARTS):
+                if key not in created and (len(members) > 1 or name not in PARTS):
                     created[key] = dist.new_group(ranks=members, backend=backend, timeout=timeout)
                 if rank in members:
                     mine[name] = members
-        for name, members in mine.items():     # (a CP_PARTS group of one needs no torch group)
+        for name, members in mine.items():     # (a PARTS group of one needs no torch group)
             setattr(self, name, MeshDim(name, members, rank, created.get(tuple(members))))
         # every rank, over the default group: for the few calls that span the whole job
         # (checkpoint agreement, the closing memory summary)
@@ -208,13 +230,13 @@ class ProcessGroupManager:
         self.world_size, self.global_rank = 1, 0
         self.grid_shape, self.shape = (1, 1, 1, 1, 1), (1, 1, 1, 1)
         self.coords = dict.fromkeys(COORDS, 0)
-        for name in list(DIMENSIONS) + list(CP_PARTS) + ["world"]:
+        for name in list(DIMENSIONS) + list(PARTS) + ["world"]:
             setattr(self, name, MeshDim(name, [0], 0, None))
         return self
 
     @property
     def dims(self) -> Dict[str, MeshDim]:
-        return {name: getattr(self, name) for name in DIMENSIONS}    # (+ pgm.cp_ulysses, pgm.cp_ring)
+        return {name: getattr(self, name) for name in DIMENSIONS}    # (+ cp_ulysses, cp_ring, ep, edp)
 
     @property
     def is_first_stage(self) -> bool:
@@ -244,7 +266,7 @@ def describe_grid(config: ParallelismConfig) -> str:
     for rank in range(world):
         lines.append(f"{rank:>4}  " + "  ".join(f"{v:>12}" for v in coords_of(rank, shape)))
     for name, groups in all_groups(config).items():
-        varying = "varying " + ", ".join(DIMENSIONS[name]) if name in DIMENSIONS else CP_PARTS[name]
+        varying = "varying " + ", ".join(DIMENSIONS[name]) if name in DIMENSIONS else PARTS[name]
         lines += ["", f"{name} groups (size {len(groups[0])}, {varying}):"]
         lines += ["  " + " ".join(str(g) for g in groups)]
     return "\n".join(lines)
@@ -259,12 +281,15 @@ def main(argv=None):
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--cp-impl", choices=("ring", "ulysses", "usp"), default="ring")
     parser.add_argument("--cp-ulysses", type=int, default=None, help="USP's Ulysses group size")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel ranks, borrowed from dp_shard x cp")
     args = parser.parse_args(argv)
     try:                                            # a bad size: one line, exit 2 (cli.py)
         positive_ints(args, dict(pp="pipeline stages", dp_replicate="replicas", dp_shard="ZeRO-3 shards",
-                                 cp="context-parallel ranks", tp="tensor-parallel ranks"))
+                                 cp="context-parallel ranks", tp="tensor-parallel ranks",
+                                 ep="expert-parallel ranks"))
         config = ParallelismConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp, pp_size=args.pp,
-                                   cp_impl=args.cp_impl, cp_ulysses_size=args.cp_ulysses)
+                                   cp_impl=args.cp_impl, cp_ulysses_size=args.cp_ulysses, ep_size=args.ep)
         text = describe_grid(config)
     except ValueError as err:
         return fail(err)

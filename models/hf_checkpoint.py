@@ -2,7 +2,8 @@
 written back (save_pretrained: the whole model, gathered, on global rank 0).
 
     base_model/
-      config.json                                  -> LlamaConfig (architecture and RoPE checked)
+      config.json                                  -> LlamaConfig (Llama, Qwen3, Mixtral, Qwen3-MoE;
+                                                      architecture and RoPE checked)
       model.safetensors                            one file, or the sharded form:
       model-00001-of-00002.safetensors ...         + model.safetensors.index.json {"weight_map":
       model.safetensors.index.json                     {tensor name: file name}}
@@ -17,6 +18,9 @@ So a rank that keeps the TP slice `full.chunk(tp, dim)[t]` of a tensor reads exa
     norm weights, row biases  replicated:              the whole (small) tensor
 
 and under ZeRO-3 it reads only the tensors that overlap its flat shard (zero3's shard_from_source).
+An MoE checkpoint stores one tensor per expert and projection, minipar one stacked (E, ...) tensor
+per projection (the names: models/hf_names.py): the reader stacks the experts, reading only those
+of an expert-parallel rank's share when asked for one, and save_pretrained writes them back one by one.
 Each read opens the file, copies the slice and closes it again, so the memory map never keeps pages
 of tensors that belong to other ranks resident (benchmarks/bench_load.py measures the peak).
 
@@ -27,7 +31,8 @@ bf16/fp16/fp32, a config.json or shard index that is not JSON (the file, line an
 .safetensors file that is truncated or damaged (its header does not parse or does not cover the
 file: safetensors checks that much; flipped bytes inside a tensor go unseen, there is no checksum).
 Each says what to do: re-download or re-export the model. The one architecture check (model_type
-'llama', LlamaForCausalLM, silu) is read_hf_config's, which the planner's --model uses too.
+and class of a family minipar builds, silu) is read_hf_config's, which the planner's --model uses
+too (Llama only there).
 
 Tied embeddings: the model has one `model.embed_tokens.weight`; a checkpoint that also stores
 `lm_head.weight` loads (transformers ignores it too), as do stale `rotary_emb.inv_freq` buffers.
@@ -44,7 +49,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from minipar.config_files import read_json
-from models.llama_config import LlamaConfig
+from models.hf_names import hub_name, hub_shapes, stacked_expert, to_hub
+from models.llama_config import FAMILIES, LlamaConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -59,17 +65,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 REFETCH = "re-download the model, or re-export it (save_pretrained / minipar's export_hf)"
 
 
-def read_hf_config(path: str, where: str) -> dict:
-    """A config.json as a dict, refused (ValueError naming `where`) unless it is a decoder minipar
-    builds: the one architecture check of train.py's base_model and the planner's --model."""
+def read_hf_config(path: str, where: str, families=("llama",)) -> dict:
+    """A config.json as a dict, refused (ValueError naming `where`) unless it is a decoder of one of
+    `families` (model_type keys of llama_config.FAMILIES): the one architecture check of train.py's
+    base_model (every family minipar builds) and the planner's --model (Llama only)."""
     d = read_json(path, REFETCH)             # invalid JSON: the file, line and column
     if not isinstance(d, dict):
         raise ValueError(f"{path} holds a {type(d).__name__}, not a model config mapping; {REFETCH}")
-    archs, kind = d.get("architectures") or [ARCHITECTURE], d.get("model_type", "llama")
-    if kind != "llama" or archs != [ARCHITECTURE]:
+    kind = d.get("model_type", "llama")
+    archs = d.get("architectures") or [FAMILIES.get(kind, ARCHITECTURE)]
+    if kind not in families or archs != [FAMILIES[kind]]:
+        names = ", ".join(f"{FAMILIES[f]} (model_type {f!r})" for f in families)
         raise ValueError(f"{where} is a {'/'.join(map(str, archs))} (model_type {kind!r}); minipar "
-                         f"loads only {ARCHITECTURE} (model_type 'llama': Llama 2, 3 and 3.x decoders) "
-                         f"checkpoints, and plans only those")
+                         f"loads only {names} checkpoints here")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {d['hidden_act']!r}; the Llama MLP here is SwiGLU (silu)")
     return d
@@ -81,7 +89,7 @@ def read_config(directory: str) -> LlamaConfig:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"base_model {directory!r}: {path} not found; a Hugging Face model directory "
                                 f"holds config.json and model.safetensors (or its sharded form)")
-    d = read_hf_config(path, f"base_model {directory!r}")
+    d = read_hf_config(path, f"base_model {directory!r}", tuple(FAMILIES))
     try:
         return LlamaConfig.from_dict(d)
     except (ValueError, TypeError) as err:
@@ -147,7 +155,8 @@ class HFCheckpoint:
     def check(self, model) -> None:
         """Refuse (ValueError) a checkpoint whose tensors are not exactly this model's parameters.
         `model` may be built on the meta device; its tp_full_shape are compared. Local, no collective."""
-        want = {n: tuple(p.tp_full_shape) for n, p in model.named_parameters()}   # tied weights once
+        want = {hub: shape for n, p in model.named_parameters()              # tied weights once
+                for hub, shape in hub_shapes(n, tuple(p.tp_full_shape), self.config.model_type)}
         where = f"base_model {self.directory!r}"
         missing = sorted(set(want) - set(self.tensors))
         ignorable = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
@@ -157,7 +166,7 @@ class HFCheckpoint:
             raise ValueError(f"{where} lacks {len(missing)} tensors the config implies, e.g. {missing[:3]} "
                              f"(config.json and the weights disagree, or the file is incomplete)")
         if extra:
-            raise ValueError(f"{where} has {len(extra)} tensors this Llama does not have, e.g. {extra[:3]} "
+            raise ValueError(f"{where} has {len(extra)} tensors this model does not have, e.g. {extra[:3]} "
                              f"(another architecture, or attention_bias/mlp_bias/tie_word_embeddings unset)")
         for n, shape in want.items():
             _, got, dtype = self.tensors[n]
@@ -174,14 +183,24 @@ class HFCheckpoint:
 
 class SlicedReader:
     """The weight source (models/llama_init.py) of a checked HFCheckpoint: this rank's TP slice of
-    any tensor, read with get_slice; returned in the file's dtype (the caller casts)."""
+    any tensor, read with get_slice; returned in the file's dtype (the caller casts). A stacked
+    expert weight is read expert by expert (models/hf_names.py) and stacked; `experts=(first,
+    count)` (an expert-parallel rank's share) reads only those experts' tensors."""
 
     def __init__(self, ckpt: HFCheckpoint, tp, device=None):
         self.ckpt, self.tp = ckpt, tp
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.bytes_read = 0
 
-    def tp_local(self, name: str, full_shape, tp_split_dim: Optional[int]) -> torch.Tensor:
+    def tp_local(self, name: str, full_shape, tp_split_dim: Optional[int], experts=None) -> torch.Tensor:
+        kind = self.ckpt.config.model_type
+        if stacked_expert(name):              # experts are whole on every tp rank: no tp slice
+            first, count = experts if experts is not None else (0, full_shape[0])
+            return torch.stack([self._read(hub_name(name, kind, j), full_shape[1:], None)
+                                for j in range(first, first + count)])
+        return self._read(hub_name(name, kind), full_shape, tp_split_dim)
+
+    def _read(self, name: str, full_shape, tp_split_dim: Optional[int]) -> torch.Tensor:
         path, shape, _ = self.ckpt.tensors[name]
         if tuple(shape) != tuple(full_shape):
             raise ValueError(f"{path}: {name} has shape {shape}, the model expects {tuple(full_shape)}")
@@ -198,17 +217,19 @@ class SlicedReader:
         return t.to(self.device)
 
 
-def save_pretrained(model, directory: str) -> None:
+def save_pretrained(model, directory: str, full: Optional[dict] = None) -> None:
     """Write `model` as a Hugging Face directory: config.json + model.safetensors (fp32, HF names;
     lm_head.weight left out when tied, as transformers saves it). Collective: every rank calls it
     (model.full_state_dict() gathers over tp, the ZeRO-3 shards and the pipeline stages); global
-    rank 0 writes, the weights to a temporary name first, so a cut write leaves no model file."""
-    full = model.full_state_dict()
+    rank 0 writes, the weights to a temporary name first, so a cut write leaves no model file.
+    `full`: these {HF name: full tensor} instead of gathering the model's (then nothing is collective)."""
+    full = model.full_state_dict() if full is None else full
     if model.pgm.global_rank != 0:
         return
     os.makedirs(directory, exist_ok=True)
     if model.config.tie_word_embeddings:
         full.pop("lm_head.weight", None)
+    full = to_hub(full, model.config.model_type)     # experts one tensor each, as on the Hub
     tmp = os.path.join(directory, "model.safetensors.tmp")
     save_file({k: v.contiguous().float() for k, v in full.items()}, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(directory, "model.safetensors"))

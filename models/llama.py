@@ -5,9 +5,12 @@
       layers[i] x L           LlamaDecoderLayer, the unit that ZeRO-3 and activation checkpointing wrap:
         h = h + o_proj(attn(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))   n = input_layernorm(h)
         h = h + down_proj(silu(gate_proj(n)) * up_proj(n))                  n = post_attention_layernorm(h)
+            or h + moe(n), the mixture of experts (models/moe.py), in Mixtral's and Qwen3-MoE's layers;
+            Qwen3's q and k go through q_norm / k_norm (RMSNorm per head) before RoPE
       norm                    RMSNorm
       lm_head                 ColumnParallelLinear (vocab rows) -> local logits (b, s, V/tp)
       loss                    vocab_parallel_cross_entropy: sum over tokens / num_items_in_batch
+                              (+ an MoE's load-balancing loss, models/moe_aux.py)
 
 Where the parallelisms plug in (all through `pgm`, passed explicitly; pgm=None is one process):
   tp  q/k/v and gate/up are column-parallel (each rank keeps heads/tp query heads, kv_heads/tp KV
@@ -44,11 +47,14 @@ from torch.utils.checkpoint import checkpoint
 from minipar import comm
 from minipar import tensor_parallel as tpl
 from minipar.context_parallel import ring_attention, sequence_positions, ulysses_attention
+from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.mesh import ProcessGroupManager
 
 from .hf_checkpoint import HFCheckpoint, save_pretrained  # HF's files: the reader and the writer
 from .llama_config import LlamaConfig  # the shape, HF's config.json keys
-from .llama_init import SeededInit, materialize
+from .llama_init import SeededInit, local_from_source, materialize
+from .moe import MoEFeedForward
+from .moe_aux import add_aux_loss
 from .rope import apply_rotary, rotary_tables
 
 
@@ -98,6 +104,11 @@ class LlamaAttention(nn.Module):
         self.v_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
         self.o_proj = tpl.RowParallelLinear(config.num_attention_heads * hd, d, tp, bias=bias,
                                             sequence_parallel=sp)
+        if config.qk_norm:          # Qwen3: RMSNorm over each head of q and k, before RoPE
+            # a tp rank holds some heads only, so the weight's gradient is summed over tp, as under SP
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, tp, sequence_parallel=True)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, tp, sequence_parallel=True)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, document_ids=None):
         q, k, v = tpl.column_parallel_group(x, (self.q_proj, self.k_proj, self.v_proj))   # one collective
@@ -105,6 +116,8 @@ class LlamaAttention(nn.Module):
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.pgm.cp.size > 1 and self.pgm.config.cp_impl == "ring":
             out = ring_attention(q, k, v, self.pgm.cp, causal=True, layout=self.pgm.config.cp_layout,
@@ -141,7 +154,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
         self.self_attn = LlamaAttention(config, pgm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
-        self.mlp = LlamaMLP(config, pgm)
+        self.is_moe = config.is_moe_layer(layer_idx)     # the mixture of experts, or the dense MLP
+        self.mlp = MoEFeedForward(config, pgm) if self.is_moe else LlamaMLP(config, pgm)
 
     def forward(self, h, cos, sin, document_ids=None):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, document_ids)
@@ -200,6 +214,9 @@ class LlamaForCausalLM(nn.Module):
     # What ZeRO-3 gathers and frees as one unit (as transformers' _no_split_modules names what must
     # not be split across devices): the embedding and each decoder layer; the root keeps the rest.
     zero3_unit_classes = (tpl.VocabParallelEmbedding, LlamaDecoderLayer)
+    # The Linear layers a LoRA adapter may sit on (minipar/lora/adapter.py; PEFT's target_modules
+    # names): every projection of a decoder layer, which Axolotl's lora_target_linear means
+    lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     def __init__(self, config: LlamaConfig, pgm: Optional[ProcessGroupManager] = None, seed: int = 0,
                  device: Optional[str] = None):
@@ -217,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight   # same (V/tp, d) rows on every layout
         self.gradient_checkpointing = False
+        self.moe_metrics = None
         if str(device) != "meta":
             self.init_weights(seed)
 
@@ -225,13 +243,17 @@ class LlamaForCausalLM(nn.Module):
     def init_weights(self, seed: int = 0):
         init = SeededInit(self, seed)            # full tensors from the seed, in parameter order
         for name, p in self.named_parameters():
-            p.copy_(init.tp_local(name, p.tp_full_shape, p.tp_split_dim))
+            p.copy_(local_from_source(init, name, p, self.pgm.ep))
 
     def gradient_checkpointing_enable(self):
         self.gradient_checkpointing = True
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids, position_ids=None, labels=None, num_items_in_batch=None, document_ids=None):
+    def forward(self, input_ids, position_ids=None, labels=None, num_items_in_batch=None, document_ids=None,
+                aux_weight=None):
+        """Logits (labels None) or the loss: cross-entropy / num_items_in_batch, plus, for an MoE,
+        router_aux_loss_coef * aux_weight * the load-balancing loss of this micro-batch
+        (models/moe_aux.py; aux_weight None is 1/dp), whose figures land in self.moe_metrics."""
         pgm, body = self.pgm, self.model
         if position_ids is None:
             position_ids = sequence_positions(input_ids.shape[1] * pgm.cp.size, pgm.cp, pgm.config.cp_layout,
@@ -251,7 +273,9 @@ class LlamaForCausalLM(nn.Module):
             if pgm.dp_cp.size > 1:
                 num_items_in_batch = comm.all_reduce(num_items_in_batch.clone(), pgm.dp_cp)
             num_items_in_batch = num_items_in_batch.clamp(min=1)
-        return body.head_loss(h, self.lm_head, labels, num_items_in_batch)
+        loss = body.head_loss(h, self.lm_head, labels, num_items_in_batch)
+        loss, self.moe_metrics = add_aux_loss(loss, body.layers, self.config, pgm, aux_weight)
+        return loss
 
     # ------------------------------------------------------------------ state dicts
     def full_state_dict(self) -> dict:
@@ -259,7 +283,8 @@ class LlamaForCausalLM(nn.Module):
         Collective: every rank must call it."""
         if getattr(self, "zero3", None) is not None:
             return self.zero3.full_state_dict()
-        return {n: tpl.gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp).clone()
+        return {n: ep_gather(tpl.gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp),
+                             getattr(p, "ep_split_dim", None), self.pgm.ep).clone()
                 for n, p in self.named_parameters()}
 
     @torch.no_grad()
@@ -276,7 +301,8 @@ class LlamaForCausalLM(nn.Module):
             if tuple(t.shape) != tuple(p.tp_full_shape):
                 raise ValueError(f"{source}: {name} has shape {tuple(t.shape)}, this model expects "
                                  f"{tuple(p.tp_full_shape)}: the checkpoint is of another model shape")
-            p.copy_(tpl.shard_tensor(t.to(p.dtype), p.tp_split_dim, self.pgm.tp))
+            p.copy_(ep_shard(tpl.shard_tensor(t.to(p.dtype), p.tp_split_dim, self.pgm.tp),
+                             getattr(p, "ep_split_dim", None), self.pgm.ep))
 
     @classmethod
     def from_pretrained(cls, directory: str, pgm: Optional[ProcessGroupManager] = None,

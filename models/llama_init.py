@@ -6,6 +6,8 @@ memory whatever its size. A *weight source* then answers one question, for one p
 
     source.tp_local(hf_name, full_shape, tp_split_dim) -> this rank's TP slice (a real tensor)
                         = full.chunk(tp, dim=tp_split_dim)[tp_rank]     (the whole tensor if None)
+    source.tp_local(..., experts=(first, count))        -> full[first:first + count] of a stacked
+                                                           expert weight (an ep rank's experts)
 
 Two sources answer it: `SeededInit` below (random initialisation) and the Hugging Face checkpoint
 reader (models/hf_checkpoint.py, which reads the slice straight from the safetensors
@@ -33,6 +35,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from minipar.expert_parallel.sharding import ep_block
 from minipar.tensor_parallel import shard_tensor
 
 
@@ -83,26 +86,44 @@ class SeededInit:
         self.states[self.next] = self.gen.get_state()
         return full
 
-    def tp_local(self, name: str, full_shape, tp_split_dim: Optional[int]) -> torch.Tensor:
+    def tp_local(self, name: str, full_shape, tp_split_dim: Optional[int], experts=None) -> torch.Tensor:
+        """This rank's TP slice of `name`; experts=(first, count): only those experts (dim 0) of a
+        stacked expert weight, an expert-parallel rank's share (drawn whole, then cut)."""
         full = self.full(name)
         if tuple(full.shape) != tuple(full_shape):
             raise ValueError(f"SeededInit: {name} has shape {tuple(full.shape)}, "
                              f"asked for {tuple(full_shape)}")
+        if experts is not None:
+            full = full[experts[0]:experts[0] + experts[1]]
         return shard_tensor(full, tp_split_dim, self.tp).to(self.device)
+
+
+def local_from_source(source, name: str, p, ep=None) -> torch.Tensor:
+    """`source`'s slice of parameter `p` (meta or real): its TP slice, and for an expert weight
+    split over the ep group `ep` only this member's block of experts (expert_parallel/sharding.py)."""
+    if getattr(p, "ep_split_dim", None) is None:
+        return source.tp_local(name, p.tp_full_shape, p.tp_split_dim)
+    return source.tp_local(name, p.tp_full_shape, p.tp_split_dim,
+                           experts=ep_block(p.tp_full_shape[p.ep_split_dim], ep))
 
 
 @torch.no_grad()
 def materialize(model: nn.Module, source) -> nn.Module:
-    """Replace every (meta) parameter of `model` by its TP slice from `source`, on source.device,
+    """Replace every meta parameter of `model` by its TP slice from `source`, on source.device,
     one tensor at a time; tied parameters stay tied (one new Parameter for all their places)."""
     new: Dict[int, nn.Parameter] = {}
+    ep = getattr(getattr(model, "pgm", None), "ep", None)
     for name, p in model.named_parameters():     # tied weights once
-        t = source.tp_local(name, p.tp_full_shape, p.tp_split_dim)
+        if not p.is_meta:                        # already real (LoRA's adapters): kept as they are
+            continue
+        t = local_from_source(source, name, p, ep)
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"{name}: the weight source gave shape {tuple(t.shape)}, this rank's slice "
                              f"is {tuple(p.shape)}")
         q = nn.Parameter(t.to(dtype=p.dtype).contiguous(), requires_grad=p.requires_grad)
         q.tp_split_dim, q.tp_full_shape = p.tp_split_dim, p.tp_full_shape
+        if hasattr(p, "ep_split_dim"):           # an expert weight: split over ep too
+            q.ep_split_dim, q.ep_full_shape = p.ep_split_dim, p.ep_full_shape
         new[id(p)] = q
     for m in model.modules():
         for attr, p in list(m._parameters.items()):

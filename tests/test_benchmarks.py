@@ -134,12 +134,30 @@ def test_bench_pp_small_run_matches_its_theory(tmp_path):
     out = tmp_path / "bench_pp.md"
     results = bench_pp.main(["--stages", "2", "--micro", "2", "--hidden", "64", "--seq", "32", "--iters", "1",
                              "--out", str(out)])
-    assert {r["schedule"] for r in results} == {"afab", "1f1b", "interleaved_1f1b"}
+    assert {r["schedule"] for r in results} == {"afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"}
     act = 2 * 32 * 64 * 4                          # micro-batch 2 x seq 32 x hidden 64, fp32
-    for r in results:
-        assert sum(row["sent"] for row in r["rows"]) == 2 * (r["v"] * r["p"] - 1) * r["m"] * act, \
-            r["schedule"]
+    for r in results:                              # zbv: 2 (p - 1) boundaries cross ranks, the rest v p - 1
+        crossing = 2 * (r["p"] - 1) if r["schedule"] == "zbv" else r["v"] * r["p"] - 1
+        assert sum(row["sent"] for row in r["rows"]) == 2 * crossing * r["m"] * act, r["schedule"]
         assert all(row["live"] == row["peak_theory"] for row in r["rows"]), r["schedule"]
-    assert (tmp_path / "bench_pp.png").stat().st_size > 0 and "theory MiB" in out.read_text()
+        assert all(row["held_w"] > 0 for row in r["rows"]) == (r["schedule"] in ("zb_h1", "zbv"))
+    text = out.read_text()
+    assert (tmp_path / "bench_pp.png").stat().st_size > 0 and "theory MiB" in text and "load average" in text
     with pytest.raises(ValueError, match="multiple of 64"):
         bench_pp.main(["--hidden", "32", "--out", str(out)])
+    with pytest.raises(SystemExit, match="refusing to write"):   # a smoke run never lands in results/
+        bench_pp.main(["--quick"])
+
+
+def test_bench_ep_quick(tmp_path):
+    """benchmarks/bench_ep.py in its quick mode: the three variants measured; EP sends the counts and
+    four exchanges (the ledger's bytes near the balanced theory), holds half the experts, and the
+    rung below it (all experts on every rank) and one process send nothing."""
+    import bench_ep
+    assert bench_ep.main(["--quick", "--out", str(tmp_path / "ep")]) == 0
+    rows = {r["variant"]: r for r in json.load(open(tmp_path / "ep.json"))["rows"]}
+    assert set(rows) == {"one process", "all experts", "ep 2"}
+    ep, alone = rows["ep 2"], rows["all experts"]
+    assert ep["calls"] == 5 and alone["sent"] == rows["one process"]["sent"] == 0
+    assert 0.5 * ep["theory"] < ep["sent"] < 1.5 * ep["theory"]
+    assert 2 * ep["expert_bytes"] == alone["expert_bytes"] == rows["one process"]["expert_bytes"]

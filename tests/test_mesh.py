@@ -199,3 +199,49 @@ def test_usp_splits_each_cp_group_into_ulysses_and_ring_groups():
     assert all_groups(ring_only)["cp_ring"] == [[0, 1, 2, 3]]      # ring: the ring is the cp group
     with pytest.raises(ValueError, match="cp_impl usp needs cp_ulysses_size dividing"):
         ParallelismConfig(cp_size=4, cp_impl="usp", cp_ulysses_size=3).resolve(4)
+
+
+def _ep_groups():
+    pgm = minipar.init(ParallelismConfig(dp_shard_size=4, ep_size=2))
+    t = torch.tensor([2.0 ** dist.get_rank()], dtype=torch.float64)
+    comm.all_reduce(t, pgm.edp)
+    return pgm.ep.ranks, pgm.edp.ranks, pgm.dp_shard_cp.ranks, t.item()
+
+
+def test_ep_borrows_dp_shard_cp_ranks():
+    """ep consecutive ranks of each dp_shard_cp group, edp every ep-th (the same experts); the grid and
+    every other group unchanged. Written out by hand, not computed."""
+    for rank, (ep, edp, shard, total) in enumerate(run_world(_ep_groups, 4, timeout=120)):
+        assert ep == [[0, 1], [2, 3]][rank // 2] and edp == [[0, 2], [1, 3]][rank % 2], rank
+        assert shard == [0, 1, 2, 3] and total == sum(2.0 ** m for m in edp)
+    # 2x2x2x2 (dp_replicate, dp_shard, cp, tp): dp_shard_cp groups [0 2 4 6] [1 3 5 7] [8 ..] [9 ..]
+    grid = ParallelismConfig(2, 2, 2, 2, ep_size=4).resolve(16)
+    assert all_groups(grid)["ep"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert all_groups(grid)["edp"] == [[r] for r in (0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)]
+    grid = ParallelismConfig(2, 2, 2, 2, ep_size=2).resolve(16)
+    assert all_groups(grid)["ep"] == [[0, 2], [4, 6], [1, 3], [5, 7], [8, 10], [12, 14], [9, 11], [13, 15]]
+    assert all_groups(grid)["edp"] == [[0, 4], [2, 6], [1, 5], [3, 7], [8, 12], [10, 14], [9, 13], [11, 15]]
+    plain = all_groups(ParallelismConfig(2, 2, 2, 2).resolve(16))
+    assert plain["ep"] == [[r] for g in plain["dp_shard_cp"] for r in g]
+    assert {k: v for k, v in all_groups(grid).items() if k not in ("ep", "edp")} == \
+        {k: v for k, v in plain.items() if k not in ("ep", "edp")}
+    with pytest.raises(ValueError, match=r"expert_parallel_size=4 does not divide .* = 2 x 1 = 2"):
+        all_groups(ParallelismConfig(dp_shard_size=2, tp_size=2, ep_size=4).resolve(4))
+
+
+def test_ep_refused_with_every_problem_named():
+    from types import SimpleNamespace
+    model = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                            intermediate_size=64, num_local_experts=6, num_experts_per_tok=8)
+    conf = ParallelismConfig(dp_shard_size=8, ep_size=4).resolve(8)
+    with pytest.raises(ValueError) as err:
+        conf.validate_model(model)
+    assert "6 experts cannot be split over expert_parallel_size=4" in str(err.value)
+    assert "num_experts_per_tok=8 must lie in 1 ... 6" in str(err.value)
+    conf = ParallelismConfig(dp_shard_size=3, ep_size=2).resolve(3)
+    dense = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                            intermediate_size=64)
+    with pytest.raises(ValueError) as err:
+        conf.validate_model(dense)
+    assert "does not divide dp_shard_size x context_parallel_size = 3 x 1 = 3" in str(err.value)
+    assert "needs a Mixture-of-Experts model, and this model is dense" in str(err.value)

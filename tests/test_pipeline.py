@@ -5,8 +5,13 @@ pp 2 x dp_shard 2 with activation checkpointing and clipping (ZeRO-3 reduce-scat
 step; its FULL_STATE_DICT checkpoint resumes on one process), a sharded checkpoint saved on pp 2
 and resumed on one process (on pp 4: slow), the export of a pp run, bad settings refused on every rank,
 2 steps on pp 4 and on pp 2 x tp 2 with sp.
-Slow (make test-slow): 20 steps of every schedule on pp 2 and pp 4, and pp 2 composed with
-tp (with and without sp), cp, dp_shard, DDP, and all of them on 16 ranks (configs/5d.yaml).
+Zero-bubble (zb_h1, zbv): the pure checks above cover them too; gradients after one step equal
+1F1B's bit for bit in fp64 with the ledger's bytes (zbv: twice); 3 steps of each on pp 2, and pp 2
+x dp_shard 2 under zbv with activation checkpointing (one reduce-scatter per unit per step, after
+the last W) and pp 2 x tp 2 with sp and the async linears under zb_h1, fast.
+Slow (make test-slow): 20 steps of every schedule on pp 2 and pp 4 (the zero-bubble ones with m = p
+and m = 2p), and pp 2 composed with tp (with and without sp), cp, dp_shard, DDP, and all of them on
+16 ranks (configs/5d.yaml; and under zbv).
 """
 import os
 
@@ -14,21 +19,29 @@ import pytest
 import torch
 from harness import run_world
 
+import minipar
 from minipar import comm_ledger
+from minipar.config import ParallelismConfig
 from minipar.pipeline_parallel import (
     SCHEDULES,
+    arrival_order,
+    build_stage,
     check_schedule,
+    run_schedule,
     schedule_order,
     simulate,
     split_layers,
     stage_chunks,
     theory_bubble,
 )
-from minipar.pipeline_parallel.schedules import peak_in_flight
+from minipar.pipeline_parallel.schedules import chunk_stages, peak_in_flight
+from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.training.config.train_config import load_config
 from minipar.training.pipeline_step import check_pipeline
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
+from models.llama import LlamaForCausalLM
+from models.llama_config import LlamaConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data", "shakespeare.txt")
@@ -116,19 +129,28 @@ def test_split_rule_and_uneven_split():
         split_layers(6, 2, [6])
 
 
+def _chunks(name, v):
+    return 2 if name == "zbv" else v
+
+
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_schedules_complete_with_the_bubble_and_memory_of_theory(name):
+    kinds = "FBW" if name in ("zb_h1", "zbv") else "FB"
     for p in (2, 3, 4):
-        for m in (p, 2 * p, 3 * p):
-            for v in ((2, 3) if name == "interleaved_1f1b" else (1,)):
+        for m in (p, p + 1, 2 * p, 3 * p):
+            if name == "interleaved_1f1b" and m % p:
+                continue
+            for v in ((2, 3) if name == "interleaved_1f1b" else (_chunks(name, 1),)):
                 orders = [schedule_order(name, p, m, r, v) for r in range(p)]
-                for order in orders:              # every chunk of every micro-batch: one F, then one B
-                    assert sorted(order) == sorted({(k, c, i) for k in "FB" for c in range(v)
+                for order in orders:              # every chunk of every micro-batch: F, then B (then W)
+                    assert sorted(order) == sorted({(k, c, i) for k in kinds for c in range(v)
                                                     for i in range(m)})
                     for c in range(v):
                         for i in range(m):
-                            assert order.index(("F", c, i)) < order.index(("B", c, i))
-                events, total = simulate(orders, v, t_f=1.0, t_b=1.0)   # raises on a deadlock
+                            at = [order.index((k, c, i)) for k in kinds]
+                            assert at == sorted(at)
+                # t_F = t_B (= t_W): raises on a deadlock
+                events, total = simulate(orders, v, t_f=1.0, t_b=1.0, t_w=1.0, name=name)
                 for r in range(p):
                     busy = sum(e - s for _, s, e in events[r])
                     assert abs((1 - busy / total) - theory_bubble(name, p, m, v)) < 1e-9
@@ -137,38 +159,105 @@ def test_schedules_complete_with_the_bubble_and_memory_of_theory(name):
                     assert peaks == [m] * p
                 elif name == "1f1b":
                     assert peaks == [p - r for r in range(p)]       # independent of m
+                elif name == "zb_h1":
+                    assert peaks == [p] * p                        # 1F1B's first stage, everywhere
+                elif name == "zbv":
+                    assert peaks == [min(2 * p, m + r + 1) for r in range(p)]
                 else:
                     assert peaks == [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
 
 
+def test_zero_bubble_bubbles_against_1f1b():
+    # the paper's claims at t_F = t_B = t_W, in idle time per step: ZB-H1 a third of 1F1B's (whose
+    # backward is B + W), ZB-V (m >= 2p - 1) a sixth; and ZB-V at least as good as ZB-H1 always
+    for p in (2, 4, 8):
+        for m in (2 * p, 4 * p):
+            def idle(name, v=1):
+                orders = [schedule_order(name, p, m, r, v) for r in range(p)]
+                t_b = 2.0 if name == "1f1b" else 1.0
+                events, total = simulate(orders, v, t_f=1.0, t_b=t_b, t_w=1.0, name=name)
+                return total - 3 * m
+            assert idle("zb_h1") == pytest.approx(idle("1f1b") / 3)
+            assert idle("zbv", 2) == pytest.approx(idle("1f1b") / 6)
+
+
 def _link_messages(name, p, m, v):
     """{(sender, receiver): [message]} in the order the executor posts the sends, and the same
-    for the receives: (kind, receiving virtual stage, micro-batch)."""
+    for the receives: (kind, receiving virtual stage, micro-batch). A boundary inside one rank
+    (zbv's turn) is no message."""
     sends, recvs, last = {}, {}, p * v - 1
+    owner = {k: r for r in range(p) for k in chunk_stages(name, p, r, v)}
     for r in range(p):
         for a in schedule_order(name, p, m, r, v):
-            vs = a.chunk * p + r
+            vs = chunk_stages(name, p, r, v)[a.chunk]
             if a.kind == "F":
-                if vs > 0:
-                    recvs.setdefault(((r - 1) % p, r), []).append(("h", vs, a.micro))
-                if vs < last:
-                    sends.setdefault((r, (r + 1) % p), []).append(("h", vs + 1, a.micro))
-            else:
-                if vs < last:
-                    recvs.setdefault(((r + 1) % p, r), []).append(("dh", vs, a.micro))
-                if vs > 0:
-                    sends.setdefault((r, (r - 1) % p), []).append(("dh", vs - 1, a.micro))
+                if vs > 0 and owner[vs - 1] != r:
+                    recvs.setdefault((owner[vs - 1], r), []).append(("h", vs, a.micro))
+                if vs < last and owner[vs + 1] != r:
+                    sends.setdefault((r, owner[vs + 1]), []).append(("h", vs + 1, a.micro))
+            elif a.kind == "B":
+                if vs < last and owner[vs + 1] != r:
+                    recvs.setdefault((owner[vs + 1], r), []).append(("dh", vs, a.micro))
+                if vs > 0 and owner[vs - 1] != r:
+                    sends.setdefault((r, owner[vs - 1]), []).append(("dh", vs - 1, a.micro))
     return sends, recvs
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_every_link_sends_in_the_order_it_receives(name):
-    # what a backend that ignores tags (NCCL) needs to pair the messages
+    # what a backend that ignores tags (NCCL) needs to pair the messages: each link consumed in
+    # the order its sender posts; zbv's links are not, so its receivers follow arrival_order
+    from minipar.pipeline_parallel.p2p import message_tag
     for p in (2, 3, 4):
         for m in (p, 2 * p):
-            for v in ((2, 3) if name == "interleaved_1f1b" else (1,)):
-                sends, recvs = _link_messages(name, p, m, v)
+            v = 3 if name == "interleaved_1f1b" else _chunks(name, 1)
+            sends, recvs = _link_messages(name, p, m, v)
+            assert sorted(sends) == sorted(recvs) and sends
+            if name != "zbv":
                 assert sends == recvs
+            for (src, dst), messages in sends.items():
+                tags = [message_tag(0 if k == "h" else 1, vs, i, m) for k, vs, i in messages]
+                assert arrival_order(name, p, m, v, dst)[src] == tags
+    assert _link_messages("zbv", 2, 4, 2)[0] != _link_messages("zbv", 2, 4, 2)[1]
+
+
+def _fp64_grads(schedule, p, m, layers):
+    """Gradients (over the whole model, by name), bytes sent and loss after one step of 1F1B and
+    of `schedule` from the same weights, in float64."""
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    pgm = minipar.init(ParallelismConfig(pp_size=p, dp_shard_size=1))
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2)
+    gen = torch.Generator().manual_seed(0)
+    batches = [dict(input_ids=torch.randint(0, 64, (2, 8), generator=gen),
+                    labels=torch.randint(0, 64, (2, 8), generator=gen),
+                    position_ids=torch.arange(8).expand(2, -1)) for _ in range(m)]
+    out = {}
+    for name in ("1f1b", schedule):
+        v = _chunks(name, 1)
+        stage = build_stage(LlamaForCausalLM(cfg, pgm, seed=0), pgm, v, None, name)
+        with comm_ledger.ledger() as led:
+            loss = run_schedule(stage, schedule_order(name, p, m, pgm.pp.rank, v), pgm, batches, m * 16,
+                                act_dtype=torch.float64, arrivals=arrival_order(name, p, m, v, pgm.pp.rank))
+        assert stage.weight_grads is None or not stage.weight_grads.pending()
+        grads = gather_over_stages({n: q.grad.clone() for n, q in stage.named_parameters()}, pgm)
+        out[name] = (grads, led.total_bytes("send"), float(loss))
+    return out
+
+
+@pytest.mark.parametrize("schedule,p,m", [
+    ("zb_h1", 2, 2), ("zbv", 2, 4),
+    pytest.param("zb_h1", 4, 8, marks=pytest.mark.slow), pytest.param("zbv", 4, 4, marks=pytest.mark.slow)])
+def test_zero_bubble_gradients_equal_1f1b_exactly_and_send_its_bytes(schedule, p, m):
+    got = run_world(_fp64_grads, p, schedule, p, m, 2 * p, timeout=300)
+    ref, mine = got[0]["1f1b"][0], got[0][schedule][0]
+    assert sorted(ref) == sorted(mine) and len(ref) == 3 + 9 * 2 * p
+    for name in ref:                             # bit for bit: W adds the same products in the same order
+        assert torch.equal(ref[name], mine[name]), name
+    assert sum(r[schedule][2] for r in got) == sum(r["1f1b"][2] for r in got)
+    for r in got:                                # ZB-H1: 1F1B's sends; ZB-V: twice (2 (p - 1) boundaries)
+        assert r[schedule][1] == (1 if schedule == "zb_h1" else 2) * r["1f1b"][1] > 0
 
 
 def test_too_few_micro_batches_and_bad_settings_are_refused():
@@ -179,8 +268,17 @@ def test_too_few_micro_batches_and_bad_settings_are_refused():
         check_schedule("interleaved_1f1b", 4, 6, 2)
     with pytest.raises(ValueError, match="pipeline_virtual_stages=2 only applies"):
         check_schedule("1f1b", 2, 4, 2)
-    with pytest.raises(ValueError, match="use one of afab, 1f1b, interleaved_1f1b"):
+    with pytest.raises(ValueError, match="use one of afab, 1f1b, interleaved_1f1b, zb_h1, zbv"):
         check_schedule("gpipe", 2, 4, 1)
+    with pytest.raises(ValueError, match="zb_h1 on 4 stages needs at least 4 micro-batches.*has 2"):
+        check_schedule("zb_h1", 4, 2, 1)
+    with pytest.raises(ValueError, match="zbv on 2 stages needs at least 2 micro-batches.*has 1"):
+        check_schedule("zbv", 2, 1, 2)
+    with pytest.raises(ValueError, match="zbv needs pipeline_virtual_stages = 2"):
+        check_schedule("zbv", 2, 4, 3)
+    cfg = load_config(None, _tiny(2) + ["--pipeline_schedule", "zbv"])
+    with pytest.raises(ValueError, match="num_hidden_layers=2 cannot be split over 4"):
+        check_pipeline(cfg, 2, 4)                # the V: 2 chunks x 2 stages
     cfg = load_config(None, _tiny(4) + ["--pipeline_layers", "[1, 2]"])
     with pytest.raises(ValueError, match="sums to 3"):
         check_pipeline(cfg, 2, 4)
@@ -209,7 +307,7 @@ def test_bad_pipeline_refused_on_every_rank_before_any_collective(tmp_path):
 
 
 # ------------------------------------------------------------------- equal to one process (fast)
-@pytest.mark.parametrize("schedule", ["afab", "interleaved_1f1b"])   # 1f1b: the checkpoint test's run
+@pytest.mark.parametrize("schedule", ["afab", "interleaved_1f1b", "zb_h1", "zbv"])  # 1f1b: checkpoint test
 def test_each_schedule_on_pp2_matches_single_process(tmp_path_factory, tmp_path, schedule):
     ref = _reference(tmp_path_factory)
     got = run_world(_train, 2,
@@ -239,6 +337,22 @@ def test_pp2_zero3_checkpointing_reduce_scatters_once_per_step(tmp_path_factory,
     resumed = run_world(_train, 1, _argv(tmp_path / "one", "--resume_from_checkpoint", str(save / "step-3"),
                                          steps=5), timeout=300)[0]
     _same(ref[3:], resumed)
+
+
+def test_pp2_zero3_zbv_checkpointing_reduces_after_the_last_w(tmp_path_factory, tmp_path):
+    # the V puts the embedding and the loss on rank 0; every B and W but the last under no_sync:
+    # one reduce-scatter per unit per step, after the step's last W
+    ref = _reference(tmp_path_factory)
+    argv = _argv(tmp_path, "--pipeline_parallel_size", "2", "--dp_shard_size", "2",
+                 "--pipeline_schedule", "zbv", "--gradient_checkpointing", "true", steps=2)
+    got = run_world(_train_counting, 4, argv, timeout=300)
+    steps, m = 2, 2
+    for curve, led in got:
+        _same(ref[:2], curve)
+        assert led["units"] > 0 and led["reduce_scatters"] == steps * led["units"], led
+        # 2 (p - 1) = 2 boundaries cross ranks, each way: 2 sends per micro-batch on each rank; an
+        # evaluation sends one activation from each rank (chunk 0 down, chunk 1 up)
+        assert led["sends"] == steps * m * 2 + 1, led
 
 
 def _save_on_pp2(tmp_path_factory, tmp_path):
@@ -279,11 +393,13 @@ def test_checkpoint_saved_on_pp2_resumes_on_one_process_and_exports(tmp_path_fac
 @pytest.mark.parametrize("world,extra", [
     (4, ["--pipeline_parallel_size", "4", "--pipeline_schedule", "1f1b"]),
     (4, ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
+    (4, ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true",
+         "--pipeline_schedule", "zb_h1", "--tp_async_overlap", "true"]),
     pytest.param(4, ["--pipeline_parallel_size", "2", "--context_parallel_size", "2"],
                  marks=pytest.mark.slow),
     pytest.param(4, ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2", "--dp_shard_size", "1"],
                  marks=pytest.mark.slow),
-], ids=["pp4-1f1b", "pp2-tp2-sp", "pp2-cp2", "pp2-ddp2"])
+], ids=["pp4-1f1b", "pp2-tp2-sp", "pp2-tp2-sp-async-zb_h1", "pp2-cp2", "pp2-ddp2"])
 def test_pp_layouts_match_single_process_fast(tmp_path_factory, tmp_path, world, extra):
     ref = _reference(tmp_path_factory)
     for g in run_world(_train, world, _argv(tmp_path, *extra, steps=2), timeout=300):
@@ -318,6 +434,28 @@ SLOW = [
         "--micro_batch_size", "1"),
     _pp(16, 4, "pp2-shard2-cp2-tp2-sp", "2", "--dp_shard_size", "2", "--context_parallel_size", "2",
         "--tensor_parallel_size", "2", "--sequence_parallel", "true"),
+    # zero bubble: m = p and m = 2p on pp 2 and pp 4 (global batch 8), then composed
+    _pp(2, 4, "pp2-zb_h1-m2", "2", "--pipeline_schedule", "zb_h1", "--micro_batch_size", "4"),
+    _pp(2, 4, "pp2-zb_h1-m4", "2", "--pipeline_schedule", "zb_h1"),
+    _pp(2, 4, "pp2-zbv-m2", "2", "--pipeline_schedule", "zbv", "--micro_batch_size", "4"),
+    _pp(2, 4, "pp2-zbv-m4", "2", "--pipeline_schedule", "zbv"),
+    _pp(4, 8, "pp4-zb_h1-m4", "4", "--pipeline_schedule", "zb_h1"),
+    _pp(4, 8, "pp4-zb_h1-m8", "4", "--pipeline_schedule", "zb_h1", "--micro_batch_size", "1"),
+    _pp(4, 8, "pp4-zbv-m4", "4", "--pipeline_schedule", "zbv"),
+    _pp(4, 8, "pp4-zbv-m8", "4", "--pipeline_schedule", "zbv", "--micro_batch_size", "1"),
+    _pp(4, 4, "pp2-shard2-zbv-checkpointing", "2", "--dp_shard_size", "2", "--pipeline_schedule", "zbv",
+        "--gradient_checkpointing", "true"),
+    _pp(4, 4, "pp2-shard2-zb_h1", "2", "--dp_shard_size", "2", "--pipeline_schedule", "zb_h1"),
+    _pp(4, 4, "pp2-tp2-sp-zb_h1", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true",
+        "--pipeline_schedule", "zb_h1"),
+    _pp(4, 4, "pp2-tp2-sp-zbv-async", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true",
+        "--pipeline_schedule", "zbv", "--tp_async_overlap", "true"),
+    _pp(4, 4, "pp2-ddp2-zbv", "2", "--dp_replicate_size", "2", "--dp_shard_size", "1",
+        "--pipeline_schedule", "zbv"),
+    _pp(16, 4, "pp2-shard2-cp2-tp2-sp-zb_h1", "2", "--dp_shard_size", "2", "--context_parallel_size", "2",
+        "--tensor_parallel_size", "2", "--sequence_parallel", "true", "--pipeline_schedule", "zb_h1"),
+    _pp(16, 4, "pp2-shard2-cp2-tp2-sp-zbv", "2", "--dp_shard_size", "2", "--context_parallel_size", "2",
+        "--tensor_parallel_size", "2", "--sequence_parallel", "true", "--pipeline_schedule", "zbv"),
 ]
 
 

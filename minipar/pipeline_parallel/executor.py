@@ -7,15 +7,22 @@
         B(c, m):  g = recv_backward() (not on the last virtual stage)         blocks until dL/dh arrives
                   autograd.backward(out, g)  -> x.grad
                   send_backward(x.grad) (async) unless x were the input ids; free (x, out)
+                  (zb_h1, zbv: inside stage.weight_grads.inputs_only((c, m)): the Linears compute
+                  dL/dx only and queue (x, dy) for W; split_backward.py)
+        W(c, m):  stage.weight_grads.weight_grads((c, m)): every queued dW, accumulated through
+                  autograd into the parameters' .grad; the kept x and dy are freed
 
-A stage keeps (x, out) and everything autograd saved between F(c, m) and B(c, m): that is the
-activation memory the schedules differ in (schedules.py). Only receives block, so a rank waits
+A stage keeps (x, out) and everything autograd saved between F(c, m) and B(c, m), and the
+linears' inputs and output gradients until W(c, m): that is the activation memory the schedules
+differ in (schedules.py). Only receives block, so a rank waits
 exactly when the data it needs has not been computed yet: the bubble.
 
 Gradient accumulation over the m micro-batches: parameters used by several micro-batches add up
 their gradients. Data parallelism must reduce once per step, not per micro-batch: the caller's
-`before_backward(action, last)` hook learns which backward is this rank's last of the step (the
-caller keeps DDP and ZeRO-3 in no_sync until then; that backward reduces everything once). The
+`before_backward(action, last)` hook, called before every B and W, learns which is this rank's
+last gradient action of the step (the last W under a zero-bubble schedule: the caller keeps DDP
+and ZeRO-3 in no_sync until then, and that action's gradients trigger their reduction of
+everything, once). The
 loss (sum over micro-batches of sum / num_items_in_batch) is returned on the last stage, zero
 elsewhere: the caller sums it over dp_cp and pp.
 
@@ -42,17 +49,18 @@ class Recorder:
     def __init__(self):
         self.events: List[tuple] = []           # (kind, chunk, micro, start, end)
         self.live = self.peak_live = 0
+        self.peak_held_w = 0                    # bytes the split backward kept for W, at most
         self.t0 = self.t_end = None
 
     def start(self):
         self.t0 = time.perf_counter()
-        self.events, self.live, self.peak_live = [], 0, 0
+        self.events, self.live, self.peak_live, self.peak_held_w = [], 0, 0, 0
 
     def stop(self):
         self.t_end = time.perf_counter() - self.t0
 
-    def note(self, a: Action, start: float, end: float):
-        self.live += 1 if a.kind == "F" else -1
+    def note(self, a: Action, start: float, end: float, freed_by: str = "B"):
+        self.live += 1 if a.kind == "F" else -1 if a.kind == freed_by else 0
         self.peak_live = max(self.peak_live, self.live)
         self.events.append((a.kind, a.chunk, a.micro, start - self.t0, end - self.t0))
 
@@ -60,21 +68,37 @@ class Recorder:
 def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, torch.Tensor]],
                  num_items_in_batch, *, act_dtype: torch.dtype = torch.float32,
                  before_backward: Optional[Callable[[Action, bool], None]] = None,
-                 autocast=contextlib.nullcontext, recorder: Optional[Recorder] = None) -> torch.Tensor:
+                 autocast=contextlib.nullcontext, recorder: Optional[Recorder] = None,
+                 arrivals: Optional[Dict[int, List[int]]] = None) -> torch.Tensor:
     """One training step's forwards and backwards of `stage` in the order `order`; returns this
-    rank's share of the loss (a float64 0-d tensor; zero off the last stage)."""
-    p, r, m = pgm.pp.size, pgm.pp.rank, len(micro_batches)
+    rank's share of the loss (a float64 0-d tensor; zero off the last stage). arrivals: the order
+    of the neighbours' sends (p2p.arrival_order), which a backend that ignores tags (NCCL) needs
+    under zbv; None receives in the order this rank consumes."""
+    m = len(micro_batches)
     device = micro_batches[0]["input_ids"].device
     link = StageLink(pgm, activation_shape(micro_batches[0], pgm, stage.config.hidden_size), act_dtype,
-                     device, m)
-    final = max(i for i, a in enumerate(order) if a.kind == "B")     # this rank's last backward
+                     device, m, stage.owner, arrivals)
+    store = stage.weight_grads                  # a WeightGradStore when the backward is split
+    split = any(a.kind == "W" for a in order)
+    if split and store is None:
+        raise ValueError("this schedule has W actions, but the stage's backward is not split: build it "
+                         "with build_stage(..., schedule=<zb_h1 | zbv>)")
+    freed_by = "W" if split else "B"
+    final = max(i for i, a in enumerate(order) if a.kind in "BW")     # this rank's last gradient action
     saved: Dict[tuple, tuple] = {}              # (chunk, micro) -> (input, output) awaiting backward
     loss = torch.zeros((), dtype=torch.float64, device=device)
     if recorder is not None:
         recorder.start()
     for i, a in enumerate(order):
-        vs, mb = a.chunk * p + r, micro_batches[a.micro]
-        if a.kind == "F":
+        vs, mb = stage.virtual[a.chunk], micro_batches[a.micro]
+        if a.kind == "W":
+            if before_backward is not None:
+                before_backward(a, i == final)
+            t = time.perf_counter()
+            store.weight_grads((a.chunk, a.micro))
+            if recorder is not None:
+                recorder.note(a, t, time.perf_counter(), freed_by)
+        elif a.kind == "F":
             if stage.is_first_virtual(a.chunk):
                 x = mb["input_ids"]
             else:
@@ -84,7 +108,7 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
                 out = stage(x, mb["position_ids"], labels=mb["labels"], num_items_in_batch=num_items_in_batch,
                             chunk=a.chunk, document_ids=mb.get("document_ids"))
             if recorder is not None:
-                recorder.note(a, t, time.perf_counter())
+                recorder.note(a, t, time.perf_counter(), freed_by)
             if stage.is_last_virtual(a.chunk):
                 loss += out.detach().double()
             else:
@@ -96,19 +120,23 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
             if before_backward is not None:
                 before_backward(a, i == final)
             t = time.perf_counter()
-            torch.autograd.backward(out, grad)
+            with store.inputs_only((a.chunk, a.micro)) if split else contextlib.nullcontext():
+                torch.autograd.backward(out, grad)
             if recorder is not None:
-                recorder.note(a, t, time.perf_counter())
+                recorder.note(a, t, time.perf_counter(), freed_by)
+                if split:
+                    recorder.peak_held_w = max(recorder.peak_held_w, store.held_bytes())
             if not stage.is_first_virtual(a.chunk):
                 link.send_backward(x.grad, vs - 1, a.micro)
             del x, out
     link.finish()
     if recorder is not None:
         recorder.stop()
-    if saved:
-        raise RuntimeError(f"pipeline schedule left {len(saved)} micro-batches without a backward: "
-                           f"{sorted(saved)}")
+    if saved or (split and store.pending()):
+        raise RuntimeError(f"pipeline schedule left micro-batches without a backward: {sorted(saved)}, "
+                           f"or without W: {store.pending() if split else []}")
     return loss
+
 
 
 @torch.no_grad()
@@ -116,12 +144,11 @@ def forward_only(stage, pgm, micro_batch: Dict[str, torch.Tensor], num_items_in_
                  act_dtype: torch.dtype = torch.float32, autocast=contextlib.nullcontext) -> torch.Tensor:
     """Evaluation: one micro-batch through every virtual stage, no backward; returns this rank's
     loss share (float64; zero off the last stage)."""
-    p, r = pgm.pp.size, pgm.pp.rank
     link = StageLink(pgm, activation_shape(micro_batch, pgm, stage.config.hidden_size), act_dtype,
-                     micro_batch["input_ids"].device, 1)
+                     micro_batch["input_ids"].device, 1, stage.owner)
     loss = torch.zeros((), dtype=torch.float64, device=micro_batch["input_ids"].device)
-    for chunk in range(stage.num_chunks):
-        vs = chunk * p + r
+    for chunk in range(stage.num_chunks):     # in order of virtual stage on every placement
+        vs = stage.virtual[chunk]
         x = micro_batch["input_ids"] if stage.is_first_virtual(chunk) else link.recv_forward(vs, 0)
         with autocast():
             out = stage(x, micro_batch["position_ids"], labels=micro_batch["labels"],

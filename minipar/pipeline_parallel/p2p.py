@@ -11,48 +11,105 @@ so tp rank t of stage p talks to tp rank t of stage p + 1 only):
 
 Bytes per step: each of the p - 1 boundaries carries one activation forward and one gradient
 backward per micro-batch, so 2 (p - 1) m x bytes(h) over the whole pipeline (interleaving: v p - 1
-boundaries, a ring: the last rank feeds the first one's next chunk).
+boundaries, a ring: the last rank feeds the first one's next chunk; the V of zbv: 2 p - 1
+boundaries of which 2 (p - 1) cross ranks, the turn at rank p - 1 staying local, so 2 x 2 (p - 1) m
+x bytes(h): twice 1F1B's, the price of two chunks per rank).
+
+Which rank holds the other end of a boundary is the placement's: `owner[k]` is the pp rank of
+virtual stage k (schedules.chunk_stages). A boundary whose two ends are on this rank (zbv's turn)
+moves no bytes: the tensor is handed over in memory, detached, as a receive would give it.
 
 The receiver knows the shape in advance (every stage sees the same micro-batch shape), so no
 shape message travels. Each message has a tag naming (kind, receiving virtual stage, micro-batch):
 a backend that matches by tag (gloo) pairs every send with its receive whatever the posting order.
 A backend that ignores tags (NCCL) matches a link's messages in posting order: the executor posts
-sends in the order it produces them and receives in the order it consumes them, and for all three
-schedules these two orders agree on every link (tests/test_pipeline.py checks it). Sends are
+sends in the order it produces them; for AFAB, 1F1B, interleaved 1F1B and ZB-H1 every link
+consumes them in that same order (tests/test_pipeline.py checks it). ZB-V does not: the link from
+rank r to r + 1 carries chunk 0's activations and chunk 1's gradients, and rank r + 1 may need a
+gradient that rank r sent after an activation. So a link can be given `arrivals`, the order in
+which each neighbour posts its sends to this rank (arrival_order: a pure function of the
+schedule, like everything the neighbours do); it then receives in that order, and a message that
+comes before it is needed waits in `early` (its sender posted it earlier, so receiving it first
+never waits longer than for the wanted one). Sends are
 asynchronous: a stage never waits for its neighbour to take a tensor before going on with its next
 micro-batch; only a receive blocks, when its data is needed.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .. import comm
+from .schedules import chunk_stages, schedule_order
 
 ACTIVATION, GRADIENT = 0, 1
+
+
+def message_tag(kind: int, virtual: int, micro: int, num_micro: int) -> int:
+    """The tag naming (kind, receiving virtual stage, micro-batch): unique within a step."""
+    return 2 * (virtual * num_micro + micro) + kind
+
+
+def arrival_order(name: str, p: int, m: int, v: int, rank: int) -> Dict[int, List[int]]:
+    """{pp rank of a neighbour: the tags of its sends to `rank`, in the order it posts them}."""
+    owner = {k: r for r in range(p) for k in chunk_stages(name, p, r, v)}
+    last, out = p * v - 1, {}
+    for r in range(p):
+        for a in schedule_order(name, p, m, r, v):
+            vs = chunk_stages(name, p, r, v)[a.chunk]
+            if a.kind == "F" and vs < last and owner[vs + 1] == rank != r:
+                out.setdefault(r, []).append(message_tag(ACTIVATION, vs + 1, a.micro, m))
+            if a.kind == "B" and vs > 0 and owner[vs - 1] == rank != r:
+                out.setdefault(r, []).append(message_tag(GRADIENT, vs - 1, a.micro, m))
+    return out
 
 
 class StageLink:
     """The sends and receives of one rank of pgm.pp for one step: m micro-batches, shape and dtype
     of h known in advance. `virtual` is the receiving virtual stage (chunk * pp + rank)."""
 
-    def __init__(self, pgm, shape: Tuple[int, ...], dtype: torch.dtype, device, num_micro: int):
+    def __init__(self, pgm, shape: Tuple[int, ...], dtype: torch.dtype, device, num_micro: int,
+                 owner: Optional[List[int]] = None, arrivals: Optional[Dict[int, List[int]]] = None):
         self.pp, self.shape, self.dtype = pgm.pp, tuple(shape), dtype
         self.device, self.num_micro = device, num_micro
+        # the pp rank holding each virtual stage; default: the loop, k -> k % pp
+        self.owner = owner
         self.pending: List[Tuple[object, torch.Tensor]] = []      # sends in flight (work, tensor)
+        self.local: Dict[int, torch.Tensor] = {}                  # tag -> tensor handed over in memory
+        # receive in each neighbour's posting order (keyed by global rank), or as consumed (None)
+        self.arrivals = None if arrivals is None else {pgm.pp.ranks[k]: list(t) for k, t in arrivals.items()}
+        self.early: Dict[int, torch.Tensor] = {}                  # tag -> received before it was needed
         self.bytes_sent = 0
 
     def _tag(self, kind: int, virtual: int, micro: int) -> int:
-        return 2 * (virtual * self.num_micro + micro) + kind
+        return message_tag(kind, virtual, micro, self.num_micro)
+
+    def _peer(self, virtual: int) -> int:
+        """The global rank holding virtual stage `virtual` (None: this rank itself)."""
+        k = virtual % self.pp.size if self.owner is None else self.owner[virtual]
+        return None if k == self.pp.rank else self.pp.ranks[k]
 
     def _send(self, t: torch.Tensor, peer: int, tag: int):
         t = t.detach().to(self.dtype).contiguous()
+        if peer is None:                         # both ends here: no bytes move
+            self.local[tag] = t
+            return
         self.bytes_sent += t.numel() * t.element_size()
         self.pending += [(w, t) for w in comm.send_recv([(t, peer, tag)], [], self.pp)]
         self._reap()
 
     def _recv(self, peer: int, tag: int) -> torch.Tensor:
+        if peer is None:
+            return self.local.pop(tag)
+        if self.arrivals is None:
+            return self._recv_now(peer, tag)
+        while tag not in self.early:             # what the neighbour posted first comes first
+            first = self.arrivals[peer].pop(0)
+            self.early[first] = self._recv_now(peer, first)
+        return self.early.pop(tag)
+
+    def _recv_now(self, peer: int, tag: int) -> torch.Tensor:
         t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         comm.wait_all(comm.send_recv([], [(t, peer, tag)], self.pp))
         return t
@@ -63,16 +120,16 @@ class StageLink:
 
     # the four moves; `virtual` is always the virtual stage that RECEIVES
     def send_forward(self, h: torch.Tensor, virtual: int, micro: int):
-        self._send(h, self.pp.next_rank, self._tag(ACTIVATION, virtual, micro))
+        self._send(h, self._peer(virtual), self._tag(ACTIVATION, virtual, micro))
 
     def recv_forward(self, virtual: int, micro: int) -> torch.Tensor:
-        return self._recv(self.pp.prev_rank, self._tag(ACTIVATION, virtual, micro))
+        return self._recv(self._peer(virtual - 1), self._tag(ACTIVATION, virtual, micro))
 
     def send_backward(self, grad: torch.Tensor, virtual: int, micro: int):
-        self._send(grad, self.pp.prev_rank, self._tag(GRADIENT, virtual, micro))
+        self._send(grad, self._peer(virtual), self._tag(GRADIENT, virtual, micro))
 
     def recv_backward(self, virtual: int, micro: int) -> torch.Tensor:
-        return self._recv(self.pp.next_rank, self._tag(GRADIENT, virtual, micro))
+        return self._recv(self._peer(virtual + 1), self._tag(GRADIENT, virtual, micro))
 
     def finish(self):
         """Wait for every send still in flight (end of the step: the buffers must stay valid)."""

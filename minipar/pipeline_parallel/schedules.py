@@ -1,7 +1,9 @@
 """Pipeline schedules: in which order each stage runs the forward (F) and backward (B) passes of
-the m micro-batches of one step. A schedule here is a pure function of (p stages, m micro-batches,
-this stage's rank) that returns that order as a list of Actions; executor.py runs the list, with
-the sends and receives between neighbours that it implies. Nothing here communicates.
+the m micro-batches of one step (and, for the zero-bubble schedules, the backward split in two: B
+the input gradient, W the weight gradient; split_backward.py). A schedule here is a pure function
+of (p stages, m micro-batches, this stage's rank) that returns that order as a list of Actions;
+executor.py runs the list, with the sends and receives between neighbours that it implies.
+Nothing here communicates.
 
 The bubble: a stage idles while it waits for the first activation (forward fill) and for the last
 gradient (backward drain). With t_F, t_B the times of one micro-batch's forward and backward on
@@ -19,21 +21,48 @@ of every micro-batch whose forward ran and whose backward has not:
               that is (2 (p - rank - 1) + (v - 1) p + 1) / v micro-batches' worth: 5.5 on rank 0
               of p = 4, v = 2, where 1F1B holds 4 (a little more memory for the smaller bubble)
 
+The zero-bubble schedules (zb_h1, zbv) split each backward
+into B (dL/dx: the previous stage waits for it) and W (dL/dW: nobody does) and put the W's in the
+bubbles. With t_F = t_B = t_W = t (the split backward: B + W = the old backward):
+
+    1F1B      (p - 1) 3t idle per stage       bubble (p - 1) / (m + p - 1)
+    ZB-H1     (p - 1) t                        bubble (p - 1) / (3 m + p - 1)       a third of 1F1B's
+    ZB-V      (p - 1) t / 2 for m >= 2p - 1    bubble (p - 1) / (6 m + p - 1)       a sixth
+              (the V's two chunks per rank halve the fill; the first forward must still cross
+              p - 1 half-stages before the last rank starts, so not quite zero)
+
+and memory counted as chunks whose F ran and whose W has not (the linears' inputs live until W):
+ZB-H1 p on every rank (1F1B: p - rank, so the same peak as 1F1B's first stage), ZB-V min(2p,
+m + rank + 1) chunks of half a stage (p micro-batches' worth at most, again 1F1B's peak).
+
 References: GPipe (Huang et al., 2019: all forward, all backward); PipeDream-Flush, i.e. 1F1B
 (Narayanan et al., 2019/2021); the interleaved schedule of Megatron-LM (Narayanan et al., "Efficient
-Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", 2021).
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", 2021); zero bubble (Qi et
+al., "Zero Bubble Pipeline Parallelism", ICLR 2024: ZB-H1; "Pipeline Parallelism with Controllable
+Memory", 2024: the V-shape).
 """
 from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Tuple
 
-SCHEDULES = ("afab", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+SPLIT_BACKWARD = ("zb_h1", "zbv")        # the schedules with W actions (split_backward.py)
 
 
 class Action(NamedTuple):
-    kind: str        # "F" or "B"
-    chunk: int       # model chunk of this rank (0 unless interleaved)
+    kind: str        # "F", "B" (the whole backward, or under a zero-bubble schedule dL/dx only) or "W"
+    chunk: int       # model chunk of this rank (0 unless interleaved or zbv)
     micro: int       # micro-batch index
+
+
+def chunk_stages(name: str, p: int, rank: int, v: int = 1) -> List[int]:
+    """The virtual stage of each model chunk of `rank`: a loop for interleaving (chunk j is
+    j * p + rank: a micro-batch visits ranks 0..p-1, then 0..p-1 again), a V for zbv (chunk 0 is
+    rank, chunk 1 is 2p - 1 - rank: down the ranks and back up, so rank p - 1 passes its own chunk
+    0's output to its chunk 1 without sending, and rank 0 holds both the embedding and the loss)."""
+    if name == "zbv":
+        return [rank, 2 * p - 1 - rank]
+    return [j * p + rank for j in range(v)]
 
 
 def afab(p: int, m: int, rank: int) -> List[Action]:
@@ -100,6 +129,86 @@ def interleaved_1f1b(p: int, m: int, rank: int, v: int = 2) -> List[Action]:
     return order
 
 
+def zb_h1(p: int, m: int, rank: int) -> List[Action]:
+    """ZB-H1 (Qi et al. 2024): 1F1B with each backward split into B and W, and rank r's W's
+    postponed by r micro-batches, so that they fill the gaps where 1F1B's drain waits for the next
+    gradient. p = 4, m = 6 (b = B, w = W; time ->, t_F = t_B = t_W):
+
+        stage 0   F0 F1 F2 F3 .  .  .  b0 w0 F4 b1 w1 F5 b2 w2 b3 w3 b4 w4 b5 w5
+        stage 1   .  F0 F1 F2 .  .  b0 F3 b1 w0 F4 b2 w1 F5 b3 w2 b4 w3 b5 w4 w5
+        stage 2   .  .  F0 F1 .  b0 F2 b1 F3 b2 w0 F4 b3 w1 F5 b4 w2 b5 w3 w4 w5
+        stage 3   .  .  .  F0 b0 F1 b1 F2 b2 F3 b3 w0 F4 b4 w1 F5 b5 w2 w3 w4 w5
+
+    B is all the critical path carries, so a gradient crosses a stage in t_B instead of t_B + t_W:
+    the fill and drain cost (p - 1)(t_F + t_B - t_W) where 1F1B pays (p - 1)(t_F + t_B + t_W). Rank r
+    holds at most p micro-batches (F done, W not): the peak of 1F1B's first stage, on every stage.
+    """
+    warmup = min(p - rank - 1, m)
+    order = [Action("F", 0, i) for i in range(warmup)]
+    w = 0                                              # the next micro-batch whose W is due
+    for i in range(m):
+        if warmup + i < m:
+            order.append(Action("F", 0, warmup + i))
+        order.append(Action("B", 0, i))
+        if i >= rank:                                  # W lags B by `rank` micro-batches
+            order.append(Action("W", 0, w))
+            w += 1
+    return order + [Action("W", 0, i) for i in range(w, m)]
+
+
+def zbv(p: int, m: int, rank: int) -> List[Action]:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024; torchtitan's
+    ZBVZeroBubble): 2 chunks per rank in a V, chunk 0 (a) going down the ranks, chunk 1 (b) coming
+    back up (chunk_stages), B and W split. p = 2, m = 3 (each slot a half stage; time ->):
+
+        rank 0  F0a F1a F2a F0b b0b w0b F1b b1b w1b b0a w0a F2b b2b w2b b1a w1a b2a w2a .
+        rank 1  .   F0a F0b F1a F1b b0b w0b F2a b0a w0a F2b b1b w1b b1a b2b b2a w1a w2b w2a
+
+    (simulate() with t_F = t_B = t_W; a micro-batch visits 0a, 1a, 1b, 0b: rank 1 hands its chunk a's
+    output to its chunk b without a send.) The phases of rank r, which keep every rank busy from its
+    first forward to its last W when m >= 2p - 1:
+      1. 2 (p - r) - 1 forwards of chunk 0: the descending arm fills (rank p - 1: one);
+      2. r pairs (F chunk 1, F chunk 0): the ascending arm reaches rank r;
+      3. p - r triples (F, B, W) of chunk 1: the bottom of the V turns round;
+      4. steady state: F a, B a, W a, F b, B b, W b, until every forward has run;
+      5. drain: r pairs (B a, B b) with their W's postponed, p - r pairs (B a, W a), the W's left.
+    Built for n = max(m, 2p - 1) micro-batches, keeping the actions of the first m (with fewer than
+    2p - 1 the V does not fill: the bubble grows, see theory_bubble). Peak chunks held (F done, W
+    not): min(2p, m + r + 1), i.e. at most p micro-batches' worth, 1F1B's first-stage peak.
+    """
+    n = max(m, 2 * p - 1)
+    order: List[Action] = []
+    count = {"F": [0, 0], "B": [0, 0], "W": [0, 0]}
+
+    def run(kind, chunk):
+        order.append(Action(kind, chunk, count[kind][chunk]))
+        count[kind][chunk] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        run("F", 0)
+    for _ in range(rank):
+        run("F", 1)
+        run("F", 0)
+    for _ in range(p - rank):
+        for kind in "FBW":
+            run(kind, 1)
+    while count["F"][0] < n or count["F"][1] < count["F"][0]:
+        if count["F"][0] < n:
+            run("F", 0)
+        for kind, chunk in (("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)):
+            run(kind, chunk)
+    for _ in range(rank):
+        run("B", 0)
+        run("B", 1)
+    for _ in range(p - rank):
+        run("B", 0)
+        run("W", 0)
+    for chunk in (1, 0):
+        while count["W"][chunk] < count["B"][chunk]:
+            run("W", chunk)
+    return [a for a in order if a.micro < m]
+
+
 def schedule_order(name: str, p: int, m: int, rank: int, v: int = 1) -> List[Action]:
     """The action list of `rank` for schedule `name` (one of SCHEDULES)."""
     if name == "afab":
@@ -108,6 +217,10 @@ def schedule_order(name: str, p: int, m: int, rank: int, v: int = 1) -> List[Act
         return one_f_one_b(p, m, rank)
     if name == "interleaved_1f1b":
         return interleaved_1f1b(p, m, rank, v)
+    if name == "zb_h1":
+        return zb_h1(p, m, rank)
+    if name == "zbv":
+        return zbv(p, m, rank)
     raise ValueError(f"pipeline_schedule={name!r}: use one of {', '.join(SCHEDULES)}")
 
 
@@ -116,15 +229,19 @@ def check_schedule(name: str, p: int, m: int, v: int) -> None:
     (v chunks per rank). Local: every rank raises the same error before any collective."""
     if name not in SCHEDULES:
         raise ValueError(f"pipeline_schedule={name!r}: use one of {', '.join(SCHEDULES)}")
-    if name != "interleaved_1f1b" and v != 1:
+    chunks = {"interleaved_1f1b": "2 or more", "zbv": "2"}.get(name, "1")
+    if name not in ("interleaved_1f1b", "zbv") and v != 1:
         raise ValueError(f"pipeline_virtual_stages={v} only applies to pipeline_schedule interleaved_1f1b "
                          f"(got {name}); leave it unset")
-    if name == "interleaved_1f1b" and v < 2:
-        raise ValueError(f"interleaved_1f1b needs pipeline_virtual_stages >= 2 model chunks per rank, "
-                         f"got {v}")
+    if (name == "interleaved_1f1b" and v < 2) or (name == "zbv" and v != 2):
+        raise ValueError(f"{name} needs pipeline_virtual_stages = {chunks} model chunks per rank, got {v}; "
+                         f"leave it unset")
     need = 1 if name == "afab" else p
-    why = ("1F1B's steady state needs the pipeline full" if name == "1f1b" else
-           "the interleaved schedule sends micro-batches through the chunks in groups of p")
+    why = {"1f1b": "1F1B's steady state needs the pipeline full",
+           "interleaved_1f1b": "the interleaved schedule sends micro-batches through the chunks in groups "
+                               "of p",
+           "zb_h1": "ZB-H1 is 1F1B's order with the backward split: its steady state needs the pipeline full",
+           "zbv": "with fewer the V never fills and the schedule idles more than 1F1B"}.get(name, "")
     fix = ("lower micro_batch_size (the count is global_batch_size / (micro_batch_size x dp)), raise "
            "global_batch_size, or use pipeline_schedule afab")
     if m < need:
@@ -137,13 +254,16 @@ def check_schedule(name: str, p: int, m: int, v: int) -> None:
 
 
 # ------------------------------------------------------------------------- a model of the timing
-def simulate(orders: List[List[Action]], v: int = 1, t_f: float = 1.0, t_b: float = 2.0
-             ) -> Tuple[List[List[Tuple[Action, float, float]]], float]:
-    """Run the action lists of all p ranks on an ideal machine (compute takes t_f / t_b per chunk,
-    a send arrives at once): ([(action, start, end)] per rank, step time). Raises RuntimeError if
-    the lists deadlock. What bench_pp.py draws as the theory, and what the tests use to check that
-    every schedule completes. Virtual stage of (rank, chunk) = chunk * p + rank."""
+def simulate(orders: List[List[Action]], v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
+             name: str = "1f1b") -> Tuple[List[List[Tuple[Action, float, float]]], float]:
+    """Run the action lists of all p ranks of schedule `name` on an ideal machine (a chunk's F, B,
+    W take t_f / v, t_b / v, t_w / v; a send arrives at once): ([(action, start, end)] per rank, step
+    time). t_b is the whole backward for the schedules without W, dL/dx alone for those with.
+    Raises RuntimeError if the lists deadlock. What bench_pp.py draws as the ideal, and what the
+    tests use to check that every schedule completes. Virtual stages: chunk_stages(name, ...)."""
     p = len(orders)
+    stages = [chunk_stages(name, p, r, v) for r in range(p)]
+    took = {"F": t_f / v, "B": t_b / v, "W": t_w / v}
     done: Dict[Tuple[str, int, int], float] = {}       # (kind, virtual stage, micro) -> end time
     pos, clock = [0] * p, [0.0] * p
     events: List[List[Tuple[Action, float, float]]] = [[] for _ in range(p)]
@@ -154,15 +274,17 @@ def simulate(orders: List[List[Action]], v: int = 1, t_f: float = 1.0, t_b: floa
             if pos[r] == len(orders[r]):
                 continue
             a = orders[r][pos[r]]
-            vs = a.chunk * p + r
+            vs = stages[r][a.chunk]
             if a.kind == "F":
                 dep = ("F", vs - 1, a.micro) if vs > 0 else None
-            else:
+            elif a.kind == "B":
                 dep = ("B", vs + 1, a.micro) if vs < last_vs else ("F", vs, a.micro)
+            else:                                       # W: after this stage's own B
+                dep = ("B", vs, a.micro)
             if dep is not None and dep not in done:
                 continue
             start = max(clock[r], done[dep] if dep is not None else 0.0)
-            end = start + (t_f if a.kind == "F" else t_b) / v
+            end = start + took[a.kind]
             done[(a.kind, vs, a.micro)] = clock[r] = end
             events[r].append((a, start, end))
             pos[r] += 1
@@ -174,13 +296,22 @@ def simulate(orders: List[List[Action]], v: int = 1, t_f: float = 1.0, t_b: floa
 
 
 def peak_in_flight(order: List[Action]) -> int:
-    """The most micro-batch chunks whose forward ran and whose backward has not, on one rank."""
+    """The most micro-batch chunks whose forward ran and whose backward has not (whose W has not,
+    under a zero-bubble schedule: B keeps the linears' inputs for W), on one rank."""
+    freed_by = "W" if any(a.kind == "W" for a in order) else "B"
     live = peak = 0
     for a in order:
-        live += 1 if a.kind == "F" else -1
+        live += 1 if a.kind == "F" else -1 if a.kind == freed_by else 0
         peak = max(peak, live)
     return peak
 
 
 def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The idle fraction of a step with every chunk's F, B (and W) equally long per stage:
+    t_F = t_B for the whole-backward schedules, t_F = t_B = t_W for the split ones."""
+    if name == "zb_h1":
+        return (p - 1) / (3 * m + p - 1)
+    if name == "zbv":                          # in half-stage slots: p - 1, or more while the V is not full
+        idle = max(p - 1, 4 * p - 2 - 2 * m)
+        return idle / (6 * m + idle)
     return (p - 1) / ((v if name == "interleaved_1f1b" else 1) * m + p - 1)

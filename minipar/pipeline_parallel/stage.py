@@ -12,6 +12,12 @@ runs the final norm, the lm_head and the loss, the widest matmul of a small mode
     L = 8, pp = 2, v = 2:       rank 0: chunk 0 = layers 0-1 (+ embed_tokens), chunk 1 = layers 4-5
                                 rank 1: chunk 0 = layers 2-3, chunk 1 = layers 6-7 (+ norm, lm_head)
     (virtual stage k = chunk k // pp of rank k % pp: a micro-batch visits rank 0, 1, 0, 1)
+    L = 8, pp = 2, zbv:         rank 0: chunk 0 = layers 0-1 (+ embed_tokens), chunk 1 = layers 6-7
+                                (+ norm, lm_head); rank 1: chunk 0 = layers 2-3, chunk 1 = layers 4-5
+    (the V: chunk 0 of rank r is virtual stage r, chunk 1 is 2 pp - 1 - r: rank 0, 1, 1, 0)
+
+Under a zero-bubble schedule (zb_h1, zbv) build_stage also gives the stage's Linear layers one
+WeightGradStore (split_backward.py), `stage.weight_grads`, so the executor can run B and W apart.
 
 The stage is built from the whole LlamaForCausalLM (so its weights are the seeded ones of every
 other layout) by dropping what other stages hold. The layers it keeps sit in an nn.ModuleDict keyed
@@ -35,6 +41,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..tensor_parallel import gather_tensor
+from .schedules import SPLIT_BACKWARD, chunk_stages
+from .split_backward import split_weight_gradients
 
 
 def split_layers(num_layers: int, num_stages: int,
@@ -67,10 +75,11 @@ def split_layers(num_layers: int, num_stages: int,
 
 
 def stage_chunks(num_layers: int, pp_size: int, pp_rank: int, virtual_stages: int = 1,
-                 pipeline_layers: Optional[List[int]] = None) -> List[List[int]]:
-    """The layers of each model chunk of rank `pp_rank`: chunk j is virtual stage j * pp + rank."""
+                 pipeline_layers: Optional[List[int]] = None, schedule: str = "1f1b") -> List[List[int]]:
+    """The layers of each model chunk of rank `pp_rank`: chunk j is virtual stage j * pp + rank (the
+    V of zbv: rank, then 2 pp - 1 - rank; schedules.chunk_stages)."""
     split = split_layers(num_layers, pp_size * virtual_stages, pipeline_layers)
-    return [split[j * pp_size + pp_rank] for j in range(virtual_stages)]
+    return [split[k] for k in chunk_stages(schedule, pp_size, pp_rank, virtual_stages)]
 
 
 class PipelineStage(nn.Module):
@@ -79,14 +88,27 @@ class PipelineStage(nn.Module):
     h otherwise) and returns h, or on the last virtual stage the loss (sum of token losses /
     num_items_in_batch)."""
 
-    def __init__(self, model: nn.Module, pgm, chunks: List[List[int]]):
+    def __init__(self, model: nn.Module, pgm, chunks: List[List[int]], schedule: str = "1f1b"):
         super().__init__()
         self.config, self.pgm, self.chunks = model.config, pgm, [list(c) for c in chunks]
         self.num_chunks = len(chunks)
-        self.is_first, self.is_last = pgm.pp.is_first, pgm.pp.is_last
+        p = pgm.pp.size
+        # the virtual stage of each chunk of this rank, and the pp rank holding each virtual stage
+        # (what the sends address): the loop j * pp + rank, or the V of zbv
+        self.virtual = chunk_stages(schedule, p, pgm.pp.rank, self.num_chunks)
+        self.num_virtual = p * self.num_chunks
+        self.owner = [0] * self.num_virtual
+        for r in range(p):
+            for k in chunk_stages(schedule, p, r, self.num_chunks):
+                self.owner[k] = r
+        # whether this rank holds the embedding (virtual stage 0) / the norm, lm_head and loss (the last)
+        self.is_first, self.is_last = 0 in self.virtual, self.num_virtual - 1 in self.virtual
+        self.weight_grads = None                 # a WeightGradStore under zb_h1 / zbv (build_stage)
         # the whole model's names and full shapes: what a checkpoint of any stage must describe
+        # (the trained ones: a frozen base, LoRA's, comes back from its source, not a checkpoint)
         self.full_param_shapes: Dict[str, list] = {
-            n: list(getattr(p, "tp_full_shape", None) or p.shape) for n, p in model.named_parameters()}
+            n: list(getattr(p, "tp_full_shape", None) or p.shape) for n, p in model.named_parameters()
+            if p.requires_grad}
         body = model.model
         kept = [i for c in chunks for i in c]
         body.layers = nn.ModuleDict({str(i): body.layers[i] for i in kept})
@@ -103,10 +125,10 @@ class PipelineStage(nn.Module):
         self.gradient_checkpointing = True
 
     def is_first_virtual(self, chunk: int) -> bool:
-        return self.is_first and chunk == 0
+        return self.virtual[chunk] == 0
 
     def is_last_virtual(self, chunk: int) -> bool:
-        return self.is_last and chunk == self.num_chunks - 1
+        return self.virtual[chunk] == self.num_virtual - 1
 
     def forward(self, x, position_ids, labels=None, num_items_in_batch=None, chunk: int = 0,
                 document_ids=None):
@@ -162,13 +184,17 @@ def _hf_order(names):
 
 
 def build_stage(model: nn.Module, pgm, virtual_stages: int = 1,
-                pipeline_layers: Optional[List[int]] = None) -> PipelineStage:
+                pipeline_layers: Optional[List[int]] = None, schedule: str = "1f1b") -> PipelineStage:
     """This rank's PipelineStage of a freshly built LlamaForCausalLM (call before fully_shard /
-    replicate and before the optimizer, which must only see the stage's parameters)."""
+    replicate and before the optimizer, which must only see the stage's parameters), its chunks
+    placed as `schedule` runs them, its Linears' backward split when the schedule has W actions."""
     if model.config.tie_word_embeddings:
         raise ValueError("tie_word_embeddings with pipeline parallelism is not supported: the embedding "
                          "(first stage) and the lm_head (last stage) would share one weight across stages; "
                          "set model.tie_word_embeddings false or pipeline_parallel_size 1")
     chunks = stage_chunks(model.config.num_hidden_layers, pgm.pp.size, pgm.pp.rank, virtual_stages,
-                          pipeline_layers)
-    return PipelineStage(model, pgm, chunks)
+                          pipeline_layers, schedule)
+    stage = PipelineStage(model, pgm, chunks, schedule)
+    if schedule in SPLIT_BACKWARD:
+        stage.weight_grads = split_weight_gradients(stage)
+    return stage

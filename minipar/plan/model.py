@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 from minipar.context_parallel.ulysses import kv_repeats
+from models.flops import layers_matmul_weights, matmul_weights, step_flops
 
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 
@@ -252,19 +253,18 @@ def wire_bytes(op: str, group_size: int, nbytes: float) -> float:
 
 # ---------------------------------------------------------------------------------------- FLOPs
 def flops(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> Dict[str, float]:
-    """FLOPs of one step: `model` (6 x matmul params x tokens + 6 x L x H x D x seq x tokens, the
-    causal half of attention; what MFU divides), `rank` (executed by one rank, + the forward again
-    under activation checkpointing)."""
-    m, L = model, model.num_hidden_layers
-    _, layer, head = m.tensors(1)
-    matmul = L * (sum(layer) - 2 * m.hidden_size) + m.vocab_size * m.hidden_size   # no norms, no lookup
-    tokens = batch.global_batch_size * batch.sequence_len
-    attn = 6 * L * m.num_attention_heads * m.head_dim * batch.sequence_len    # per token, causal
-    per_token = 6 * matmul + attn
-    model_flops = per_token * tokens
-    layers_share = (6 * L * (sum(layer) - 2 * m.hidden_size) + attn) / per_token
+    """FLOPs of one step, models/flops.py's count (the one the trainer's `mfu` divides too):
+    `model` (6 x matmul weights x tokens + the causal half of attention: what MFU divides),
+    `model_full_attention` (attention counted whole, torchtitan's convention), `rank` (executed
+    by one rank, + the forward again under activation checkpointing)."""
+    m = model
+    step = step_flops(m, batch.global_batch_size, batch.sequence_len)
+    model_flops = step.causal
+    layers_share = (step.matmul * layers_matmul_weights(m) / matmul_weights(m)
+                    + step.attention_causal) / model_flops
     recompute = (layers_share / 3) if opts.gradient_checkpointing else 0.0
     rank = model_flops * (1 + recompute) / layout.world
-    attn_rank = attn * tokens * (1 + (1 / 3 if opts.gradient_checkpointing else 0)) / layout.world
-    return dict(model=model_flops, rank=rank, attention_rank=attn_rank, attention_model=attn * tokens,
+    attn_rank = step.attention_causal * (1 + (1 / 3 if opts.gradient_checkpointing else 0)) / layout.world
+    return dict(model=model_flops, model_full_attention=step.full, rank=rank, attention_rank=attn_rank,
+                attention_model=step.attention_causal,
                 params=m.num_params())

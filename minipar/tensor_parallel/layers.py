@@ -93,6 +93,16 @@ def _param(shape, split_dim, full_shape):
 
 
 class _TPLinear(nn.Module):
+    # where the weight gradient goes: None computes it in backward, as F.linear does; a pipeline
+    # running a zero-bubble schedule sets a WeightGradStore (minipar/pipeline_parallel/
+    # split_backward.py) whose linear() defers dW from the backward (B) to a later W action
+    weight_grad_store = None
+
+    def _linear(self, x, bias):
+        if self.weight_grad_store is None:
+            return F.linear(x, self.weight, bias)
+        return self.weight_grad_store.linear(x, self.weight, bias)
+
     def reset_parameters(self, std: float = 0.02, generator=None):
         """Draw the full weight (same on every rank for the same generator state), keep the slice."""
         with torch.no_grad():
@@ -124,15 +134,19 @@ class ColumnParallelLinear(_TPLinear):
         local_out = _check_divisible("out_features", out_features, tp)
         self.weight = _param((local_out, in_features), 0, (out_features, in_features))
         self.bias = _param((local_out,), 0, (out_features,)) if bias else None
+        self.lora = None             # a LoRA adapter (minipar/lora/adapter.py) adds to y_i
         self.reset_parameters()
 
     def forward(self, x, skip_input_comm: bool = False):
         if self.async_overlap and not skip_input_comm:
-            y, = async_column_parallel(x, [self.weight], self.tp, self.sequence_parallel, [self.bias])
+            y, = async_column_parallel(x, [self.weight], self.tp, self.sequence_parallel, [self.bias],
+                                       self.weight_grad_store)
         else:
             if not skip_input_comm:   # (b, s/tp, h) -> (b, s, h) under SP; f otherwise
                 x = enter_tp_region(x, self.tp, self.sequence_parallel)
-            y = F.linear(x, self.weight, self.bias)
+            y = self._linear(x, self.bias)
+            if self.lora is not None:
+                y = y + self.lora(x)
         return gather_from_tp_region(y, self.tp, dim=-1) if self.gather_output else y
 
 
@@ -147,7 +161,7 @@ def column_parallel_group(x, layers):
                          "and async_overlap")
     if first.async_overlap:
         return async_column_parallel(x, [l.weight for l in layers], first.tp, first.sequence_parallel,
-                                     [l.bias for l in layers])
+                                     [l.bias for l in layers], first.weight_grad_store)
     x = enter_tp_region(x, first.tp, first.sequence_parallel)
     return tuple(l(x, skip_input_comm=True) for l in layers)
 
@@ -163,12 +177,15 @@ class RowParallelLinear(_TPLinear):
         local_in = _check_divisible("in_features", in_features, tp)
         self.weight = _param((out_features, local_in), 1, (out_features, in_features))
         self.bias = _param((out_features,), None, (out_features,)) if bias else None
+        self.lora = None             # a LoRA adapter adds to the partial sum, before its reduction
         self.reset_parameters()
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp, dim=-1)
-        partial = F.linear(x, self.weight)
+        partial = self._linear(x, None)
+        if self.lora is not None:    # reduced together with x W^T: no collective of its own
+            partial = partial + self.lora(x)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp)
         else:

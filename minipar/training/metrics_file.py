@@ -1,7 +1,9 @@
 """What a run leaves behind besides checkpoints: the metrics file and the loss curve.
 
     <output_dir>/metrics.jsonl     one JSON line per optimizer step (step, loss, lr, grad_norm,
-                                   tokens_per_s, elapsed_s, val_loss every eval_steps); rank 0 only
+                                   tokens_per_s, tflops_per_s, mfu, mfu_full_attention (throughput.py),
+                                   elapsed_s, val_loss every eval_steps; for a mixture of experts
+                                   moe_aux_loss, moe_imbalance, moe_dropped (moe_metrics.py)); rank 0 only
     <output_dir>/loss_curve.png    train (and validation) loss against the step, at the end
 
 On a resume the lines of the steps up to the checkpoint are kept and the rest dropped, so the file

@@ -4,11 +4,14 @@ optimizer step is a pipeline schedule over the step's micro-batches.
     global batch, num_items_in_batch        Batches, as in trainer.py: every rank of every stage
     micro-batches m = 0..M-1                 local_batch(dp, cp) as usual: every stage reads the
                                              same ones (the sampler only knows the dp coordinates)
-    run_schedule(stage, order)               afab | 1f1b | interleaved_1f1b (minipar.pipeline_parallel)
+    run_schedule(stage, order)               afab | 1f1b | interleaved_1f1b | zb_h1 | zbv
+                                             (minipar.pipeline_parallel)
         every backward but the rank's last one under no_sync (DDP's, and ZeRO-3's, which keeps
         the unsharded gradients): the last backward reduces everything, once per step: DDP's
         all-reduce, ZeRO-3's reduce-scatter of each unit (of the other chunk's units too, at the
-        end of that backward, under interleaving), not once per micro-batch
+        end of that backward, under interleaving), not once per micro-batch. Under zb_h1 / zbv
+        "the last backward" is the step's last W: the B's and every other W accumulate under
+        no_sync, and the W's gradients reach the reducers' hooks as B's do (split_backward.py)
     loss = all-reduce over dp_cp (the last stage's shares), then over pp (the others add zero)
     optim.OptimizerStep                      the plain step's tail: clip by the global norm
                                              (optim.py sums the squares over pp too), AdamW, schedule
@@ -27,6 +30,7 @@ import torch
 
 from minipar import comm
 from minipar.pipeline_parallel import (
+    arrival_order,
     build_stage,
     check_schedule,
     forward_only,
@@ -39,10 +43,10 @@ from minipar.training.data import batches as mdata
 
 
 def virtual_stages(cfg) -> int:
-    """Model chunks per rank: pipeline_virtual_stages, or 2 for interleaved_1f1b and 1 otherwise."""
+    """Model chunks per rank: pipeline_virtual_stages, or 2 for interleaved_1f1b and zbv, 1 otherwise."""
     if cfg.pipeline_virtual_stages is not None:
         return cfg.pipeline_virtual_stages
-    return 2 if cfg.pipeline_schedule == "interleaved_1f1b" else 1
+    return 2 if cfg.pipeline_schedule in ("interleaved_1f1b", "zbv") else 1
 
 
 def check_pipeline(cfg, pp: int, num_micro: int) -> None:
@@ -70,7 +74,7 @@ def check_pipeline(cfg, pp: int, num_micro: int) -> None:
 
 def build_pipeline_model(model, cfg, pgm):
     """This rank's stage of the freshly built full model (before ZeRO-3/DDP and the optimizer)."""
-    return build_stage(model, pgm, virtual_stages(cfg), cfg.pipeline_layers)
+    return build_stage(model, pgm, virtual_stages(cfg), cfg.pipeline_layers, cfg.pipeline_schedule)
 
 
 class PipelineStep:
@@ -85,6 +89,9 @@ class PipelineStep:
         self.reducers = [r for r in reducers if r is not None]
         self.order = schedule_order(cfg.pipeline_schedule, pgm.pp.size, num_micro, pgm.pp.rank,
                                     virtual_stages(cfg))
+        # receive in the neighbours' posting order: NCCL pairs messages so (zbv needs it)
+        self.arrivals = arrival_order(cfg.pipeline_schedule, pgm.pp.size, num_micro, virtual_stages(cfg),
+                                      pgm.pp.rank)
         self.act_dtype = act_dtype
 
     def train_step(self, step: int) -> dict:
@@ -97,11 +104,12 @@ class PipelineStep:
                 unsynced.enter_context(reducer.no_sync())
 
             def before_backward(action, last: bool):
-                if last:                          # the step's final backward reduces it all, once
+                if last:                          # the step's final B (or W) reduces it all, once
                     unsynced.close()
 
             loss = run_schedule(self.model, self.order, pgm, micro, n_items, act_dtype=self.act_dtype,
-                                before_backward=before_backward, autocast=self.autocast)
+                                before_backward=before_backward, autocast=self.autocast,
+                                arrivals=self.arrivals)
         comm.all_reduce(loss, pgm.dp_cp)
         comm.all_reduce(loss, pgm.pp)
         return dict(loss=loss.item(), **self.optimizer_step())

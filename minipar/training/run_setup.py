@@ -125,14 +125,16 @@ def setup_run(argv: List[str]) -> Run:
     sizes = dict(dp_replicate_size=cfg.dp_replicate_size, dp_shard_size=cfg.dp_shard_size,
                  cp_size=cfg.context_parallel_size, tp_size=cfg.tensor_parallel_size,
                  pp_size=cfg.pipeline_parallel_size)
-    if world == 1 and not from_cli and any((v or 1) > 1 for v in sizes.values()):
+    ep = cfg.expert_parallel_size
+    if world == 1 and not from_cli and any((v or 1) > 1 for v in list(sizes.values()) + [ep]):
         # `python train.py` on a config written for a torchrun launch: run it on one process
         notes.append(f"one process: the config's parallel sizes ({_fmt(sizes)}) apply to torchrun "
                      f"launches; running with all sizes 1")
-        sizes = dict.fromkeys(sizes, 1)
+        sizes, ep = dict.fromkeys(sizes, 1), 1
     pconf = ParallelismConfig(**sizes, sequence_parallel=cfg.sequence_parallel,
                               tp_async_overlap=cfg.tp_async_overlap, cp_layout=cfg.cp_layout,
-                              cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size)
+                              cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size,
+                              ep_size=ep)
     try:
         pconf = pconf.resolve(world)
     except ValueError as err:

@@ -9,14 +9,20 @@ The loop owns the history (one record per step, the earlier ones of metrics.json
     maybe_resume()                         step-N of resume_from_checkpoint (latest: the newest
                                            whose checksums hold), its sampler position and step
     for step in start .. max_steps:
-        train_step(step)                   loss, grad_norm, lr
+        train_step(step)                   loss, grad_norm, lr; tokens_per_s, tflops_per_s, mfu
+                                           (throughput.py); inside the trace when profile_steps
+                                           holds the step (profiling.py)
         evaluate()                         every eval_steps and at the end (when there is val data)
         a non-finite loss                  FloatingPointError, naming the step and the fixes
-        metrics.jsonl, tqdm, the log line  rank 0 only (every logging_steps)
+        metrics.jsonl, tqdm, the log line  rank 0 only (every logging_steps); TensorBoard and
+                                           wandb too when asked for (run_loggers.py)
         save(done)                         every save_steps (save_total_limit kept)
         stop.agreed(pgm)                   SIGTERM on any rank: every rank saves step `done` and
                                            leaves with lifecycle.Preempted, at the same step
-    save(max_steps), export_hf, summary    the peak memory of every rank, the loss curve
+    save(max_steps), export_hf, summary    the peak memory of every rank, the loss curve, the
+                                           throughput and MFU beside the planner's prediction for
+                                           this layout (trainer.predict: train.py passes the
+                                           planner in, since training/ may not import it)
 
 Communication beyond the step's: one all-reduce of one int over the world per step (the stop
 flag; nothing on one process), a checkpoint's barriers when saving, and one all-gather of one
@@ -39,6 +45,9 @@ from minipar.mesh import describe_grid
 from minipar.training import lifecycle, metrics_file
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.data.tokenizer import save_tokenizer
+from minipar.training.profiling import StepProfiler
+from minipar.training.run_loggers import open_loggers
+from minipar.training.throughput import Throughput
 
 
 class TrainLoop:
@@ -50,6 +59,11 @@ class TrainLoop:
         # the trainer's fixed parts, named once (start_step is read from it: maybe_resume moves it)
         self.cfg, self.pgm, self.run, self.device = trainer.cfg, trainer.pgm, trainer.run, trainer.device
         self.is_main, self.log = trainer.is_main, trainer.log
+        dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
+        self.throughput = Throughput(self.cfg, self.pgm.world_size, self.device, dtype)
+        self.profiler = StepProfiler(self.cfg.profile_steps, self.cfg.output_dir, self.pgm.global_rank,
+                                     self.device, self.log)
+        self.loggers = []
 
     def _open_metrics(self):
         if not self.is_main:
@@ -74,19 +88,24 @@ class TrainLoop:
         self.log(f"model: {t.n_params / 1e6:.2f} M parameters, {cfg.model.num_hidden_layers} layers, hidden "
                  f"{cfg.model.hidden_size}; {cfg.global_batch_size} x {cfg.sequence_len} tokens per step in "
                  f"{self.run.num_micro_steps} micro-batch(es) per rank; {cfg.dtype}")
+        self.log(self.throughput.describe())
         t.maybe_resume()
         metrics = self._open_metrics()
+        self.loggers = open_loggers(cfg, t.start_step, self.is_main)
         tokens_per_step = cfg.global_batch_size * cfg.sequence_len
         bar = tqdm(total=cfg.max_steps, initial=t.start_step, desc="train", dynamic_ncols=True,
                    disable=not (self.is_main and cfg.progress_bar))
         start, last_val = time.time(), None
         stop = lifecycle.StopFlag().install()     # SIGTERM: finish the step, save it, leave (lifecycle.py)
         for step in range(t.start_step, cfg.max_steps):
-            t0 = time.time()
-            out = t.train_step(step)
-            dt = time.time() - t0
+            with self.profiler.around(step + 1):
+                t0 = time.time()
+                out = t.train_step(step)
+                dt = time.time() - t0
             record = dict(step=step + 1, loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"],
-                          tokens_per_s=tokens_per_step / dt, elapsed_s=time.time() - start)
+                          tokens_per_s=tokens_per_step / dt, **self.throughput.of_step(dt),
+                          elapsed_s=time.time() - start)
+            record.update(out.get("moe") or {})   # an MoE's aux loss, imbalance, drops (moe_metrics.py)
             done = step + 1
             has_val = self.run.datasets is None or self.run.datasets.val is not None
             if cfg.eval_steps and has_val and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
@@ -97,6 +116,8 @@ class TrainLoop:
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+            for logger in self.loggers:
+                logger.log(record)
             self.history.append(record)
             bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
@@ -111,11 +132,16 @@ class TrainLoop:
                 self._stop_early(done, signum, stop, bar, metrics)
         stop.restore()
         bar.close()
-        if metrics:
-            metrics.close()
+        self._close(metrics)
         if cfg.save_final_checkpoint and cfg.max_steps > t.start_step:
             t.save(cfg.max_steps)
-        if cfg.export_hf:
+        if cfg.export_hf and t.lora:              # PEFT's adapter directory, and the merged model
+            for path in ckpt.export_lora(cfg, t.model, t.lora_targets):
+                if self.is_main and path != cfg.output_dir:
+                    save_tokenizer(self.run.tokenizer, path)
+                self.log(f"exported {'the LoRA adapter' if path == cfg.output_dir else 'the merged model'} "
+                         f"to {path}")
+        elif cfg.export_hf:
             hf_dir = os.path.join(cfg.output_dir, "hf")
             ckpt.export_hf(hf_dir, t.model)
             if self.is_main:       # the model's tokenizer beside its weights (bytes: a tokenizer.json)
@@ -124,12 +150,20 @@ class TrainLoop:
         self.summary(time.time() - start, last_val)
         return self.history
 
+    def _close(self, metrics):
+        """The metrics file, the loggers, and a trace still open (a run that ended inside profile_steps)."""
+        if metrics:
+            metrics.close()
+        for logger in self.loggers:
+            logger.close()
+        self.loggers = []
+        self.profiler.close()
+
     def _stop_early(self, done: int, signum: int, stop, bar, metrics):
         """Every rank saw a stop signal by the end of step `done`: save that step (unless save_steps
         just did) and leave with lifecycle.Preempted, before the launcher's grace period ends."""
         bar.close()
-        if metrics:
-            metrics.close()
+        self._close(metrics)
         saved = self.cfg.save_steps and done % self.cfg.save_steps == 0
         path = os.path.join(self.cfg.output_dir, f"step-{done}") if saved else self.trainer.save(done)
         stop.restore()                            # (a repeated SIGTERM during the save is absorbed)
@@ -158,4 +192,29 @@ class TrainLoop:
                  + (f", val_loss {last_val:.4f}" if last_val is not None else ""),
                  f"metrics: {self.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),
                  f"{what} per rank (MiB): " + " ".join(f"r{i}={p:.0f}" for i, p in enumerate(peaks.tolist()))]
-        self.log("\n".join(lines))
+        self.log("\n".join(lines + self._speed_lines(ran, max(peaks.tolist()))))
+
+    def _speed_lines(self, ran, peak_mib: float):
+        """The run's throughput and MFU (after the first step, which warms up), beside the planner's
+        prediction for this layout at the same peak (trainer.predict, when train.py gave one)."""
+        steps = ran[1:] if len(ran) > 1 else ran
+        if not steps:
+            return []
+        mean = {k: sum(r[k] for r in steps) / len(steps) for k in steps[0]
+                if k in ("tokens_per_s", "tflops_per_s", "mfu", "mfu_full_attention")}
+        tp = self.throughput
+        mfu = f", MFU {100 * mean['mfu']:.1f} % (full attention {100 * mean['mfu_full_attention']:.1f} %) " \
+              f"of {tp.peak:.3g} TFLOP/s" if "mfu" in mean else f" ({tp.peak_source})"
+        lines = [f"throughput (steps {steps[0]['step']}-{steps[-1]['step']}): {mean['tokens_per_s']:.0f} "
+                 f"tokens/s, {mean['tflops_per_s']:.3g} TFLOP/s per device{mfu}"]
+        predict = getattr(self.trainer, "predict", None)
+        if predict is not None and tp.peak:
+            try:
+                p = predict(tp.peak)
+            except ValueError as err:             # a run the planner cannot model: said, not fatal
+                return lines + [f"planner: no prediction for this run ({err})"]
+            lines.append(f"planner (python -m minipar.plan, at this peak; its links and efficiency are "
+                         f"its defaults): {p['tokens_per_s']:.0f} tokens/s, MFU {100 * p['mfu']:.1f} %, "
+                         f"{p['memory_bytes'] / 2 ** 20:.0f} MiB of tensors per rank (the measured "
+                         f"peak above: {peak_mib:.0f} MiB)")
+        return lines

@@ -18,6 +18,10 @@ One optimizer step on a rank (B = global_batch_size, M micro-batches, D = dp siz
     clip by the global norm (each element counted once), AdamW on the shards, lr schedule
     logged loss = all-reduce over dp_cp of sum_m loss_m       identical on every layout
 
+A mixture of experts adds router_aux_loss_coef / (D*M) x each micro-batch's load-balancing loss to
+loss_m (models/moe_aux.py: the mean over the global batch's D*M micro-batches), and its aux loss,
+load imbalance and dropped copies to the step's record (moe_metrics.py).
+
 Everything that can be checked without communicating is checked before, by run_setup.setup_run.
 """
 from __future__ import annotations
@@ -33,11 +37,13 @@ from tqdm import tqdm
 import minipar
 from minipar import comm
 from minipar.data_parallel import replicate, replicate_naive
+from minipar.lora import add_lora, check_targets, load_adapters, lora_parameters, lora_targets
 from minipar.training import optim as moptim
 from minipar.training.batch_source import Batches, eval_loss
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.checkpoint import verify
 from minipar.training.data import batches as mdata
+from minipar.training.moe_metrics import MoEStepMetrics
 from minipar.training.pipeline_step import PipelineStep, build_pipeline_model
 from minipar.training.run_setup import Run
 from minipar.training.train_loop import TrainLoop  # the run around the step: train(), summary()
@@ -50,8 +56,10 @@ class Trainer:
     """The model, its parallel wrappers, the optimizer and one step; the run around them is its
     train_loop.TrainLoop (train(), the summary)."""
 
-    def __init__(self, run: Run):
-        self.run, self.cfg, self.pgm = run, run.cfg, run.pgm
+    def __init__(self, run: Run, predict=None):
+        """predict: peak TFLOP/s -> the planner's {tokens_per_s, mfu, memory_bytes} for this run, which
+        the summary prints beside the measured ones (train.py's; training/ may not import the planner)."""
+        self.run, self.cfg, self.pgm, self.predict = run, run.cfg, run.pgm, predict
         cfg, pgm = self.cfg, self.pgm
         self.is_main = pgm.global_rank == 0
         self.device = minipar.default_device()
@@ -61,6 +69,16 @@ class Trainer:
         model = LlamaForCausalLM(cfg.model, pgm, seed=cfg.seed, device="meta")
         self.n_params = sum(math.prod(p.tp_full_shape) for p in model.parameters())
         source, t_load = self._weight_source(model), time.time()
+        # LoRA: the base frozen, the adapters real now, on the whole model (global names, a seed per
+        # adapter name), so they go with their layer through the pipeline cut and stay out of ZeRO-3
+        self.lora = cfg.adapter == "lora"
+        if self.lora:
+            self.lora_targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
+                                              lora_targets(model))
+            add_lora(model, self.lora_targets, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, seed=cfg.seed,
+                     device=self.device)
+            if cfg.lora_model_dir:               # checked against the model by check.py already
+                load_adapters(model, cfg.lora_model_dir, pgm.tp)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if pgm.pp.size > 1:                       # pipeline parallelism: keep this rank's stage only
@@ -74,14 +92,17 @@ class Trainer:
             fully_shard(model, pgm, prefetch=cfg.fsdp.prefetch,
                         reshard_after_forward=cfg.fsdp.reshard_after_forward,
                         param_dtype=torch.bfloat16 if self.bf16 else None,
-                        reduce_dtype=torch.float32 if self.bf16 else None, init=source)
+                        reduce_dtype=torch.float32 if self.bf16 else None, init=source,
+                        ignored_params=lora_parameters(model))
         else:
             materialize(model, source)
-        if pgm.dp_cp.size > 1 and not self.sharded:   # replicas only: DDP all-reduces the gradients
+        # replicas only: DDP all-reduces the gradients. With LoRA on ZeRO-3 too: the frozen shards
+        # have none, and the adapters are whole on every rank (minipar/lora/adapter.py says why)
+        if pgm.dp_cp.size > 1 and (not self.sharded or self.lora):
             wrap = replicate_naive if cfg.ddp == "naive" else replicate
             self.grad_sync = wrap(model, pgm.dp_cp)
         # whose no_sync() the micro-batches before the last run under (None: sync every one)
-        self.no_sync_owner = self.grad_sync if not self.sharded else \
+        self.no_sync_owner = self.grad_sync if not self.sharded or self.lora else \
             (None if cfg.fsdp.sync_each_batch else model.zero3)
         self.model = model
         if run.base_model is not None:
@@ -136,11 +157,13 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, batch, n_items):
+    def _forward(self, batch, n_items, aux_weight=0.0):
+        """The loss of one micro-batch; aux_weight: its load-balancing loss's weight (an MoE; 0 in
+        evaluation, whose loss is the cross-entropy alone)."""
         with self.autocast():
             return self.model(batch["input_ids"], position_ids=batch["position_ids"],
                               labels=batch["labels"], num_items_in_batch=n_items,
-                              document_ids=batch.get("document_ids"))
+                              document_ids=batch.get("document_ids"), aux_weight=aux_weight)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict:
@@ -150,17 +173,19 @@ class Trainer:
         n_items = mdata.count_label_tokens(gb["labels"])
         M = self.run.num_micro_steps
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        moe = MoEStepMetrics(self.pgm, self.device)
         for m in range(M):
             batch = self.batches.local(gb, m, M)
             last = m == M - 1
             unsynced = self.no_sync_owner and not last
             no_sync = self.no_sync_owner.no_sync() if unsynced else contextlib.nullcontext()
             with no_sync:
-                loss = self._forward(batch, n_items)
+                loss = self._forward(batch, n_items, aux_weight=1.0 / (self.pgm.dp.size * M))
                 loss.backward()
             loss_sum += loss.detach().double()
+            moe.add(self.model.moe_metrics)
         comm.all_reduce(loss_sum, self.pgm.dp_cp)
-        return dict(loss=loss_sum.item(), **self.optimizer_step())
+        return dict(loss=loss_sum.item(), **self.optimizer_step(), moe=moe.reduce())
 
     def evaluate(self) -> float:
         if self.pipeline is not None:

@@ -21,6 +21,10 @@ Metadata carried for the optimizer and clipping (element ranges inside THIS rank
                         over tp for the global norm; the rest is TP-replicated (norms) or padding
     no_decay_segments   ranges of 1-D tensors (norm weights): AdamW does not decay them
 
+A unit's experts (parameters with ep_split_dim, expert_parallel/sharding.py) are split over ep and
+lie in a second FlatLayout of their own, sharded over edp (the ranks holding the same experts): their
+slots carry ep_split_dim, and full_shape is the whole (E, ...) tensor.
+
 A sharded state dict is the shard plus this layout (name, TP-local shape, offset, tp_split_dim,
 full shape per tensor), enough to rebuild full tensors from the shards of any other layout:
 training/checkpoint/save_load.py writes it as segments and reshards on load (state_dicts.py builds it).
@@ -34,6 +38,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..expert_parallel.sharding import ep_block, ep_gather, ep_shard
 from ..tensor_parallel import gather_tensor, shard_tensor
 
 
@@ -44,7 +49,8 @@ class Slot:
     local_shape: Tuple[int, ...]     # what this tp rank holds
     offset: int                      # first element in the (unsharded) flat buffer
     tp_split_dim: Optional[int]      # None: replicated over tp
-    full_shape: Tuple[int, ...]      # after gathering over tp
+    full_shape: Tuple[int, ...]      # after gathering over tp (and over ep: an expert's (E, ...))
+    ep_split_dim: Optional[int] = None   # experts: split over ep too (expert_parallel/sharding.py)
 
     @property
     def numel(self) -> int:
@@ -78,7 +84,8 @@ class FlatLayout:
         slots, offset = [], 0
         for name, p in named_params:
             split = getattr(p, "tp_split_dim", None)
-            slots.append(Slot(name, tuple(p.shape), offset, split, _full_shape(p, split, tp_size)))
+            slots.append(Slot(name, tuple(p.shape), offset, split, _full_shape(p, split, tp_size),
+                              getattr(p, "ep_split_dim", None)))
             offset += p.numel()
         return cls(slots, shard_count, shard_rank)
 
@@ -92,7 +99,7 @@ class FlatLayout:
             flat[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
         return flat
 
-    def shard_from_source(self, source, dtype, device) -> torch.Tensor:
+    def shard_from_source(self, source, dtype, device, ep=None) -> torch.Tensor:
         """This rank's shard (shard_numel,), filled from a weight source (models/llama_init.py)
         without building the flat buffer: only the tensors that overlap [start, stop) are asked
         for (their TP slice), each copied in and dropped, so the peak is the shard plus one tensor."""
@@ -101,7 +108,9 @@ class FlatLayout:
             a, b = max(s.offset, self.start), min(s.offset + s.numel, self.stop)
             if b <= a:
                 continue                                  # lies in another rank's shard
-            t = source.tp_local(s.name, s.full_shape, s.tp_split_dim)
+            # an expert asks for this ep member's block of experts only (a dense source never sees it)
+            block = {} if s.ep_split_dim is None else dict(experts=ep_block(s.full_shape[s.ep_split_dim], ep))
+            t = source.tp_local(s.name, s.full_shape, s.tp_split_dim, **block)
             if tuple(t.shape) != tuple(s.local_shape):
                 raise ValueError(f"{s.name}: the weight source gave shape {tuple(t.shape)}, this rank's "
                                  f"slice is {tuple(s.local_shape)}")
@@ -149,16 +158,18 @@ class FlatLayout:
                     shard_count=self.shard_count, params=params)
 
     # ------------------------------------------------------------------ full tensors
-    def to_full(self, flat: torch.Tensor, tp) -> Dict[str, torch.Tensor]:
-        """{name: full tensor} from the (gathered, unsharded) flat buffer; all-gathers over tp
-        (collective: every tp rank must call it)."""
+    def to_full(self, flat: torch.Tensor, tp, ep=None) -> Dict[str, torch.Tensor]:
+        """{name: full tensor} from the (gathered, unsharded) flat buffer; all-gathers over tp, and
+        the experts over ep (collective: every tp and ep rank must call it)."""
         out = {}
         for s in self.slots:
             local = flat[s.offset:s.offset + s.numel].view(s.local_shape)
-            out[s.name] = gather_tensor(local.contiguous(), s.tp_split_dim, tp).clone()
+            out[s.name] = ep_gather(gather_tensor(local.contiguous(), s.tp_split_dim, tp),
+                                    s.ep_split_dim, ep).clone()
         return out
 
-    def from_full(self, full: Dict[str, torch.Tensor], tp, dtype, device, source: str) -> torch.Tensor:
+    def from_full(self, full: Dict[str, torch.Tensor], tp, dtype, device, source: str,
+                  ep=None) -> torch.Tensor:
         """This rank's shard from full tensors (no communication: the slices are cut locally)."""
         missing = [s.name for s in self.slots if s.name not in full]
         if missing:
@@ -169,15 +180,17 @@ class FlatLayout:
             if tuple(t.shape) != tuple(s.full_shape):
                 raise ValueError(f"{source}: {s.name} has shape {tuple(t.shape)}, this model expects "
                                  f"{tuple(s.full_shape)}: the checkpoint is of another model shape")
-            tensors.append(shard_tensor(t.to(device=device, dtype=dtype), s.tp_split_dim, tp))
+            local = shard_tensor(t.to(device=device, dtype=dtype), s.tp_split_dim, tp)
+            tensors.append(ep_shard(local, s.ep_split_dim, ep))
         if not tensors:
             return torch.zeros(self.shard_numel, dtype=dtype, device=device)
         return self.shard(self.flatten(tensors, dtype)).clone()
 
 
-def plan_units(model, unit_classes):
+def plan_units(model, unit_classes, ignored=()):
     """Which parameters go into which flat buffer: [(unit name, module, [(HF name, param)],
-    [[(module, attr), ...] per param])], the root unit ("") first. A unit is an outermost module
+    [[(module, attr), ...] per param])], the root unit ("") first. `ignored` parameters (LoRA's
+    adapters) go into none: they stay plain parameters of their modules. A unit is an outermost module
     of `unit_classes`; the root takes every parameter outside them. A unit that shares a parameter
     with the root (a tied embedding: lm_head.weight is embed_tokens.weight) joins the root, since
     one parameter lives in one flat buffer. Every place a (tied or shared) parameter is referenced
@@ -187,15 +200,16 @@ def plan_units(model, unit_classes):
         inside = any(name.startswith(u + ".") for u in unit_names)   # nested: part of the outer unit
         if m is not model and isinstance(m, unit_classes) and not inside:
             unit_names.append(name)
-    names = {id(p): n for n, p in model.named_parameters()}          # a tied parameter: its first name
-    params = {id(p): p for _, p in model.named_parameters()}
+    skip = {id(p) for p in ignored}
+    names = {id(p): n for n, p in model.named_parameters() if id(p) not in skip}   # tied: its first name
+    params = {id(p): p for _, p in model.named_parameters() if id(p) not in skip}
     while True:
         refs: Dict[int, list] = {i: [] for i in names}
         owner: Dict[int, set] = {i: set() for i in names}
         for mname, m in model.named_modules(remove_duplicate=False):    # a shared module: every path
             unit = next((u for u in unit_names if mname == u or mname.startswith(u + ".")), "")
             for attr, p in m._parameters.items():
-                if p is not None:
+                if p is not None and id(p) not in skip:
                     if not any(m is m2 and attr == a2 for m2, a2 in refs[id(p)]):
                         refs[id(p)].append((m, attr))
                     owner[id(p)].add(unit)

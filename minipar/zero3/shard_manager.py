@@ -54,7 +54,8 @@ How the hooks find their moments, for any model:
   - after backward:  the flat buffer is one autograd leaf; its post-accumulate-grad hook fires
     once all gradients of the unit are in its .grad: reduce-scatter, free;
   - end of backward: a callback queued on the autograd engine waits for the outstanding
-    reduce-scatters, so when loss.backward() returns the shard gradients are final.
+    reduce-scatters, so when loss.backward() returns the shard gradients are final (queued by the
+    first of these hooks to fire: a pipeline's W pass only reaches the post-accumulate-grad one).
 Prefetching follows the execution orders (`prefetch` units ahead; 0 turns it off). Before the
 first step they are a static guess, the registration order forward and its reverse (root first)
 backward, so step 1 prefetches too; each forward and backward records the order it really ran and
@@ -78,6 +79,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm_ledger
+from ..expert_parallel.sharding import split_experts
 from .flat_param import plan_units
 from .grad_reduce import GradientReduction
 from .state_dicts import ShardedStateDicts
@@ -93,6 +95,21 @@ def _tensors(out):
     elif isinstance(out, dict):
         for o in out.values():
             yield from _tensors(o)
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once their gradients are complete, i.e. when
+    the unit's backward is done, and calls `done` (frees a frozen unit, which has no gradient hook)."""
+
+    @staticmethod
+    def forward(ctx, done, *tensors):
+        ctx.done = done
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
 
 
 class Zero3:
@@ -118,7 +135,7 @@ class Zero3:
         self._backward_running = False
         self.peak_gathered_bytes = 0
         for u in units:
-            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
+            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u, args))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
             if u.flat.requires_grad:
                 u.flat.register_post_accumulate_grad_hook(lambda flat, u=u: self._post_backward(u))
@@ -173,11 +190,11 @@ class Zero3:
         self._note_memory()
 
     # ------------------------------------------------------------------ the hooks
-    def _pre_forward(self, u: Unit):
+    def _pre_forward(self, u: Unit, args=()):
         if u.in_backward:                        # activation checkpointing re-runs the forward
             u.start_gather()                     # (normally a no-op: gathered before backward)
             u.wait_gather()
-            return
+            return None
         if u is self.root:
             self._fwd_seen = []
             for v in self.units:                 # left gathered by a forward without backward: the
@@ -186,6 +203,18 @@ class Zero3:
         comm_ledger.mark(f"zero3.forward {u.name}")
         self._gather_now(u, self.forward_order, len(self._fwd_seen) - 1)
         u.point_params_at(u.layout.views(u.flat))
+        if u.flat.requires_grad or u is self.root or not torch.is_grad_enabled():
+            return None
+        # a frozen unit (LoRA's base) has no gradient whose hook says its backward is over: its
+        # inputs' gradients say it instead (FSDP2's RegisterPostBackwardFunction)
+        grads = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not grads:
+            return None                          # (freed at the end of backward)
+        out = _AfterBackward.apply(lambda u=u: self._post_backward_frozen(u), *(args[i] for i in grads))
+        args = list(args)
+        for i, t in zip(grads, out):
+            args[i] = t
+        return tuple(args)
 
     def _post_forward(self, u: Unit, out):
         if u.in_backward:
@@ -208,11 +237,14 @@ class Zero3:
         if grad and self._fwd_seen != self.forward_order:
             self.forward_order = list(self._fwd_seen)           # relearn: this step ran otherwise
 
-    def _pre_backward(self, u: Unit):
+    def _start_backward(self):
         if not self._backward_running:
             self._backward_running = True
             self._bwd_seen = []
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _pre_backward(self, u: Unit):
+        self._start_backward()
         if u.in_backward:
             return
         u.in_backward = True
@@ -222,7 +254,14 @@ class Zero3:
         comm_ledger.mark(f"zero3.backward {u.name}")
         self._gather_now(u, self.backward_order, len(self._bwd_seen) - 1)
 
+    def _post_backward_frozen(self, u: Unit):
+        if u.in_backward:                        # not a recompute's inputs: the unit is done
+            u.free()
+
     def _post_backward(self, u: Unit):
+        # a backward that reaches the flat buffers without passing a unit's output (a pipeline's W
+        # action: minipar/pipeline_parallel/split_backward.py) must still end with the callback
+        self._start_backward()
         u.free()                                 # its backward is done; its gradient is in flat.grad
         self.grads.post_backward(u)
 
@@ -231,14 +270,14 @@ class Zero3:
         for u in self.units:                     # prefetched but unused, or kept by reshard=False
             u.free()
             u.in_backward = False
-        if self._bwd_seen != self.backward_order:
-            self.backward_order = list(self._bwd_seen)          # relearn
+        if self._bwd_seen and self._bwd_seen != self.backward_order:
+            self.backward_order = list(self._bwd_seen)          # relearn (a W pass gathers nothing)
         self._backward_running = False
 
 
 def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
                 reshard_after_forward: bool = True, param_dtype: Optional[torch.dtype] = None,
-                reduce_dtype: Optional[torch.dtype] = None, init=None) -> nn.Module:
+                reduce_dtype: Optional[torch.dtype] = None, init=None, ignored_params=()) -> nn.Module:
     """Shard `model` in place over pgm.dp_shard_cp (HSDP over pgm.dp_replicate); returns it, with
     the manager as `model.zero3`. unit_classes defaults to what the model declares as
     `model.zero3_unit_classes` (models/llama.py: the embedding and each decoder layer, as
@@ -247,7 +286,9 @@ def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
     Call it after moving the model to its device and BEFORE creating the optimizer (which must see
     the shards).
     init: a weight source (models/llama_init.py) for a model built on the meta device; each unit's
-    shard is then filled from it, unit by unit, on init.device, and nothing else is materialised."""
+    shard is then filled from it, unit by unit, on init.device, and nothing else is materialised.
+    ignored_params (FSDP's name): parameters left whole and out of every flat buffer, never gathered
+    nor reduced here (LoRA's adapters over a frozen base: the caller all-reduces their gradients)."""
     if getattr(model, "zero3", None) is not None:
         raise ValueError("fully_shard: this model is already sharded (model.zero3 exists)")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -264,20 +305,28 @@ def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
     if not all(isinstance(c, type) for c in unit_classes):
         raise ValueError(f"fully_shard: unit_classes must be module classes, got {unit_classes!r}")
 
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    ignored = {id(p) for p in ignored_params}
+    meta = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in ignored]
     if meta and init is None:
         raise ValueError(f"fully_shard: {len(meta)} parameters are on the meta device (e.g. {meta[0]}): "
                          f"pass init=<weight source> (models/llama_init.py) to fill the shards")
-    plan = plan_units(model, unit_classes)                 # checks everything before any change
-    names = [n for n, _ in model.named_parameters()]       # HF names, model order, tied once
+    plan = plan_units(model, unit_classes, ignored_params)   # checks everything before any change
+    names = [n for n, p in model.named_parameters() if id(p) not in ignored]   # HF names, model order
     units = []
     for uname, module, params, refs in plan:
         for ref in refs:
             for m, attr in ref:                            # the original Parameters go away
                 del m._parameters[attr]
+        # a unit's experts get a flat buffer of their own, sharded over edp (expert_parallel/sharding.py)
+        (params, refs), (expert_params, expert_refs) = split_experts(params, refs)
         unit = Unit(uname, module, params, refs, pgm, param_dtype, reduce_dtype, init)
         if not unit.empty:
             module.register_parameter("zero3_flat_shard", unit.shard)
         units.append(unit)
+        if expert_params:
+            unit = Unit(f"{uname}.experts", module, expert_params, expert_refs, pgm, param_dtype,
+                        reduce_dtype, init, experts=True)
+            module.register_parameter("zero3_expert_shard", unit.shard)
+            units.append(unit)
     model.zero3 = Zero3(model, pgm, units, names, prefetch, reshard_after_forward)
     return model

@@ -15,8 +15,8 @@ shards as they are, plus the layout (name, TP-local shape, offset, tp_split_dim,
 tensor) that lets training/checkpoint/layout.py place them into any other layout on load.
 
 Communication: full_from_shards all-gathers every unit's padded buffer over dp_shard_cp once (P
-elements of the shard dtype, wire (N-1)/N of that), then each tp-split tensor over tp; the other
-three methods communicate nothing.
+elements of the shard dtype, wire (N-1)/N of that), then each tp-split tensor over tp (an experts
+unit: over edp, then each expert tensor over ep); the other three methods communicate nothing.
 """
 from __future__ import annotations
 
@@ -55,12 +55,12 @@ class ShardedStateDicts:
                              f"({len(self.units)}) needed")
         out = {}
         for u, t in zip(self.units, tensors):
-            out.update(u.layout.to_full(gather_flat(t, u.dim), self.pgm.tp))
+            out.update(u.layout.to_full(gather_flat(t, u.dim), self.pgm.tp, u.ep))
         return {n: out[n] for n in self.param_names}
 
     def shards_from_full(self, full: Dict[str, torch.Tensor], source: str = "state dict") -> list:
         """This rank's shard-shaped tensors (aligned with self.shards) cut from full tensors; local."""
-        return [u.layout.from_full(full, self.pgm.tp, u.shard.dtype, u.shard.device, source)
+        return [u.layout.from_full(full, self.pgm.tp, u.shard.dtype, u.shard.device, source, u.ep)
                 for u in self.units]
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
@@ -78,5 +78,10 @@ class ShardedStateDicts:
         pgm = self.pgm
         return dict(format=FORMAT, tp_rank=pgm.tp.rank, tp_size=pgm.tp.size,
                     dp_shard_cp_rank=pgm.dp_shard_cp.rank, dp_shard_cp_size=pgm.dp_shard_cp.size,
-                    units={u.name: dict(flat_shard=u.shard.detach(), **u.layout.metadata())
-                           for u in self.units})
+                    units={u.name: dict(flat_shard=u.shard.detach(), **u.layout.metadata(),
+                                        **_ep_coords(u)) for u in self.units})
+
+
+def _ep_coords(u: Unit) -> dict:
+    """An experts unit's place in ep (which block of experts its slots hold), for resharding."""
+    return {} if u.ep is None else dict(ep_rank=u.ep.rank, ep_size=u.ep.size)

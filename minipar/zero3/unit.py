@@ -18,7 +18,8 @@ all-gather that makes the buffer whole for a while and the free that makes it em
             -> wait_gather() -> "gathered" -> free() -> "sharded"
 
 Communication: one all-gather of B elements in param_dtype over dp_shard_cp per start_gather,
-wire (N-1)/N of that; nothing else. When a unit gathers (the hooks, the prefetch, the learned
+wire (N-1)/N of that; nothing else. (An experts unit: over edp, N its size; see
+expert_parallel/sharding.py.) When a unit gathers (the hooks, the prefetch, the learned
 orders) is shard_manager.py's. An embedding's backward never reads its weight (LOOKUPS), so such a
 unit is not gathered for backward.
 """
@@ -40,8 +41,12 @@ LOOKUPS = (nn.Embedding, VocabParallelEmbedding)
 class Unit:
     """One unit: its module, flat layout, shard (the nn.Parameter) and gathered buffer."""
 
-    def __init__(self, name, module, params, refs, pgm, param_dtype, reduce_dtype, init=None):
-        self.name, self.module, self.refs, self.dim = name or "<root>", module, refs, pgm.dp_shard_cp
+    def __init__(self, name, module, params, refs, pgm, param_dtype, reduce_dtype, init=None,
+                 experts: bool = False):
+        # a unit's experts (expert_parallel/sharding.py) shard over edp, the ranks holding the same
+        # experts, and gather over ep for full tensors; everything else over dp_shard_cp
+        self.name, self.module, self.refs = name or "<root>", module, refs
+        self.dim, self.ep = (pgm.edp, pgm.ep) if experts else (pgm.dp_shard_cp, None)
         self.layout = FlatLayout.build(params, self.dim.size, self.dim.rank, pgm.tp.size)
         tensors = [p.detach() for _, p in params]
         dtype = tensors[0].dtype if tensors else torch.float32
@@ -50,7 +55,7 @@ class Unit:
         with torch.no_grad():
             if init is not None:             # a meta-built model: fill only this rank's shard
                 device = init.device
-                shard = self.layout.shard_from_source(init, dtype, device)
+                shard = self.layout.shard_from_source(init, dtype, device, self.ep)
             else:
                 flat = self.layout.flatten(tensors, dtype) if tensors else torch.zeros(0)
                 shard = self.layout.shard(flat).clone()

@@ -22,6 +22,8 @@ and exp_avg_sq; `step` is a scalar), so one mechanism moves all of them:
 
 Communication: none, except in _gather_full and full_optimizer_state (FULL_STATE_DICT's gathers:
 over tp, and over dp_shard_cp under ZeRO-3, an all-gather of the model's size per state kind).
+An MoE expert weight (E, ...) is split over ep as well (each segment says its ep block), so the
+full tensor is its blocks concatenated over ep, and a checkpoint of one ep loads on any other.
 The scheme is torch.distributed.checkpoint's (local shards with their global placement, resharded
 at load) in miniature.
 """
@@ -32,6 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.tensor_parallel import gather_tensor, shard_tensor
 
 
@@ -48,6 +51,11 @@ class Segment:
     start: int
     stop: int
     offset: int
+    # an MoE expert weight is split over ep too (expert_parallel/sharding.py): its local tensor is
+    # block ep_rank of ep_size along ep_split_dim of the TP-local one (defaults: checkpoints before ep)
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_split_dim: Optional[int] = None
 
 
 # ------------------------------------------------------------------------------ the layout
@@ -55,25 +63,42 @@ def _tensors(model, pgm):
     """(local tensor, its segments, [(name, full shape)] of the tensors whose states it carries)
     for every tensor the optimizer sees. A ZeRO-3 shard is stepped as a whole, so it carries every
     tensor of its unit; its segments come from the manager's sharded_state_dict(): each tensor's
-    offset in the padded flat buffer, intersected with this rank's [start, stop)."""
+    offset in the padded flat buffer, intersected with this rank's [start, stop). Only trained
+    tensors: a frozen base (LoRA's) is rebuilt from its source (the seed, base_model), so a LoRA
+    checkpoint holds the adapters and their optimizer states; under ZeRO-3 those adapters are plain
+    parameters outside the flat buffers, whole on every rank of dp_shard_cp."""
     manager = getattr(model, "zero3", None)
+    plain = [(n, p) for n, p in model.named_parameters()
+             if p.requires_grad and not getattr(p, "zero3_shard", False)]
     if manager is None:
-        for name, p in model.named_parameters():
-            full = tuple(getattr(p, "tp_full_shape", None) or p.shape)
-            seg = Segment(name, pgm.tp.rank, pgm.tp.size, getattr(p, "tp_split_dim", None), tuple(p.shape),
-                          full, 0, p.numel(), 0)
-            yield p, [seg], [(name, full)]
+        yield from _plain(plain, pgm)
         return
     sd = manager.sharded_state_dict()
     for shard, unit in zip(manager.shards, sd["units"].values()):   # both: the non-empty units, in order
+        if not shard.requires_grad:
+            continue
         start, stop, segments = unit["start"], unit["stop"], []
         for t in unit["params"]:
             a, b = max(t["offset"], start), min(t["offset"] + t["numel"], stop)
             if b > a:
+                ep = {} if t.get("ep_split_dim") is None else \
+                    dict(ep_rank=unit["ep_rank"], ep_size=unit["ep_size"], ep_split_dim=t["ep_split_dim"])
                 segments.append(Segment(t["name"], sd["tp_rank"], sd["tp_size"], t["tp_split_dim"],
                                         tuple(t["local_shape"]), tuple(t["full_shape"]),
-                                        a - t["offset"], b - t["offset"], a - start))
+                                        a - t["offset"], b - t["offset"], a - start, **ep))
         yield shard, segments, [(t["name"], tuple(t["full_shape"])) for t in unit["params"]]
+    yield from _plain(plain, pgm)
+
+
+def _plain(named, pgm):
+    """A plain (or TP) parameter: one segment covering it (an expert's also says its ep block)."""
+    for name, p in named:
+        full = tuple(getattr(p, "tp_full_shape", None) or p.shape)
+        ep_dim = getattr(p, "ep_split_dim", None)
+        ep = {} if ep_dim is None else dict(ep_rank=pgm.ep.rank, ep_size=pgm.ep.size, ep_split_dim=ep_dim)
+        seg = Segment(name, pgm.tp.rank, pgm.tp.size, getattr(p, "tp_split_dim", None), tuple(p.shape),
+                      full, 0, p.numel(), 0, **ep)
+        yield p, [seg], [(name, full)]
 
 
 def layout(model, pgm) -> List[Tuple[torch.nn.Parameter, List[Segment]]]:
@@ -105,7 +130,7 @@ def local_from_full(model, pgm, full: Dict[str, torch.Tensor], source: str = "ch
             if tuple(t.shape) != s.full_shape:
                 raise ValueError(f"{source}: {s.name} has shape {tuple(t.shape)}, this model expects "
                                  f"{s.full_shape}: the checkpoint is of another model shape")
-            local = shard_tensor(t, s.split_dim, pgm.tp).reshape(-1)
+            local = ep_shard(shard_tensor(t, s.split_dim, pgm.tp), s.ep_split_dim, pgm.ep).reshape(-1)
             flat[s.offset:s.offset + s.stop - s.start] = local[s.start:s.stop]
         out[p] = flat.view(p.shape)
     return out
@@ -119,7 +144,11 @@ def _local_records(model, optimizer, pgm) -> list:
     """Per local tensor: its segments, the CPU tensors shaped like it (param, optimizer states)
     and the scalar states."""
     state, records = optimizer.state if optimizer is not None else {}, []
+    # under ZeRO-3 only dp_shard_cp rank 0 writes the plain (whole, replicated) tensors: LoRA's adapters
+    whole_here = getattr(model, "zero3", None) is None or pgm.dp_shard_cp.rank == 0
     for p, segments in layout(model, pgm):
+        if not (whole_here or getattr(p, "zero3_shard", False)):
+            continue
         st = state.get(p, {})
         tensors = {"param": p.detach().cpu().clone()}
         tensors.update({k: v.detach().cpu().clone().view(p.shape)
@@ -133,7 +162,7 @@ def _local_records(model, optimizer, pgm) -> list:
 def merge_records(records: list, source: str) -> Tuple[Dict[str, dict], Dict[str, dict]]:
     """({kind: {name: full tensor}}, {name: scalars}) from the records of all shard files; refuses
     files that do not cover every element (a rank's file missing)."""
-    bufs: Dict[tuple, list] = {}      # (kind, name, tp_rank) -> [TP-local flat tensor, covered mask]
+    bufs: Dict[tuple, list] = {}      # (kind, name, tp_rank, ep_rank) -> [local flat tensor, covered mask]
     meta: Dict[str, Segment] = {}
     scalars: Dict[str, dict] = {}
     for rec in records:
@@ -145,26 +174,33 @@ def merge_records(records: list, source: str) -> Tuple[Dict[str, dict], Dict[str
             if rec["scalars"]:
                 scalars.setdefault(s.name, rec["scalars"])
             for kind, t in rec["tensors"].items():
-                key = (kind, s.name, s.tp_rank)
+                key = (kind, s.name, s.tp_rank, s.ep_rank)
                 if key not in bufs:
                     n = int(torch.Size(s.local_shape).numel())
                     bufs[key] = [torch.zeros(n, dtype=t.dtype), torch.zeros(n, dtype=torch.bool)]
                 bufs[key][0][s.start:s.stop] = t.reshape(-1)[s.offset:s.offset + s.stop - s.start]
                 bufs[key][1][s.start:s.stop] = True
     full: Dict[str, Dict[str, torch.Tensor]] = {}
-    for kind in sorted({k for k, _, _ in bufs}):
+    for kind in sorted({k for k, _, _, _ in bufs}):
         for name, s in meta.items():
             ranks = range(s.tp_size if s.split_dim is not None else 1)
-            if not any((kind, name, r) in bufs for r in ranks):
+            blocks = range(s.ep_size if s.ep_split_dim is not None else 1)
+            keys = [[(kind, name, r, e) for r in ranks] for e in blocks]
+            if not any(k in bufs for row in keys for k in row):
                 continue              # no optimizer state for this tensor (never stepped)
-            for r in ranks:
-                if (kind, name, r) not in bufs or not bufs[(kind, name, r)][1].all():
+            for k in (k for row in keys for k in row):
+                if k not in bufs or not bufs[k][1].all():
                     raise ValueError(f"{source}: the shard files do not cover all of {kind} of {name} "
-                                     f"(tp rank {r}): a rank's file is missing from the checkpoint")
-            parts = [bufs[(kind, name, r)][0].view(s.local_shape) for r in ranks]
-            full.setdefault(kind, {})[name] = torch.cat(parts, s.split_dim) if s.split_dim is not None \
-                else parts[0]
+                                     f"(tp rank {k[2]}, ep rank {k[3]}): a rank's file is missing from "
+                                     f"the checkpoint")
+            # concatenated over tp (along split_dim), then the experts' blocks over ep
+            parts = [_cat([bufs[k][0].view(s.local_shape) for k in row], s.split_dim) for row in keys]
+            full.setdefault(kind, {})[name] = _cat(parts, s.ep_split_dim)
     return full, scalars
+
+
+def _cat(parts: list, dim: Optional[int]) -> torch.Tensor:
+    return torch.cat(parts, dim) if dim is not None else parts[0]
 
 
 def _gather_full(model, pgm, local: dict) -> Dict[str, torch.Tensor]:
@@ -174,7 +210,8 @@ def _gather_full(model, pgm, local: dict) -> Dict[str, torch.Tensor]:
     if manager is not None:
         full = manager.full_from_shards([local[s] for s in manager.shards])
         return {n: t.cpu() for n, t in full.items()}
-    return {n: gather_tensor(local[p].contiguous(), getattr(p, "tp_split_dim", None), pgm.tp).cpu().clone()
+    return {n: ep_gather(gather_tensor(local[p].contiguous(), getattr(p, "tp_split_dim", None), pgm.tp),
+                         getattr(p, "ep_split_dim", None), pgm.ep).cpu().clone()
             for n, p in model.named_parameters()}
 
 

@@ -22,11 +22,14 @@ collective: every rank refuses alike.
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import List
 
 from minipar.config import CP_IMPLS, CP_LAYOUTS
+from minipar.lora import adapter_shapes, add_lora, check_adapter, check_targets
 from minipar.training.data.batches import DATASET_IS, check_data_file
 from minipar.training.data.datasets import check_entries
+from models.llama import LlamaForCausalLM
 
 # what a `datasets` path must be, said with every refusal of one (data.check_data_file)
 DATASETS_ARE = "each `datasets` path is a local .jsonl, .json or .txt file (no hub names, no directories)"
@@ -41,7 +44,7 @@ def check(cfg) -> None:
 
     positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
                 "dp_replicate_size", "context_parallel_size", "tensor_parallel_size",
-                "pipeline_parallel_size"]
+                "pipeline_parallel_size", "expert_parallel_size"]
     for key in positive:                  # (None: derived later, from the world or the dataset)
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             bad(f"{key} must be >= 1, got {getattr(cfg, key)}")
@@ -102,11 +105,50 @@ def check(cfg) -> None:
     v = cfg.pipeline_virtual_stages
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         bad(f"pipeline_virtual_stages must be >= 1 or null, got {cfg.pipeline_virtual_stages}")
+    moe = cfg.model.num_local_experts > 0
+    if cfg.moe_capacity_factor is not None and not (moe and cfg.moe_capacity_factor > 0):
+        bad(f"moe_capacity_factor={cfg.moe_capacity_factor}: a capacity factor is > 0 and applies to a "
+            f"mixture of experts (model_type mixtral or qwen3_moe); null is dropless")
+    if moe and (cfg.pipeline_parallel_size or 1) > 1:
+        bad(f"pipeline_parallel_size={cfg.pipeline_parallel_size} with a mixture of experts "
+            f"(model_type {cfg.model.model_type}): not supported yet, because the load-balancing "
+            f"loss pools the routing counts of all layers, which would live on different stages; "
+            f"use pipeline_parallel_size 1 (dp_shard, tp and cp compose with the experts)")
     problems += _data_files(cfg)
+    problems += [ValueError(m) for m in _lora(cfg)]
+    problems += [ValueError(p) for p in _reporting(cfg)]
     if len(problems) == 1:
         raise problems[0]
     if problems:
         raise ValueError(f"{len(problems)} config values are wrong: " + "; ".join(str(p) for p in problems))
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def _reporting(cfg) -> List[str]:
+    """peak_tflops, profile_steps, and the optional loggers: their packages must be importable
+    here, on every rank, not found missing at the first step (after the groups exist)."""
+    out = []
+    if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
+        out.append(f"peak_tflops must be > 0 (dense TFLOP/s of one device), got {cfg.peak_tflops}")
+    ps = cfg.profile_steps
+    if ps is not None:
+        if len(ps) != 2 or not 1 <= ps[0] <= ps[1]:
+            out.append(f"profile_steps must be [first, last] steps to trace, 1 <= first <= last (e.g. "
+                       f"[3, 4]), got {ps}")
+        elif cfg.max_steps is not None and ps[1] > cfg.max_steps:
+            out.append(f"profile_steps {ps} ends after max_steps {cfg.max_steps}: trace steps up to "
+                       f"{cfg.max_steps}")
+    if cfg.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        out.append("use_tensorboard: true needs the tensorboard package, which is not installed: "
+                   "pip install -e '.[tensorboard]' (make installs it), or set use_tensorboard: false")
+    if cfg.wandb_mode is not None and cfg.wandb_mode not in WANDB_MODES:
+        out.append(f"wandb_mode must be one of {', '.join(WANDB_MODES)}, got {cfg.wandb_mode!r}")
+    if cfg.wandb_project and cfg.wandb_mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        out.append(f"wandb_project {cfg.wandb_project!r} needs the wandb package, which is not installed: "
+                   f"pip install wandb, or remove wandb_project (or set wandb_mode: disabled)")
+    return out
 
 
 def _data_files(cfg) -> List[Exception]:
@@ -123,4 +165,58 @@ def _data_files(cfg) -> List[Exception]:
             check_data_file(path, what, expected)
         except (ValueError, FileNotFoundError) as err:
             out.append(err)
+    return out
+
+
+def _lora(cfg) -> List[str]:
+    """The problems of Axolotl's LoRA keys (minipar/lora/), including an adapter directory that
+    disagrees with the model: its header is read, and a meta-device model gives the shapes."""
+    out: List[str] = []
+    quantised = [k for k in ("load_in_4bit", "load_in_8bit") if getattr(cfg, k)]
+    if cfg.adapter == "qlora" or quantised:
+        said = [f"adapter: {cfg.adapter}"] if cfg.adapter == "qlora" else []
+        said += [f"{k}: true" for k in quantised]
+        out.append(f"{', '.join(said)}: quantised bases (QLoRA, bitsandbytes' 4/8-bit weights) need GPU "
+                   f"kernels minipar does not have; use adapter: lora on a bf16 or fp32 base")
+        return out
+    if cfg.adapter is None:
+        given = [k for k in ("lora_model_dir", "merge_lora") if getattr(cfg, k)]
+        if given:
+            out.append(f"{', '.join(given)} set without adapter: lora; add adapter: lora, or remove them")
+        return out
+    if cfg.adapter != "lora":
+        return [f"adapter must be lora (or null: train every weight), got {cfg.adapter!r}"]
+    if isinstance(cfg.lora_r, bool) or cfg.lora_r < 1:
+        out.append(f"lora_r must be an integer >= 1 (the adapters' rank), got {cfg.lora_r}")
+    if not cfg.lora_alpha > 0:
+        out.append(f"lora_alpha must be > 0 (the update is scaled by lora_alpha / lora_r), "
+                   f"got {cfg.lora_alpha}")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        out.append(f"lora_dropout must lie in [0, 1), got {cfg.lora_dropout}")
+    if cfg.lora_modules_to_save:
+        out.append(f"lora_modules_to_save {cfg.lora_modules_to_save} is not supported (full trainable "
+                   f"copies of those modules); remove it")
+    if cfg.model.num_local_experts > 0:
+        out.append(f"adapter: lora on a mixture of experts (model_type {cfg.model.model_type}) is not "
+                   f"supported yet: the experts' weights are no Column/RowParallelLinear; use a dense model")
+    if cfg.tp_async_overlap:
+        out.append("tp_async_overlap with adapter: lora: the overlapped column-parallel backward computes "
+                   "no adapter; set tp_async_overlap: false")
+    if cfg.fsdp.state_dict_type != "SHARDED_STATE_DICT":
+        out.append(f"fsdp.state_dict_type {cfg.fsdp.state_dict_type} with adapter: lora: a LoRA checkpoint "
+                   f"holds the adapters only, saved as SHARDED_STATE_DICT; remove the key")
+    try:
+        targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
+                                LlamaForCausalLM.lora_target_modules)
+    except ValueError as err:
+        return out + [str(err)]
+    if cfg.lora_model_dir and not out:
+        model = LlamaForCausalLM(cfg.model, device="meta")
+        add_lora(model, targets, cfg.lora_r, cfg.lora_alpha, device="meta")
+        try:
+            bad = check_adapter(cfg.lora_model_dir, adapter_shapes(model), cfg.lora_r, cfg.lora_alpha)
+        except (OSError, ValueError) as err:
+            bad = [str(err)]
+        if bad:
+            out.append(f"lora_model_dir {cfg.lora_model_dir!r} does not fit this model: " + "; ".join(bad))
     return out

@@ -91,7 +91,7 @@ class TrainConfig:
     sequence_parallel: bool = False
     # pipeline parallelism, the outermost dimension [pp_size] (minipar/pipeline_parallel/)
     pipeline_parallel_size: int = 1
-    pipeline_schedule: str = "1f1b"       # afab | 1f1b | interleaved_1f1b
+    pipeline_schedule: str = "1f1b"       # afab | 1f1b | interleaved_1f1b | zb_h1 | zbv
     pipeline_virtual_stages: Optional[int] = None   # model chunks per rank; None: 2 if interleaved, else 1
     pipeline_layers: Optional[List[int]] = None     # layers per (virtual) stage; None: the even split
     ddp_timeout: int = 1800               # seconds a collective waits for a stuck peer (Axolotl's name)
@@ -104,6 +104,12 @@ class TrainConfig:
     # cp_ulysses_size consecutive cp ranks, the ring across them); context_parallel/ulysses.py
     cp_impl: str = "ring"
     cp_ulysses_size: Optional[int] = None
+    # expert parallelism [ParallelismConfig.ep_size]: each MoE layer's experts split over this many
+    # ranks borrowed from dp_shard x cp (no extra ranks); expert_parallel/dispatch.py
+    expert_parallel_size: int = 1
+    # an MoE's expert capacity: null is dropless; c keeps ceil(c * tokens * top_k / experts) copies
+    # per expert and forward, drops the rest (models/moe.py) and counts them in metrics.jsonl
+    moe_capacity_factor: Optional[float] = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     fsdp_version: Optional[int] = None    # Axolotl's; 1 or 2: both are minipar's ZeRO-3 over dp_shard
     output_dir: str = "out/default"
@@ -117,9 +123,29 @@ class TrainConfig:
     resume_from_checkpoint: Optional[str] = None   # a path, or "latest"
     export_hf: bool = True                # write <output_dir>/hf at the end
     progress_bar: bool = True
+    # what a run reports besides metrics.jsonl (training/throughput.py, profiling.py, run_loggers.py):
+    peak_tflops: Optional[float] = None   # per device, for mfu; None: the GPU's (a table), a CPU's measured
+    profile_steps: Optional[List[int]] = None   # [a, b]: a torch.profiler trace of steps a..b per rank
+    use_tensorboard: bool = False         # Axolotl's: event files under <output_dir>/runs
+    wandb_project: Optional[str] = None   # Axolotl's wandb_* keys: log to Weights & Biases (rank 0)
+    wandb_entity: Optional[str] = None
+    wandb_name: Optional[str] = None
+    wandb_mode: Optional[str] = None      # online | offline | disabled (None: wandb's own default)
     # a Hugging Face directory (Axolotl's key): the model config comes from its config.json and the
     # weights from its safetensors, each rank reading only its slices (models/hf_checkpoint.py)
     base_model: Optional[str] = None
+    # LoRA, Axolotl's keys (minipar/lora/): adapters on a frozen base; null trains every weight
+    adapter: Optional[str] = None         # lora (qlora is refused: it needs 4-bit GPU kernels)
+    lora_r: int = 8
+    lora_alpha: float = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: Optional[List[str]] = None   # some of the model's projections (q_proj, ...)
+    lora_target_linear: bool = False      # true: every projection of a decoder layer
+    lora_model_dir: Optional[str] = None  # a PEFT adapter directory to start from
+    lora_modules_to_save: Optional[List[str]] = None  # refused: full copies of other modules
+    merge_lora: bool = False              # also write <output_dir>/merged: W0 + (alpha/r) B A
+    load_in_4bit: bool = False            # refused (quantised bases need GPU kernels)
+    load_in_8bit: bool = False
     model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
         hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024))
@@ -208,6 +234,7 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
     cfg.model = LlamaConfig(**model)
     if cfg.base_model:
         cfg.model = _base_model_config(cfg, explicit_model_keys)
+    cfg.model.moe_capacity_factor = cfg.moe_capacity_factor   # a training option, not config.json's
     root = REPO_ROOT
     if not os.path.isabs(cfg.dataset) and not os.path.exists(cfg.dataset) \
             and os.path.exists(os.path.join(root, cfg.dataset)):

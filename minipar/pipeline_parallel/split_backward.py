@@ -1,0 +1,162 @@
+"""The backward of a Linear split in two: B, the input gradient, now; W, the weight gradient, later
+(Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024). What the zero-bubble schedules
+(schedules.py: zb_h1, zbv) fill their bubbles with.
+
+For a Linear y = x W^T + b, x (b, s, in), W (out, in), the backward is two independent matmuls:
+
+    B:  dx = dy W                 (b, s, in)    the previous stage waits for it: critical path
+    W:  dW = dy^T x, db = sum dy  (out, in)     nobody waits for it until the optimizer step
+
+dx needs W and dy; dW needs x and dy. Neither needs the other's result, so dW can run any time
+between B and the optimizer step, as long as x and dy are kept. SplitLinear is the autograd
+Function that does this: its backward returns dx at once and, while a WeightGradStore defers,
+QUEUES (x, dy) instead of computing dW. The executor runs a stage's B inside
+`store.inputs_only(key)` (key = (chunk, micro-batch)) and its W as `store.weight_grads(key)`,
+which pops that B's queue, computes every dW and db, and frees the kept x and dy.
+
+    F(c, i)   y = x W^T               saves x                            (as any Linear)
+    B(c, i)   dx = dy W               queue[(c, i)] += (W, b, x, dy)      graph freed, x dy kept
+    W(c, i)   dW = dy^T x             torch.autograd.backward(W, dW)      x, dy freed
+
+Memory: between B and W a stage holds, for each Linear of each micro-batch chunk whose W has not
+run, its input x (kept from the forward: B no longer frees it) and its output gradient dy
+(new: bytes of the Linear's output). For a decoder layer of hidden d, intermediate f and b s
+tokens that is about (4 d + 2 f) b s elements of x (q/k/v read one x, gate/up one, o and down
+one each) plus (q + k + v + d + 2 f + d) b s of dy: the price of moving W into the bubble.
+
+How W hands its gradient over: `torch.autograd.backward(weights, dWs)` starts a small backward at
+the weight tensors themselves. For a plain Parameter that is its AccumulateGrad: .grad += dW,
+with every hook a data-parallel reducer registered (minipar/data_parallel/ddp.py's), as if
+autograd had computed dW in B. Under ZeRO-3 a weight is a view of its unit's flat buffer, so the
+same call runs the view's backward into flat.grad and the unit's post-accumulate-grad hook
+(minipar/zero3/shard_manager.py): the reductions see W's gradients exactly where they see B's.
+So the DP and ZeRO-3 reductions wait for the step's LAST W simply by running every B and W but
+that one under no_sync (minipar/training/pipeline_step.py).
+
+What is split: every Linear of minipar/tensor_parallel/ (ColumnParallelLinear, RowParallelLinear,
+the lm_head, and the column-parallel groups of async_linear.py). They call
+`self.weight_grad_store.linear(...)` when a store is installed (split_weight_gradients below) and
+F.linear otherwise; the tensor-parallel package never imports this file. Everything else, the
+RMSNorm weights and the embedding, gets its gradient in B as usual (small, and an embedding's
+gradient is a scatter-add that reads no saved input). TP communication is untouched: dx of a
+column-parallel layer is still reduced over tp in B (the g/f pair), and dW of a tp-sharded weight
+needs no communication anyway.
+
+Outside `inputs_only` (evaluation, the other schedules, a store never entered) the Function
+computes dW in its own backward, like F.linear.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def weight_gradient(x: torch.Tensor, dy: torch.Tensor, weight: Optional[torch.Tensor],
+                    bias: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """dW = dy^T x over every token (out, in) and db = sum dy (out,), in the parameters' dtypes.
+    Under autocast dy is in the compute dtype and x may not be: x is cast to dy's dtype, as the
+    autocast backward of F.linear would compute it."""
+    flat_dy = dy.reshape(-1, dy.shape[-1])
+    flat_x = x.reshape(-1, x.shape[-1]).to(dy.dtype)
+    dw = None if weight is None else flat_dy.t().matmul(flat_x).to(weight.dtype)
+    db = None if bias is None else flat_dy.sum(0).to(bias.dtype)
+    return dw, db
+
+
+class SplitLinear(torch.autograd.Function):
+    """y = x W^T + b whose backward returns dx and, while `store` defers, queues (x, dy) for W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        # the tensors themselves (a Parameter, or a ZeRO-3 view of a flat buffer): W's backward
+        # starts at them, so it must be these objects, not what saved_tensors unpacks
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dy.matmul(weight.to(dy.dtype)).to(x.dtype) if need_x else None          # B
+        weight_t = ctx.weight if need_w else None
+        bias_t = ctx.bias if need_b else None
+        if ctx.store.deferring and (weight_t is not None or bias_t is not None):
+            ctx.store.defer(weight_t, bias_t, x, dy)                                  # W, later
+            return dx, None, None, None
+        dw, db = weight_gradient(x, dy, weight_t, bias_t)                             # W, now
+        return dx, dw, db, None
+
+
+class WeightGradStore:
+    """The deferred weight gradients of one pipeline stage, keyed by the (chunk, micro-batch) whose
+    B queued them. One per stage; the stage's Linear layers point at it (`weight_grad_store`)."""
+
+    def __init__(self):
+        self.deferring = False
+        self.key = None
+        self.queues: Dict[tuple, List[tuple]] = {}      # key -> [(weight, bias, x, dy)]
+
+    def linear(self, x, weight, bias=None):
+        """F.linear whose backward can defer dW (the Linear layers call this when a store is set)."""
+        return SplitLinear.apply(x, weight, bias, self)
+
+    def defer(self, weight, bias, x, dy):
+        """Called from a backward while `inputs_only` is active: keep what W will need (nothing
+        for a frozen layer: a LoRA base weight gets no gradient)."""
+        if weight is not None or bias is not None:
+            self.queues[self.key].append((weight, bias, x, dy))
+
+    @contextlib.contextmanager
+    def inputs_only(self, key):
+        """B: the backwards run inside compute input gradients only and queue their W under key."""
+        if key in self.queues:
+            raise RuntimeError(f"weight gradients of {key} are already queued: B ran twice")
+        self.deferring, self.key, self.queues[key] = True, key, []
+        try:
+            yield
+        finally:
+            self.deferring, self.key = False, None
+
+    def weight_grads(self, key) -> None:
+        """W: every dW and db queued by B(key), computed and accumulated into the parameters through
+        autograd (their hooks fire as in any backward), then x and dy are let go."""
+        queue = self.queues.pop(key)
+        targets, grads = [], []
+        for weight, bias, x, dy in queue:
+            dw, db = weight_gradient(x, dy, weight, bias)
+            for t, g in ((weight, dw), (bias, db)):
+                if t is not None:
+                    targets.append(t)
+                    grads.append(g)
+        del queue
+        if targets:
+            torch.autograd.backward(targets, grads)
+
+    def held_bytes(self) -> int:
+        """Bytes of x and dy kept for W runs still to come (x may share memory with other saved
+        tensors while their B has not run: this counts it once per Linear)."""
+        return sum(t.numel() * t.element_size() for q in self.queues.values() for _, _, x, dy in q
+                   for t in (x, dy))
+
+    def pending(self) -> List[tuple]:
+        return sorted(self.queues)
+
+
+def split_weight_gradients(module: nn.Module) -> WeightGradStore:
+    """Give every Linear of `module` that can defer its weight gradient (the layers declaring a
+    `weight_grad_store` attribute: minipar/tensor_parallel/layers.py's) one shared store."""
+    store = WeightGradStore()
+    found = 0
+    for m in module.modules():
+        if hasattr(m, "weight_grad_store"):
+            m.weight_grad_store = store
+            found += 1
+    if not found:
+        raise ValueError(f"split_weight_gradients: {type(module).__name__} has no Linear layer that can "
+                         f"split its backward (none declares weight_grad_store)")
+    return store

@@ -1,0 +1,97 @@
+"""How fast a step ran against how fast the hardware could run it: TFLOP/s per device and MFU.
+
+    tflops_per_s         model FLOPs of the step / step seconds / world, in 10^12 (one device's share)
+    mfu                  tflops_per_s / peak_tflops                   attention's causal half counted
+    mfu_full_attention   the same with attention counted whole        torchtitan's and Megatron-LM's
+
+The FLOPs are models/flops.py's, the count the planner (minipar/plan) divides by too, so the
+summary can set a run's MFU beside the planner's prediction for the same layout. The step time is
+the wall clock of train_step (it ends with loss.item(), so a GPU's queue is drained). Activation
+checkpointing's recompute is not model FLOPs: it lowers MFU, as it should.
+
+The peak (TFLOP/s of one device), in this order:
+    peak_tflops          the config's, when set (a GPU missing from the table, or another dtype)
+    a GPU                the table below, by the name torch reports: dense (not sparse) bf16
+                         tensor-core TFLOP/s from the vendors' datasheets; a float32 run is held
+                         against it too (set peak_tflops for TF32's). An unknown GPU has no MFU
+                         until peak_tflops is set (said once in the log): a guess would mislead.
+    a CPU                measured at start: the best of a few (1024 x 1024) matmuls in the run's
+                         compute dtype, by each rank (rank 0's is logged). Ranks that share cores
+                         measure while the others do, so it is the share a rank gets; on a loaded
+                         machine it is low, and the MFU reads high.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Tuple
+
+import torch
+
+from models.flops import step_flops
+
+# (words that must all appear in torch.cuda.get_device_name(), dense bf16 TFLOP/s), first match wins:
+# the specific variants before the family
+GPU_PEAK_TFLOPS = (
+    (("H100", "PCIe"), 756.0), (("H100", "NVL"), 835.0), (("H100",), 989.0), (("H800",), 989.0),
+    (("H200",), 989.0), (("GH200",), 989.0), (("B200",), 2250.0), (("B100",), 1750.0),
+    (("A100",), 312.0), (("A800",), 312.0), (("L40S",), 362.0), (("L40",), 181.0), (("L4",), 121.0),
+    (("A10",), 125.0), (("MI300X",), 1307.0), (("MI325X",), 1307.0), (("MI250X",), 383.0),
+)
+
+
+def gpu_peak_tflops(name: str) -> Optional[float]:
+    """The table's peak for a device name ("NVIDIA H100 80GB HBM3" -> 989.0), or None."""
+    words = name.upper()
+    for keys, peak in GPU_PEAK_TFLOPS:
+        if all(k.upper() in words for k in keys):
+            return peak
+    return None
+
+
+def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 3) -> float:
+    """TFLOP/s of the best of `repeats` (n x n) @ (n x n) matmuls (2 n^3 FLOPs each), after one warm-up."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e12
+
+
+def find_peak(configured: Optional[float], device: torch.device,
+              dtype: torch.dtype) -> Tuple[Optional[float], str]:
+    """(peak TFLOP/s of one device or None, where it came from), by the rules of the docstring."""
+    if configured is not None:
+        return configured, "peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_tflops(name)
+        if peak is None:
+            return None, f"{name} is not in minipar/training/throughput.py's table: set peak_tflops for MFU"
+        return peak, f"{name}, dense bf16"
+    return measure_cpu_tflops(dtype), f"CPU, measured at start ({str(dtype).replace('torch.', '')} matmul)"
+
+
+class Throughput:
+    """The FLOPs of this run's step and the peak; of_step(seconds) -> the metrics of one step."""
+
+    def __init__(self, cfg, world: int, device: torch.device, dtype: torch.dtype):
+        self.flops = step_flops(cfg.model, cfg.global_batch_size, cfg.sequence_len)
+        self.world = world
+        self.peak, self.peak_source = find_peak(cfg.peak_tflops, device, dtype)
+
+    def of_step(self, seconds: float) -> dict:
+        """{tflops_per_s, mfu, mfu_full_attention} of a step that took `seconds` (no mfu without a peak)."""
+        per_device = self.flops.causal / seconds / self.world / 1e12
+        out = dict(tflops_per_s=per_device)
+        if self.peak:
+            out.update(mfu=per_device / self.peak,
+                       mfu_full_attention=self.flops.full / seconds / self.world / 1e12 / self.peak)
+        return out
+
+    def describe(self) -> str:
+        peak = f"{self.peak:.3g} TFLOP/s per device ({self.peak_source})" if self.peak else self.peak_source
+        return (f"model FLOPs per step: {self.flops.causal / 1e12:.4g} T (causal attention; "
+                f"{self.flops.full / 1e12:.4g} T counting attention whole); peak {peak}")

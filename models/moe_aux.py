@@ -1,0 +1,91 @@
+"""The load-balancing loss of a mixture of experts (Switch Transformer, Fedus et al. 2021, eqs. 4-6),
+as transformers' load_balancing_loss_func computes it for Mixtral and Qwen3-MoE.
+
+Over the L MoE layers of the model and the T tokens of one micro-batch (E experts, top-k):
+
+    f_e = (number of the L*T*k routed copies that chose expert e) / (L*T)      no gradient
+    P_e = (sum over the L layers and T tokens of p_e, the router probability) / (L*T)
+    aux = E * sum_e f_e * P_e
+
+It is smallest (k, for any k) when both are uniform. Note that transformers pools the layers
+before the product (one f and one P over all L layers), not sum over layers of per-layer losses;
+so do we, so the loss and its gradients equal theirs. The objective of one micro-batch is
+cross-entropy + router_aux_loss_coef * aux.
+
+Which tokens. aux is not linear in the tokens, so its value depends on the set it is computed
+over; here it is one micro-batch as one process sees it: micro_batch_size whole rows. Under cp a
+rank holds part of every row, and under sequence parallelism part of its cp chunk, so the counts
+and the probability sums are summed over cp (and over tp under SP): an all-reduce of (L, 2E + 1)
+numbers per micro-batch (two under SP with cp). Each rank then adds
+
+    E / (L*T)^2 * sum_e C_e * (its own part of P_e's sum)       C_e the micro-batch's counts
+
+whose sum over the cp (and SP) ranks is aux, and whose gradients are this rank's share of aux's
+(the reductions that follow sum them, as they sum the cross-entropy's). Under SP the value added is
+the sum over tp of those shares, because each tp rank's loss holds the whole cross-entropy of its
+cp rank (the loss is logged summed over dp_cp, not tp); the gradient stays the rank's share.
+Plain tp ranks see the same tokens: each computes the whole aux, as each computes the whole loss.
+Over dp nothing is summed: each dp rank's micro-batches are micro-batches of the global batch,
+and the step's objective weights each of its G micro-batches' aux by 1/G (`weight` below).
+Micro-batches keep the same rows on every layout (training/data/batches.py), so a run equals one
+process's.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from minipar import comm
+from minipar.mesh import ProcessGroupManager
+
+
+def load_balancing_loss(stats: List[tuple], num_experts: int, pgm: ProcessGroupManager,
+                        sequence_parallel: bool) -> Dict[str, torch.Tensor]:
+    """stats: each MoE layer's router_stats (counts (E,), prob_sum (E,) with grad, T local tokens),
+    in layer order. Returns dict(aux=this rank's share of aux, with gradient; aux_value=the
+    micro-batch's aux, detached, the same on every rank; counts=(L, E) copies per expert and layer
+    over the micro-batch). Collective over tp under SP, then over cp, when they have several ranks."""
+    L = len(stats)
+    counts = torch.stack([c for c, _, _ in stats])                         # (L, E)
+    probs = torch.stack([p for _, p, _ in stats])                          # (L, E), with grad
+    tokens = torch.tensor([float(stats[0][2])], device=counts.device)
+    packed = torch.cat([counts.reshape(-1), probs.detach().reshape(-1), tokens])
+    E = num_experts
+    if sequence_parallel and pgm.tp.size > 1:
+        packed = comm.all_reduce(packed, pgm.tp)
+    probs_tp = packed[L * E:2 * L * E].view(L, E).clone()                 # this cp rank's part of P
+    if pgm.cp.size > 1:
+        packed = comm.all_reduce(packed, pgm.cp)
+    counts_all = packed[:L * E].view(L, E)
+    probs_all = packed[L * E:2 * L * E].view(L, E)
+    rows = L * packed[-1]
+    per_expert = counts_all.sum(0)                                         # C_e
+    aux = E * (per_expert * probs.sum(0)).sum() / rows ** 2
+    # the tp ranks' loss is the whole cross-entropy on each (the cp ranks' a share): under SP each
+    # adds its tp share's gradient but the value of the cp rank's share, so the loss reads the same
+    aux = aux + (E * (per_expert * probs_tp.sum(0)).sum() / rows ** 2 - aux).detach()
+    aux_value = E * (per_expert * probs_all.sum(0)).sum() / rows ** 2
+    return dict(aux=aux, aux_value=aux_value, counts=counts_all)
+
+
+def moe_layers(layers) -> list:
+    """The MoE feed-forwards among decoder layers, in order."""
+    return [layer.mlp for layer in layers if getattr(layer, "is_moe", False)]
+
+
+def add_aux_loss(loss, layers, config, pgm: ProcessGroupManager, weight: Optional[float]):
+    """loss + router_aux_loss_coef * weight * aux of the MoE layers among `layers` (which have just
+    run forward); weight None is 1 / dp (each dp rank's forward is one micro-batch of the batch).
+    Returns (loss, metrics): metrics holds aux_value, counts and dropped, or is None (dense)."""
+    moes = moe_layers(layers)
+    if not moes:
+        return loss, None
+    out = load_balancing_loss([m.router_stats for m in moes], config.num_local_experts, pgm,
+                              pgm.config.sequence_parallel)
+    weight = 1.0 / pgm.dp.size if weight is None else weight
+    if config.router_aux_loss_coef > 0 and loss is not None:
+        loss = loss + config.router_aux_loss_coef * weight * out["aux"]
+    metrics = dict(aux_loss=out["aux_value"], counts=out["counts"],
+                   dropped=sum(m.dropped for m in moes))
+    return loss, metrics

@@ -1,0 +1,55 @@
+"""train.py with expert parallelism: an MoE run on ep ranks borrowed from dp_shard (x cp) against one
+process, and its checkpoints across ep sizes (minipar/expert_parallel/, minipar/zero3/, the
+checkpoint's ep segments in minipar/training/checkpoint/layout.py)."""
+import os
+
+import pytest
+import torch
+from harness import run_world
+
+from minipar.training.run_setup import setup_run
+from minipar.training.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a tiny Mixtral: 4 experts, top-2, an aux loss big enough to matter
+MOE = ["--model.model_type", "mixtral", "--model.num_local_experts", "4", "--model.num_experts_per_tok",
+       "2", "--model.router_aux_loss_coef", "0.05", "--model.hidden_size", "64", "--model.intermediate_size",
+       "64", "--model.num_hidden_layers", "2", "--model.num_attention_heads", "4",
+       "--model.num_key_value_heads", "2",
+       "--sequence_len", "32", "--global_batch_size", "8", "--warmup_steps", "2", "--eval_steps", "0",
+       "--logging_steps", "100", "--progress_bar", "false", "--export_hf", "false",
+       "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"), "--dp_replicate_size", "1"]
+
+
+def _train(argv):
+    """(ep size, experts of one MoE layer on this rank, [(step, loss, grad_norm)])."""
+    torch.set_num_threads(1)
+    trainer = Trainer(setup_run(argv))
+    history = trainer.train()
+    experts = trainer.model.model.layers[0].mlp.experts.gate_proj.shape[0]
+    return trainer.pgm.ep.size, experts, [(r["step"], r["loss"], r["grad_norm"]) for r in history]
+
+
+def _argv(out, *extra):
+    return [os.path.join(ROOT, "configs", "ddp.yaml"), *MOE, "--output_dir", str(out), *extra]
+
+
+@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT",
+                                  pytest.param("FULL_STATE_DICT", marks=pytest.mark.slow)])
+def test_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path, kind):
+    """dp_shard 2 x ep 2 for 4 steps, saving at step 2; resumed from it at ep 1 (the experts no
+    longer split, every rank holding all four), steps 3 and 4 have the same loss."""
+    steps = ["--max_steps", "4", "--save_steps", "2", "--save_total_limit", "3",
+             "--fsdp.state_dict_type", kind]
+    full = run_world(_train, 2, _argv(tmp_path / "ep2", "--dp_shard_size", "2",
+                                      "--expert_parallel_size", "2", *steps), timeout=300)[0]
+    assert full[:2] == (2, 2)                 # two experts on each rank
+    resumed = run_world(_train, 2, _argv(tmp_path / "ep1", "--dp_shard_size", "2",
+                                         "--expert_parallel_size", "1", "--max_steps", "4",
+                                         "--resume_from_checkpoint", str(tmp_path / "ep2" / "step-2")),
+                        timeout=300)[0]
+    assert resumed[:2] == (1, 4)
+    full, resumed = full[2], resumed[2]
+    assert [s for s, _, _ in resumed] == [3, 4]
+    for (s, a, ga), (_, b, gb) in zip(full[2:], resumed):
+        assert abs(a - b) <= 1e-5 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), (s, a, b, ga, gb)

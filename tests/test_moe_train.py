@@ -1,0 +1,96 @@
+"""A mixture of experts trained on a layout has the per-step loss of one process (the aux loss in
+the objective), the same aux loss and load imbalance in metrics.jsonl, and with a capacity factor
+drops the same copies; configs/moe.yaml runs as it says."""
+import os
+
+import pytest
+import torch
+from harness import run_world
+
+from minipar.training.config.train_config import load_config
+from minipar.training.run_setup import setup_run
+from minipar.training.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a tiny Mixtral: 4 experts, top-2, a large aux coefficient so that the aux loss weighs in the loss
+TINY_MOE = ["--model.model_type", "mixtral", "--model.num_local_experts", "4",
+            "--model.num_experts_per_tok", "2", "--model.router_aux_loss_coef", "0.1",
+            "--model.hidden_size", "32", "--model.intermediate_size", "48",
+            "--model.num_hidden_layers", "2", "--model.num_attention_heads", "4",
+            "--model.num_key_value_heads", "2", "--sequence_len", "16", "--global_batch_size", "8",
+            "--micro_batch_size", "2", "--learning_rate", "1e-2", "--warmup_steps", "1", "--eval_steps", "0",
+            "--logging_steps", "100", "--progress_bar", "false", "--save_final_checkpoint", "false",
+            "--export_hf", "false"]
+KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_imbalance", "moe_dropped")
+
+
+def _train(argv):
+    torch.set_num_threads(1)
+    return [{k: r[k] for k in KEYS} for r in Trainer(setup_run(argv)).train()]
+
+
+def _argv(out, steps, *extra):
+    return [os.path.join(ROOT, "configs", "moe.yaml"), *TINY_MOE, "--max_steps", str(steps),
+            "--output_dir", str(out), "--dp_shard_size", "1", *extra]
+
+
+def _same(ref, got, rel=1e-4):
+    assert len(ref) == len(got)
+    for step, (a, b) in enumerate(zip(ref, got), 1):
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            assert abs(a[key] - b[key]) <= rel * abs(a[key]), f"step {step}: {key} {b[key]} vs {a[key]}"
+        assert b["moe_imbalance"] == pytest.approx(a["moe_imbalance"], rel=1e-6), f"step {step}"
+        assert a["moe_dropped"] == b["moe_dropped"], f"step {step}: dropped"
+
+
+_REF = {}
+
+
+def _single(tmp_path, steps, *extra):
+    if (steps, extra) not in _REF:
+        _REF[steps, extra] = run_world(_train, 1, _argv(tmp_path / "one", steps, *extra), timeout=300)[0]
+    return _REF[steps, extra]
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--tensor_parallel_size", "2", "--sequence_parallel", "true"]),     # dropless
+    (2, ["--dp_shard_size", "2", "--moe_capacity_factor", "1.0"]),           # dropping
+], ids=["tp2-sp", "shard2-capacity"])
+def test_moe_layout_equals_one_process(tmp_path, world, extra):
+    capacity = [e for e in extra if e in ("--moe_capacity_factor", "1.0")]
+    ref = _single(tmp_path, 4, *capacity)
+    assert ref[0]["moe_aux_loss"] > 0.9 and len(ref[0]["moe_imbalance"]) == 2
+    if capacity:                                   # a factor of 1 drops copies, and both drop the same
+        assert all(r["moe_dropped"] > 0 for r in ref)
+    else:
+        assert all(r["moe_dropped"] == 0 for r in ref)
+    for got in run_world(_train, world, _argv(tmp_path / "run", 4, *extra), timeout=300):
+        _same(ref, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,extra", [
+    (4, ["--dp_shard_size", "4"]),                                           # configs/moe.yaml's layout
+    (2, ["--context_parallel_size", "2"]),
+    (4, ["--context_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
+    (4, ["--dp_shard_size", "2", "--tensor_parallel_size", "2", "--gradient_checkpointing", "true"]),
+], ids=["config-shard4", "cp2", "cp2-tp2-sp", "shard2-tp2-checkpointed"])
+def test_moe_more_layouts_equal_one_process_for_20_steps(tmp_path, world, extra):
+    ref = _single(tmp_path, 20)
+    assert ref[-1]["loss"] < ref[0]["loss"]        # and it learns
+    for got in run_world(_train, world, _argv(tmp_path / "run", 20, *extra), timeout=600):
+        _same(ref, got)
+
+
+def test_moe_config_refusals_name_every_value():
+    """Refused on load, before any group exists: pp with an MoE, a capacity factor <= 0 or on a
+    dense model, top-k above the experts; several at once in one error."""
+    moe = os.path.join(ROOT, "configs", "moe.yaml")
+    with pytest.raises(ValueError,
+                       match=r"moe_capacity_factor=0\.0.*pipeline_parallel_size=2 with a mixture"):
+        load_config(moe, ["--pipeline_parallel_size", "2", "--moe_capacity_factor", "0"])
+    with pytest.raises(ValueError, match=r"moe_capacity_factor=1\.5: .*applies to a mixture of experts"):
+        load_config(os.path.join(ROOT, "configs", "ddp.yaml"), ["--moe_capacity_factor", "1.5"])
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 must be between 1 and the number of experts"):
+        load_config(moe, ["--model.num_experts_per_tok", "9"])
+    assert load_config(moe, ["--moe_capacity_factor", "1.25"]).model.moe_capacity_factor == 1.25

@@ -78,11 +78,11 @@ def group_seconds(groups: Dict[str, dict], cluster: Cluster) -> Dict[str, float]
     return out
 
 
-def mfu(model_flops: float, full_attention_flops: float, step: float, world: int, cluster: Cluster) -> dict:
-    """Both MFU conventions (the docstring above), for one step's time."""
+def mfu(fl: dict, step: float, world: int, cluster: Cluster) -> dict:
+    """Both MFU conventions of models/flops.py (the docstring above), for one step's time."""
     peak = cluster.peak_tflops * 1e12
-    return dict(mfu=model_flops / (step * world * peak),
-                mfu_full_attention=(model_flops + full_attention_flops) / (step * world * peak))
+    return dict(mfu=fl["model"] / (step * world * peak),
+                mfu_full_attention=fl["model_full_attention"] / (step * world * peak))
 
 
 def crosses_nodes(layout: Layout, gpus_per_node: int) -> Dict[str, bool]:
@@ -141,6 +141,6 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
                     fits=total <= budget),
         comm=groups,
         time=dict(parts, **t, step_s=step, tokens_per_s=tokens / step,
-                  **mfu(fl["model"], fl["attention_model"], step, layout.world, cluster),
+                  **mfu(fl, step, layout.world, cluster),
                   model_flops=fl["model"]))
 

@@ -62,7 +62,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     cross["pp"] = any(len({(w + k * W) // g for k in range(pipe.pp)}) > 1 for w in range(W))
     sizes = dict(layout.sizes(), pp=pipe.pp)
     tokens = batch.global_batch_size * batch.sequence_len
-    full = pm.flops(model, layout, batch, opts)["model"]
+    fl = pm.flops(model, layout, batch, opts)
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
     out = []
     for st in stages(model, pipe):
@@ -101,8 +101,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     step = slowest["time"]["work_s"] / (1 - bub) + pp_s
     worst = max(out, key=lambda p: p["memory"]["total"])
     t = dict(slowest["time"], step_s=step, bubble=bub, pp_s=pp_s, slowest_stage=slowest["rank"],
-             tokens_per_s=tokens / step, model_flops=full,
-             **mfu(full, pm.flops(model, layout, batch, opts)["attention_model"], step, world, cluster))
+             tokens_per_s=tokens / step, model_flops=fl["model"], **mfu(fl, step, world, cluster))
     return dict(layout=dict(dataclasses.asdict(layout), pp=pipe.pp), pipeline=dataclasses.asdict(pipe),
                 layout_str=f"{pipe} x {layout}", world=world, nodes=-(-world // g), micro_steps=M,
                 batch=dataclasses.asdict(batch), micro_batch=batch.micro(layout),

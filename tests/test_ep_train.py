@@ -1,6 +1,7 @@
-"""train.py with expert parallelism: an MoE run on ep ranks borrowed from dp_shard (x cp) against one
-process, and its checkpoints across ep sizes (minipar/expert_parallel/, minipar/zero3/, the
-checkpoint's ep segments in minipar/training/checkpoint/layout.py)."""
+"""train.py with expert parallelism: an MoE run on ep ranks borrowed from dp_shard (x cp) has the
+per-step loss of one process (the aux loss in the objective), its aux loss, load imbalance and
+dropped copies; and its checkpoints move across ep sizes (minipar/expert_parallel/, minipar/zero3/,
+the checkpoint's ep segments in minipar/training/checkpoint/layout.py)."""
 import os
 
 import pytest
@@ -32,6 +33,70 @@ def _train(argv):
 
 def _argv(out, *extra):
     return [os.path.join(ROOT, "configs", "ddp.yaml"), *MOE, "--output_dir", str(out), *extra]
+
+
+KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_imbalance", "moe_dropped")
+
+
+def _train_metrics(argv):
+    torch.set_num_threads(1)
+    trainer = Trainer(setup_run(argv))
+    return trainer.pgm.ep.size, [{k: r[k] for k in KEYS} for r in trainer.train()]
+
+
+def _curve_argv(out, steps, *extra):
+    # micro-batches of 2 rows on every layout: the aux loss sees the same tokens as one process's
+    return _argv(out, "--max_steps", str(steps), "--micro_batch_size", "2", "--save_final_checkpoint",
+                 "false", "--learning_rate", "1e-2", *extra)
+
+
+_REF = {}
+
+
+def _single(tmp_path, steps, *extra):
+    if (steps, extra) not in _REF:
+        _REF[steps, extra] = run_world(_train_metrics, 1, _curve_argv(tmp_path / "one", steps, *extra),
+                                       timeout=300)[0][1]
+    return _REF[steps, extra]
+
+
+def _same(ref, got, rel=1e-4):
+    assert len(ref) == len(got)
+    for step, (a, b) in enumerate(zip(ref, got), 1):
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            assert abs(a[key] - b[key]) <= rel * abs(a[key]), f"step {step}: {key} {b[key]} vs {a[key]}"
+        assert b["moe_imbalance"] == pytest.approx(a["moe_imbalance"], rel=1e-5), f"step {step}"
+        assert a["moe_dropped"] == b["moe_dropped"], f"step {step}: dropped"
+
+
+CAPACITY = ("--moe_capacity_factor", "1.0")
+
+
+@pytest.mark.parametrize("world,steps,capacity,extra", [
+    # the fast twin: 4 steps, with a capacity factor (the dropped copies are one process's)
+    (2, 4, CAPACITY, ["--dp_shard_size", "2", "--expert_parallel_size", "2"]),
+    # the issue's layouts, 20 steps, dropless (under cp the caps are a rank's own tokens': models/moe.py)
+    pytest.param(4, 20, (), ["--dp_shard_size", "4", "--expert_parallel_size", "4"], marks=pytest.mark.slow),
+    pytest.param(4, 20, CAPACITY, ["--dp_shard_size", "4", "--expert_parallel_size", "2"],
+                 marks=pytest.mark.slow),
+    pytest.param(4, 20, (), ["--dp_shard_size", "2", "--tensor_parallel_size", "2",
+                             "--expert_parallel_size", "2"], marks=pytest.mark.slow),
+    pytest.param(8, 20, (), ["--dp_shard_size", "2", "--context_parallel_size", "2", "--tensor_parallel_size",
+                             "2", "--expert_parallel_size", "4"], marks=pytest.mark.slow),
+    pytest.param(4, 20, (), ["--dp_replicate_size", "2", "--dp_shard_size", "2",
+                             "--expert_parallel_size", "2"], marks=pytest.mark.slow),
+], ids=["shard2-ep2-capacity", "shard4-ep4", "shard4-ep2-capacity", "shard2-tp2-ep2", "shard2-cp2-tp2-ep4",
+        "hsdp-ep2"])
+def test_ep_layout_equals_one_process(tmp_path, world, steps, capacity, extra):
+    ref = _single(tmp_path, steps, *capacity)
+    assert all((r["moe_dropped"] > 0) == bool(capacity) for r in ref)
+    if steps == 20:
+        assert ref[-1]["loss"] < ref[0]["loss"]           # and it learns
+    ep = int(extra[extra.index("--expert_parallel_size") + 1])
+    for size, got in run_world(_train_metrics, world, _curve_argv(tmp_path / "run", steps, *capacity, *extra),
+                               timeout=600):
+        assert size == ep
+        _same(ref, got)
 
 
 @pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT",

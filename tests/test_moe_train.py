@@ -31,7 +31,7 @@ def _train(argv):
 
 def _argv(out, steps, *extra):
     return [os.path.join(ROOT, "configs", "moe.yaml"), *TINY_MOE, "--max_steps", str(steps),
-            "--output_dir", str(out), "--dp_shard_size", "1", *extra]
+            "--output_dir", str(out), "--dp_shard_size", "1", "--expert_parallel_size", "1", *extra]
 
 
 def _same(ref, got, rel=1e-4):
@@ -70,7 +70,7 @@ def test_moe_layout_equals_one_process(tmp_path, world, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,extra", [
-    (4, ["--dp_shard_size", "4"]),                                           # configs/moe.yaml's layout
+    (4, ["--dp_shard_size", "4", "--expert_parallel_size", "2"]),            # configs/moe.yaml's layout
     (2, ["--context_parallel_size", "2"]),
     (4, ["--context_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
     (4, ["--dp_shard_size", "2", "--tensor_parallel_size", "2", "--gradient_checkpointing", "true"]),

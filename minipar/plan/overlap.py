@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
-from .model import Unit, _padded, kv_repeat
+from .model import Unit, _padded, kv_repeat, recomputed_layers
 from .time_model import collective_seconds
 
 DP_GROUPS = ("dp_shard_cp", "dp_replicate", "dp_cp")
@@ -54,9 +54,9 @@ def exposed_ring_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: 
     hop_f = collective_seconds("send_recv", R, kv * e, crosses, cluster)
     hop_b = hop_f + collective_seconds("send_recv", R, kv * 4, crosses, cluster)
     block = parts["layer_attention_s"] / R
-    forwards = 2 if opts.gradient_checkpointing else 1
-    per_layer = (R - 1) * (forwards * max(0.0, hop_f - block) + max(0.0, hop_b - 2 * block))
-    return batch.micro_steps(layout) * layers * per_layer
+    forwards = layers + recomputed_layers(model, opts, layers)     # recomputed layers hop again
+    return batch.micro_steps(layout) * (R - 1) * (forwards * max(0.0, hop_f - block)
+                                                 + layers * max(0.0, hop_b - 2 * block))
 
 
 def exposed_dp_seconds(groups: Dict[str, dict], layout: Layout, opts: Options, cluster,

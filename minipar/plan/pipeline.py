@@ -87,7 +87,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         if layout.sharded:
             transient += 2 * 4 * max(u.numel for u in stage_units(model, layout, st))
         mem, acts = p["memory"], p["activations"]
-        activation = acts["checkpointed_peak" if opts.gradient_checkpointing else "full"]
+        activation = acts["as_configured"]
         total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
         p.update(memory=dict(mem, activations=acts, transient=transient, total=total, budget=budget,
                              fits=total <= budget),

@@ -16,7 +16,8 @@ each timed on a roofline, t = max(2 m k n / (peak x gemm_efficiency), (m k + k n
 large GEMMs run at `--efficiency` of peak, and a GEMM whose per-rank slice is thin (large tp, short
 micro-batches) becomes bound by the bytes it reads, which is why heavy TP runs slower per FLOP. The
 backward is two GEMMs of the forward's size (dX and dW), 2x its time; checkpointing runs the
-forward again.
+forward again: all of it (full), only the memory-bound ops (selective per op: the matmul and attention
+outputs are kept), or every n-th layer's (model.py's recompute_shares).
 
 Attention (FlashAttention-style, causal): per layer and micro-batch the forward does
 2 b (s / cp) s (Hq / tp) hd FLOPs (QK^T and PV, half the score matrix), the backward twice that,
@@ -54,7 +55,7 @@ from __future__ import annotations
 from typing import Dict
 
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
-from .model import wire_bytes
+from .model import recompute_shares, wire_bytes
 
 HOPS = {"all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1, "all_to_all": lambda p: p - 1,
         "all_reduce": lambda p: 2 * (p - 1), "send": lambda p: 1, "send_recv": lambda p: 1}
@@ -111,13 +112,17 @@ def compute_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Optio
         per_token += 2 * e * (H + K) * hd
     mem_f = (norm_rows * 2 * (28 + 4 * e + 3 * e) * d + rows * per_token / tp) / hbm
     forward = gemm_f + attn_f + mem_f
-    recompute = 1 if opts.gradient_checkpointing else 0
-    passes = 3 + recompute                                    # forward, 2x backward, the recompute
-    gemm, attention, memory_bound = (M * layers * passes * x for x in (gemm_f, attn_f, mem_f))
+    # the share of the forward run again in backward: of the matmuls and attention, of the cheap ops
+    # (full checkpointing 1 and 1; selective per op 0 and 1; every n-th layer its share of layers)
+    again, again_cheap = recompute_shares(model, opts)
+    heavy, cheap = 3 + again, 3 + again_cheap               # forward, 2x backward, the recompute
+    gemm, attention = M * layers * heavy * gemm_f, M * layers * heavy * attn_f
+    memory_bound = M * layers * cheap * mem_f
     if last:
         gemm += M * 3 * gemm_seconds(rows, d, model.vocab_size / tp, e, cluster)
         memory_bound += M * rows * model.vocab_size / tp * (48 + 2 * e) / hbm
     optimizer = local_elements * (32 + (6 if e == 2 else 0)) / hbm
     return dict(gemm_s=gemm, attention_s=attention, memory_bound_s=memory_bound, optimizer_s=optimizer,
                 compute_s=gemm + attention + memory_bound + optimizer, layer_forward_s=forward,
-                layer_backward_s=(2 + recompute) * forward, layer_attention_s=attn_f)
+                layer_backward_s=(heavy - 1) * (gemm_f + attn_f) + (cheap - 1) * mem_f,
+                layer_attention_s=attn_f)

@@ -42,7 +42,6 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from minipar import comm
 from minipar import tensor_parallel as tpl
@@ -50,6 +49,7 @@ from minipar.context_parallel import ring_attention, sequence_positions, ulysses
 from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.mesh import ProcessGroupManager
 
+from .activation_checkpoint import ActivationCheckpointing  # full, or selective (per op / every n-th)
 from .hf_checkpoint import HFCheckpoint, save_pretrained  # HF's files: the reader and the writer
 from .llama_config import LlamaConfig  # the shape, HF's config.json keys
 from .llama_init import SeededInit, local_from_source, materialize
@@ -188,13 +188,15 @@ class LlamaModel(nn.Module):
         cfg = self.config
         return rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_scaling)
 
-    def run_layers(self, h, cos, sin, layers, document_ids=None, checkpointing: bool = False):
-        """h through `layers` (decoder layers of this body), in order. checkpointing: keep only each
-        layer's input and recompute the layer in backward (activation memory of one layer, at the
-        cost of one more forward per layer)."""
+    def run_layers(self, h, cos, sin, layers, document_ids=None, checkpointing=False):
+        """h through `layers` (decoder layers of this body), in order. checkpointing: an
+        ActivationCheckpointing (models/activation_checkpoint.py: full keeps only each layer's
+        input and runs its forward again in backward; selective keeps the matmul and attention
+        outputs, or checkpoints every n-th layer), True for full, or False."""
+        policy = ActivationCheckpointing() if checkpointing is True else checkpointing
         for layer in layers:
-            if checkpointing and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, document_ids, use_reentrant=False)
+            if policy and policy.applies(layer.layer_idx) and self.training and torch.is_grad_enabled():
+                h = policy(layer, h, cos, sin, document_ids)
             else:
                 h = layer(h, cos, sin, document_ids)
         return h
@@ -245,8 +247,9 @@ class LlamaForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(local_from_source(init, name, p, self.pgm.ep))
 
-    def gradient_checkpointing_enable(self):
-        self.gradient_checkpointing = True
+    def gradient_checkpointing_enable(self, mode: str = "full", option="op"):
+        """Checkpoint the decoder layers: mode full, or selective with option op or n (every n-th layer)."""
+        self.gradient_checkpointing = ActivationCheckpointing(mode, option)
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids, position_ids=None, labels=None, num_items_in_batch=None, document_ids=None,

@@ -25,6 +25,7 @@ import sys
 from minipar.cli import fail, memory_bytes, positive_ints, within
 from minipar.training.config.train_config import load_config
 from minipar.training.pipeline_step import virtual_stages
+from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
 
 from .estimate import Cluster, plan
@@ -110,7 +111,8 @@ def from_train_config(cfg):
     opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch,
                    reshard_after_forward=cfg.fsdp.reshard_after_forward,
                    sync_each_batch=cfg.fsdp.sync_each_batch,
-                   gradient_checkpointing=cfg.gradient_checkpointing, max_grad_norm=bool(cfg.max_grad_norm))
+                   gradient_checkpointing=cfg.gradient_checkpointing,
+                   selective_ac_option=cfg.selective_ac_option, max_grad_norm=bool(cfg.max_grad_norm))
     return model, sizes, batch, opts
 
 
@@ -137,8 +139,17 @@ def load(args):
     mbs = args.micro_batch_size or (batch.micro_batch_size if batch else 1)
     batch = Batch(gbs, mbs, seq)
     flags = dict(dtype=args.dtype, prefetch=args.prefetch, sync_each_batch=args.sync_each_batch,
-                 gradient_checkpointing=args.gradient_checkpointing)
+                 gradient_checkpointing=args.gradient_checkpointing,
+                 selective_ac_option=args.selective_ac_option)
     changes = {k: v for k, v in flags.items() if v is not None}
+    ac = changes.get("gradient_checkpointing", opts.gradient_checkpointing)
+    if args.selective_ac_option is not None and ac != "selective":
+        raise ValueError(f"--selective-ac-option {args.selective_ac_option} goes with "
+                         f"--gradient-checkpointing selective")
+    if ac not in (True, False):
+        problem = check_option(ac, changes.get("selective_ac_option", opts.selective_ac_option))
+        if problem:
+            raise ValueError(problem)
     return model, base, batch, dataclasses.replace(opts, **changes), world
 
 
@@ -181,7 +192,11 @@ def main(argv=None):
     ap.add_argument("--prefetch", type=int)
     ap.add_argument("--no-sync", dest="sync_each_batch", action="store_const", const=False,
                     help="ZeRO-3: accumulate unsharded gradients, one reduce-scatter per step")
-    ap.add_argument("--gradient-checkpointing", action="store_const", const=True)
+    ap.add_argument("--gradient-checkpointing", nargs="?", const=True, choices=(True, "selective"),
+                    help="full (no value), or selective (models/activation_checkpoint.py)")
+    ap.add_argument("--selective-ac-option", type=lambda v: int(v) if v.isdigit() else v,
+                    help="with --gradient-checkpointing selective: op (keep matmul and attention "
+                         "outputs, default) or n (every n-th layer)")
     ap.add_argument("--search", action="store_true",
                     help="rank every layout of --world that fits (pp included)")
     ap.add_argument("--no-pp", action="store_true",

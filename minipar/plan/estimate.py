@@ -159,7 +159,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     transient = n * model.vocab_size // layout.tp * (e + 4)
     if layout.sharded:
         transient += 2 * 4 * max(u.numel for u in pm.units(model, layout))
-    activation = act["checkpointed_peak" if opts.gradient_checkpointing else "full"]
+    activation = act["as_configured"]
     total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
     tokens = batch.global_batch_size * batch.sequence_len

@@ -24,7 +24,7 @@ Pure data: no process group, no tensor, no communication.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 from minipar.config import ParallelismConfig
 from minipar.context_parallel.ulysses import check_ulysses
@@ -134,7 +134,10 @@ class Options:
     prefetch: int = 1
     reshard_after_forward: bool = True
     sync_each_batch: bool = True   # ZeRO-3: reduce-scatter every micro-batch (false: once per step)
-    gradient_checkpointing: bool = False
+    # True (full), False, or "selective" with selective_ac_option "op" or n (every n-th layer):
+    # models/activation_checkpoint.py, counted by model.py's activations and recompute_shares
+    gradient_checkpointing: Union[bool, str] = False
+    selective_ac_option: Union[str, int] = "op"
     max_grad_norm: bool = True     # clipping measures the global norm (two tiny all-reduces)
 
 

@@ -76,7 +76,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
             gr["wire_bytes"] += wire
         sec = group_seconds(groups, cluster)
         L = st.num_layers
-        attention_flops = L * attn * tokens / W * (4 / 3 if opts.gradient_checkpointing else 1)
+        attention_flops = L * attn * tokens / W * (1 + pm.recompute_shares(model, opts)[0] / 3)
         parts = tm.compute_seconds(model, layout, batch, opts, cluster, L, st.last, attention_flops,
                                    p["memory"]["param_elements"])
         compute, attention = parts["compute_s"], parts["attention_s"]
@@ -89,7 +89,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         if layout.sharded:
             transient += 2 * 4 * max(u.numel for u in stage_units(model, layout, st))
         mem, acts = p["memory"], p["activations"]
-        activation = acts["checkpointed_peak" if opts.gradient_checkpointing else "full"]
+        activation = acts["as_configured"]
         total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
         p.update(memory=dict(mem, activations=acts, transient=transient, total=total, budget=budget,
                              fits=total <= budget),

@@ -29,7 +29,7 @@ def describe(p: dict, model: ModelShape) -> str:
              f"batch: {p['batch']['global_batch_size']} x {p['batch']['sequence_len']} tokens per step, "
              f"micro-batch {p['micro_batch']} row(s) x {p['micro_steps']} step(s) per dp rank; {o['dtype']}, "
              f"prefetch {o['prefetch']}, activation checkpointing "
-             f"{'on' if o['gradient_checkpointing'] else 'off'}",
+             f"{_ac(o)}",
              ""]
     unit, size = _unit(m["total"])
     lines.append(f"memory per rank ({unit})")
@@ -42,6 +42,8 @@ def describe(p: dict, model: ModelShape) -> str:
             ("accumulated grads (no_sync: fp32, unsharded)", m["accumulated_grads"]),
             ("activations, no checkpointing", a["full"]),
             ("activations, checkpointing (kept / peak)", None),
+            *([(f"activations, {_ac(o)} (peak)", a["as_configured"])]
+              if o["gradient_checkpointing"] == "selective" else []),
             ("transient (logits, gradients in flight)", m["transient"]),
             ("= total (as chosen)", m["total"])]
     for label, v in rows:
@@ -81,6 +83,15 @@ def _parts(t: dict) -> str:
     return (f"  compute by operation (minipar/plan/time_model.py): GEMMs {t['gemm_s']:.3g} s, attention "
             f"{t['attention_s']:.3g} s, memory-bound (norms, RoPE, SwiGLU, residuals, loss) "
             f"{t['memory_bound_s']:.3g} s, optimizer step {t['optimizer_s']:.3g} s")
+
+
+def _ac(o: dict) -> str:
+    """The options' activation checkpointing in words."""
+    ac = o["gradient_checkpointing"]
+    if ac == "selective":
+        option = o.get("selective_ac_option", "op")
+        return "selective per op" if option == "op" else f"selective, every {option}-th layer"
+    return "on" if ac else "off"
 
 
 def describe_pipeline(p: dict, model: ModelShape) -> str:

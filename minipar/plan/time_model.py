@@ -42,6 +42,7 @@ from __future__ import annotations
 from typing import Dict
 
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .model import recompute_shares
 
 HOPS = {"all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1, "all_to_all": lambda p: p - 1,
         "all_reduce": lambda p: 2 * (p - 1), "send": lambda p: 1, "send_recv": lambda p: 1}
@@ -66,7 +67,8 @@ def compute_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Optio
     e = DTYPE_BYTES[opts.dtype]
     M = batch.micro_steps(layout)
     rows = batch.micro(layout) * batch.sequence_len / layout.cp
-    passes = 3 + (1 if opts.gradient_checkpointing else 0)      # forward, 2x backward, recompute
+    again, again_cheap = recompute_shares(model, opts)          # the share of the forward run again
+    passes = 3 + again                                          # forward, 2x backward, recompute
     layer = sum(gemm_seconds(m, k, n, e, cluster) for m, k, n in layer_gemms(model, layout, rows))
     gemm = M * layers * passes * layer
     if last:
@@ -77,7 +79,7 @@ def compute_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Optio
     rope = 2 * (model.num_attention_heads + model.num_key_value_heads) * hd
     per_layer = (norm_rows * (2 * 2 * d + 2 * 3 * d) + rows * (rope + 3 * model.intermediate_size) / tp) * e
     hbm = cluster.hbm_gbps * 1e9
-    memory_bound = M * layers * per_layer * passes / hbm
+    memory_bound = M * layers * per_layer * (3 + again_cheap) / hbm
     if last:
         memory_bound += M * rows * model.vocab_size / tp * (2 * e + 12) / hbm
     optimizer = local_elements * (32 + (6 if e == 2 else 0)) / hbm

@@ -79,8 +79,9 @@ class Trainer:
                      device=self.device)
             if cfg.lora_model_dir:               # checked against the model by check.py already
                 load_adapters(model, cfg.lora_model_dir, pgm.tp)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        if cfg.gradient_checkpointing:            # true: full; selective: per op, or every n-th layer
+            model.gradient_checkpointing_enable("full" if cfg.gradient_checkpointing is True else
+                                                cfg.gradient_checkpointing, cfg.selective_ac_option)
         if pgm.pp.size > 1:                       # pipeline parallelism: keep this rank's stage only
             model = build_pipeline_model(model, cfg, pgm)
         self.grad_sync = None

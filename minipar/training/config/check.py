@@ -29,6 +29,7 @@ from minipar.config import CP_IMPLS, CP_LAYOUTS
 from minipar.lora import adapter_shapes, add_lora, check_adapter, check_targets
 from minipar.training.data.batches import DATASET_IS, check_data_file
 from minipar.training.data.datasets import check_entries
+from models.activation_checkpoint import check_option
 from models.llama import LlamaForCausalLM
 
 # what a `datasets` path must be, said with every refusal of one (data.check_data_file)
@@ -117,6 +118,10 @@ def check(cfg) -> None:
     problems += _data_files(cfg)
     problems += [ValueError(m) for m in _lora(cfg)]
     problems += [ValueError(p) for p in _reporting(cfg)]
+    if cfg.gradient_checkpointing not in (False, True):
+        problem = check_option(cfg.gradient_checkpointing, cfg.selective_ac_option)
+        if problem:
+            bad(problem)
     if len(problems) == 1:
         raise problems[0]
     if problems:

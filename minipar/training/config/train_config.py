@@ -82,7 +82,11 @@ class TrainConfig:
     bf16: Optional[Union[bool, str]] = None
     lr_scheduler: str = "cosine"          # linear warmup, then cosine to min_lr_ratio (the one schedule)
     optimizer: str = "adamw_torch"        # or adamw_torch_fused (torch's fused AdamW kernel)
-    gradient_checkpointing: bool = False
+    # true (full: each layer keeps its input, runs again in backward), false, or selective
+    # (models/activation_checkpoint.py), torchtitan's selective_ac_option: op (keep the matmul and
+    # attention outputs, recompute the rest) or an integer n (every n-th layer fully checkpointed)
+    gradient_checkpointing: Union[bool, str] = False
+    selective_ac_option: Union[str, int] = "op"
     # the four parallel sizes (accelerate's names in brackets); dp_shard_size None = the remainder
     dp_replicate_size: int = 1
     dp_shard_size: Optional[int] = None

@@ -112,3 +112,14 @@ def test_lora_model_dir_starts_from_a_peft_adapter_and_refuses_a_wrong_one(tmp_p
     with pytest.raises(ValueError, match=r"4 adapters of this run are missing"):
         load_config(None, argv[1:] + ["--lora_target_modules", "[q_proj, v_proj, o_proj, down_proj, up_proj]"
                                       ])
+
+
+def test_export_command_merges_a_lora_checkpoint(tmp_path, chat_base):
+    from minipar.training.checkpoint.export import main
+    out = tmp_path / "run"
+    argv = _chat_argv(chat_base, out, 2, "--save_final_checkpoint", "true", dp=2)
+    logits = run_world(_run, 2, argv, timeout=300)[0]["logits"]
+    main([str(out / "step-2"), str(tmp_path / "merged")])
+    merged = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(input_ids=IDS).logits, logits, atol=1e-5, rtol=1e-5)

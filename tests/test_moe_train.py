@@ -8,6 +8,7 @@ import torch
 from harness import run_world
 
 from minipar.training.config.train_config import load_config
+from minipar.training.data.tokenizer import save_byte_tokenizer
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
@@ -94,3 +95,44 @@ def test_moe_config_refusals_name_every_value():
     with pytest.raises(ValueError, match="num_experts_per_tok=9 must be between 1 and the number of experts"):
         load_config(moe, ["--model.num_experts_per_tok", "9"])
     assert load_config(moe, ["--moe_capacity_factor", "1.25"]).model.moe_capacity_factor == 1.25
+
+
+def _first_step_and_hf_loss(argv):
+    import transformers
+    torch.set_num_threads(1)
+    run = setup_run(argv)
+    trainer = Trainer(run)
+    ids, labels = trainer.sampler.global_batch(run.train_tokens, 0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(run.cfg.base_model, dtype=torch.float32).eval()
+    with torch.no_grad():     # our labels arrive shifted (label[t] = token t + 1): a plain mean CE
+        out = hf(input_ids=ids, output_router_logits=True)
+        ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).double(), labels.flatten(),
+                                               ignore_index=-100)
+    ref = ce.item() + hf.config.router_aux_loss_coef * out.aux_loss.item()
+    return trainer.train_step(0)["loss"], ref
+
+
+@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.slow), "qwen3_moe"])
+def test_hub_moe_checkpoint_first_step_equals_transformers(tmp_path, family):
+    """make_example's writer puts a Hub-layout MoE (per-expert tensors, sharded with an index) on
+    disk; base_model reads it on tp 2 with SP (each rank its attention slices, all experts), and the
+    first step's loss, the aux loss included, is transformers' on the same batch."""
+    from minipar.training.data.make_example import EXAMPLES, write_checkpoint
+    from models.llama_config import LlamaConfig
+    shape = dict(EXAMPLES[family], vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, num_local_experts=4, router_aux_loss_coef=0.1)
+    shape.update(intermediate_size=48, moe_intermediate_size=24, head_dim=16) if family == "qwen3_moe" else \
+        shape.update(intermediate_size=48)
+    base = str(tmp_path / "base")
+    weight_map = write_checkpoint(base, LlamaConfig(**shape), dtype=torch.float32, max_shard_bytes=40_000)
+    save_byte_tokenizer(base)                      # base_model is also the tokenizer: bytes here
+    assert f"model.layers.1.{'block_sparse_moe' if family == 'mixtral' else 'mlp'}.experts.3." \
+        f"{'w2' if family == 'mixtral' else 'down_proj'}.weight" in weight_map
+    argv = [os.path.join(ROOT, "configs", "finetune_moe.yaml"), "--base_model", base,
+            "--output_dir", str(tmp_path / "out"), "--datasets", "[]", "--sample_packing", "false",
+            "--val_set_size", "0", "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"),
+            "--sequence_len", "16", "--global_batch_size", "4", "--max_steps", "1", "--export_hf", "false",
+            "--progress_bar", "false", "--context_parallel_size", "1", "--tensor_parallel_size", "2",
+            "--sequence_parallel", "true"]
+    for got, ref in run_world(_first_step_and_hf_loss, 2, argv, timeout=300):
+        assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)

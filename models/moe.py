@@ -142,5 +142,5 @@ class MoEFeedForward(nn.Module):
         local, local_counts, handle = dispatch(x[token], counts, self.ep)
         out = combine(self.experts(local, local_counts, self.tp, self.sp), handle)
         w = weights.reshape(-1)[order].to(out.dtype)
-        y = torch.zeros_like(x).index_add_(0, token, out * w[:, None])
+        y = torch.zeros_like(x).index_add_(0, token, (out * w[:, None]).to(x.dtype))   # autocast: bf16 out
         return y.view(b, s, d)

@@ -18,8 +18,10 @@ from minipar.training.config.train_config import load_config
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
-LORA = ["--adapter", "lora", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules",
-        "[q_proj, v_proj, o_proj, down_proj]", "--learning_rate", "1e-2"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LORA = ["--adapter", "lora", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_linear", "false",
+        "--lora_target_modules", "[q_proj, v_proj, o_proj, down_proj]", "--learning_rate", "1e-2",
+        "--merge_lora", "false"]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,7 @@ def chat_base(tmp_path_factory):
 
 def _chat_argv(ex, out, steps, *extra, **layout):
     argv = _argv(ex["base"], out, steps, **layout)
+    argv[0] = os.path.join(ROOT, "configs", "lora.yaml")      # its keys, on the tiny checkpoint
     for key, value in (("--datasets", f"[{{path: {ex['chat']}, type: chat_template}}]"),
                        ("--sample_packing", "true"), ("--sequence_len", "64"), ("--export_hf", "true")):
         argv[argv.index(key) + 1] = value

@@ -399,3 +399,37 @@ def test_the_fewest_gpus_hint_is_a_world_where_the_search_finds_a_fit():
     assert search(model, batch, Options(), cluster, 8)["recommended"] is None
     need = smallest_world(model, batch, Options(), cluster, 8)
     assert need == 16 and search(model, batch, Options(), cluster, need)["recommended"] is not None
+
+
+def test_plan_vs_published_is_current(tmp_path):
+    """benchmarks/results/plan_vs_published.md is what the command writes now (the planner beside
+    published runs; a few seconds, no search)."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("plan_vs_published",
+                                                  os.path.join(ROOT, "benchmarks", "plan_vs_published.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench              # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    out = tmp_path / "plan_vs_published.md"
+    bench.main(str(out))
+    with open(os.path.join(ROOT, "benchmarks", "results", "plan_vs_published.md")) as f:
+        assert out.read_text() == f.read(), \
+            "benchmarks/results/plan_vs_published.md is stale: run python benchmarks/plan_vs_published.py"
+
+
+def test_cli_reshard_and_checkpointing_flags(capsys):
+    """--no-reshard-after-forward keeps each layer gathered from its forward into its backward (one
+    gather per micro-batch, more memory); --no-gradient-checkpointing overrides a config's."""
+    import json
+    fsdp = os.path.join(ROOT, "configs", "fsdp.yaml")
+    plans = []
+    for flags in ([], ["--no-reshard-after-forward"], ["--gradient-checkpointing"],
+                  ["--gradient-checkpointing", "--no-gradient-checkpointing"]):
+        assert plan_main([fsdp, "--json"] + flags) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    base, kept, ac, no_ac = plans
+    assert base["options"]["reshard_after_forward"] and not kept["options"]["reshard_after_forward"]
+    gathers = [p["comm"]["dp_shard_cp"]["ops"]["all_gather"]["calls"] for p in (base, kept)]
+    assert gathers[0] > gathers[1] and kept["memory"]["gathered"] > base["memory"]["gathered"]
+    assert ac["options"]["gradient_checkpointing"] and not no_ac["options"]["gradient_checkpointing"]

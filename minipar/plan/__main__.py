@@ -140,6 +140,7 @@ def load(args):
     batch = Batch(gbs, mbs, seq)
     flags = dict(dtype=args.dtype, prefetch=args.prefetch, sync_each_batch=args.sync_each_batch,
                  gradient_checkpointing=args.gradient_checkpointing,
+                 reshard_after_forward=args.reshard_after_forward,
                  selective_ac_option=args.selective_ac_option)
     changes = {k: v for k, v in flags.items() if v is not None}
     ac = changes.get("gradient_checkpointing", opts.gradient_checkpointing)
@@ -197,6 +198,12 @@ def main(argv=None):
     ap.add_argument("--selective-ac-option", type=lambda v: int(v) if v.isdigit() else v,
                     help="with --gradient-checkpointing selective: op (keep matmul and attention "
                          "outputs, default) or n (every n-th layer)")
+    ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_const",
+                    const=False, help="no activation checkpointing, over the config's")
+    ap.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                    help="ZeRO-3: free each layer's gathered weights after its forward and gather them "
+                         "again for the backward (the default); --no-reshard-after-forward keeps them, "
+                         "one gather per micro-batch for more memory")
     ap.add_argument("--search", action="store_true",
                     help="rank every layout of --world that fits (pp included)")
     ap.add_argument("--no-pp", action="store_true",

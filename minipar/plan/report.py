@@ -68,10 +68,14 @@ def describe(p: dict, model: ModelShape) -> str:
             lines.append(f"{head}{op:<16}{c['calls']:>7}{nbytes:12.3f}{wire:10.3f}{sec}")
     a2a = f" + all-to-all {t['all_to_all_s']:.3g}" if t.get("all_to_all_s") else ""   # Ulysses: exposed
     lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
-              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g}{a2a} + what cp ({t['cp_s']:.3g}) and dp "
-              f"({t['dp_s']:.3g}) "
-              f"do not hide; {t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
+              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g}{a2a} + {_hidden(t)}; "
+              f"{t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
     return "\n".join(lines)
+
+
+def _hidden(t: dict) -> str:
+    return (f"what the layers' compute does not hide (minipar/plan/overlap.py) of cp {t['cp_s']:.3g} "
+            f"({t['cp_exposed_s']:.3g}) and dp {t['dp_s']:.3g} ({t['dp_exposed_s']:.3g})")
 
 
 def _mfu(t: dict) -> str:

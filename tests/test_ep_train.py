@@ -8,6 +8,7 @@ import pytest
 import torch
 from harness import run_world
 
+from minipar.training.data.make_example import main as make_example
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
@@ -118,3 +119,50 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path, kind):
     assert [s for s, _, _ in resumed] == [3, 4]
     for (s, a, ga), (_, b, gb) in zip(full[2:], resumed):
         assert abs(a - b) <= 1e-5 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), (s, a, b, ga, gb)
+
+
+def _finetune(argv):
+    torch.set_num_threads(1)
+    trainer = Trainer(setup_run(argv))
+    return trainer.pgm.ep.size, [(r["step"], r["loss"], r["grad_norm"]) for r in trainer.train()]
+
+
+@pytest.mark.slow
+def test_finetune_moe_reads_only_its_experts_and_equals_ep1(tmp_path):
+    """configs/finetune_moe.yaml from a Hub-layout Mixtral (per-expert tensors, sharded safetensors):
+    its 8-rank layout (dp_shard 2 x cp 2 x tp 2, ep 4, each rank reading its 2 experts) has the
+    losses of the same layout at ep 1, every rank reading all 8."""
+    make_example([str(tmp_path / "ex"), "--model", "mixtral"])
+    argv = [os.path.join(ROOT, "configs", "finetune_moe.yaml"),
+            "--base_model", str(tmp_path / "ex" / "model"),
+            "--datasets", f'[{{"path": "{tmp_path / "ex" / "chat.jsonl"}", "type": "chat_template"}}]',
+            "--max_steps", "3", "--sequence_len", "128", "--global_batch_size", "4", "--progress_bar",
+            "false", "--eval_steps", "0", "--save_steps", "0", "--save_final_checkpoint", "false",
+            "--export_hf", "false", "--dataset_prepared_path", str(tmp_path / "prepared")]
+    runs = {ep: run_world(_finetune, 8, argv + ["--output_dir", str(tmp_path / f"ep{ep}"),
+                                                "--expert_parallel_size", str(ep)], timeout=900)[0]
+            for ep in (4, 1)}
+    assert runs[4][0] == 4 and runs[1][0] == 1
+    for (s, a, ga), (_, b, gb) in zip(runs[1][1], runs[4][1]):
+        assert abs(a - b) <= 1e-5 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), (s, a, b, ga, gb)
+
+
+def _refusal(argv):
+    try:
+        setup_run(argv)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_an_ep_the_layout_cannot_hold_is_refused_on_every_rank(tmp_path):
+    """Before any group exists, on every rank, every problem in one error naming the values."""
+    moe = _argv(tmp_path / "bad", "--model.num_local_experts", "3", "--dp_shard_size", "1",
+                "--tensor_parallel_size", "2", "--expert_parallel_size", "2")
+    for err in run_world(_refusal, 2, moe, timeout=60, init=False):
+        assert "the 3 experts cannot be split over expert_parallel_size=2" in err, err
+        assert "expert_parallel_size=2 does not divide dp_shard_size x context_parallel_size = 1 x 1" in err
+    dense = [os.path.join(ROOT, "configs", "ddp.yaml"), "--dp_replicate_size", "1", "--dp_shard_size", "2",
+             "--expert_parallel_size", "2", "--output_dir", str(tmp_path / "dense")]
+    for err in run_world(_refusal, 2, dense, timeout=60, init=False):
+        assert "expert_parallel_size=2 needs a Mixture-of-Experts model, and this model is dense" in err, err

@@ -128,12 +128,13 @@ def test_capacity_drops_past_the_cap_and_counts_them():
         torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_checkpointed_layers_give_the_same_gradients():
-    """The router statistics are a side output of a layer: under activation checkpointing the aux
-    loss's gradient still reaches the router through the recomputed layer."""
+@pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "op")])
+def test_checkpointed_layers_give_the_same_gradients(mode, option):
+    """The router statistics are a side output of a layer: under activation checkpointing (full, or
+    selective per op) the aux loss's gradient still reaches the router through the recomputed layer."""
     hf = hf_model("qwen3_moe")
     a, b = ours_from(hf).train(), ours_from(hf).train()
-    b.gradient_checkpointing_enable()
+    b.gradient_checkpointing_enable(mode, option)
     ids = torch.randint(0, 128, (2, 16))
     for m in (a, b):
         m(ids, labels=shifted(ids)).backward()

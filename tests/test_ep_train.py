@@ -87,8 +87,8 @@ CAPACITY = ("--moe_capacity_factor", "1.0")
                              "2", "--expert_parallel_size", "4"], marks=pytest.mark.slow),
     pytest.param(4, 20, (), ["--dp_replicate_size", "2", "--dp_shard_size", "2",
                              "--expert_parallel_size", "2"], marks=pytest.mark.slow),
-], ids=["shard2-ep2-capacity", "shard4-ep4", "shard4-ep2-capacity", "shard2-tp2-ep2-checkpointed", "shard2-cp2-tp2-ep4",
-        "hsdp-ep2"])
+], ids=["shard2-ep2-capacity", "shard4-ep4", "shard4-ep2-capacity", "shard2-tp2-ep2-checkpointed",
+        "shard2-cp2-tp2-ep4", "hsdp-ep2"])
 def test_ep_layout_equals_one_process(tmp_path, world, steps, capacity, extra):
     ref = _single(tmp_path, steps, *capacity)
     assert all((r["moe_dropped"] > 0) == bool(capacity) for r in ref)

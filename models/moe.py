@@ -131,7 +131,6 @@ class MoEFeedForward(nn.Module):
         order = torch.argsort(flat, stable=True)            # by expert, then by token
         counts = torch.bincount(flat, minlength=E)
         self.router_stats = (counts.float(), probs.sum(dim=0), T)
-        keep = None
         if self.capacity_factor is not None:                # the first C copies of each expert stay
             cap = math.ceil(self.capacity_factor * T * self.top_k / E)
             start = torch.cumsum(counts, 0) - counts

@@ -83,12 +83,30 @@ def test_moe_more_layouts_equal_one_process_for_20_steps(tmp_path, world, extra)
         _same(ref, got)
 
 
+def test_pipeline_without_the_aux_loss_equals_one_process(tmp_path):
+    """pp 2 (1F1B over 4 micro-batches, one MoE layer per stage) with router_aux_loss_coef 0, the
+    objective pp allows (the aux loss would pool counts across stages), has one process's losses."""
+    def losses(history):
+        return [(r["loss"], r["grad_norm"]) for r in history]
+    no_aux = ("--model.router_aux_loss_coef", "0")
+    ref = run_world(_train_pp, 1, _argv(tmp_path / "one", 3, *no_aux), timeout=300)[0]
+    for got in run_world(_train_pp, 2, _argv(tmp_path / "pp", 3, *no_aux, "--pipeline_parallel_size", "2"),
+                         timeout=300):
+        for (a, ga), (b, gb) in zip(losses(ref), losses(got)):
+            assert abs(a - b) <= 1e-4 * a and abs(ga - gb) <= 1e-4 * ga, (a, b, ga, gb)
+
+
+def _train_pp(argv):
+    torch.set_num_threads(1)
+    return Trainer(setup_run(argv)).train()
+
+
 def test_moe_config_refusals_name_every_value():
     """Refused on load, before any group exists: pp with an MoE, a capacity factor <= 0 or on a
     dense model, top-k above the experts; several at once in one error."""
     moe = os.path.join(ROOT, "configs", "moe.yaml")
-    with pytest.raises(ValueError,
-                       match=r"moe_capacity_factor=0\.0.*pipeline_parallel_size=2 with a mixture"):
+    with pytest.raises(ValueError, match=r"moe_capacity_factor=0\.0.*pipeline_parallel_size=2 with a mixture"
+                                         r".*router_aux_loss_coef=0\.01.*set model.router_aux_loss_coef 0"):
         load_config(moe, ["--pipeline_parallel_size", "2", "--moe_capacity_factor", "0"])
     with pytest.raises(ValueError, match=r"moe_capacity_factor=1\.5: .*applies to a mixture of experts"):
         load_config(os.path.join(ROOT, "configs", "ddp.yaml"), ["--moe_capacity_factor", "1.5"])
@@ -108,7 +126,7 @@ def _first_step_and_hf_loss(argv):
         out = hf(input_ids=ids, output_router_logits=True)
         ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).double(), labels.flatten(),
                                                ignore_index=-100)
-    ref = ce.item() + hf.config.router_aux_loss_coef * out.aux_loss.item()
+    ref = ce.item() + run.cfg.model.router_aux_loss_coef * out.aux_loss.item()   # the run's coefficient
     return trainer.train_step(0)["loss"], ref
 
 
@@ -116,7 +134,8 @@ def _first_step_and_hf_loss(argv):
 def test_hub_moe_checkpoint_first_step_equals_transformers(tmp_path, family):
     """make_example's writer puts a Hub-layout MoE (per-expert tensors, sharded with an index) on
     disk; base_model reads it on tp 2 with SP (each rank its attention slices, all experts), and the
-    first step's loss, the aux loss included, is transformers' on the same batch."""
+    first step's loss, the aux loss included (its coefficient the run's, over config.json's), is
+    transformers' on the same batch."""
     from minipar.training.data.make_example import EXAMPLES, write_checkpoint
     from models.llama_config import LlamaConfig
     shape = dict(EXAMPLES[family], vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -133,6 +152,7 @@ def test_hub_moe_checkpoint_first_step_equals_transformers(tmp_path, family):
             "--val_set_size", "0", "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"),
             "--sequence_len", "16", "--global_batch_size", "4", "--max_steps", "1", "--export_hf", "false",
             "--progress_bar", "false", "--context_parallel_size", "1", "--tensor_parallel_size", "2",
-            "--sequence_parallel", "true"]
+            "--sequence_parallel", "true", "--expert_parallel_size", "1",
+            "--model.router_aux_loss_coef", "0.3"]                                  # over config.json's
     for got, ref in run_world(_first_step_and_hf_loss, 2, argv, timeout=300):
         assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)

@@ -73,7 +73,9 @@ SLOW = [(4, ["--dp_shard_size", "4"]),
         (8, ["--dp_shard_size", "2", "--context_parallel_size", "2", "--tensor_parallel_size", "2",
              "--sequence_parallel", "true"]),
         (4, ["--dp_shard_size", "2", "--pipeline_parallel_size", "2", "--model.num_hidden_layers", "4",
-             "--micro_batch_size", "2"])]
+             "--micro_batch_size", "2"]),
+        (4, ["--dp_replicate_size", "2", "--dp_shard_size", "2", "--gradient_checkpointing", "true",
+             "--micro_batch_size", "1"])]
 
 
 def _check_layout(tmp_path, world, extra, steps):
@@ -96,7 +98,7 @@ def test_lora_layouts_match_single_process(tmp_path, world, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,extra", SLOW, ids=["dp_shard4", "dp_shard2-tp2-sp", "dp2-cp2-tp2-sp",
-                                                   "pp2-dp_shard2"])
+                                                   "pp2-dp_shard2", "hsdp2x2-checkpointing-accumulation"])
 def test_lora_layouts_match_single_process_20_steps(tmp_path, world, extra):
     _check_layout(tmp_path, world, extra, 20)
 

@@ -73,7 +73,9 @@ SLOW = [(4, ["--dp_shard_size", "4"]),
         (8, ["--dp_shard_size", "2", "--context_parallel_size", "2", "--tensor_parallel_size", "2",
              "--sequence_parallel", "true"]),
         (4, ["--dp_shard_size", "2", "--pipeline_parallel_size", "2", "--model.num_hidden_layers", "4",
-             "--micro_batch_size", "2"])]
+             "--micro_batch_size", "2"]),
+        (4, ["--dp_replicate_size", "2", "--dp_shard_size", "2", "--gradient_checkpointing", "true",
+             "--micro_batch_size", "1"])]
 
 
 def _check_layout(tmp_path, world, extra, steps):
@@ -96,7 +98,7 @@ def test_lora_layouts_match_single_process(tmp_path, world, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,extra", SLOW, ids=["dp_shard4", "dp_shard2-tp2-sp", "dp2-cp2-tp2-sp",
-                                                   "pp2-dp_shard2"])
+                                                   "pp2-dp_shard2", "hsdp2x2-checkpointing-accumulation"])
 def test_lora_layouts_match_single_process_20_steps(tmp_path, world, extra):
     _check_layout(tmp_path, world, extra, 20)
 
@@ -164,3 +166,41 @@ def test_lora_checkpoint_holds_adapters_and_resumes_on_another_layout(tmp_path):
         after = [r for r in g["curve"] if r[0] > 2]
         assert [s for s, _, _ in after] == [3, 4]
         _same_curve(ref["curve"][2:], after, 2)
+
+
+def _state(argv):
+    """A LoRA run's persistent bytes per rank after one step (params, grads, AdamW states), and
+    the planner's config view of it."""
+    torch.set_num_threads(1)
+    tr = Trainer(setup_run(argv))
+    state, zero_grad = {}, tr.optimizer.zero_grad
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)   # noqa: E731
+
+    def measure_then_zero(set_to_none=True):    # the state as it stands at the end of the step
+        params = list(tr.model.parameters())
+        opt = [v for st in tr.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        state.update(params=nbytes(params), grads=nbytes(p.grad for p in params), optimizer=nbytes(opt))
+        zero_grad(set_to_none=set_to_none)
+
+    tr.optimizer.zero_grad = measure_then_zero
+    tr.train_step(0)
+    return dict(state, gathered=getattr(getattr(tr.model, "zero3", None), "peak_gathered_bytes", 0),
+                cfg=tr.cfg)
+
+
+def test_planner_counts_lora_memory_exactly(tmp_path):
+    world, extra = 4, ["--dp_shard_size", "2", "--tensor_parallel_size", "2"]
+    from minipar.plan import Layout, memory
+    from minipar.plan.__main__ import from_train_config
+    argv = _argv(tmp_path, 1, *extra, "--lora_target_linear", "false", "--lora_target_modules",
+                 "[q_proj, o_proj, up_proj, down_proj]")
+    for got in run_world(_state, world, argv, timeout=200):
+        model, sizes, _, opts = from_train_config(got["cfg"])
+        assert opts.lora_r == 4 and opts.lora_targets == ("q_proj", "o_proj", "up_proj", "down_proj")
+        cfg = got["cfg"]
+        layout = Layout(1, cfg.dp_shard_size, 1, cfg.tensor_parallel_size)
+        mem = memory(model, layout, opts)
+        want = (mem["params"], mem["grads"], mem["optimizer"])
+        assert (got["params"], got["grads"], got["optimizer"]) == want
+        assert mem["grads"] < mem["params"] / 5 and mem["accumulated_grads"] == 0
+        assert got["gathered"] == mem["gathered"] > 0

@@ -23,10 +23,12 @@ import json
 import sys
 
 from minipar.cli import fail, memory_bytes, positive_ints, within
+from minipar.lora import check_targets
 from minipar.training.config.train_config import load_config
 from minipar.training.pipeline_step import virtual_stages
 from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
+from models.llama import LlamaForCausalLM
 
 from .estimate import Cluster, plan
 from .inputs import Batch, Layout, ModelShape, Options
@@ -112,8 +114,18 @@ def from_train_config(cfg):
                    reshard_after_forward=cfg.fsdp.reshard_after_forward,
                    sync_each_batch=cfg.fsdp.sync_each_batch,
                    gradient_checkpointing=cfg.gradient_checkpointing,
-                   selective_ac_option=cfg.selective_ac_option, max_grad_norm=bool(cfg.max_grad_norm))
+                   selective_ac_option=cfg.selective_ac_option, max_grad_norm=bool(cfg.max_grad_norm),
+                   **_lora(cfg))
     return model, sizes, batch, opts
+
+
+def _lora(cfg) -> dict:
+    """adapter: lora's rank and targets (the trainer's check_targets: the model's declared order)."""
+    if cfg.adapter != "lora":
+        return {}
+    targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
+                            LlamaForCausalLM.lora_target_modules)
+    return dict(lora_r=cfg.lora_r, lora_targets=tuple(targets))
 
 
 def load(args):

@@ -16,6 +16,10 @@ Persistent state per rank (what lives between steps, after backward):
     AdamW       exp_avg, exp_avg_sq fp32    8 B x P_rank, + 4 B per tensor (torch's `step` counter)
   P_rank = the TP-local parameters; under ZeRO-3 (S > 1) the sum over units of ceil(P_unit / N),
   each unit's flat buffer padded to a multiple of N, and one tensor per unit.
+  With LoRA (adapter: lora) the base keeps its 4 B x P_rank of fp32 weights only, and the adapters,
+  A_rank = L x their TP-local elements (whole over dp, inputs.py's lora_tensors), take the 16 B;
+  the collectives and FLOPs below, and a pipeline stage's memory (pipeline_stage.py), are still a
+  full fine-tune's (LoRA's are not modelled).
 Gathered (ZeRO-3 only): full unit buffers in the compute dtype: the root (final norm, lm_head) from
   the start of forward into its backward, plus a window of 1 + prefetch units (the embedding, then
   decoder layers) moving through the forward and backward orders. With fsdp.sync_each_batch false
@@ -119,6 +123,12 @@ def memory(model: ModelShape, layout: Layout, opts: Options) -> Dict[str, int]:
             accumulated = 4 * (root + sum(rest))
     else:
         elems, tensors, gathered = sum(u.numel for u in us), sum(u.tensors for u in us), 0
+    if opts.lora_r:     # LoRA: the base (sharded or not) has no gradient or state; the adapters do
+        ad = model.lora_tensors(layout.tp, opts.lora_r, opts.lora_targets) * model.num_hidden_layers
+        a = sum(ad)
+        return dict(params=4 * (elems + a), grads=4 * a, optimizer=8 * a + 4 * len(ad),
+                    persistent=4 * elems + 16 * a + 4 * len(ad), gathered=gathered, accumulated_grads=0,
+                    param_elements=elems + a)
     return dict(params=4 * elems, grads=4 * elems, optimizer=8 * elems + 4 * tensors,
                 persistent=16 * elems + 4 * tensors, gathered=gathered, accumulated_grads=accumulated,
                 param_elements=elems)

@@ -168,7 +168,8 @@ def test_hub_moe_checkpoint_first_step_equals_transformers(tmp_path, family):
     (2, ["--pipeline_schedule", "zbv"]),                                        # the V: a turn kept local
     (4, ["--pipeline_schedule", "zb_h1", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
     (4, ["--pipeline_schedule", "1f1b", "--context_parallel_size", "2"]),
-], ids=["1f1b-shard2", "interleaved", "zbv", "zb_h1-tp2-sp", "1f1b-cp2"])
+    (4, ["--pipeline_schedule", "1f1b", "--dp_shard_size", "2", "--expert_parallel_size", "2"]),
+], ids=["1f1b-shard2", "interleaved", "zbv", "zb_h1-tp2-sp", "1f1b-cp2", "1f1b-shard2-ep2"])
 def test_moe_pipeline_schedules_equal_one_process(tmp_path, world, extra):
     """Every schedule carries the aux loss's side vectors (forward with the activations, back with
     their gradients), alone and beside ZeRO-3, TP + SP and CP: 6 steps as one process's."""

@@ -83,17 +83,20 @@ def test_moe_more_layouts_equal_one_process_for_20_steps(tmp_path, world, extra)
         _same(ref, got)
 
 
-def test_pipeline_without_the_aux_loss_equals_one_process(tmp_path):
-    """pp 2 (1F1B over 4 micro-batches, one MoE layer per stage) with router_aux_loss_coef 0, the
-    objective pp allows (the aux loss would pool counts across stages), has one process's losses."""
+def test_pipeline_equals_one_process(tmp_path):
+    """pp 2 (1F1B over 4 micro-batches, one MoE layer per stage): the aux loss pools both stages'
+    counts (models/moe_aux.py's PipelineAux: side vectors forward and back), and the losses and
+    gradient norms are one process's, with it and without it (router_aux_loss_coef 0)."""
     def losses(history):
         return [(r["loss"], r["grad_norm"]) for r in history]
-    no_aux = ("--model.router_aux_loss_coef", "0")
-    ref = run_world(_train_pp, 1, _argv(tmp_path / "one", 3, *no_aux), timeout=300)[0]
-    for got in run_world(_train_pp, 2, _argv(tmp_path / "pp", 3, *no_aux, "--pipeline_parallel_size", "2"),
-                         timeout=300):
-        for (a, ga), (b, gb) in zip(losses(ref), losses(got)):
-            assert abs(a - b) <= 1e-4 * a and abs(ga - gb) <= 1e-4 * ga, (a, b, ga, gb)
+    for coef in ("0.1", "0"):
+        extra = ("--model.router_aux_loss_coef", coef)
+        ref = run_world(_train_pp, 1, _argv(tmp_path / f"one{coef}", 3, *extra), timeout=300)[0]
+        got = run_world(_train_pp, 2, _argv(tmp_path / f"pp{coef}", 3, *extra,
+                                            "--pipeline_parallel_size", "2"), timeout=300)
+        for g in got:
+            for (a, ga), (b, gb) in zip(losses(ref), losses(g)):
+                assert abs(a - b) <= 1e-4 * a and abs(ga - gb) <= 1e-4 * ga, (coef, a, b, ga, gb)
 
 
 def _train_pp(argv):
@@ -102,12 +105,12 @@ def _train_pp(argv):
 
 
 def test_moe_config_refusals_name_every_value():
-    """Refused on load, before any group exists: pp with an MoE, a capacity factor <= 0 or on a
-    dense model, top-k above the experts; several at once in one error."""
+    """Refused on load, before any group exists: a capacity factor <= 0 (with the other wrong values
+    in one error) or on a dense model, top-k above the experts."""
     moe = os.path.join(ROOT, "configs", "moe.yaml")
-    with pytest.raises(ValueError, match=r"moe_capacity_factor=0\.0.*pipeline_parallel_size=2 with a mixture"
-                                         r".*router_aux_loss_coef=0\.01.*set model.router_aux_loss_coef 0"):
-        load_config(moe, ["--pipeline_parallel_size", "2", "--moe_capacity_factor", "0"])
+    with pytest.raises(ValueError, match=r"2 config values are wrong: learning_rate must be > 0.*"
+                                         r"moe_capacity_factor=0\.0: a capacity factor is > 0"):
+        load_config(moe, ["--moe_capacity_factor", "0", "--learning_rate", "-1"])
     with pytest.raises(ValueError, match=r"moe_capacity_factor=1\.5: .*applies to a mixture of experts"):
         load_config(os.path.join(ROOT, "configs", "ddp.yaml"), ["--moe_capacity_factor", "1.5"])
     with pytest.raises(ValueError, match="num_experts_per_tok=9 must be between 1 and the number of experts"):
@@ -156,3 +159,24 @@ def test_hub_moe_checkpoint_first_step_equals_transformers(tmp_path, family):
             "--model.router_aux_loss_coef", "0.3"]                                  # over config.json's
     for got, ref in run_world(_first_step_and_hf_loss, 2, argv, timeout=300):
         assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,extra", [
+    (4, ["--pipeline_schedule", "1f1b", "--dp_shard_size", "2"]),               # ZeRO-3 inside the stages
+    (2, ["--pipeline_schedule", "interleaved_1f1b"]),                           # two chunks per rank
+    (2, ["--pipeline_schedule", "zbv"]),                                        # the V: a turn kept local
+    (4, ["--pipeline_schedule", "zb_h1", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
+    (4, ["--pipeline_schedule", "1f1b", "--context_parallel_size", "2"]),
+    (4, ["--pipeline_schedule", "1f1b", "--dp_shard_size", "2", "--expert_parallel_size", "2"]),
+], ids=["1f1b-shard2", "interleaved", "zbv", "zb_h1-tp2-sp", "1f1b-cp2", "1f1b-shard2-ep2"])
+def test_moe_pipeline_schedules_equal_one_process(tmp_path, world, extra):
+    """Every schedule carries the aux loss's side vectors (forward with the activations, back with
+    their gradients), alone and beside ZeRO-3, TP + SP and CP: 6 steps as one process's."""
+    four = ("--model.num_hidden_layers", "4")
+    ref = _single(tmp_path, 6, *four)
+    for got in run_world(_train_pp, world, _argv(tmp_path / "run", 6, *four, "--pipeline_parallel_size", "2",
+                                              *extra), timeout=600):
+        for step, (a, b) in enumerate(zip(ref, got), 1):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), f"step {step}: {key} {b[key]} vs {a[key]}"

@@ -186,14 +186,12 @@ def _train_loss(argv):
 
 @pytest.mark.slow
 def test_pp2_shard2_ep2_equals_one_process(tmp_path):
-    """pp 2 x dp_shard 2 x ep 2 on 4 ranks, 20 steps, equal to one process. Without the aux loss:
-    a pipeline refuses an MoE whose load-balancing loss is on (it pools every layer's counts, which
-    would live on different stages: docs/expert_parallel.md), so both run router_aux_loss_coef 0."""
-    no_aux = ("--model.router_aux_loss_coef", "0")
-    ref = run_world(_train_loss, 1, _curve_argv(tmp_path / "one", 20, *no_aux), timeout=300)[0][1]
+    """pp 2 x dp_shard 2 x ep 2 on 4 ranks, 20 steps, equal to one process, the aux loss in the
+    objective (the stages pass its counts along: models/moe_aux.py's PipelineAux)."""
+    ref = run_world(_train_loss, 1, _curve_argv(tmp_path / "one", 20), timeout=300)[0][1]
     assert ref[-1][0] < ref[0][0]
     layout = ("--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--expert_parallel_size", "2")
-    for ep, got in run_world(_train_loss, 4, _curve_argv(tmp_path / "pp", 20, *no_aux, *layout), timeout=600):
+    for ep, got in run_world(_train_loss, 4, _curve_argv(tmp_path / "pp", 20, *layout), timeout=600):
         assert ep == 2 and len(got) == 20
         for step, ((a, ga), (b, gb)) in enumerate(zip(ref, got), 1):
             assert abs(a - b) <= 1e-4 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), (step, a, b, ga, gb)

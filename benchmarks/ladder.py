@@ -1,7 +1,7 @@
 """The ladder, measured: for each technique, its rungs from the textbook version to the optimised
 one (docs/ladder.md), each a config value, each a full training step of the same Llama.
 
-    python benchmarks/ladder.py [--rounds 2] [--steps 3] [--only dp,zero3,tp,cp,cp_impl,pp]
+    python benchmarks/ladder.py [--rounds 2] [--steps 3] [--only dp,zero3,tp,cp,cp_impl,ep,pp]
 
     technique  world            rungs (config values)
     DP         dp_replicate 2   ddp: naive -> bucketed
@@ -10,6 +10,9 @@ one (docs/ladder.md), each a config value, each a full training step of the same
     CP         cp 2             cp_layout: contiguous -> zigzag (a longer sequence: attention matters)
     CP impl    cp 4             cp_impl: ring -> ulysses -> usp (cp_ulysses_size 2), zigzag, the same
                                 sequence: K/V hops, two all-to-alls, or both (context_parallel/ulysses.py)
+    EP         dp_shard 2       expert_parallel_size: 1 -> 2, a Mixtral-style MoE (8 experts, top-2):
+                                every rank runs all experts on its own tokens (ZeRO-3 gathers them all),
+                                or holds half and exchanges tokens (expert_parallel/dispatch.py)
     PP         pp 2, m 4        pipeline_schedule: 1f1b -> interleaved_1f1b -> zb_h1 -> zbv (one step
                                 run by pipeline_parallel/executor.py over 4 micro-batches of 1 sequence)
 
@@ -30,7 +33,7 @@ AdamW), each started by a barrier. Per rung:
                  the live tensors): weights, gradients, optimizer states, activations and
                  communication buffers
     vs below     step time and peak memory over the rung above it in the table
-    gathered MiB (ZeRO-3) the peak of gathered parameter bytes, counted exactly by the shard
+    gathered MiB (ZeRO-3, EP) the peak of gathered parameter bytes, counted exactly by the shard
                  manager: what prefetching and resharding change, without the activations
 
 Results go to benchmarks/results/ladder.md and ladder.json. On a 2-core CPU shared with other
@@ -62,6 +65,8 @@ BATCH = dict(global_batch_size=4, sequence_len=256)
 CP_MODEL = dict(MODEL, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2)
 CP_BATCH = dict(global_batch_size=1, sequence_len=2048)
+MOE_MODEL = dict(MODEL, intermediate_size=384, model_type="mixtral", num_local_experts=8,
+                 num_experts_per_tok=2)
 
 # technique -> (title, world layout, model, batch, [(rung, config shown, ParallelismConfig extras, wrap)])
 LADDER = {
@@ -89,6 +94,11 @@ LADDER = {
         ("ulysses", "cp_impl: ulysses", dict(cp_impl="ulysses"), ("ddp", "bucketed")),
         ("usp", "cp_impl: usp, cp_ulysses_size: 2", dict(cp_impl="usp", cp_ulysses_size=2),
          ("ddp", "bucketed"))]),
+    # ZeRO-3 in both rungs: the experts are gathered whole over dp_shard (ep 1), or each rank keeps
+    # its half over edp (here of one rank: nothing gathered) and the tokens travel instead
+    "ep": ("Expert parallelism (dp_shard 2, 8 experts, top-2)", dict(dp_shard_size=2), MOE_MODEL, BATCH, [
+        ("all experts", "expert_parallel_size: 1", dict(ep_size=1), ("zero3", dict(prefetch=1))),
+        ("ep 2", "expert_parallel_size: 2", dict(ep_size=2), ("zero3", dict(prefetch=1)))]),
     # a pipeline step (the rung's `wrap` names the schedule): 4 layers, so 2 per stage, 1 per chunk
     "pp": ("Pipeline parallelism (pp 2, 4 micro-batches)", dict(pp_size=2), MODEL, BATCH, [
         ("1f1b", "pipeline_schedule: 1f1b", {}, ("pp", "1f1b")),
@@ -96,6 +106,9 @@ LADDER = {
         ("zb_h1", "pipeline_schedule: zb_h1", {}, ("pp", "zb_h1")),
         ("zbv", "pipeline_schedule: zbv", {}, ("pp", "zbv"))]),
 }
+
+
+GATHERED = ("zero3", "ep")     # techniques whose table shows the shard manager's gathered bytes
 
 
 def _rss_kib(field: str) -> int:
@@ -266,8 +279,8 @@ def table(name, rows) -> str:
            f"tokens, fp32, AdamW.", "",
            "| rung | config | step ms | vs below | CPU ms | MiB sent/rank/step | calls/step | peak MiB "
            "| vs below |"
-           + (" gathered MiB |" if name == "zero3" else ""),
-           "|---|---|---|---|---|---|---|---|---|" + ("---|" if name == "zero3" else "")]
+           + (" gathered MiB |" if name in GATHERED else ""),
+           "|---|---|---|---|---|---|---|---|---|" + ("---|" if name in GATHERED else "")]
     prev = None
     for rung, shown, _, _ in rungs:
         r = rows[rung]
@@ -275,7 +288,7 @@ def table(name, rows) -> str:
         m_ratio = f"{r['peak'] / prev['peak']:.2f}x" if prev and prev["peak"] > 0 else "-"
         out.append(f"| {rung} | `{shown}` | {1e3 * r['wall']:.0f} | {t_ratio} | {1e3 * r['cpu']:.0f} | "
                    f"{r['sent'] / 2 ** 20:.2f} | {r['calls']} | {r['peak']:.1f} | {m_ratio} |"
-                   + (f" {r['gathered']:.2f} |" if name == "zero3" else ""))
+                   + (f" {r['gathered']:.2f} |" if name in GATHERED else ""))
         prev = r
     return "\n".join(out)
 
@@ -284,8 +297,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all rungs (best kept)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per measurement (median kept)")
-    ap.add_argument("--only", default="dp,zero3,tp,cp,cp_impl,pp",
-                    help="comma-separated: dp, zero3, tp, cp, cp_impl, pp")
+    ap.add_argument("--only", default="dp,zero3,tp,cp,cp_impl,ep,pp",
+                    help="comma-separated: dp, zero3, tp, cp, cp_impl, ep, pp")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ladder"))
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]

@@ -217,12 +217,13 @@ class SlicedReader:
         return t.to(self.device)
 
 
-def save_pretrained(model, directory: str) -> None:
+def save_pretrained(model, directory: str, full: Optional[dict] = None) -> None:
     """Write `model` as a Hugging Face directory: config.json + model.safetensors (fp32, HF names;
     lm_head.weight left out when tied, as transformers saves it). Collective: every rank calls it
     (model.full_state_dict() gathers over tp, the ZeRO-3 shards and the pipeline stages); global
-    rank 0 writes, the weights to a temporary name first, so a cut write leaves no model file."""
-    full = model.full_state_dict()
+    rank 0 writes, the weights to a temporary name first, so a cut write leaves no model file.
+    `full`: these {HF name: full tensor} instead of gathering the model's (then nothing is collective)."""
+    full = model.full_state_dict() if full is None else full
     if model.pgm.global_rank != 0:
         return
     os.makedirs(directory, exist_ok=True)

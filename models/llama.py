@@ -42,7 +42,6 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from minipar import comm
 from minipar import tensor_parallel as tpl
@@ -50,11 +49,12 @@ from minipar.context_parallel import ring_attention, sequence_positions, ulysses
 from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.mesh import ProcessGroupManager
 
+from .activation_checkpoint import ActivationCheckpointing  # full, or selective (per op / every n-th)
 from .hf_checkpoint import HFCheckpoint, save_pretrained  # HF's files: the reader and the writer
 from .llama_config import LlamaConfig  # the shape, HF's config.json keys
 from .llama_init import SeededInit, local_from_source, materialize
 from .moe import MoEFeedForward
-from .moe_aux import add_aux_loss
+from .moe_aux import PipelineAux, add_aux_loss
 from .rope import apply_rotary, rotary_tables
 
 
@@ -188,13 +188,15 @@ class LlamaModel(nn.Module):
         cfg = self.config
         return rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_scaling)
 
-    def run_layers(self, h, cos, sin, layers, document_ids=None, checkpointing: bool = False):
-        """h through `layers` (decoder layers of this body), in order. checkpointing: keep only each
-        layer's input and recompute the layer in backward (activation memory of one layer, at the
-        cost of one more forward per layer)."""
+    def run_layers(self, h, cos, sin, layers, document_ids=None, checkpointing=False):
+        """h through `layers` (decoder layers of this body), in order. checkpointing: an
+        ActivationCheckpointing (models/activation_checkpoint.py: full keeps only each layer's
+        input and runs its forward again in backward; selective keeps the matmul and attention
+        outputs, or checkpoints every n-th layer), True for full, or False."""
+        policy = ActivationCheckpointing() if checkpointing is True else checkpointing
         for layer in layers:
-            if checkpointing and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, document_ids, use_reentrant=False)
+            if policy and policy.applies(layer.layer_idx) and self.training and torch.is_grad_enabled():
+                h = policy(layer, h, cos, sin, document_ids)
             else:
                 h = layer(h, cos, sin, document_ids)
         return h
@@ -235,6 +237,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight   # same (V/tp, d) rows on every layout
         self.gradient_checkpointing = False
         self.moe_metrics = None
+        # what a pipeline carries between stages for the load-balancing loss (None: nothing)
+        self.pipeline_aux = PipelineAux(config, self.pgm) \
+            if config.num_local_experts and config.router_aux_loss_coef > 0 else None
         if str(device) != "meta":
             self.init_weights(seed)
 
@@ -245,8 +250,9 @@ class LlamaForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(local_from_source(init, name, p, self.pgm.ep))
 
-    def gradient_checkpointing_enable(self):
-        self.gradient_checkpointing = True
+    def gradient_checkpointing_enable(self, mode: str = "full", option="op"):
+        """Checkpoint the decoder layers: mode full, or selective with option op or n (every n-th layer)."""
+        self.gradient_checkpointing = ActivationCheckpointing(mode, option)
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids, position_ids=None, labels=None, num_items_in_batch=None, document_ids=None,

@@ -109,11 +109,13 @@ def local_from_source(source, name: str, p, ep=None) -> torch.Tensor:
 
 @torch.no_grad()
 def materialize(model: nn.Module, source) -> nn.Module:
-    """Replace every (meta) parameter of `model` by its TP slice from `source`, on source.device,
+    """Replace every meta parameter of `model` by its TP slice from `source`, on source.device,
     one tensor at a time; tied parameters stay tied (one new Parameter for all their places)."""
     new: Dict[int, nn.Parameter] = {}
     ep = getattr(getattr(model, "pgm", None), "ep", None)
     for name, p in model.named_parameters():     # tied weights once
+        if not p.is_meta:                        # already real (LoRA's adapters): kept as they are
+            continue
         t = local_from_source(source, name, p, ep)
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"{name}: the weight source gave shape {tuple(t.shape)}, this rank's slice "

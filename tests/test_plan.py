@@ -188,8 +188,10 @@ def _base_model(config):
 ALL_CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 # finetune.yaml's model is the directory `python -m minipar.training.data.make_example` writes (its
 # loading is held against one process in tests/test_hf_load.py); here every model is the tiny one
-FROM_BASE_MODEL = [c for c in ALL_CONFIGS if _base_model(c)]
-CONFIGS = [c for c in ALL_CONFIGS if c not in FROM_BASE_MODEL]
+# the mixtures of experts are not planned yet (issue 21 item 6); tests/test_moe_train.py runs moe.yaml
+MOE_CONFIGS = ["finetune_moe.yaml", "moe.yaml"]
+FROM_BASE_MODEL = [c for c in ALL_CONFIGS if _base_model(c) and c not in MOE_CONFIGS]
+CONFIGS = [c for c in ALL_CONFIGS if c not in FROM_BASE_MODEL + MOE_CONFIGS]
 WORLDS = {c: math.prod(_sizes(c).values()) for c in CONFIGS}
 WORLDS["default.yaml"] = 8          # dp_shard takes the remainder: 2 x cp 2 x tp 2, as its comment says
 # beyond the configs: sequence parallelism, bf16 ZeRO-3, activation checkpointing (its recompute
@@ -356,7 +358,8 @@ def test_every_config_is_planned_or_refused(capsys, tmp_path, monkeypatch):
     """The configs that test_plan_matches_* does not run are those whose model is a generated
     base_model directory: planned once it exists, refused clearly before. Pipeline configs are
     planned stage by stage."""
-    assert sorted(CONFIGS + FROM_BASE_MODEL) == ALL_CONFIGS and all(WORLDS[c] in (4, 8, 16) for c in CONFIGS)
+    assert sorted(CONFIGS + FROM_BASE_MODEL + MOE_CONFIGS) == ALL_CONFIGS
+    assert all(WORLDS[c] in (4, 8, 16) for c in CONFIGS)
     assert any(_sizes(c)["pipeline_parallel_size"] > 1 for c in CONFIGS)
     monkeypatch.chdir(tmp_path)
     for config in FROM_BASE_MODEL:
@@ -417,3 +420,37 @@ def test_the_fewest_gpus_hint_is_a_world_where_the_search_finds_a_fit():
     assert search(model, batch, Options(), cluster, 8)["recommended"] is None
     need = smallest_world(model, batch, Options(), cluster, 8)
     assert need == 16 and search(model, batch, Options(), cluster, need)["recommended"] is not None
+
+
+def test_plan_vs_published_is_current(tmp_path):
+    """benchmarks/results/plan_vs_published.md is what the command writes now (the planner beside
+    published runs; a few seconds, no search)."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("plan_vs_published",
+                                                  os.path.join(ROOT, "benchmarks", "plan_vs_published.py"))
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench              # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    out = tmp_path / "plan_vs_published.md"
+    bench.main(str(out))
+    with open(os.path.join(ROOT, "benchmarks", "results", "plan_vs_published.md")) as f:
+        assert out.read_text() == f.read(), \
+            "benchmarks/results/plan_vs_published.md is stale: run python benchmarks/plan_vs_published.py"
+
+
+def test_cli_reshard_and_checkpointing_flags(capsys):
+    """--no-reshard-after-forward keeps each layer gathered from its forward into its backward (one
+    gather per micro-batch, more memory); --no-gradient-checkpointing overrides a config's."""
+    import json
+    fsdp = os.path.join(ROOT, "configs", "fsdp.yaml")
+    plans = []
+    for flags in ([], ["--no-reshard-after-forward"], ["--gradient-checkpointing"],
+                  ["--gradient-checkpointing", "--no-gradient-checkpointing"]):
+        assert plan_main([fsdp, "--json"] + flags) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    base, kept, ac, no_ac = plans
+    assert base["options"]["reshard_after_forward"] and not kept["options"]["reshard_after_forward"]
+    gathers = [p["comm"]["dp_shard_cp"]["ops"]["all_gather"]["calls"] for p in (base, kept)]
+    assert gathers[0] > gathers[1] and kept["memory"]["gathered"] > base["memory"]["gathered"]
+    assert ac["options"]["gradient_checkpointing"] and not no_ac["options"]["gradient_checkpointing"]

@@ -109,8 +109,11 @@ class ReplicaSync:
 
 
 def attach(model: nn.Module, sync: ReplicaSync, who: str) -> ReplicaSync:
-    """Attach `sync` as model.grad_sync, refusing a model ZeRO-3 already reduces."""
-    if getattr(model, "zero3", None) is not None:
+    """Attach `sync` as model.grad_sync, refusing a model ZeRO-3 already reduces. A ZeRO-3 model
+    whose shards are all frozen (LoRA's base) reduces nothing: the trainable parameters it left
+    out of its flat buffers (the adapters, whole on every rank) are all-reduced here."""
+    zero3 = getattr(model, "zero3", None)
+    if zero3 is not None and any(s.requires_grad for s in zero3.shards):
         raise ValueError(f"{who}: the model is sharded by ZeRO-3, which already reduces over "
                          "dp_replicate (HSDP); use one of the two, not both")
     model.grad_sync = sync

@@ -105,8 +105,10 @@ class PipelineStage(nn.Module):
         self.is_first, self.is_last = 0 in self.virtual, self.num_virtual - 1 in self.virtual
         self.weight_grads = None                 # a WeightGradStore under zb_h1 / zbv (build_stage)
         # the whole model's names and full shapes: what a checkpoint of any stage must describe
+        # (the trained ones: a frozen base, LoRA's, comes back from its source, not a checkpoint)
         self.full_param_shapes: Dict[str, list] = {
-            n: list(getattr(p, "tp_full_shape", None) or p.shape) for n, p in model.named_parameters()}
+            n: list(getattr(p, "tp_full_shape", None) or p.shape) for n, p in model.named_parameters()
+            if p.requires_grad}
         body = model.model
         kept = [i for c in chunks for i in c]
         body.layers = nn.ModuleDict({str(i): body.layers[i] for i in kept})
@@ -118,6 +120,9 @@ class PipelineStage(nn.Module):
         self.lm_head = model.lm_head if self.is_last else None
         self.gradient_checkpointing = getattr(model, "gradient_checkpointing", False)
         self.zero3_unit_classes = model.zero3_unit_classes     # the model's ZeRO-3 units, for fully_shard
+        # what the model's loss needs carried between stages besides h (an MoE's aux loss; None:
+        # nothing): the executor passes its vectors on, the model computes them
+        self.pipeline_aux = model.pipeline_aux
 
     def gradient_checkpointing_enable(self):
         self.gradient_checkpointing = True
@@ -135,11 +140,14 @@ class PipelineStage(nn.Module):
         body = self.model
         h = body.embed(x) if self.is_first_virtual(chunk) else x
         cos, sin = body.rotary(position_ids, h.dtype)
-        layers = [body.layers[str(i)] for i in self.chunks[chunk]]
-        h = body.run_layers(h, cos, sin, layers, document_ids, self.gradient_checkpointing)
+        h = body.run_layers(h, cos, sin, self.chunk_layers(chunk), document_ids, self.gradient_checkpointing)
         if not self.is_last_virtual(chunk):
             return h
         return body.head_loss(h, self.lm_head, labels, num_items_in_batch)
+
+    def chunk_layers(self, chunk: int) -> list:
+        """The decoder layers of model chunk `chunk`, in order."""
+        return [self.model.layers[str(i)] for i in self.chunks[chunk]]
 
     # ------------------------------------------------------------------ whole-model state dicts
     def full_state_dict(self) -> dict:

@@ -23,9 +23,12 @@ import json
 import sys
 
 from minipar.cli import fail, memory_bytes, positive_ints, within
+from minipar.lora import check_targets
 from minipar.training.config.train_config import load_config
 from minipar.training.pipeline_step import virtual_stages
+from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
+from models.llama import LlamaForCausalLM
 
 from .estimate import Cluster, plan
 from .inputs import Batch, Layout, ModelShape, Options
@@ -110,8 +113,19 @@ def from_train_config(cfg):
     opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch,
                    reshard_after_forward=cfg.fsdp.reshard_after_forward,
                    sync_each_batch=cfg.fsdp.sync_each_batch,
-                   gradient_checkpointing=cfg.gradient_checkpointing, max_grad_norm=bool(cfg.max_grad_norm))
+                   gradient_checkpointing=cfg.gradient_checkpointing,
+                   selective_ac_option=cfg.selective_ac_option, max_grad_norm=bool(cfg.max_grad_norm),
+                   **_lora(cfg))
     return model, sizes, batch, opts
+
+
+def _lora(cfg) -> dict:
+    """adapter: lora's rank and targets (the trainer's check_targets: the model's declared order)."""
+    if cfg.adapter != "lora":
+        return {}
+    targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
+                            LlamaForCausalLM.lora_target_modules)
+    return dict(lora_r=cfg.lora_r, lora_targets=tuple(targets))
 
 
 def load(args):
@@ -137,8 +151,18 @@ def load(args):
     mbs = args.micro_batch_size or (batch.micro_batch_size if batch else 1)
     batch = Batch(gbs, mbs, seq)
     flags = dict(dtype=args.dtype, prefetch=args.prefetch, sync_each_batch=args.sync_each_batch,
-                 gradient_checkpointing=args.gradient_checkpointing)
+                 gradient_checkpointing=args.gradient_checkpointing,
+                 reshard_after_forward=args.reshard_after_forward,
+                 selective_ac_option=args.selective_ac_option)
     changes = {k: v for k, v in flags.items() if v is not None}
+    ac = changes.get("gradient_checkpointing", opts.gradient_checkpointing)
+    if args.selective_ac_option is not None and ac != "selective":
+        raise ValueError(f"--selective-ac-option {args.selective_ac_option} goes with "
+                         f"--gradient-checkpointing selective")
+    if ac not in (True, False):
+        problem = check_option(ac, changes.get("selective_ac_option", opts.selective_ac_option))
+        if problem:
+            raise ValueError(problem)
     return model, base, batch, dataclasses.replace(opts, **changes), world
 
 
@@ -182,7 +206,17 @@ def main(argv=None):
     ap.add_argument("--prefetch", type=int)
     ap.add_argument("--no-sync", dest="sync_each_batch", action="store_const", const=False,
                     help="ZeRO-3: accumulate unsharded gradients, one reduce-scatter per step")
-    ap.add_argument("--gradient-checkpointing", action="store_const", const=True)
+    ap.add_argument("--gradient-checkpointing", nargs="?", const=True, choices=(True, "selective"),
+                    help="full (no value), or selective (models/activation_checkpoint.py)")
+    ap.add_argument("--selective-ac-option", type=lambda v: int(v) if v.isdigit() else v,
+                    help="with --gradient-checkpointing selective: op (keep matmul and attention "
+                         "outputs, default) or n (every n-th layer)")
+    ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_const",
+                    const=False, help="no activation checkpointing, over the config's")
+    ap.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                    help="ZeRO-3: free each layer's gathered weights after its forward and gather them "
+                         "again for the backward (the default); --no-reshard-after-forward keeps them, "
+                         "one gather per micro-batch for more memory")
     ap.add_argument("--search", action="store_true",
                     help="rank every layout of --world that fits (pp included)")
     ap.add_argument("--no-pp", action="store_true",

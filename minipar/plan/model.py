@@ -16,6 +16,10 @@ Persistent state per rank (what lives between steps, after backward):
     AdamW       exp_avg, exp_avg_sq fp32    8 B x P_rank, + 4 B per tensor (torch's `step` counter)
   P_rank = the TP-local parameters; under ZeRO-3 (S > 1) the sum over units of ceil(P_unit / N),
   each unit's flat buffer padded to a multiple of N, and one tensor per unit.
+  With LoRA (adapter: lora) the base keeps its 4 B x P_rank of fp32 weights only, and the adapters,
+  A_rank = L x their TP-local elements (whole over dp, inputs.py's lora_tensors), take the 16 B;
+  the collectives and FLOPs below, and a pipeline stage's memory (pipeline_stage.py), are still a
+  full fine-tune's (LoRA's are not modelled).
 Gathered (ZeRO-3 only): full unit buffers in the compute dtype: the root (final norm, lm_head) from
   the start of forward into its backward, plus a window of 1 + prefetch units (the embedding, then
   decoder layers) moving through the forward and backward orders. With fsdp.sync_each_batch false
@@ -34,7 +38,12 @@ storage by storage (what `torch.autograd.graph.saved_tensors_hooks` sees), param
                        MLP        4 e n f / T                gate, silu(gate), up, product
     under SP the norms see n / T tokens and save their input's gathered copy (e n d) instead
     of their output; with activation checkpointing a layer keeps only its input, and one layer's
-    activations come back during its recompute in backward.
+    activations come back during its recompute in backward. Selective checkpointing per op
+    (models/activation_checkpoint.py) keeps a layer's input and what its matmuls and attention
+    output, everything else recomputed (o and down before their reduction, all n tokens under SP):
+        e ns d + e n ((2 H + 2 K) D + 2 d + 2 f) / T + 4 b H s / T      (cp counted as without it)
+    and selective every n-th layer fully checkpoints layers n-1, 2n-1, ... (`as_configured`: the
+    peak of the mode the options name, `kept_per_layer`: what each layer keeps).
     root: ids, cos/sin (2 e n D), final norm, and the vocab-parallel loss's fp32 softmax 4 n V / T.
 
 Collectives per step (op, group) -> calls and buffer bytes as comm.py's ledger records them
@@ -114,6 +123,12 @@ def memory(model: ModelShape, layout: Layout, opts: Options) -> Dict[str, int]:
             accumulated = 4 * (root + sum(rest))
     else:
         elems, tensors, gathered = sum(u.numel for u in us), sum(u.tensors for u in us), 0
+    if opts.lora_r:     # LoRA: the base (sharded or not) has no gradient or state; the adapters do
+        ad = model.lora_tensors(layout.tp, opts.lora_r, opts.lora_targets) * model.num_hidden_layers
+        a = sum(ad)
+        return dict(params=4 * (elems + a), grads=4 * a, optimizer=8 * a + 4 * len(ad),
+                    persistent=4 * elems + 16 * a + 4 * len(ad), gathered=gathered, accumulated_grads=0,
+                    param_elements=elems + a)
     return dict(params=4 * elems, grads=4 * elems, optimizer=8 * elems + 4 * tensors,
                 persistent=16 * elems + 4 * tensors, gathered=gathered, accumulated_grads=accumulated,
                 param_elements=elems)
@@ -139,9 +154,59 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
         root += n                                       # the mask of ids outside the vocab shard
     root += norm(True) + 4 * n * m.vocab_size // T + 8 * n + 2 * n   # softmax fp32, target, 2 masks
     layer_input = e * ns * d
+    selective = layer_input + e * n * ((2 * H + 2 * K) * D + 2 * d + 2 * f // T) + 4 * b * H * s
     L = m.num_hidden_layers
-    return dict(per_layer=layer, root=root, full=L * layer + root,
-                checkpointed=L * layer_input + root, checkpointed_peak=L * layer_input + root + layer)
+    out = dict(per_layer=layer, root=root, full=L * layer + root, layer_input=layer_input,
+               selective_layer=selective, checkpointed=L * layer_input + root,
+               checkpointed_peak=L * layer_input + root + layer)
+    kept = sum(kept_per_layer(out, opts, i) for i in range(L))
+    out.update(as_configured_kept=kept + root, as_configured=kept + root + recompute_peak(out, opts))
+    return out
+
+
+def kept_per_layer(act: Dict[str, int], opts: Options, i: int) -> int:
+    """Bytes decoder layer i (its index in the model) keeps for backward under the options'
+    checkpointing, from activations()' per-layer counts."""
+    ac = opts.gradient_checkpointing
+    if not ac:
+        return act["per_layer"]
+    if ac == "selective" and opts.selective_ac_option == "op":
+        return act["selective_layer"]
+    if ac == "selective" and (i + 1) % opts.selective_ac_option:
+        return act["per_layer"]                          # not an n-th layer: keeps everything
+    return act["layer_input"]
+
+
+def recompute_peak(act: Dict[str, int], opts: Options) -> int:
+    """What a layer's recompute in backward brings back on top of what it kept: all of its
+    activations (full, every n-th), or the ones the op policy did not keep."""
+    if not opts.gradient_checkpointing:
+        return 0
+    if opts.gradient_checkpointing == "selective" and opts.selective_ac_option == "op":
+        return act["per_layer"] - act["selective_layer"] + act["layer_input"]
+    return act["per_layer"]
+
+
+def recompute_shares(model: ModelShape, opts: Options) -> Tuple[float, float]:
+    """(the share of the layers' matmul and attention work, of their memory-bound work) that runs
+    again in backward: full 1 and 1, selective per op 0 and 1 (only the cheap ops), every n-th
+    layer the share of layers it checkpoints."""
+    ac, L = opts.gradient_checkpointing, model.num_hidden_layers
+    if not ac:
+        return 0.0, 0.0
+    if ac == "selective" and opts.selective_ac_option == "op":
+        return 0.0, 1.0
+    share = (L // opts.selective_ac_option) / L if ac == "selective" else 1.0
+    return share, share
+
+
+def recomputed_layers(model: ModelShape, opts: Options, layers: int) -> int:
+    """Of `layers` decoder layers, how many run (part of) their forward again in backward, and so
+    repeat its collectives (the op policy caches no collective: each runs again)."""
+    ac = opts.gradient_checkpointing
+    if ac == "selective" and opts.selective_ac_option != "op":
+        return layers // opts.selective_ac_option
+    return layers if ac else 0
 
 
 # ---------------------------------------------------------------------------------- collectives
@@ -165,7 +230,7 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
     n, d = b * s, m.hidden_size
     # layers whose forward runs again in backward; torch's checkpoint stops the recompute once the
     # last saved tensor is back (early stop), so the collective after down_proj is not repeated
-    ac = L if opts.gradient_checkpointing else 0
+    ac = recomputed_layers(model, opts, L)
     # ZeRO-3 gathers parameters in the compute dtype; otherwise fp32 masters (and so fp32 norm grads)
     pe = e if layout.sharded else 4
     for micro in range(M):
@@ -262,9 +327,9 @@ def flops(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> Dic
     model_flops = step.causal
     layers_share = (step.matmul * layers_matmul_weights(m) / matmul_weights(m)
                     + step.attention_causal) / model_flops
-    recompute = (layers_share / 3) if opts.gradient_checkpointing else 0.0
-    rank = model_flops * (1 + recompute) / layout.world
-    attn_rank = step.attention_causal * (1 + (1 / 3 if opts.gradient_checkpointing else 0)) / layout.world
+    again = recompute_shares(model, opts)[0]          # the matmul / attention share that runs again
+    rank = model_flops * (1 + again * layers_share / 3) / layout.world
+    attn_rank = step.attention_causal * (1 + again / 3) / layout.world
     return dict(model=model_flops, model_full_attention=step.full, rank=rank, attention_rank=attn_rank,
                 attention_model=step.attention_causal,
                 params=m.num_params())

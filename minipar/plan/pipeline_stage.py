@@ -216,14 +216,13 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
     ids = 8 * n + (n if T > 1 else 0)
     rope = 2 * e * n * D
     head = act["root"] - ids - rope                         # final norm, softmax, targets, masks
-    ac = opts.gradient_checkpointing
-    keep = e * (n // T if layout.sp else n) * model.hidden_size   # a checkpointed layer's input
+    full_ac = dataclasses.replace(opts, gradient_checkpointing=True)
 
-    def chunk_bytes(c: int, checkpointed: bool) -> int:
-        L = len(st.chunks[c])
+    def chunk_bytes(c: int, checkpointed, how: Options = full_ac) -> int:
         extra = (rope + (ids if st.first and c == 0 else 0)
                  + (head if st.last and c == len(st.chunks) - 1 else 0))
-        return extra + L * (keep if checkpointed else act["per_layer"])
+        return extra + sum(pm.kept_per_layer(act, how, i) if checkpointed else act["per_layer"]
+                           for i in st.chunks[c])
 
     # zb_h1 / zbv: what each Linear keeps from B to W, its input x and output gradient dy, per
     # layer: x of q/k/v and gate/up (n d each, gathered under SP), of o (H hd / T) and down (f / T);
@@ -241,14 +240,14 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
 
     split = any(a.kind == "W" for a in order)
 
-    def in_flight(checkpointed: bool) -> int:
+    def in_flight(checkpointed, how: Options = full_ac) -> int:
         live = peak = 0
         for a in order:
             x, dy = w_bytes(a.chunk) if split else (0, 0)
             if a.kind == "F":
-                live += chunk_bytes(a.chunk, checkpointed)
+                live += chunk_bytes(a.chunk, checkpointed, how)
             elif a.kind == "B":        # frees what autograd saved but x (or keeps the recomputed x), adds dy
-                live += x + dy - chunk_bytes(a.chunk, checkpointed)
+                live += x + dy - chunk_bytes(a.chunk, checkpointed, how)
             else:                      # W frees x and dy
                 live -= x + dy
             peak = max(peak, live)
@@ -259,11 +258,12 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
                 per_micro_checkpointed=sum(chunk_bytes(c, True) for c in range(len(st.chunks))),
                 full=in_flight(False), checkpointed=in_flight(True),
                 checkpointed_peak=in_flight(True) + act["per_layer"],
+                as_configured=in_flight(True, opts) + pm.recompute_peak(act, opts),
                 in_flight=peak_in_flight(order))
 
     # ---- TP / CP inside the stage, per micro-batch
     L, fst, lst = st.num_layers, int(st.first), int(st.last)
-    acL = L if ac else 0
+    acL = pm.recomputed_layers(model, opts, L)
     pe = e if layout.sharded else 4
     for _ in range(M):
         h = n * model.hidden_size * e

@@ -29,8 +29,11 @@ def describe(p: dict, model: ModelShape) -> str:
              f"batch: {p['batch']['global_batch_size']} x {p['batch']['sequence_len']} tokens per step, "
              f"micro-batch {p['micro_batch']} row(s) x {p['micro_steps']} step(s) per dp rank; {o['dtype']}, "
              f"prefetch {o['prefetch']}, activation checkpointing "
-             f"{'on' if o['gradient_checkpointing'] else 'off'}",
+             f"{_ac(o)}",
              ""]
+    if o.get("lora_r"):     # memory counts LoRA (the frozen base, the adapters); the rest does not
+        lines[-1:] = [f"LoRA r={o['lora_r']} on {', '.join(o['lora_targets'])}: memory counts the frozen "
+                      f"base and the adapters; communication and time are a full fine-tune's", ""]
     unit, size = _unit(m["total"])
     lines.append(f"memory per rank ({unit})")
     sharded = p["layout"]["dp_shard"] * p["layout"]["cp"] > 1        # ZeRO-3 over dp_shard_cp
@@ -42,6 +45,8 @@ def describe(p: dict, model: ModelShape) -> str:
             ("accumulated grads (no_sync: fp32, unsharded)", m["accumulated_grads"]),
             ("activations, no checkpointing", a["full"]),
             ("activations, checkpointing (kept / peak)", None),
+            *([(f"activations, {_ac(o)} (peak)", a["as_configured"])]
+              if o["gradient_checkpointing"] == "selective" else []),
             ("transient (logits, gradients in flight)", m["transient"]),
             ("= total (as chosen)", m["total"])]
     for label, v in rows:
@@ -66,10 +71,14 @@ def describe(p: dict, model: ModelShape) -> str:
             lines.append(f"{head}{op:<16}{c['calls']:>7}{nbytes:12.3f}{wire:10.3f}{sec}")
     a2a = f" + all-to-all {t['all_to_all_s']:.3g}" if t.get("all_to_all_s") else ""   # Ulysses: exposed
     lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
-              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g}{a2a} + what cp ({t['cp_s']:.3g}) and dp "
-              f"({t['dp_s']:.3g}) "
-              f"do not hide; {t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
+              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g}{a2a} + {_hidden(t)}; "
+              f"{t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
     return "\n".join(lines)
+
+
+def _hidden(t: dict) -> str:
+    return (f"what the layers' compute does not hide (minipar/plan/overlap.py) of cp {t['cp_s']:.3g} "
+            f"({t['cp_exposed_s']:.3g}) and dp {t['dp_s']:.3g} ({t['dp_exposed_s']:.3g})")
 
 
 def _mfu(t: dict) -> str:
@@ -81,6 +90,15 @@ def _parts(t: dict) -> str:
     return (f"  compute by operation (minipar/plan/time_model.py): GEMMs {t['gemm_s']:.3g} s, attention "
             f"{t['attention_s']:.3g} s, memory-bound (norms, RoPE, SwiGLU, residuals, loss) "
             f"{t['memory_bound_s']:.3g} s, optimizer step {t['optimizer_s']:.3g} s")
+
+
+def _ac(o: dict) -> str:
+    """The options' activation checkpointing in words."""
+    ac = o["gradient_checkpointing"]
+    if ac == "selective":
+        option = o.get("selective_ac_option", "op")
+        return "selective per op" if option == "op" else f"selective, every {option}-th layer"
+    return "on" if ac else "off"
 
 
 def describe_pipeline(p: dict, model: ModelShape) -> str:

@@ -17,7 +17,8 @@ summed):
 
 (summed over tp too under sequence parallelism, where each tp rank routes its own tokens). The
 figures do not depend on the layout, except moe_dropped under cp or sequence parallelism, where
-the capacity is a rank's (models/moe.py).
+the capacity is a rank's (models/moe.py). Under pipeline parallelism the step (pipeline_step.py)
+records none of them.
 """
 from __future__ import annotations
 

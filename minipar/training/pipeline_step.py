@@ -91,7 +91,7 @@ class PipelineStep:
                                     virtual_stages(cfg))
         # receive in the neighbours' posting order: NCCL pairs messages so (zbv needs it)
         self.arrivals = arrival_order(cfg.pipeline_schedule, pgm.pp.size, num_micro, virtual_stages(cfg),
-                                      pgm.pp.rank)
+                                      pgm.pp.rank, side=model.pipeline_aux is not None)
         self.act_dtype = act_dtype
 
     def train_step(self, step: int) -> dict:

@@ -135,7 +135,13 @@ class TrainLoop:
         self._close(metrics)
         if cfg.save_final_checkpoint and cfg.max_steps > t.start_step:
             t.save(cfg.max_steps)
-        if cfg.export_hf:
+        if cfg.export_hf and t.lora:              # PEFT's adapter directory, and the merged model
+            for path in ckpt.export_lora(cfg, t.model, t.lora_targets):
+                if self.is_main and path != cfg.output_dir:
+                    save_tokenizer(self.run.tokenizer, path)
+                self.log(f"exported {'the LoRA adapter' if path == cfg.output_dir else 'the merged model'} "
+                         f"to {path}")
+        elif cfg.export_hf:
             hf_dir = os.path.join(cfg.output_dir, "hf")
             ckpt.export_hf(hf_dir, t.model)
             if self.is_main:       # the model's tokenizer beside its weights (bytes: a tokenizer.json)

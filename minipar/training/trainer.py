@@ -37,6 +37,7 @@ from tqdm import tqdm
 import minipar
 from minipar import comm
 from minipar.data_parallel import replicate, replicate_naive
+from minipar.lora import add_lora, check_targets, load_adapters, lora_parameters, lora_targets
 from minipar.training import optim as moptim
 from minipar.training.batch_source import Batches, eval_loss
 from minipar.training.checkpoint import save_load as ckpt
@@ -68,8 +69,24 @@ class Trainer:
         model = LlamaForCausalLM(cfg.model, pgm, seed=cfg.seed, device="meta")
         self.n_params = sum(math.prod(p.tp_full_shape) for p in model.parameters())
         source, t_load = self._weight_source(model), time.time()
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        # LoRA: the base frozen, the adapters real now, on the whole model (global names, a seed per
+        # adapter name), so they go with their layer through the pipeline cut and stay out of ZeRO-3
+        self.lora = cfg.adapter == "lora"
+        if self.lora:
+            self.lora_targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
+                                              lora_targets(model))
+            add_lora(model, self.lora_targets, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, seed=cfg.seed,
+                     device=self.device)
+            if cfg.lora_model_dir:               # checked against the model by check.py already
+                load_adapters(model, cfg.lora_model_dir, pgm.tp)
+            n_lora = sum(math.prod(p.tp_full_shape) for p in lora_parameters(model))
+            self.log(f"LoRA r={cfg.lora_r}, alpha={cfg.lora_alpha:g} on {', '.join(self.lora_targets)}: "
+                     f"{n_lora / 1e6:.2f} M trainable parameters ({100 * n_lora / self.n_params:.2f} % of "
+                     f"{self.n_params / 1e6:.1f} M), the base frozen"
+                     + (f"; adapters from {cfg.lora_model_dir}" if cfg.lora_model_dir else ""))
+        if cfg.gradient_checkpointing:            # true: full; selective: per op, or every n-th layer
+            model.gradient_checkpointing_enable("full" if cfg.gradient_checkpointing is True else
+                                                cfg.gradient_checkpointing, cfg.selective_ac_option)
         if pgm.pp.size > 1:                       # pipeline parallelism: keep this rank's stage only
             model = build_pipeline_model(model, cfg, pgm)
         self.grad_sync = None
@@ -81,14 +98,17 @@ class Trainer:
             fully_shard(model, pgm, prefetch=cfg.fsdp.prefetch,
                         reshard_after_forward=cfg.fsdp.reshard_after_forward,
                         param_dtype=torch.bfloat16 if self.bf16 else None,
-                        reduce_dtype=torch.float32 if self.bf16 else None, init=source)
+                        reduce_dtype=torch.float32 if self.bf16 else None, init=source,
+                        ignored_params=lora_parameters(model))
         else:
             materialize(model, source)
-        if pgm.dp_cp.size > 1 and not self.sharded:   # replicas only: DDP all-reduces the gradients
+        # replicas only: DDP all-reduces the gradients. With LoRA on ZeRO-3 too: the frozen shards
+        # have none, and the adapters are whole on every rank (minipar/lora/adapter.py says why)
+        if pgm.dp_cp.size > 1 and (not self.sharded or self.lora):
             wrap = replicate_naive if cfg.ddp == "naive" else replicate
             self.grad_sync = wrap(model, pgm.dp_cp)
         # whose no_sync() the micro-batches before the last run under (None: sync every one)
-        self.no_sync_owner = self.grad_sync if not self.sharded else \
+        self.no_sync_owner = self.grad_sync if not self.sharded or self.lora else \
             (None if cfg.fsdp.sync_each_batch else model.zero3)
         self.model = model
         if run.base_model is not None:

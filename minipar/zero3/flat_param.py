@@ -187,9 +187,10 @@ class FlatLayout:
         return self.shard(self.flatten(tensors, dtype)).clone()
 
 
-def plan_units(model, unit_classes):
+def plan_units(model, unit_classes, ignored=()):
     """Which parameters go into which flat buffer: [(unit name, module, [(HF name, param)],
-    [[(module, attr), ...] per param])], the root unit ("") first. A unit is an outermost module
+    [[(module, attr), ...] per param])], the root unit ("") first. `ignored` parameters (LoRA's
+    adapters) go into none: they stay plain parameters of their modules. A unit is an outermost module
     of `unit_classes`; the root takes every parameter outside them. A unit that shares a parameter
     with the root (a tied embedding: lm_head.weight is embed_tokens.weight) joins the root, since
     one parameter lives in one flat buffer. Every place a (tied or shared) parameter is referenced
@@ -199,15 +200,16 @@ def plan_units(model, unit_classes):
         inside = any(name.startswith(u + ".") for u in unit_names)   # nested: part of the outer unit
         if m is not model and isinstance(m, unit_classes) and not inside:
             unit_names.append(name)
-    names = {id(p): n for n, p in model.named_parameters()}          # a tied parameter: its first name
-    params = {id(p): p for _, p in model.named_parameters()}
+    skip = {id(p) for p in ignored}
+    names = {id(p): n for n, p in model.named_parameters() if id(p) not in skip}   # tied: its first name
+    params = {id(p): p for _, p in model.named_parameters() if id(p) not in skip}
     while True:
         refs: Dict[int, list] = {i: [] for i in names}
         owner: Dict[int, set] = {i: set() for i in names}
         for mname, m in model.named_modules(remove_duplicate=False):    # a shared module: every path
             unit = next((u for u in unit_names if mname == u or mname.startswith(u + ".")), "")
             for attr, p in m._parameters.items():
-                if p is not None:
+                if p is not None and id(p) not in skip:
                     if not any(m is m2 and attr == a2 for m2, a2 in refs[id(p)]):
                         refs[id(p)].append((m, attr))
                     owner[id(p)].add(unit)

@@ -97,6 +97,21 @@ def _tensors(out):
             yield from _tensors(o)
 
 
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once their gradients are complete, i.e. when
+    the unit's backward is done, and calls `done` (frees a frozen unit, which has no gradient hook)."""
+
+    @staticmethod
+    def forward(ctx, done, *tensors):
+        ctx.done = done
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
+
+
 class Zero3:
     """The shard manager that fully_shard attaches as `model.zero3`: the hooks that gather and
     free the units, the learned orders, the memory count; `grads` (a GradientReduction) for the
@@ -120,7 +135,7 @@ class Zero3:
         self._backward_running = False
         self.peak_gathered_bytes = 0
         for u in units:
-            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
+            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u, args))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
             if u.flat.requires_grad:
                 u.flat.register_post_accumulate_grad_hook(lambda flat, u=u: self._post_backward(u))
@@ -175,11 +190,11 @@ class Zero3:
         self._note_memory()
 
     # ------------------------------------------------------------------ the hooks
-    def _pre_forward(self, u: Unit):
+    def _pre_forward(self, u: Unit, args=()):
         if u.in_backward:                        # activation checkpointing re-runs the forward
             u.start_gather()                     # (normally a no-op: gathered before backward)
             u.wait_gather()
-            return
+            return None
         if u is self.root:
             self._fwd_seen = []
             for v in self.units:                 # left gathered by a forward without backward: the
@@ -188,6 +203,18 @@ class Zero3:
         comm_ledger.mark(f"zero3.forward {u.name}")
         self._gather_now(u, self.forward_order, len(self._fwd_seen) - 1)
         u.point_params_at(u.layout.views(u.flat))
+        if u.flat.requires_grad or u is self.root or not torch.is_grad_enabled():
+            return None
+        # a frozen unit (LoRA's base) has no gradient whose hook says its backward is over: its
+        # inputs' gradients say it instead (FSDP2's RegisterPostBackwardFunction)
+        grads = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not grads:
+            return None                          # (freed at the end of backward)
+        out = _AfterBackward.apply(lambda u=u: self._post_backward_frozen(u), *(args[i] for i in grads))
+        args = list(args)
+        for i, t in zip(grads, out):
+            args[i] = t
+        return tuple(args)
 
     def _post_forward(self, u: Unit, out):
         if u.in_backward:
@@ -227,6 +254,10 @@ class Zero3:
         comm_ledger.mark(f"zero3.backward {u.name}")
         self._gather_now(u, self.backward_order, len(self._bwd_seen) - 1)
 
+    def _post_backward_frozen(self, u: Unit):
+        if u.in_backward:                        # not a recompute's inputs: the unit is done
+            u.free()
+
     def _post_backward(self, u: Unit):
         # a backward that reaches the flat buffers without passing a unit's output (a pipeline's W
         # action: minipar/pipeline_parallel/split_backward.py) must still end with the callback
@@ -246,7 +277,7 @@ class Zero3:
 
 def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
                 reshard_after_forward: bool = True, param_dtype: Optional[torch.dtype] = None,
-                reduce_dtype: Optional[torch.dtype] = None, init=None) -> nn.Module:
+                reduce_dtype: Optional[torch.dtype] = None, init=None, ignored_params=()) -> nn.Module:
     """Shard `model` in place over pgm.dp_shard_cp (HSDP over pgm.dp_replicate); returns it, with
     the manager as `model.zero3`. unit_classes defaults to what the model declares as
     `model.zero3_unit_classes` (models/llama.py: the embedding and each decoder layer, as
@@ -255,7 +286,9 @@ def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
     Call it after moving the model to its device and BEFORE creating the optimizer (which must see
     the shards).
     init: a weight source (models/llama_init.py) for a model built on the meta device; each unit's
-    shard is then filled from it, unit by unit, on init.device, and nothing else is materialised."""
+    shard is then filled from it, unit by unit, on init.device, and nothing else is materialised.
+    ignored_params (FSDP's name): parameters left whole and out of every flat buffer, never gathered
+    nor reduced here (LoRA's adapters over a frozen base: the caller all-reduces their gradients)."""
     if getattr(model, "zero3", None) is not None:
         raise ValueError("fully_shard: this model is already sharded (model.zero3 exists)")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -272,12 +305,13 @@ def fully_shard(model: nn.Module, pgm, unit_classes=None, prefetch: int = 1,
     if not all(isinstance(c, type) for c in unit_classes):
         raise ValueError(f"fully_shard: unit_classes must be module classes, got {unit_classes!r}")
 
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    ignored = {id(p) for p in ignored_params}
+    meta = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in ignored]
     if meta and init is None:
         raise ValueError(f"fully_shard: {len(meta)} parameters are on the meta device (e.g. {meta[0]}): "
                          f"pass init=<weight source> (models/llama_init.py) to fill the shards")
-    plan = plan_units(model, unit_classes)                 # checks everything before any change
-    names = [n for n, _ in model.named_parameters()]       # HF names, model order, tied once
+    plan = plan_units(model, unit_classes, ignored_params)   # checks everything before any change
+    names = [n for n, p in model.named_parameters() if id(p) not in ignored]   # HF names, model order
     units = []
     for uname, module, params, refs in plan:
         for ref in refs:

@@ -63,19 +63,20 @@ def _tensors(model, pgm):
     """(local tensor, its segments, [(name, full shape)] of the tensors whose states it carries)
     for every tensor the optimizer sees. A ZeRO-3 shard is stepped as a whole, so it carries every
     tensor of its unit; its segments come from the manager's sharded_state_dict(): each tensor's
-    offset in the padded flat buffer, intersected with this rank's [start, stop)."""
+    offset in the padded flat buffer, intersected with this rank's [start, stop). Only trained
+    tensors: a frozen base (LoRA's) is rebuilt from its source (the seed, base_model), so a LoRA
+    checkpoint holds the adapters and their optimizer states; under ZeRO-3 those adapters are plain
+    parameters outside the flat buffers, whole on every rank of dp_shard_cp."""
     manager = getattr(model, "zero3", None)
+    plain = [(n, p) for n, p in model.named_parameters()
+             if p.requires_grad and not getattr(p, "zero3_shard", False)]
     if manager is None:
-        for name, p in model.named_parameters():
-            full = tuple(getattr(p, "tp_full_shape", None) or p.shape)
-            ep_dim = getattr(p, "ep_split_dim", None)
-            ep = {} if ep_dim is None else dict(ep_rank=pgm.ep.rank, ep_size=pgm.ep.size, ep_split_dim=ep_dim)
-            seg = Segment(name, pgm.tp.rank, pgm.tp.size, getattr(p, "tp_split_dim", None), tuple(p.shape),
-                          full, 0, p.numel(), 0, **ep)
-            yield p, [seg], [(name, full)]
+        yield from _plain(plain, pgm)
         return
     sd = manager.sharded_state_dict()
     for shard, unit in zip(manager.shards, sd["units"].values()):   # both: the non-empty units, in order
+        if not shard.requires_grad:
+            continue
         start, stop, segments = unit["start"], unit["stop"], []
         for t in unit["params"]:
             a, b = max(t["offset"], start), min(t["offset"] + t["numel"], stop)
@@ -86,6 +87,18 @@ def _tensors(model, pgm):
                                         tuple(t["local_shape"]), tuple(t["full_shape"]),
                                         a - t["offset"], b - t["offset"], a - start, **ep))
         yield shard, segments, [(t["name"], tuple(t["full_shape"])) for t in unit["params"]]
+    yield from _plain(plain, pgm)
+
+
+def _plain(named, pgm):
+    """A plain (or TP) parameter: one segment covering it (an expert's also says its ep block)."""
+    for name, p in named:
+        full = tuple(getattr(p, "tp_full_shape", None) or p.shape)
+        ep_dim = getattr(p, "ep_split_dim", None)
+        ep = {} if ep_dim is None else dict(ep_rank=pgm.ep.rank, ep_size=pgm.ep.size, ep_split_dim=ep_dim)
+        seg = Segment(name, pgm.tp.rank, pgm.tp.size, getattr(p, "tp_split_dim", None), tuple(p.shape),
+                      full, 0, p.numel(), 0, **ep)
+        yield p, [seg], [(name, full)]
 
 
 def layout(model, pgm) -> List[Tuple[torch.nn.Parameter, List[Segment]]]:
@@ -131,7 +144,11 @@ def _local_records(model, optimizer, pgm) -> list:
     """Per local tensor: its segments, the CPU tensors shaped like it (param, optimizer states)
     and the scalar states."""
     state, records = optimizer.state if optimizer is not None else {}, []
+    # under ZeRO-3 only dp_shard_cp rank 0 writes the plain (whole, replicated) tensors: LoRA's adapters
+    whole_here = getattr(model, "zero3", None) is None or pgm.dp_shard_cp.rank == 0
     for p, segments in layout(model, pgm):
+        if not (whole_here or getattr(p, "zero3_shard", False)):
+            continue
         st = state.get(p, {})
         tensors = {"param": p.detach().cpu().clone()}
         tensors.update({k: v.detach().cpu().clone().view(p.shape)

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save
 
+from minipar.lora import adapter_config, full_adapters, merge, save_adapter
 from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.training.checkpoint import atomic as cio
 from minipar.training.checkpoint import files as ck_files
@@ -96,8 +97,9 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
     def write(tmp: str) -> dict:
         rank = pgm.global_rank
         entries = cio.write_file(tmp, f"rng/rank-{rank:05d}.pt", ck_files.to_bytes(ck_files.rng_state()))
-        if not full and _writes_shards(model, pgm):
-            shard = dict(rank=rank, coords=pgm.coords, records=_local_records(model, optimizer, pgm))
+        records = _local_records(model, optimizer, pgm) if not full and _writes_shards(model, pgm) else []
+        if records:                              # (none: LoRA's frozen shards, adapters written by another)
+            shard = dict(rank=rank, coords=pgm.coords, records=records)
             entries.update(cio.write_file(tmp, f"shards/rank-{rank:05d}.pt", ck_files.to_bytes(shard)))
         if rank != 0:
             return entries
@@ -184,11 +186,12 @@ def _load_optimizer(model, optimizer, pgm, full, scalars, groups, source):
 
 
 # ------------------------------------------------------------------------------------ export
-def export_hf(directory: str, model, tokenizer_dir: Optional[str] = None) -> str:
+def export_hf(directory: str, model, tokenizer_dir: Optional[str] = None, full: Optional[dict] = None) -> str:
     """A Hugging Face directory (config.json + model.safetensors) for transformers'
     LlamaForCausalLM.from_pretrained, with the tokenizer files of `tokenizer_dir` (the base model's)
-    copied next to it. Collective: every rank calls it; global rank 0 writes."""
-    save_pretrained(model, directory)
+    copied next to it; `full`: these full tensors instead of the model's (a merged LoRA model).
+    Collective: every rank calls it; global rank 0 writes."""
+    save_pretrained(model, directory, full)
     if tokenizer_dir and model.pgm.global_rank == 0:
         copy_tokenizer(tokenizer_dir, directory)
     cio.agree(False, model.pgm, _device(model))  # the files exist when any rank returns
@@ -201,3 +204,22 @@ def copy_tokenizer(src: str, directory: str) -> list:
     for f in copied:
         shutil.copyfile(os.path.join(src, f), os.path.join(directory, f))
     return copied
+
+
+def export_lora(cfg, model, targets) -> list:
+    """A LoRA run's output, as Axolotl leaves it: PEFT's adapter directory in output_dir
+    (adapter_config.json, adapter_model.safetensors), and with merge_lora <output_dir>/merged, the
+    plain model W0 + (alpha / r) B A. Collective (gathers over tp, pp, and the ZeRO-3 shards for the
+    merge); returns the directories written."""
+    pgm = model.pgm
+    adapters = full_adapters(model, pgm)
+    if pgm.global_rank == 0:
+        save_adapter(cfg.output_dir, adapters, adapter_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                                                              targets, cfg.base_model))
+    cio.agree(False, pgm, _device(model))
+    if not cfg.merge_lora:
+        return [cfg.output_dir]
+    base = {n: t for n, t in model.full_state_dict().items() if ".lora." not in n}
+    merged_dir = os.path.join(cfg.output_dir, "merged")
+    export_hf(merged_dir, model, full=merge(base, adapters, cfg.lora_alpha / cfg.lora_r))
+    return [cfg.output_dir, merged_dir]

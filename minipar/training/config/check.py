@@ -26,8 +26,11 @@ import importlib.util
 from typing import List
 
 from minipar.config import CP_IMPLS, CP_LAYOUTS
+from minipar.lora import adapter_shapes, add_lora, check_adapter, check_targets
 from minipar.training.data.batches import DATASET_IS, check_data_file
 from minipar.training.data.datasets import check_entries
+from models.activation_checkpoint import check_option
+from models.llama import LlamaForCausalLM
 
 # what a `datasets` path must be, said with every refusal of one (data.check_data_file)
 DATASETS_ARE = "each `datasets` path is a local .jsonl, .json or .txt file (no hub names, no directories)"
@@ -107,13 +110,13 @@ def check(cfg) -> None:
     if cfg.moe_capacity_factor is not None and not (moe and cfg.moe_capacity_factor > 0):
         bad(f"moe_capacity_factor={cfg.moe_capacity_factor}: a capacity factor is > 0 and applies to a "
             f"mixture of experts (model_type mixtral or qwen3_moe); null is dropless")
-    if moe and (cfg.pipeline_parallel_size or 1) > 1:
-        bad(f"pipeline_parallel_size={cfg.pipeline_parallel_size} with a mixture of experts "
-            f"(model_type {cfg.model.model_type}): not supported yet, because the load-balancing "
-            f"loss pools the routing counts of all layers, which would live on different stages; "
-            f"use pipeline_parallel_size 1 (dp_shard, tp and cp compose with the experts)")
     problems += _data_files(cfg)
+    problems += [ValueError(m) for m in _lora(cfg)]
     problems += [ValueError(p) for p in _reporting(cfg)]
+    if cfg.gradient_checkpointing not in (False, True):
+        problem = check_option(cfg.gradient_checkpointing, cfg.selective_ac_option)
+        if problem:
+            bad(problem)
     if len(problems) == 1:
         raise problems[0]
     if problems:
@@ -162,4 +165,58 @@ def _data_files(cfg) -> List[Exception]:
             check_data_file(path, what, expected)
         except (ValueError, FileNotFoundError) as err:
             out.append(err)
+    return out
+
+
+def _lora(cfg) -> List[str]:
+    """The problems of Axolotl's LoRA keys (minipar/lora/), including an adapter directory that
+    disagrees with the model: its header is read, and a meta-device model gives the shapes."""
+    out: List[str] = []
+    quantised = [k for k in ("load_in_4bit", "load_in_8bit") if getattr(cfg, k)]
+    if cfg.adapter == "qlora" or quantised:
+        said = [f"adapter: {cfg.adapter}"] if cfg.adapter == "qlora" else []
+        said += [f"{k}: true" for k in quantised]
+        out.append(f"{', '.join(said)}: quantised bases (QLoRA, bitsandbytes' 4/8-bit weights) need GPU "
+                   f"kernels minipar does not have; use adapter: lora on a bf16 or fp32 base")
+        return out
+    if cfg.adapter is None:
+        given = [k for k in ("lora_model_dir", "merge_lora") if getattr(cfg, k)]
+        if given:
+            out.append(f"{', '.join(given)} set without adapter: lora; add adapter: lora, or remove them")
+        return out
+    if cfg.adapter != "lora":
+        return [f"adapter must be lora (or null: train every weight), got {cfg.adapter!r}"]
+    if isinstance(cfg.lora_r, bool) or cfg.lora_r < 1:
+        out.append(f"lora_r must be an integer >= 1 (the adapters' rank), got {cfg.lora_r}")
+    if not cfg.lora_alpha > 0:
+        out.append(f"lora_alpha must be > 0 (the update is scaled by lora_alpha / lora_r), "
+                   f"got {cfg.lora_alpha}")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        out.append(f"lora_dropout must lie in [0, 1), got {cfg.lora_dropout}")
+    if cfg.lora_modules_to_save:
+        out.append(f"lora_modules_to_save {cfg.lora_modules_to_save} is not supported (full trainable "
+                   f"copies of those modules); remove it")
+    if cfg.model.num_local_experts > 0:
+        out.append(f"adapter: lora on a mixture of experts (model_type {cfg.model.model_type}) is not "
+                   f"supported yet: the experts' weights are no Column/RowParallelLinear; use a dense model")
+    if cfg.tp_async_overlap:
+        out.append("tp_async_overlap with adapter: lora: the overlapped column-parallel backward computes "
+                   "no adapter; set tp_async_overlap: false")
+    if cfg.fsdp.state_dict_type != "SHARDED_STATE_DICT":
+        out.append(f"fsdp.state_dict_type {cfg.fsdp.state_dict_type} with adapter: lora: a LoRA checkpoint "
+                   f"holds the adapters only, saved as SHARDED_STATE_DICT; remove the key")
+    try:
+        targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
+                                LlamaForCausalLM.lora_target_modules)
+    except ValueError as err:
+        return out + [str(err)]
+    if cfg.lora_model_dir and not out:
+        model = LlamaForCausalLM(cfg.model, device="meta")
+        add_lora(model, targets, cfg.lora_r, cfg.lora_alpha, device="meta")
+        try:
+            bad = check_adapter(cfg.lora_model_dir, adapter_shapes(model), cfg.lora_r, cfg.lora_alpha)
+        except (OSError, ValueError) as err:
+            bad = [str(err)]
+        if bad:
+            out.append(f"lora_model_dir {cfg.lora_model_dir!r} does not fit this model: " + "; ".join(bad))
     return out

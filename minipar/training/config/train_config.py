@@ -82,7 +82,11 @@ class TrainConfig:
     bf16: Optional[Union[bool, str]] = None
     lr_scheduler: str = "cosine"          # linear warmup, then cosine to min_lr_ratio (the one schedule)
     optimizer: str = "adamw_torch"        # or adamw_torch_fused (torch's fused AdamW kernel)
-    gradient_checkpointing: bool = False
+    # true (full: each layer keeps its input, runs again in backward), false, or selective
+    # (models/activation_checkpoint.py), torchtitan's selective_ac_option: op (keep the matmul and
+    # attention outputs, recompute the rest) or an integer n (every n-th layer fully checkpointed)
+    gradient_checkpointing: Union[bool, str] = False
+    selective_ac_option: Union[str, int] = "op"
     # the four parallel sizes (accelerate's names in brackets); dp_shard_size None = the remainder
     dp_replicate_size: int = 1
     dp_shard_size: Optional[int] = None
@@ -134,6 +138,18 @@ class TrainConfig:
     # a Hugging Face directory (Axolotl's key): the model config comes from its config.json and the
     # weights from its safetensors, each rank reading only its slices (models/hf_checkpoint.py)
     base_model: Optional[str] = None
+    # LoRA, Axolotl's keys (minipar/lora/): adapters on a frozen base; null trains every weight
+    adapter: Optional[str] = None         # lora (qlora is refused: it needs 4-bit GPU kernels)
+    lora_r: int = 8
+    lora_alpha: float = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: Optional[List[str]] = None   # some of the model's projections (q_proj, ...)
+    lora_target_linear: bool = False      # true: every projection of a decoder layer
+    lora_model_dir: Optional[str] = None  # a PEFT adapter directory to start from
+    lora_modules_to_save: Optional[List[str]] = None  # refused: full copies of other modules
+    merge_lora: bool = False              # also write <output_dir>/merged: W0 + (alpha/r) B A
+    load_in_4bit: bool = False            # refused (quantised bases need GPU kernels)
+    load_in_8bit: bool = False
     model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
         hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024))
@@ -231,9 +247,16 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
     return cfg
 
 
+# model.* keys a run may set over base_model's config.json: how it trains, not the weights' shape
+TRAINING_MODEL_KEYS = {"router_aux_loss_coef"}
+
+
 def _base_model_config(cfg: TrainConfig, explicit: set) -> LlamaConfig:
-    """base_model's config.json is the model: a `model.*` key that says otherwise is refused."""
+    """base_model's config.json is the model: a `model.*` key that says otherwise is refused, but
+    for TRAINING_MODEL_KEYS, which the run's config sets."""
     model = read_config(cfg.base_model)
+    for key in TRAINING_MODEL_KEYS & explicit:   # not the shape: the run may choose it
+        setattr(model, key, getattr(cfg.model, key))
     clash = {k: getattr(cfg.model, k) for k in sorted(explicit) if getattr(cfg.model, k) != getattr(model, k)}
     if clash:
         got = ", ".join(f"model.{k}={v!r} (config.json: {getattr(model, k)!r})" for k, v in clash.items())

@@ -101,25 +101,34 @@ def test_ep_layout_equals_one_process(tmp_path, world, steps, capacity, extra):
         _same(ref, got)
 
 
-@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT",
-                                  pytest.param("FULL_STATE_DICT", marks=pytest.mark.slow)])
-def test_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path, kind):
-    """dp_shard 2 x ep 2 for 3 steps, saving at step 2; resumed from it at ep 1 (the experts no
-    longer split, every rank holding all four), step 3 has the same loss and grad norm."""
+@pytest.mark.parametrize("kind,resume_on", [
+    # the fast twin: resumed on one process, no ep at all
+    ("SHARDED_STATE_DICT", [(1, ())]),
+    # resumed on dp_shard 2 at ep 1 (each rank all four experts, ZeRO-3 over both) and on dp_shard 4
+    # at ep 4 (one expert each)
+    pytest.param("FULL_STATE_DICT", [(2, ("--dp_shard_size", "2", "--expert_parallel_size", "1")),
+                                     (4, ("--dp_shard_size", "4", "--expert_parallel_size", "4"))],
+                 marks=pytest.mark.slow),
+], ids=["sharded-to-one-process", "full-to-ep1-and-ep4"])
+def test_checkpoint_saved_at_ep2_resumes_on_other_ep(tmp_path, kind, resume_on):
+    """dp_shard 2 x ep 2 for 3 steps, saving at step 2; resumed from it on another layout, step 3
+    has the same loss and grad norm (micro-batches of 2 rows everywhere: the aux loss sees the same
+    tokens)."""
+    mb = ("--micro_batch_size", "2")
     steps = ["--max_steps", "3", "--save_steps", "2", "--save_total_limit", "3",
-             "--fsdp.state_dict_type", kind]
+             "--fsdp.state_dict_type", kind, *mb]
     full = run_world(_train, 2, _argv(tmp_path / "ep2", "--dp_shard_size", "2",
                                       "--expert_parallel_size", "2", *steps), timeout=300)[0]
     assert full[:2] == (2, 2)                 # two experts on each rank
-    resumed = run_world(_train, 2, _argv(tmp_path / "ep1", "--dp_shard_size", "2",
-                                         "--expert_parallel_size", "1", "--max_steps", "3",
-                                         "--resume_from_checkpoint", str(tmp_path / "ep2" / "step-2")),
-                        timeout=300)[0]
-    assert resumed[:2] == (1, 4)
-    full, resumed = full[2], resumed[2]
-    assert [s for s, _, _ in resumed] == [3]
-    for (s, a, ga), (_, b, gb) in zip(full[2:], resumed):
-        assert abs(a - b) <= 1e-5 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), (s, a, b, ga, gb)
+    for world, layout in resume_on:
+        resumed = run_world(_train, world, _argv(tmp_path / f"resumed{world}", *layout, "--max_steps", "3",
+                                                 *mb, "--resume_from_checkpoint",
+                                                 str(tmp_path / "ep2" / "step-2")), timeout=300)[0]
+        ep = 1 if world == 1 else int(layout[-1])
+        assert resumed[:2] == (ep, 4 // ep)
+        assert [s for s, _, _ in resumed[2]] == [3]
+        for (s, a, ga), (_, b, gb) in zip(full[2][2:], resumed[2]):
+            assert abs(a - b) <= 1e-5 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), (world, s, a, b, ga, gb)
 
 
 def _finetune(argv):
@@ -177,14 +186,12 @@ def _train_loss(argv):
 
 @pytest.mark.slow
 def test_pp2_shard2_ep2_equals_one_process(tmp_path):
-    """pp 2 x dp_shard 2 x ep 2 on 4 ranks, 20 steps, equal to one process. Without the aux loss:
-    a pipeline refuses an MoE whose load-balancing loss is on (it pools every layer's counts, which
-    would live on different stages: docs/expert_parallel.md), so both run router_aux_loss_coef 0."""
-    no_aux = ("--model.router_aux_loss_coef", "0")
-    ref = run_world(_train_loss, 1, _curve_argv(tmp_path / "one", 20, *no_aux), timeout=300)[0][1]
+    """pp 2 x dp_shard 2 x ep 2 on 4 ranks, 20 steps, equal to one process, the aux loss in the
+    objective (the stages pass its counts along: models/moe_aux.py's PipelineAux)."""
+    ref = run_world(_train_loss, 1, _curve_argv(tmp_path / "one", 20), timeout=300)[0][1]
     assert ref[-1][0] < ref[0][0]
     layout = ("--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--expert_parallel_size", "2")
-    for ep, got in run_world(_train_loss, 4, _curve_argv(tmp_path / "pp", 20, *no_aux, *layout), timeout=600):
+    for ep, got in run_world(_train_loss, 4, _curve_argv(tmp_path / "pp", 20, *layout), timeout=600):
         assert ep == 2 and len(got) == 20
         for step, ((a, ga), (b, gb)) in enumerate(zip(ref, got), 1):
             assert abs(a - b) <= 1e-4 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), (step, a, b, ga, gb)

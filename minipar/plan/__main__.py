@@ -61,7 +61,7 @@ def _pipeline(args, base: dict) -> Pipeline:
     schedule = args.pipeline_schedule or base.get("pipeline_schedule", "1f1b")
     v = args.virtual_stages \
         or (base.get("virtual_stages") if schedule == base.get("pipeline_schedule") else None) \
-        or (2 if schedule == "interleaved_1f1b" else 1)
+        or (2 if schedule in ("interleaved_1f1b", "zbv") else 1)
     layers = base.get("pipeline_layers")
     return Pipeline(pp, schedule, v, tuple(layers) if layers else None)
 
@@ -193,8 +193,9 @@ def main(argv=None):
                     help="attention across cp: K/V round a ring, Ulysses' all-to-alls, or both (USP)")
     ap.add_argument("--cp-ulysses", type=int, help="USP's Ulysses group size (divides --cp)")
     ap.add_argument("--pp", type=int, help="pipeline stages (default: the config's; --search tries every pp)")
-    ap.add_argument("--pipeline-schedule", choices=("afab", "1f1b", "interleaved_1f1b"))
-    ap.add_argument("--virtual-stages", type=int, help="model chunks per rank (interleaved_1f1b; default 2)")
+    ap.add_argument("--pipeline-schedule", choices=("afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"))
+    ap.add_argument("--virtual-stages", type=int, help="model chunks per rank (interleaved_1f1b; default 2; "
+                    "zbv: 2)")
     ap.add_argument("--sp", "--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--global-batch-size", type=int,

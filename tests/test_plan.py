@@ -334,7 +334,7 @@ def test_cli_json_and_errors(capsys):
     assert plan_main([os.path.join(ROOT, "configs", "hsdp.yaml"), "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["layout"] == dict(dp_replicate=2, dp_shard=2, cp=1, tp=1, sequence_parallel=False,
-                               cp_impl="ring", cp_ulysses_size=None)
+                               cp_impl="ring", cp_ulysses_size=None, ep=1)
     m = p["memory"]
     assert m["persistent"] == m["params"] + m["grads"] + m["optimizer"] and m["gathered"] > 0
     assert set(p["comm"]) == {"dp_shard_cp", "dp_replicate", "dp_cp"}

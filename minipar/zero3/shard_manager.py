@@ -53,6 +53,9 @@ How the hooks find their moments, for any model:
     saved view is valid again; then prefetches the next unit of the backward order;
   - after backward:  the flat buffer is one autograd leaf; its post-accumulate-grad hook fires
     once all gradients of the unit are in its .grad: reduce-scatter, free;
+  - after backward, a frozen unit (LoRA's base: no gradient, so no such hook): the pre-forward hook
+    passes the unit's inputs through an identity Function (_AfterBackward) whose backward runs
+    once their gradients are complete, i.e. once the unit's backward is done, and frees it;
   - end of backward: a callback queued on the autograd engine waits for the outstanding
     reduce-scatters, so when loss.backward() returns the shard gradients are final (queued by the
     first of these hooks to fire: a pipeline's W pass only reaches the post-accumulate-grad one).

@@ -1,7 +1,7 @@
 """The ladder, measured: for each technique, its rungs from the textbook version to the optimised
 one (docs/ladder.md), each a config value, each a full training step of the same Llama.
 
-    python benchmarks/ladder.py [--rounds 2] [--steps 3] [--only dp,zero3,tp,cp,cp_impl]
+    python benchmarks/ladder.py [--rounds 2] [--steps 3] [--only dp,zero3,tp,cp,cp_impl,ep,pp]
 
     technique  world            rungs (config values)
     DP         dp_replicate 2   ddp: naive -> bucketed
@@ -10,6 +10,11 @@ one (docs/ladder.md), each a config value, each a full training step of the same
     CP         cp 2             cp_layout: contiguous -> zigzag (a longer sequence: attention matters)
     CP impl    cp 4             cp_impl: ring -> ulysses -> usp (cp_ulysses_size 2), zigzag, the same
                                 sequence: K/V hops, two all-to-alls, or both (context_parallel/ulysses.py)
+    EP         dp_shard 2       expert_parallel_size: 1 -> 2, a Mixtral-style MoE (8 experts, top-2):
+                                every rank runs all experts on its own tokens (ZeRO-3 gathers them all),
+                                or holds half and exchanges tokens (expert_parallel/dispatch.py)
+    PP         pp 2, m 4        pipeline_schedule: 1f1b -> interleaved_1f1b -> zb_h1 -> zbv (one step
+                                run by pipeline_parallel/executor.py over 4 micro-batches of 1 sequence)
 
 What one measurement is: a fresh gloo world of forked ranks (tests/harness.py, one torch thread
 each) builds the model, takes one warm-up step, then --steps timed steps (forward, backward,
@@ -28,7 +33,7 @@ AdamW), each started by a barrier. Per rung:
                  the live tensors): weights, gradients, optimizer states, activations and
                  communication buffers
     vs below     step time and peak memory over the rung above it in the table
-    gathered MiB (ZeRO-3) the peak of gathered parameter bytes, counted exactly by the shard
+    gathered MiB (ZeRO-3, EP) the peak of gathered parameter bytes, counted exactly by the shard
                  manager: what prefetching and resharding change, without the activations
 
 Results go to benchmarks/results/ladder.md and ladder.json. On a 2-core CPU shared with other
@@ -60,6 +65,8 @@ BATCH = dict(global_batch_size=4, sequence_len=256)
 CP_MODEL = dict(MODEL, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2)
 CP_BATCH = dict(global_batch_size=1, sequence_len=2048)
+MOE_MODEL = dict(MODEL, intermediate_size=384, model_type="mixtral", num_local_experts=8,
+                 num_experts_per_tok=2)
 
 # technique -> (title, world layout, model, batch, [(rung, config shown, ParallelismConfig extras, wrap)])
 LADDER = {
@@ -87,7 +94,21 @@ LADDER = {
         ("ulysses", "cp_impl: ulysses", dict(cp_impl="ulysses"), ("ddp", "bucketed")),
         ("usp", "cp_impl: usp, cp_ulysses_size: 2", dict(cp_impl="usp", cp_ulysses_size=2),
          ("ddp", "bucketed"))]),
+    # ZeRO-3 in both rungs: the experts are gathered whole over dp_shard (ep 1), or each rank keeps
+    # its half over edp (here of one rank: nothing gathered) and the tokens travel instead
+    "ep": ("Expert parallelism (dp_shard 2, 8 experts, top-2)", dict(dp_shard_size=2), MOE_MODEL, BATCH, [
+        ("all experts", "expert_parallel_size: 1", dict(ep_size=1), ("zero3", dict(prefetch=1))),
+        ("ep 2", "expert_parallel_size: 2", dict(ep_size=2), ("zero3", dict(prefetch=1)))]),
+    # a pipeline step (the rung's `wrap` names the schedule): 4 layers, so 2 per stage, 1 per chunk
+    "pp": ("Pipeline parallelism (pp 2, 4 micro-batches)", dict(pp_size=2), MODEL, BATCH, [
+        ("1f1b", "pipeline_schedule: 1f1b", {}, ("pp", "1f1b")),
+        ("interleaved", "pipeline_schedule: interleaved_1f1b", {}, ("pp", "interleaved_1f1b")),
+        ("zb_h1", "pipeline_schedule: zb_h1", {}, ("pp", "zb_h1")),
+        ("zbv", "pipeline_schedule: zbv", {}, ("pp", "zbv"))]),
 }
+
+
+GATHERED = ("zero3", "ep")     # techniques whose table shows the shard manager's gathered bytes
 
 
 def _rss_kib(field: str) -> int:
@@ -131,6 +152,19 @@ def _wrap(model, pgm, wrap):
     return (replicate_naive if value == "naive" else replicate)(model, pgm.dp_cp)
 
 
+def _pipeline_step(model, pgm, schedule, ids):
+    """A step's forwards and backwards through pipeline_parallel's executor: `model` is the stage,
+    every sequence of the global batch one micro-batch."""
+    from minipar.pipeline_parallel import arrival_order, run_schedule, schedule_order
+    v = model.num_chunks
+    micro = [dict(input_ids=ids[i:i + 1, :-1], labels=ids[i:i + 1, 1:],
+                  position_ids=torch.arange(ids.shape[1] - 1).unsqueeze(0)) for i in range(ids.shape[0])]
+    m = len(micro)
+    run_schedule(model, schedule_order(schedule, pgm.pp.size, m, pgm.pp.rank, v), pgm, micro,
+                 torch.tensor(ids[:, 1:].numel()), arrivals=arrival_order(schedule, pgm.pp.size, m, v,
+                                                                          pgm.pp.rank))
+
+
 def _rung(layout, extras, model_kw, batch, wrap, steps):
     """One rung on one rank: warm-up, then timed steps; returns this rank's numbers."""
     from minipar.training.data.batches import local_batch
@@ -142,22 +176,34 @@ def _rung(layout, extras, model_kw, batch, wrap, steps):
     # one step of a tiny model of the same layout first: torch's lazily loaded kernels, autograd's
     # threads and gloo's buffers are then in the baseline, not in the rung's peak
     tiny = dict(model_kw, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    pipelined = wrap is not None and wrap[0] == "pp"
+    if pipelined:                               # the tiny warm-up model: 2 layers a stage, 1F1B
+        tiny["num_hidden_layers"] = 2 * pgm.pp.size
     tiny_model = LlamaForCausalLM(LlamaConfig(**tiny, max_position_embeddings=batch["sequence_len"]), pgm,
                                   seed=0)
-    _wrap(tiny_model, pgm, wrap)
+    if pipelined:
+        from minipar.pipeline_parallel import build_stage
+        tiny_model = build_stage(tiny_model, pgm)
+    _wrap(tiny_model, pgm, None if pipelined else wrap)
     T0 = 8 * pgm.cp.size * pgm.tp.size
     t_ids = torch.zeros(pgm.dp.size, T0 + 1, dtype=torch.long)
     t_b = local_batch(t_ids[:, :-1], t_ids[:, 1:], pgm)
     tiny_opt = build_optimizer(tiny_model, lr=1e-3)
-    tiny_model(t_b["input_ids"], position_ids=t_b["position_ids"], labels=t_b["labels"],
-               num_items_in_batch=torch.tensor(t_ids.numel())).backward()
+    if pipelined:
+        _pipeline_step(tiny_model, pgm, "1f1b", torch.zeros(2 * pgm.pp.size, T0 + 1, dtype=torch.long))
+    else:
+        tiny_model(t_b["input_ids"], position_ids=t_b["position_ids"], labels=t_b["labels"],
+                   num_items_in_batch=torch.tensor(t_ids.numel())).backward()
     tiny_opt.step()
     del tiny_model, tiny_opt, t_b
     resettable = _reset_peak()
     base = _rss_kib("VmRSS")
     model = LlamaForCausalLM(LlamaConfig(**model_kw, max_position_embeddings=batch["sequence_len"]), pgm,
                              seed=0)
-    _wrap(model, pgm, wrap)
+    if pipelined:
+        from minipar.pipeline_parallel import build_stage
+        model = build_stage(model, pgm, 2 if wrap[1] in ("interleaved_1f1b", "zbv") else 1, None, wrap[1])
+    _wrap(model, pgm, None if pipelined else wrap)
     opt = build_optimizer(model, lr=1e-3)
     g = torch.Generator().manual_seed(0)
     B, T = batch["global_batch_size"], batch["sequence_len"]
@@ -170,9 +216,12 @@ def _rung(layout, extras, model_kw, batch, wrap, steps):
         comm.all_reduce(flag, pgm.world)                     # a barrier: every rank starts together
         t0, c0 = time.perf_counter(), time.process_time()
         with comm_ledger.ledger() as led:
-            loss = model(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
-                         num_items_in_batch=n)
-            loss.backward()
+            if pipelined:
+                _pipeline_step(model, pgm, wrap[1], ids)
+            else:
+                loss = model(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
+                             num_items_in_batch=n)
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         if it:                                                # step 0 is the warm-up
@@ -230,8 +279,8 @@ def table(name, rows) -> str:
            f"tokens, fp32, AdamW.", "",
            "| rung | config | step ms | vs below | CPU ms | MiB sent/rank/step | calls/step | peak MiB "
            "| vs below |"
-           + (" gathered MiB |" if name == "zero3" else ""),
-           "|---|---|---|---|---|---|---|---|---|" + ("---|" if name == "zero3" else "")]
+           + (" gathered MiB |" if name in GATHERED else ""),
+           "|---|---|---|---|---|---|---|---|---|" + ("---|" if name in GATHERED else "")]
     prev = None
     for rung, shown, _, _ in rungs:
         r = rows[rung]
@@ -239,7 +288,7 @@ def table(name, rows) -> str:
         m_ratio = f"{r['peak'] / prev['peak']:.2f}x" if prev and prev["peak"] > 0 else "-"
         out.append(f"| {rung} | `{shown}` | {1e3 * r['wall']:.0f} | {t_ratio} | {1e3 * r['cpu']:.0f} | "
                    f"{r['sent'] / 2 ** 20:.2f} | {r['calls']} | {r['peak']:.1f} | {m_ratio} |"
-                   + (f" {r['gathered']:.2f} |" if name == "zero3" else ""))
+                   + (f" {r['gathered']:.2f} |" if name in GATHERED else ""))
         prev = r
     return "\n".join(out)
 
@@ -248,8 +297,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all rungs (best kept)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per measurement (median kept)")
-    ap.add_argument("--only", default="dp,zero3,tp,cp,cp_impl",
-                    help="comma-separated: dp, zero3, tp, cp, cp_impl")
+    ap.add_argument("--only", default="dp,zero3,tp,cp,cp_impl,ep,pp",
+                    help="comma-separated: dp, zero3, tp, cp, cp_impl, ep, pp")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ladder"))
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]

@@ -12,26 +12,19 @@ The time model (stated, and the same for every layout so that the ranking is fai
     compute     time_model.py, by operation: GEMMs on a roofline (--efficiency of peak for large
                 ones, HBM-bound when a per-rank slice is thin), attention at --attention-efficiency,
                 norms / RoPE / SwiGLU / residuals / the loss and the optimizer step at --hbm-bandwidth
-    collective  wire bytes / bandwidth + calls x hops x latency (time_model.latency_seconds)
-    tp          its collectives, NOT overlapped (each TP collective sits between two matmuls)
-    cp          ring hops (cp under ring, cp_ring under usp): wire bytes / bandwidth, overlapped
-                with the attention compute of the rank
-    all-to-all  Ulysses' exchanges (cp_ulysses): wire bytes / bandwidth, NOT overlapped (comm.py's
-                all_to_all is synchronous and attention needs its result: q, k, v in, out back)
-    dp          ZeRO-3 all-gather + reduce-scatter, HSDP / DDP all-reduce: wire bytes / bandwidth,
-                overlapped with the whole compute (prefetch >= 1; buckets) except one call of each
-                (the first gather has no compute before it, the last reduction none after it:
-                dp_fill_seconds); not overlapped at prefetch 0
-    step        compute + tp + all-to-all + max(0, cp - attention) + max(0, dp - compute) + fill
+    collective  wire bytes / bandwidth + calls x hops x latency (time_model.collective_seconds),
+                every group's ledger bytes (group_seconds: the `est. s` column of the report)
+    overlap     overlap.py, per layer: a ZeRO-3 gather hides behind one layer's compute, a ring hop
+                behind one block of attention, DDP's buckets behind the last backward; TP
+                collectives and Ulysses' all-to-alls are exposed whole
+    step        compute + tp + all-to-all + exposed ring hops + exposed dp traffic
     MFU         model FLOPs / (step x world x peak), in two conventions: `mfu` counts causal
                 attention as half the score matrix (the FLOPs a causal kernel does: 6 L H D s per
                 token), `mfu_full_attention` counts it whole (12 L H D s, as torchtitan and
                 Megatron-LM report), which reads higher for the same step
 
     bandwidth   intra-node (NVLink) for a group inside one node, inter-node (IB, per GPU) otherwise
-    defaults    H100 SXM: 989 TFLOP/s dense bf16, NVLink ~450 GB/s per direction effective,
-                IB 400 Gb/s = 50 GB/s per GPU, 80 GiB, 8 GPUs per node, HBM3 3.35 TB/s;
-                GEMM efficiency 0.7, attention 0.5, latency 1 us (NVLink) / 5 us (IB) per hop
+    defaults    Cluster below: each field is a flag of python -m minipar.plan, with its source
 Kernel launch gaps and the host are not modelled.
 
 Fits: persistent + gathered + activations (with or without checkpointing; with one micro-batch
@@ -54,12 +47,11 @@ from . import inputs as inputs_mod
 from . import model as pm
 from . import time_model as tm
 from .inputs import Batch, Layout, ModelShape, Options
+from .overlap import step_seconds
 
 # the axes of the grid (R, S, C / u, u, T) that each group spans
 AXES = {"tp": (4,), "cp": (2, 3), "cp_ulysses": (3,), "cp_ring": (2,), "dp_shard_cp": (1, 2, 3),
         "dp_replicate": (0,), "dp_cp": (0, 1, 2, 3)}
-DP_GROUPS = ("dp_shard_cp", "dp_replicate", "dp_cp")
-RING_GROUPS = ("cp", "cp_ring")       # hops hidden behind attention; cp_ulysses is exposed
 
 
 @dataclass(frozen=True)
@@ -81,18 +73,17 @@ def group_seconds(groups: Dict[str, dict], cluster: Cluster) -> Dict[str, float]
     """Each group's collectives: wire bytes at its placement's bandwidth + hops x latency per call."""
     out = {}
     for name, g in groups.items():
-        bw = (cluster.inter_gbps if g["crosses_nodes"] else cluster.intra_gbps) * 1e9
-        lat = sum(tm.latency_seconds(op, g["size"], o["calls"], g["crosses_nodes"], cluster)
-                  for op, o in g["ops"].items())
-        out[name] = g["seconds"] = g["wire_bytes"] / bw + lat
+        out[name] = g["seconds"] = sum(tm.collective_seconds(op, g["size"], o["bytes"], g["crosses_nodes"],
+                                                             cluster, o["calls"])
+                                       for op, o in g["ops"].items())
     return out
 
 
-def mfu(model_flops: float, full_attention_flops: float, step: float, world: int, cluster: Cluster) -> dict:
-    """Both MFU conventions (the docstring above), for one step's time."""
+def mfu(fl: dict, step: float, world: int, cluster: Cluster) -> dict:
+    """Both MFU conventions of models/flops.py (the docstring above), for one step's time."""
     peak = cluster.peak_tflops * 1e12
-    return dict(mfu=model_flops / (step * world * peak),
-                mfu_full_attention=(model_flops + full_attention_flops) / (step * world * peak))
+    return dict(mfu=fl["model"] / (step * world * peak),
+                mfu_full_attention=fl["model_full_attention"] / (step * world * peak))
 
 
 def crosses_nodes(layout: Layout, gpus_per_node: int) -> Dict[str, bool]:
@@ -105,28 +96,6 @@ def crosses_nodes(layout: Layout, gpus_per_node: int) -> Dict[str, bool]:
         members = node.transpose(rest + list(axes)).reshape(-1, int(np.prod([shape[a] for a in axes])))
         out[group] = bool((members.min(axis=1) != members.max(axis=1)).any())
     return out
-
-
-def dp_fill_seconds(groups: Dict[str, dict], cluster: Cluster) -> float:
-    """What prefetching cannot hide: the first all-gather (nothing computes before it) and the last
-    reduction (nothing computes after it), one call of each at its group's placement."""
-    out = 0.0
-    for name in DP_GROUPS:
-        g = groups.get(name)
-        if not g:
-            continue
-        bw = (cluster.inter_gbps if g["crosses_nodes"] else cluster.intra_gbps) * 1e9
-        for op in ("all_gather", "reduce_scatter", "all_reduce"):
-            o = g["ops"].get(op)
-            if o and o["calls"]:
-                out += (o["wire_bytes"] / bw + tm.latency_seconds(op, g["size"], o["calls"],
-                                                                   g["crosses_nodes"], cluster)) / o["calls"]
-    return out
-
-
-def cp_seconds(seconds: Dict[str, float]):
-    """(ring, all-to-all) seconds of the cp groups: the part attention can hide, the part it cannot."""
-    return sum(seconds.get(g, 0.0) for g in RING_GROUPS), seconds.get("cp_ulysses", 0.0)
 
 
 def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster: Cluster) -> dict:
@@ -147,14 +116,14 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         wire = pm.wire_bytes(op, sizes[group], nbytes)
         g["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
         g["wire_bytes"] += wire
-    seconds = group_seconds(groups, cluster)
+    group_seconds(groups, cluster)
     parts = tm.compute_seconds(model, layout, batch, opts, cluster, model.num_hidden_layers, True,
-                               fl["attention_rank"], mem["param_elements"])
-    compute, attention = parts["compute_s"], parts["attention_s"]
-    dp = sum(seconds.get(k, 0.0) for k in DP_GROUPS)
-    exposed_dp = max(0.0, dp - compute) + dp_fill_seconds(groups, cluster) if opts.prefetch > 0 else dp
-    ring, a2a = cp_seconds(seconds)
-    step = compute + seconds.get("tp", 0.0) + a2a + max(0.0, ring - attention) + exposed_dp
+                               mem["param_elements"])
+    layer_units = [u for u in pm.units(model, layout) if u.kind == "layer"]
+    reducing = batch.micro_steps(layout) if opts.sync_each_batch else 1
+    t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts, layer_units,
+                     model.num_hidden_layers, reducing)
+    step = t.pop("work_s")
     e = inputs_mod.DTYPE_BYTES[opts.dtype]
     n = batch.micro(layout) * batch.sequence_len // layout.cp
     transient = n * model.vocab_size // layout.tp * (e + 4)
@@ -173,8 +142,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         memory=dict(mem, activations=act, transient=transient, total=total, budget=budget,
                     fits=total <= budget),
         comm=groups,
-        time=dict(parts, tp_s=seconds.get("tp", 0.0), cp_s=ring, all_to_all_s=a2a,
-                  dp_s=dp, step_s=step, tokens_per_s=tokens / step,
-                  **mfu(fl["model"], fl["attention_model"], step, layout.world, cluster),
+        time=dict(parts, **t, step_s=step, tokens_per_s=tokens / step,
+                  **mfu(fl, step, layout.world, cluster),
                   model_flops=fl["model"]))
 

@@ -9,6 +9,8 @@ flight and ledger), and the worst stage is what must fit.
 Time: the stage with the most work sets the pace, and the schedule adds the bubble
     step = (compute + tp + all-to-all + exposed cp/dp of the slowest stage) / (1 - bubble) + sends
     bubble = (p - 1) / (m + p - 1)  (afab, 1f1b)     (p - 1) / (v m + p - 1)  (interleaved)
+             (p - 1) / (3 m + p - 1)  (zb_h1)        (p - 1) / (6 m + p - 1)  (zbv, m >= 2p - 1)
+             (schedules.theory_bubble: t_F = t_B (= t_W), the split backward's B and W even)
     sends  = 2 (m v + p - 1) x bytes(h) / bandwidth of pp: the messages on the critical path
              (the fill and drain's p - 1 hops, and each micro-batch chunk's hop in and out)
 """
@@ -17,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List
 
-from minipar.pipeline_parallel.schedules import check_schedule
+from minipar.pipeline_parallel.schedules import check_schedule, theory_bubble
 
 from . import inputs as inputs_mod
 from . import model as pm
 from . import time_model as tm
-from .estimate import DP_GROUPS, cp_seconds, crosses_nodes, dp_fill_seconds, group_seconds, mfu
+from .estimate import crosses_nodes, group_seconds, mfu
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .overlap import step_seconds
 from .pipeline_stage import Pipeline, message_bytes, plan_stage, stage_units, stages
 
 
@@ -38,8 +41,7 @@ def check(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batch) -> Li
 
 
 def bubble(pipe: Pipeline, m: int) -> float:
-    v = pipe.virtual_stages if pipe.schedule == "interleaved_1f1b" else 1
-    return (pipe.pp - 1) / (v * m + pipe.pp - 1)
+    return theory_bubble(pipe.schedule, pipe.pp, m, pipe.virtual_stages)
 
 
 def critical_sends(pipe: Pipeline, m: int) -> int:
@@ -61,8 +63,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     cross["pp"] = any(len({(w + k * W) // g for k in range(pipe.pp)}) > 1 for w in range(W))
     sizes = dict(layout.sizes(), pp=pipe.pp)
     tokens = batch.global_batch_size * batch.sequence_len
-    attn = 6 * model.num_attention_heads * model.head_dim * batch.sequence_len     # per token, layer
-    full = pm.flops(model, layout, batch, opts)["model"]
+    fl = pm.flops(model, layout, batch, opts)
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
     out = []
     for st in stages(model, pipe):
@@ -74,16 +75,14 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
             wire = nbytes if op == "send" else pm.wire_bytes(op, sizes[group], nbytes)   # p2p: as is
             gr["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
             gr["wire_bytes"] += wire
-        sec = group_seconds(groups, cluster)
-        L = st.num_layers
-        attention_flops = L * attn * tokens / W * (1 + pm.recompute_shares(model, opts)[0] / 3)
-        parts = tm.compute_seconds(model, layout, batch, opts, cluster, L, st.last, attention_flops,
+        group_seconds(groups, cluster)
+        parts = tm.compute_seconds(model, layout, batch, opts, cluster, st.num_layers, st.last,
                                    p["memory"]["param_elements"])
-        compute, attention = parts["compute_s"], parts["attention_s"]
-        dp = sum(sec.get(k, 0.0) for k in DP_GROUPS)
-        ring, a2a = cp_seconds(sec)          # estimate.py: ring hops hidden, all-to-alls not
-        exposed_dp = max(0.0, dp - compute) + dp_fill_seconds(groups, cluster) if opts.prefetch > 0 else dp
-        work = compute + sec.get("tp", 0.0) + a2a + max(0.0, ring - attention) + exposed_dp
+        # pipeline_step.py reduces once per step (no_sync until the rank's last backward), and every
+        # micro-batch regathers the stage's layers: overlap.py's per-layer sum over the stage
+        layer_units = [u for u in stage_units(model, layout, st) if u.kind == "layer"]
+        t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts, layer_units,
+                         st.num_layers, 1)
         n = batch.micro(layout) * batch.sequence_len // layout.cp
         transient = n * model.vocab_size // layout.tp * (e + 4) if st.last else 0
         if layout.sharded:
@@ -93,8 +92,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
         p.update(memory=dict(mem, activations=acts, transient=transient, total=total, budget=budget,
                              fits=total <= budget),
-                 comm=groups, time=dict(parts, tp_s=sec.get("tp", 0.0), cp_s=ring,
-                                        all_to_all_s=a2a, dp_s=dp, work_s=work))
+                 comm=groups, time=dict(parts, **t))
         out.append(p)
     bub = bubble(pipe, M)
     bw = (cluster.inter_gbps if cross["pp"] else cluster.intra_gbps) * 1e9
@@ -104,8 +102,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     step = slowest["time"]["work_s"] / (1 - bub) + pp_s
     worst = max(out, key=lambda p: p["memory"]["total"])
     t = dict(slowest["time"], step_s=step, bubble=bub, pp_s=pp_s, slowest_stage=slowest["rank"],
-             tokens_per_s=tokens / step, model_flops=full,
-             **mfu(full, pm.flops(model, layout, batch, opts)["attention_model"], step, world, cluster))
+             tokens_per_s=tokens / step, model_flops=fl["model"], **mfu(fl, step, world, cluster))
     return dict(layout=dict(dataclasses.asdict(layout), pp=pipe.pp), pipeline=dataclasses.asdict(pipe),
                 layout_str=f"{pipe} x {layout}", world=world, nodes=-(-world // g), micro_steps=M,
                 batch=dataclasses.asdict(batch), micro_batch=batch.micro(layout),

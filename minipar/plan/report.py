@@ -31,6 +31,9 @@ def describe(p: dict, model: ModelShape) -> str:
              f"prefetch {o['prefetch']}, activation checkpointing "
              f"{_ac(o)}",
              ""]
+    if o.get("lora_r"):     # memory and collectives count LoRA; the FLOPs do not
+        lines[-1:] = [f"LoRA r={o['lora_r']} on {', '.join(o['lora_targets'])}: memory and communication "
+                      f"count the frozen base and the adapters; compute is a full fine-tune's", ""]
     unit, size = _unit(m["total"])
     lines.append(f"memory per rank ({unit})")
     sharded = p["layout"]["dp_shard"] * p["layout"]["cp"] > 1        # ZeRO-3 over dp_shard_cp
@@ -68,10 +71,14 @@ def describe(p: dict, model: ModelShape) -> str:
             lines.append(f"{head}{op:<16}{c['calls']:>7}{nbytes:12.3f}{wire:10.3f}{sec}")
     a2a = f" + all-to-all {t['all_to_all_s']:.3g}" if t.get("all_to_all_s") else ""   # Ulysses: exposed
     lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
-              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g}{a2a} + what cp ({t['cp_s']:.3g}) and dp "
-              f"({t['dp_s']:.3g}) "
-              f"do not hide; {t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
+              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g}{a2a} + {_hidden(t)}; "
+              f"{t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
     return "\n".join(lines)
+
+
+def _hidden(t: dict) -> str:
+    return (f"what the layers' compute does not hide (minipar/plan/overlap.py) of cp {t['cp_s']:.3g} "
+            f"({t['cp_exposed_s']:.3g}) and dp {t['dp_s']:.3g} ({t['dp_exposed_s']:.3g})")
 
 
 def _mfu(t: dict) -> str:

@@ -2,6 +2,8 @@
 
 One efficiency for every FLOP made the planner 1.3-2x too optimistic against published H100 runs: a
 step is not only large matmuls. This model prices each kind of work on one rank by what limits it.
+Every constant is a Cluster field and a flag of `python -m minipar.plan` (estimate.py's Cluster
+names the defaults and where each comes from).
 
 GEMMs. Every Linear of a decoder layer (per rank, per micro-batch; m = micro-batch x seq / cp rows,
 the tp rank's slice of the columns; hd the head dim, F the intermediate size, V the vocabulary):
@@ -11,41 +13,68 @@ the tp rank's slice of the columns; hd the head dim, F the intermediate size, V 
     lm_head (m, d) x (d, V / tp)  (last stage only)
 
 each timed on a roofline, t = max(2 m k n / (peak x gemm_efficiency), (m k + k n + m n) x e / hbm):
-large GEMMs run at `--efficiency` of peak (cuBLAS reaches 0.6-0.8 of the dense bf16 peak on H100 at
-the sizes of an 8B layer), and a GEMM whose per-rank slice is thin (large tp, short micro-batches)
-becomes bound by the bytes it reads, which is why heavy TP runs slower per FLOP. The backward is two
-GEMMs of the forward's size (dX and dW), 2x its time; checkpointing runs the forward again.
+large GEMMs run at `--efficiency` of peak, and a GEMM whose per-rank slice is thin (large tp, short
+micro-batches) becomes bound by the bytes it reads, which is why heavy TP runs slower per FLOP. The
+backward is two GEMMs of the forward's size (dX and dW), 2x its time; checkpointing runs the
+forward again: all of it (full), only the memory-bound ops (selective per op: the matmul and attention
+outputs are kept), or every n-th layer's (model.py's recompute_shares).
 
-Attention (FlashAttention-style, causal): its FLOPs (model.py's flops, causal half) at
-`--attention-efficiency` of peak (0.5: FlashAttention-2/3's published H100 throughput is 50-75 % of
-peak forward and less backward).
+Attention (FlashAttention-style, causal): per layer and micro-batch the forward does
+2 b (s / cp) s (Hq / tp) hd FLOPs (QK^T and PV, half the score matrix), the backward twice that,
+all at `--attention-efficiency` of peak (the backward's own recompute of the scores is in that
+fraction, as it is in FlashAttention's published throughput).
 
-Memory-bound work, bytes read + written per token of one layer forward (activation dtype e; under
-SP the norms and residual adds see m / tp tokens, without SP every tp rank repeats them):
+Memory-bound work: the bytes read + written by the eager kernels of minipar's decoder
+(models/llama.py, models/rope.py, tensor_parallel/vocab_parallel_loss.py), per element, activation
+dtype e; under SP the norms and residual adds see m / tp tokens, without SP every tp rank repeats them:
 
-    RMSNorm x2      2 x 2 d e               residual adds x2   2 x 3 d e
-    RoPE            2 (Hq + Hkv) hd / tp x e                SwiGLU     3 F / tp x e
-    backward 2x the forward; the loss: logits (m, V / tp) written in e, softmax in fp32, read back
-    and its gradient written: (2 e + 12) bytes per logit
-    optimizer       AdamW reads p, g, m, v and writes p, m, v (fp32): 28 B per local parameter
-                    element, + 4 (the clip's norm) + 6 under bf16 (the cast of the master to compute)
+    RMSNorm x2     (28 + 4 e) d     to fp32 (e + 4), pow (8), mean (4), x * rsqrt (8), to e (4 + e),
+                                    x weight (2 e)
+    residual x2    3 e d            read two, write one
+    RoPE, q and k  12 e hd per head  x cos (3 e), -x2 and cat (2 e), x sin (3 e), the sum (3 e) and the
+                                    half-rotation's reads (e)
+    GQA repeat     2 e (Hq + Hkv) hd / tp   K/V repeated to the query heads (no cp, Hq != Hkv)
+    attention out  2 e Hq hd / tp   the transpose back to (b, s, heads x hd), a copy
+    SwiGLU         5 e F / tp       silu(gate) (2 e), x up (3 e)
+    backward 2x the forward; the loss (48 + 2 e) bytes per logit of (m, V / tp): to fp32 (e + 4), max
+    (4), subtract (8), exp (8), sum (4), divide (8); backward multiply (8) and back to e (4 + e)
+    optimizer      AdamW reads p, g, m, v and writes p, m, v (fp32): 28 B per local parameter
+                   element, + 4 (the clip's norm) + 6 under bf16 (the cast of the master to compute)
 
-all at `--hbm-bandwidth` (H100 SXM: 3.35 TB/s HBM3, NVIDIA's data sheet).
+A fused implementation (torch.compile, Transformer Engine) moves fewer bytes: there this part is
+an upper bound. all at `--hbm-bandwidth`.
 
-Collectives (estimate.py adds the wire bytes / bandwidth): a latency of `steps x alpha` per call,
-steps = p - 1 for all-gather, reduce-scatter and all-to-all, 2 (p - 1) for all-reduce, 1 for a send,
-alpha `--intra-latency-us` (1 us per hop over NVLink) or `--inter-latency-us` (5 us over IB), the
-order of nccl-tests' small-message times. Nothing here communicates or touches a tensor.
+Collectives: wire bytes (model.py's wire_bytes: the ring algorithms' (p - 1) / p factors) over the
+group's bandwidth (`--intra-bw` inside a node, `--inter-bw` across), plus a latency of `hops x alpha`
+per call: hops = p - 1 for all-gather, reduce-scatter and all-to-all, 2 (p - 1) for all-reduce, 1 for
+a point-to-point message, alpha `--intra-latency-us` or `--inter-latency-us`. What of it hides behind
+compute is overlap.py's. Nothing here communicates or touches a tensor.
 """
 from __future__ import annotations
 
 from typing import Dict
 
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
-from .model import recompute_shares
+from .model import recompute_shares, wire_bytes
 
 HOPS = {"all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1, "all_to_all": lambda p: p - 1,
         "all_reduce": lambda p: 2 * (p - 1), "send": lambda p: 1, "send_recv": lambda p: 1}
+
+
+def latency_seconds(op: str, group_size: int, calls: int, crosses_nodes: bool, cluster) -> float:
+    """The fixed cost of `calls` collectives: hops x per-hop latency at the group's placement."""
+    alpha = (cluster.inter_latency_us if crosses_nodes else cluster.intra_latency_us) * 1e-6
+    return calls * HOPS[op](group_size) * alpha
+
+
+def collective_seconds(op: str, group_size: int, nbytes: float, crosses_nodes: bool, cluster,
+                       calls: int = 1) -> float:
+    """`calls` collectives of `nbytes` buffer bytes in all: wire bytes / bandwidth + latency."""
+    if group_size <= 1 or not calls:
+        return 0.0
+    bw = (cluster.inter_gbps if crosses_nodes else cluster.intra_gbps) * 1e9
+    wire = nbytes if op == "send" else wire_bytes(op, group_size, nbytes)
+    return wire / bw + latency_seconds(op, group_size, calls, crosses_nodes, cluster)
 
 
 def gemm_seconds(m: float, k: float, n: float, e: int, cluster) -> float:
@@ -56,38 +85,44 @@ def gemm_seconds(m: float, k: float, n: float, e: int, cluster) -> float:
 
 
 def layer_gemms(model: ModelShape, layout: Layout, rows: float):
+    """(m, k, n) of the four GEMMs of one decoder layer's forward on one rank."""
     d, hd, tp = model.hidden_size, model.head_dim, layout.tp
     q, kv, f = model.num_attention_heads * hd, model.num_key_value_heads * hd, model.intermediate_size
     return [(rows, d, (q + 2 * kv) / tp), (rows, q / tp, d), (rows, d, 2 * f / tp), (rows, f / tp, d)]
 
 
 def compute_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster, layers: int,
-                    last: bool, attention_flops: float, local_elements: float) -> Dict[str, float]:
-    """The compute of one rank's step, by kind: gemm, attention, memory-bound, optimizer (seconds)."""
+                    last: bool, local_elements: float) -> Dict[str, float]:
+    """The compute of one rank's step through `layers` decoder layers (+ lm_head and the loss when
+    `last`) and its optimizer step over `local_elements` parameters, by kind (seconds), and one
+    layer's forward, backward and forward attention for one micro-batch (what overlap.py hides
+    communication behind)."""
     e = DTYPE_BYTES[opts.dtype]
     M = batch.micro_steps(layout)
-    rows = batch.micro(layout) * batch.sequence_len / layout.cp
-    again, again_cheap = recompute_shares(model, opts)          # the share of the forward run again
-    passes = 3 + again                                          # forward, 2x backward, recompute
-    layer = sum(gemm_seconds(m, k, n, e, cluster) for m, k, n in layer_gemms(model, layout, rows))
-    gemm = M * layers * passes * layer
+    b, s, tp = batch.micro(layout), batch.sequence_len, layout.tp
+    rows = b * s / layout.cp
+    hbm, peak = cluster.hbm_gbps * 1e9, cluster.peak_tflops * 1e12
+    gemm_f = sum(gemm_seconds(m, k, n, e, cluster) for m, k, n in layer_gemms(model, layout, rows))
+    attn_flops = 2 * rows * s * model.num_attention_heads / tp * model.head_dim    # causal: half of 4 m s H D
+    attn_f = attn_flops / (peak * cluster.attention_efficiency)
+    d, hd, H, K = model.hidden_size, model.head_dim, model.num_attention_heads, model.num_key_value_heads
+    norm_rows = rows / tp if layout.sp else rows
+    per_token = 12 * e * (H + K) * hd + 5 * e * model.intermediate_size + 2 * e * H * hd
+    if layout.cp == 1 and H != K:
+        per_token += 2 * e * (H + K) * hd
+    mem_f = (norm_rows * 2 * (28 + 4 * e + 3 * e) * d + rows * per_token / tp) / hbm
+    forward = gemm_f + attn_f + mem_f
+    # the share of the forward run again in backward: of the matmuls and attention, of the cheap ops
+    # (full checkpointing 1 and 1; selective per op 0 and 1; every n-th layer its share of layers)
+    again, again_cheap = recompute_shares(model, opts)
+    heavy, cheap = 3 + again, 3 + again_cheap               # forward, 2x backward, the recompute
+    gemm, attention = M * layers * heavy * gemm_f, M * layers * heavy * attn_f
+    memory_bound = M * layers * cheap * mem_f
     if last:
-        gemm += M * 3 * gemm_seconds(rows, model.hidden_size, model.vocab_size / layout.tp, e, cluster)
-    attention = attention_flops / (cluster.peak_tflops * 1e12 * cluster.attention_efficiency)
-    d, hd, tp = model.hidden_size, model.head_dim, layout.tp
-    norm_rows = rows / tp if layout.sequence_parallel else rows
-    rope = 2 * (model.num_attention_heads + model.num_key_value_heads) * hd
-    per_layer = (norm_rows * (2 * 2 * d + 2 * 3 * d) + rows * (rope + 3 * model.intermediate_size) / tp) * e
-    hbm = cluster.hbm_gbps * 1e9
-    memory_bound = M * layers * per_layer * (3 + again_cheap) / hbm
-    if last:
-        memory_bound += M * rows * model.vocab_size / tp * (2 * e + 12) / hbm
+        gemm += M * 3 * gemm_seconds(rows, d, model.vocab_size / tp, e, cluster)
+        memory_bound += M * rows * model.vocab_size / tp * (48 + 2 * e) / hbm
     optimizer = local_elements * (32 + (6 if e == 2 else 0)) / hbm
     return dict(gemm_s=gemm, attention_s=attention, memory_bound_s=memory_bound, optimizer_s=optimizer,
-                compute_s=gemm + attention + memory_bound + optimizer)
-
-
-def latency_seconds(op: str, group_size: int, calls: int, crosses_nodes: bool, cluster) -> float:
-    """The fixed cost of `calls` collectives: hops x per-hop latency at the group's placement."""
-    alpha = (cluster.inter_latency_us if crosses_nodes else cluster.intra_latency_us) * 1e-6
-    return calls * HOPS.get(op, lambda p: p - 1)(group_size) * alpha
+                compute_s=gemm + attention + memory_bound + optimizer, layer_forward_s=forward,
+                layer_backward_s=(heavy - 1) * (gemm_f + attn_f) + (cheap - 1) * mem_f,
+                layer_attention_s=attn_f)

@@ -82,6 +82,11 @@ class Trainer:
                      device=self.device)
             if cfg.lora_model_dir:               # checked against the model by check.py already
                 load_adapters(model, cfg.lora_model_dir, pgm.tp)
+            n_lora = sum(math.prod(p.tp_full_shape) for p in lora_parameters(model))
+            self.log(f"LoRA r={cfg.lora_r}, alpha={cfg.lora_alpha:g} on {', '.join(self.lora_targets)}: "
+                     f"{n_lora / 1e6:.2f} M trainable parameters ({100 * n_lora / self.n_params:.2f} % of "
+                     f"{self.n_params / 1e6:.1f} M), the base frozen"
+                     + (f"; adapters from {cfg.lora_model_dir}" if cfg.lora_model_dir else ""))
         if cfg.gradient_checkpointing:            # true: full; selective: per op, or every n-th layer
             model.gradient_checkpointing_enable("full" if cfg.gradient_checkpointing is True else
                                                 cfg.gradient_checkpointing, cfg.selective_ac_option)

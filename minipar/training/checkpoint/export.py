@@ -10,6 +10,10 @@ the full tensors are rebuilt by HF name (save_load.py does the resharding), and
 `transformers.LlamaForCausalLM.from_pretrained` loads. Training runs export at the end by
 themselves (`export_hf: true`); this is the same, on request, for any saved step.
 
+A LoRA checkpoint (`adapter: lora`) holds the adapters only: the base is rebuilt from the run's
+base_model (or its seed), the adapters loaded, and the MERGED model written, W0 + (alpha / r) B A,
+which transformers loads alone (what `merge_lora: true` writes at the end of a run).
+
 The tokenizer beside it: --tokenizer DIR copies that directory's tokenizer files; without it, the
 run's own (the checkpoint's saved config: tokenizer_config, else base_model), and for a byte-level
 run (neither set) the byte tokenizer that `AutoTokenizer.from_pretrained(hf_dir)` loads
@@ -18,7 +22,10 @@ run (neither set) the byte tokenizer that `AutoTokenizer.from_pretrained(hf_dir)
 from __future__ import annotations
 
 import argparse
+import os
 
+from minipar.lora import add_lora, check_targets, lora_targets, merge
+from minipar.training.checkpoint import files as ck_files
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.checkpoint.verify import read_manifest
 from minipar.training.data.tokenizer import save_byte_tokenizer
@@ -27,14 +34,37 @@ from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 
 
+def _lora_base(run: dict, config: LlamaConfig):
+    """The frozen base a LoRA checkpoint was trained on (it holds the adapters only): base_model's
+    weights, or the run's seeded initialisation; with the run's adapters added, still at their init."""
+    if run.get("base_model"):
+        model = LlamaForCausalLM.from_pretrained(run["base_model"])
+    else:
+        model = LlamaForCausalLM(config, seed=run["seed"])
+    targets = check_targets(run.get("lora_target_modules"), run.get("lora_target_linear"),
+                            lora_targets(model))
+    add_lora(model, targets, run["lora_r"], run["lora_alpha"])
+    return model
+
+
 def export_checkpoint(checkpoint_dir: str, hf_dir: str, tokenizer: str = None) -> str:
     manifest = read_manifest(checkpoint_dir)     # refuses a partial or foreign directory, naming it
     config = manifest.get("model_config")
     if not config:
         raise ValueError(f"{checkpoint_dir}: the manifest has no model_config, cannot rebuild the model")
-    model = LlamaForCausalLM(LlamaConfig.from_dict(config))
+    state = ck_files.load(os.path.join(checkpoint_dir, ckpt.TRAINER_STATE))
+    run = (state.get("extra") or {}).get("config") or {}     # the run's config, as train.py saved it
+    lora = run.get("adapter") == "lora"
+    config = LlamaConfig.from_dict(config)
+    model = _lora_base(run, config) if lora else LlamaForCausalLM(config)
     extra = ckpt.load_checkpoint(checkpoint_dir, model, None, model.pgm)   # verifies sizes and checksums
-    save_pretrained(model, hf_dir)
+    if lora:                                     # merged: W0 + (alpha / r) B A, a plain model
+        full = model.full_state_dict()
+        adapters = {n: t for n, t in full.items() if ".lora." in n}
+        base = {n: t for n, t in full.items() if ".lora." not in n}
+        save_pretrained(model, hf_dir, merge(base, adapters, run["lora_alpha"] / run["lora_r"]))
+    else:
+        save_pretrained(model, hf_dir)
     saved = (extra or {}).get("config") or {}   # the run's config, as train.py saved it
     tokenizer = tokenizer or saved.get("tokenizer_config") or saved.get("base_model")
     if tokenizer:                                # e.g. the base_model the run fine-tuned

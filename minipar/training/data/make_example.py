@@ -6,6 +6,11 @@ README's "Fine-tune a Hugging Face model".
                             (random weights, as `save_pretrained` shards them), and the tokenizer
       then: torchrun --nproc-per-node 8 train.py configs/finetune.yaml
 
+    python -m minipar.training.data.make_example out/example_moe --model mixtral    (or qwen3_moe)
+      the same with a small mixture of experts, its experts one tensor each as on the Hub
+      (model.layers.0.block_sparse_moe.experts.3.w1.weight, ...; models/hf_names.py)
+      then: torchrun --nproc-per-node 8 train.py configs/finetune_moe.yaml
+
 The checkpoint is written tensor by tensor with safetensors (no transformers model is built, so a
 checkpoint of any size can be made in the memory of one shard file): the HF names and full shapes
 come from minipar's own Llama built on the meta device, the values from the same seeded
@@ -24,6 +29,7 @@ import torch
 
 from minipar.training.checkpoint.save_load import copy_tokenizer
 from minipar.training.data import example_data
+from models.hf_names import hub_shapes, stacked_expert
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 from models.llama_init import SeededInit
@@ -34,6 +40,14 @@ EXAMPLE = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidd
                rope_theta=500000.0,
                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=256))
+# small mixtures of experts (about 14 M parameters, 5 M active per token): 8 experts, top-2
+MOE = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+           num_key_value_heads=4, max_position_embeddings=2048, rope_theta=1000000.0, num_local_experts=8,
+           num_experts_per_tok=2, router_aux_loss_coef=0.001)
+EXAMPLES = {"llama": EXAMPLE,
+            "mixtral": dict(MOE, model_type="mixtral", intermediate_size=512),
+            "qwen3_moe": dict(MOE, model_type="qwen3_moe", head_dim=32, intermediate_size=768,
+                              moe_intermediate_size=512, norm_topk_prob=True, rms_norm_eps=1e-6)}
 
 
 def write_checkpoint(directory: str, config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
@@ -43,7 +57,23 @@ def write_checkpoint(directory: str, config: LlamaConfig, seed: int = 0, dtype: 
     from safetensors.torch import save_file
     model = LlamaForCausalLM(config, device="meta")
     init = SeededInit(model, seed)
-    names = [(n, tuple(p.tp_full_shape)) for n, p in model.named_parameters()]   # tied weights once
+    # the Hub's tensors (an MoE's experts one each), each with minipar's parameter and expert index
+    names, source = [], {}
+    for n, p in model.named_parameters():        # tied weights once
+        parts = hub_shapes(n, tuple(p.tp_full_shape), config.model_type)
+        for j, (hub, shape) in enumerate(parts):
+            names.append((hub, shape))
+            source[hub] = (n, j if stacked_expert(n) else None)
+    drawn = {}
+
+    def full(hub):                               # a stacked expert weight is drawn once, then cut
+        name, j = source[hub]
+        if j is None:
+            return init.full(name)
+        if name not in drawn:
+            drawn.clear()
+            drawn[name] = init.full(name)
+        return drawn[name][j]
     groups, size = [[]], 0
     for name, shape in names:                    # consecutive tensors, cut at max_shard_bytes
         nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
@@ -56,7 +86,7 @@ def write_checkpoint(directory: str, config: LlamaConfig, seed: int = 0, dtype: 
     weight_map, n = {}, len(groups)
     for k, group in enumerate(groups, 1):
         fname = "model.safetensors" if n == 1 else f"model-{k:05d}-of-{n:05d}.safetensors"
-        tensors = {name: init.full(name).to(dtype).contiguous() for name in group}
+        tensors = {name: full(name).to(dtype).contiguous() for name in group}
         save_file(tensors, os.path.join(directory, fname + ".tmp"), metadata={"format": "pt"})
         os.replace(os.path.join(directory, fname + ".tmp"), os.path.join(directory, fname))
         weight_map.update(dict.fromkeys(group, fname))
@@ -75,11 +105,12 @@ def write_checkpoint(directory: str, config: LlamaConfig, seed: int = 0, dtype: 
 
 
 def make_example(directory: str, seed: int = 0, num_conversations: int = 2000,
-                 tokenizer_chars: Optional[int] = None) -> dict:
-    """out/model (checkpoint + tokenizer, as on the Hub) and out/data (the chat rows)."""
+                 tokenizer_chars: Optional[int] = None, model: str = "llama") -> dict:
+    """out/model (checkpoint + tokenizer, as on the Hub) and out/data (the chat rows); model: a key
+    of EXAMPLES (llama, mixtral, qwen3_moe)."""
     model_dir = os.path.join(directory, "model")
     paths = dict(model=model_dir)
-    config = LlamaConfig(**EXAMPLE)
+    config = LlamaConfig(**EXAMPLES[model])
     paths.update(example_data.make_example(directory, num_conversations=num_conversations,
                                            vocab_size=config.vocab_size, seed=seed,
                                            tokenizer_chars=tokenizer_chars))
@@ -92,10 +123,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", nargs="?", default="out/example")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=sorted(EXAMPLES), default="llama",
+                        help="a small Llama (default) or mixture of experts")
     args = parser.parse_args(argv)
-    for what, path in make_example(args.directory, args.seed).items():
+    for what, path in make_example(args.directory, args.seed, model=args.model).items():
         print(f"{what:>10}: {path}")
-    print("next: torchrun --nproc-per-node 8 train.py configs/finetune.yaml")
+    config = "finetune.yaml" if args.model == "llama" else "finetune_moe.yaml"
+    print(f"next: torchrun --nproc-per-node 8 train.py configs/{config}")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ per rank): the peak resident memory per rank grew by 41 to 56 MiB per decoder la
 tensors alive at once grow by 22 (the parameter and AdamW shards, one micro-batch's activations).
 Fixing the threshold at 128 KiB (mallopt(M_MMAP_THRESHOLD), which also turns the dynamic rule off)
 keeps every tensor of 128 KiB or more in its own mapping, returned when freed; the growth falls to
-what the tensors need (19 to 22 MiB per layer from 15 layers on). The cost is a page fault per 4 KiB page of each new large tensor (the kernel
-hands out zeroed pages), a few milliseconds per layer and step against a CPU layer's ~100 ms.
+what the tensors need (19 to 22 MiB per layer from 15 layers on). The cost is a page fault per
+4 KiB page of each new large tensor (the kernel hands out zeroed pages), a few milliseconds per
+layer and step against a CPU layer's ~100 ms.
 
 MINIPAR_GLIBC_MALLOC=1 in the environment leaves glibc's malloc as it is (benchmarks/bench_memory.py
 compares both). A GPU run is not affected (torch's CUDA caching allocator serves its tensors; the

@@ -65,6 +65,8 @@ def test_mixtral_8x7b_parameters_and_placement():
     assert p["comm"]["ep"]["crosses_nodes"] is False and p["comm"]["edp"]["crosses_nodes"] is True
     assert crosses_nodes(Layout(dp_shard=16, ep=16), 8)["ep"] is True
     assert p["time"]["moe_s"] > 0
+    # top-2 experts as wide as the dense MLP time_model.py priced: about one more MLP's matmuls a layer
+    assert 0 < p["time"]["moe_matmul_s"] < p["time"]["compute_s"]
     # balanced token exchange: 4 calls a layer, n k d e bytes each (bf16, 4096 tokens, top-2)
     calls, nbytes = p["comm"]["ep"]["ops"]["all_to_all_uneven"]["calls"], \
         p["comm"]["ep"]["ops"]["all_to_all_uneven"]["bytes"]

@@ -48,7 +48,7 @@ from . import model as pm
 from . import time_model as tm
 from .inputs import Batch, Layout, ModelShape, Options
 from .moe import crosses_nodes as moe_crosses_nodes
-from .moe import exposed_seconds, summary
+from .moe import exposed_seconds, matmul_seconds, summary
 from .overlap import step_seconds
 
 # the axes of the grid (R, S, C / u, u, T) that each group spans
@@ -129,7 +129,10 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     step = t.pop("work_s")
     if model.is_moe:                 # the token exchanges wait for nothing to hide behind (moe.py)
         t["moe_s"] = exposed_seconds(groups)
-        step += t["moe_s"]
+        gemm = lambda m, k, n: tm.gemm_seconds(m, k, n, inputs_mod.DTYPE_BYTES[opts.dtype], cluster)
+        again = pm.recompute_shares(model, opts)[0]
+        t["moe_matmul_s"] = matmul_seconds(model, layout, batch, opts, gemm, again)
+        step += t["moe_s"] + t["moe_matmul_s"]
     e = inputs_mod.DTYPE_BYTES[opts.dtype]
     n = batch.micro(layout) * batch.sequence_len // layout.cp
     transient = n * model.vocab_size // layout.tp * (e + 4)

@@ -19,6 +19,8 @@ Communication, per MoE layer and micro-batch (ledger op, group: comm.py's conven
                                   exchanges): 4 calls (+ 2 when recomputed); the ledger counts each
                                   call's whole input, N or M rows of d x e bytes
     ("all_gather", "edp")         the experts' unit, twice (once without reshard_after_forward)
+    tp                            no f / g around the feed-forward (model.py: L + 1 pairs, not 2 L + 1);
+                                  under SP the router's and each expert tensor's gradient summed
     ("reduce_scatter", "edp")     its fp32 gradient; HSDP adds its shard's all-reduce over dp_replicate
     aux loss                      (2 L_moe E + 1) fp32 over tp (under SP) and over cp, per micro-batch
     metrics                       (L_moe E + 2) fp64 over dp_cp once a step (moe_metrics.py)
@@ -88,8 +90,11 @@ def collectives(add, model, layout, batch, opts, recomputed: int) -> None:
     add("all_to_all", "ep", passes, 8 * E)
     add("all_to_all_uneven", "ep", 2 * passes + 2 * L, copies(model, layout, batch) * model.hidden_size * e)
     aux = 4 * (2 * L * E + 1)
-    if layout.sp:
+    if layout.sp:                    # the router and experts saw n / T tokens: their gradients summed
         add("all_reduce", "tp", 1, aux)
+        pe = e if layout.sharded else 4                   # (in the gathered dtype under ZeRO-3)
+        add("all_reduce", "tp", L, E * model.hidden_size * pe)
+        add("all_reduce", "tp", 3 * L, E // layout.ep * model.moe_intermediate_size * model.hidden_size * pe)
     add("all_reduce", "cp", 1, aux)
 
 

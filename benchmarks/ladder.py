@@ -1,7 +1,7 @@
 """The ladder, measured: for each technique, its rungs from the textbook version to the optimised
 one (docs/ladder.md), each a config value, each a full training step of the same Llama.
 
-    python benchmarks/ladder.py [--rounds 2] [--steps 3] [--only dp,zero3,tp,cp,cp_impl,ep]
+    python benchmarks/ladder.py [--rounds 2] [--steps 3] [--only dp,zero3,tp,cp,cp_impl,ep,pp]
 
     technique  world            rungs (config values)
     DP         dp_replicate 2   ddp: naive -> bucketed
@@ -13,6 +13,8 @@ one (docs/ladder.md), each a config value, each a full training step of the same
     EP         dp_shard 2       expert_parallel_size: 1 -> 2, a Mixtral-style MoE (8 experts, top-2):
                                 every rank runs all experts on its own tokens (ZeRO-3 gathers them all),
                                 or holds half and exchanges tokens (expert_parallel/dispatch.py)
+    PP         pp 2, m 4        pipeline_schedule: 1f1b -> interleaved_1f1b -> zb_h1 -> zbv (one step
+                                run by pipeline_parallel/executor.py over 4 micro-batches of 1 sequence)
 
 What one measurement is: a fresh gloo world of forked ranks (tests/harness.py, one torch thread
 each) builds the model, takes one warm-up step, then --steps timed steps (forward, backward,
@@ -97,6 +99,12 @@ LADDER = {
     "ep": ("Expert parallelism (dp_shard 2, 8 experts, top-2)", dict(dp_shard_size=2), MOE_MODEL, BATCH, [
         ("all experts", "expert_parallel_size: 1", dict(ep_size=1), ("zero3", dict(prefetch=1))),
         ("ep 2", "expert_parallel_size: 2", dict(ep_size=2), ("zero3", dict(prefetch=1)))]),
+    # a pipeline step (the rung's `wrap` names the schedule): 4 layers, so 2 per stage, 1 per chunk
+    "pp": ("Pipeline parallelism (pp 2, 4 micro-batches)", dict(pp_size=2), MODEL, BATCH, [
+        ("1f1b", "pipeline_schedule: 1f1b", {}, ("pp", "1f1b")),
+        ("interleaved", "pipeline_schedule: interleaved_1f1b", {}, ("pp", "interleaved_1f1b")),
+        ("zb_h1", "pipeline_schedule: zb_h1", {}, ("pp", "zb_h1")),
+        ("zbv", "pipeline_schedule: zbv", {}, ("pp", "zbv"))]),
 }
 
 
@@ -144,6 +152,19 @@ def _wrap(model, pgm, wrap):
     return (replicate_naive if value == "naive" else replicate)(model, pgm.dp_cp)
 
 
+def _pipeline_step(model, pgm, schedule, ids):
+    """A step's forwards and backwards through pipeline_parallel's executor: `model` is the stage,
+    every sequence of the global batch one micro-batch."""
+    from minipar.pipeline_parallel import arrival_order, run_schedule, schedule_order
+    v = model.num_chunks
+    micro = [dict(input_ids=ids[i:i + 1, :-1], labels=ids[i:i + 1, 1:],
+                  position_ids=torch.arange(ids.shape[1] - 1).unsqueeze(0)) for i in range(ids.shape[0])]
+    m = len(micro)
+    run_schedule(model, schedule_order(schedule, pgm.pp.size, m, pgm.pp.rank, v), pgm, micro,
+                 torch.tensor(ids[:, 1:].numel()), arrivals=arrival_order(schedule, pgm.pp.size, m, v,
+                                                                          pgm.pp.rank))
+
+
 def _rung(layout, extras, model_kw, batch, wrap, steps):
     """One rung on one rank: warm-up, then timed steps; returns this rank's numbers."""
     from minipar.training.data.batches import local_batch
@@ -155,22 +176,34 @@ def _rung(layout, extras, model_kw, batch, wrap, steps):
     # one step of a tiny model of the same layout first: torch's lazily loaded kernels, autograd's
     # threads and gloo's buffers are then in the baseline, not in the rung's peak
     tiny = dict(model_kw, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    pipelined = wrap is not None and wrap[0] == "pp"
+    if pipelined:                               # the tiny warm-up model: 2 layers a stage, 1F1B
+        tiny["num_hidden_layers"] = 2 * pgm.pp.size
     tiny_model = LlamaForCausalLM(LlamaConfig(**tiny, max_position_embeddings=batch["sequence_len"]), pgm,
                                   seed=0)
-    _wrap(tiny_model, pgm, wrap)
+    if pipelined:
+        from minipar.pipeline_parallel import build_stage
+        tiny_model = build_stage(tiny_model, pgm)
+    _wrap(tiny_model, pgm, None if pipelined else wrap)
     T0 = 8 * pgm.cp.size * pgm.tp.size
     t_ids = torch.zeros(pgm.dp.size, T0 + 1, dtype=torch.long)
     t_b = local_batch(t_ids[:, :-1], t_ids[:, 1:], pgm)
     tiny_opt = build_optimizer(tiny_model, lr=1e-3)
-    tiny_model(t_b["input_ids"], position_ids=t_b["position_ids"], labels=t_b["labels"],
-               num_items_in_batch=torch.tensor(t_ids.numel())).backward()
+    if pipelined:
+        _pipeline_step(tiny_model, pgm, "1f1b", torch.zeros(2 * pgm.pp.size, T0 + 1, dtype=torch.long))
+    else:
+        tiny_model(t_b["input_ids"], position_ids=t_b["position_ids"], labels=t_b["labels"],
+                   num_items_in_batch=torch.tensor(t_ids.numel())).backward()
     tiny_opt.step()
     del tiny_model, tiny_opt, t_b
     resettable = _reset_peak()
     base = _rss_kib("VmRSS")
     model = LlamaForCausalLM(LlamaConfig(**model_kw, max_position_embeddings=batch["sequence_len"]), pgm,
                              seed=0)
-    _wrap(model, pgm, wrap)
+    if pipelined:
+        from minipar.pipeline_parallel import build_stage
+        model = build_stage(model, pgm, 2 if wrap[1] in ("interleaved_1f1b", "zbv") else 1, None, wrap[1])
+    _wrap(model, pgm, None if pipelined else wrap)
     opt = build_optimizer(model, lr=1e-3)
     g = torch.Generator().manual_seed(0)
     B, T = batch["global_batch_size"], batch["sequence_len"]
@@ -183,9 +216,12 @@ def _rung(layout, extras, model_kw, batch, wrap, steps):
         comm.all_reduce(flag, pgm.world)                     # a barrier: every rank starts together
         t0, c0 = time.perf_counter(), time.process_time()
         with comm_ledger.ledger() as led:
-            loss = model(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
-                         num_items_in_batch=n)
-            loss.backward()
+            if pipelined:
+                _pipeline_step(model, pgm, wrap[1], ids)
+            else:
+                loss = model(b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
+                             num_items_in_batch=n)
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         if it:                                                # step 0 is the warm-up
@@ -261,8 +297,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all rungs (best kept)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per measurement (median kept)")
-    ap.add_argument("--only", default="dp,zero3,tp,cp,cp_impl,ep",
-                    help="comma-separated: dp, zero3, tp, cp, cp_impl, ep")
+    ap.add_argument("--only", default="dp,zero3,tp,cp,cp_impl,ep,pp",
+                    help="comma-separated: dp, zero3, tp, cp, cp_impl, ep, pp")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "ladder"))
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()]

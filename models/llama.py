@@ -54,7 +54,7 @@ from .hf_checkpoint import HFCheckpoint, save_pretrained  # HF's files: the read
 from .llama_config import LlamaConfig  # the shape, HF's config.json keys
 from .llama_init import SeededInit, local_from_source, materialize
 from .moe import MoEFeedForward
-from .moe_aux import add_aux_loss
+from .moe_aux import PipelineAux, add_aux_loss
 from .rope import apply_rotary, rotary_tables
 
 
@@ -237,6 +237,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight   # same (V/tp, d) rows on every layout
         self.gradient_checkpointing = False
         self.moe_metrics = None
+        # what a pipeline carries between stages for the load-balancing loss (None: nothing)
+        self.pipeline_aux = PipelineAux(config, self.pgm) \
+            if config.num_local_experts and config.router_aux_loss_coef > 0 else None
         if str(device) != "meta":
             self.init_weights(seed)
 

@@ -60,7 +60,7 @@ class LlamaConfig:
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
     moe_intermediate_size: Optional[int] = None   # qwen3_moe's expert width; Mixtral's is intermediate_size
-    norm_topk_prob: bool = True
+    norm_topk_prob: Optional[bool] = None         # None: the family's (Mixtral always, Qwen3-MoE false)
     router_aux_loss_coef: float = 0.001
     decoder_sparse_step: int = 1
     mlp_only_layers: List[int] = dataclasses.field(default_factory=list)
@@ -97,6 +97,8 @@ class LlamaConfig:
         if self.model_type in ("mixtral", "qwen3_moe"):
             if self.model_type == "mixtral":
                 self.norm_topk_prob = True          # Mixtral always renormalises the top-k weights
+            elif self.norm_topk_prob is None:
+                self.norm_topk_prob = False         # transformers' Qwen3MoeConfig default
             if self.moe_intermediate_size is None:
                 self.moe_intermediate_size = self.intermediate_size
             problems = []
@@ -147,8 +149,6 @@ class LlamaConfig:
             raise ValueError(f"model_type {kind!r}: minipar does not support " + "; ".join(unsupported))
         if "num_experts" in d and "num_local_experts" not in d:
             d["num_local_experts"] = d["num_experts"]          # Qwen3-MoE's name for E
-        if kind == "qwen3_moe":
-            d.setdefault("norm_topk_prob", False)              # transformers' Qwen3MoeConfig default
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         if "rope_theta" not in d and "rope_theta" in rope:
             d["rope_theta"] = rope["rope_theta"]

@@ -131,7 +131,6 @@ class MoEFeedForward(nn.Module):
         order = torch.argsort(flat, stable=True)            # by expert, then by token
         counts = torch.bincount(flat, minlength=E)
         self.router_stats = (counts.float(), probs.sum(dim=0), T)
-        keep = None
         if self.capacity_factor is not None:                # the first C copies of each expert stay
             cap = math.ceil(self.capacity_factor * T * self.top_k / E)
             start = torch.cumsum(counts, 0) - counts
@@ -142,5 +141,5 @@ class MoEFeedForward(nn.Module):
         local, local_counts, handle = dispatch(x[token], counts, self.ep)
         out = combine(self.experts(local, local_counts, self.tp, self.sp), handle)
         w = weights.reshape(-1)[order].to(out.dtype)
-        y = torch.zeros_like(x).index_add_(0, token, out * w[:, None])
+        y = torch.zeros_like(x).index_add_(0, token, (out * w[:, None]).to(x.dtype))   # autocast: bf16 out
         return y.view(b, s, d)

@@ -161,3 +161,19 @@ def test_bench_ep_quick(tmp_path):
     assert ep["calls"] == 5 and alone["sent"] == rows["one process"]["sent"] == 0
     assert 0.5 * ep["theory"] < ep["sent"] < 1.5 * ep["theory"]
     assert 2 * ep["expert_bytes"] == alone["expert_bytes"] == rows["one process"]["expert_bytes"]
+
+
+def test_bench_lora_quick(tmp_path):
+    """benchmarks/bench_lora.py in its quick mode: LoRA trains a few per cent of the elements, so its
+    gradients, AdamW states and checkpoint are that much smaller, it sends less (no reduce-scatter of
+    the base), and it still holds the whole frozen base shard; --quick never writes into results/."""
+    import bench_lora
+    assert bench_lora.main(["--quick", "--out", str(tmp_path / "lora")]) == 0
+    rows = {r["variant"]: r for r in json.load(open(tmp_path / "lora.json"))["rows"]}
+    full, lora = rows["full"], rows["lora"]
+    assert lora["trainable"] < full["trainable"] / 5
+    assert lora["optim_bytes"] == 2 * lora["grad_bytes"] and full["optim_bytes"] == 2 * full["grad_bytes"]
+    assert lora["grad_bytes"] < full["grad_bytes"] / 5 and lora["ckpt_bytes"] < full["ckpt_bytes"] / 5
+    assert lora["sent"] < full["sent"] and lora["held_bytes"] > full["held_bytes"]
+    with pytest.raises(SystemExit):
+        bench_lora.main(["--quick"])

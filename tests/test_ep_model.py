@@ -8,7 +8,7 @@ import torch
 from harness import run_world
 
 import minipar
-from minipar import ParallelismConfig, comm
+from minipar import ParallelismConfig, comm, comm_ledger
 from minipar.training.data.batches import local_batch
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
@@ -56,7 +56,11 @@ def _case(sizes, capacity, top_k=2):
     pgm = minipar.init(ParallelismConfig(**sizes))
     config, (ids, labels) = _config(capacity, top_k), _batch()
     model = _model(config, pgm, sharded=pgm.dp_shard_cp.size > 1)
-    loss, dropped = _step(model, pgm, ids, labels)
+    with comm_ledger.ledger() as led:
+        loss, dropped = _step(model, pgm, ids, labels)
+    # per MoE layer: the counts once, the tokens four times (dispatch, combine, and their backwards)
+    layers = config.num_hidden_layers
+    assert (led.count("all_to_all", "ep"), led.count("all_to_all_uneven", "ep")) == (layers, 4 * layers)
     dropped = torch.tensor([float(dropped)], dtype=torch.float64)
     comm.all_reduce(loss, pgm.dp_cp)
     if pgm.cp.size == 1:        # under cp the caps are a rank's own tokens' (models/moe.py)

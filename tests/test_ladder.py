@@ -1,10 +1,11 @@
 """The ladder (docs/ladder.md): every rung of every technique equals one process.
 
 Each rung is a config value (ddp, fsdp.prefetch, fsdp.reshard_after_forward, sequence_parallel,
-tp_async_overlap, cp_layout, cp_impl); here each is run on a small gloo world, in float64 so that the
-comparison is about the algorithm and not about the order of fp32 sums, and compared with one
-process on the same global batches: losses, the gradients of the first step, and the weights
-after a few AdamW steps. Rungs that change only the schedule must also send the same bytes.
+tp_async_overlap, cp_layout, cp_impl, pipeline_schedule); here each is run on a small gloo world,
+in float64 so that the comparison is about the algorithm and not about the order of fp32 sums, and
+compared with one process on the same global batches: losses, the gradients of the first step, and
+the weights after a few AdamW steps. Rungs that change only the schedule must also send the same
+bytes (the pipeline's: as many as their boundaries between ranks).
 """
 import pytest
 import torch
@@ -29,11 +30,11 @@ def _grads(model):
     return {n: gather_tensor(p.grad, p.tp_split_dim, model.pgm.tp) for n, p in model.named_parameters()}
 
 
-def _train(pgm, wrap=None, micro=1):
+def _train(pgm, wrap=None, micro=1, layers=CFG["num_hidden_layers"]):
     """A few AdamW steps of the tiny Llama in float64 on this rank's share of each global batch
     (training/data/batches.py local_batch: dp rows, micro-batches, the cp layout's chunks)."""
     pgm = pgm or ProcessGroupManager.local()
-    model = LlamaForCausalLM(LlamaConfig(**CFG), pgm, seed=0).double()
+    model = LlamaForCausalLM(LlamaConfig(**dict(CFG, num_hidden_layers=layers)), pgm, seed=0).double()
     if wrap is not None:
         wrap(model, pgm)
     sync = getattr(model, "grad_sync", None)
@@ -253,6 +254,52 @@ def test_cp_impl_ring_ulysses_and_usp_equal_one_process():
             assert calls == 8 * layers and nbytes == layers * 4 * B * L * d * 8 * (hq + f * hkv), (u, wire)
         # USP's ring runs over the 2 groups: 1 hop instead of the cp ring's 3, the same bytes per hop
         assert usp[("send_recv", "cp_ring")][1] * 3 == ring[("send_recv", "cp")][1]
+
+
+# ------------------------------------------------------------------------------------------ PP
+PP_RUNGS = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+
+
+def _pp_world():
+    """pp 2, 4 layers (one per chunk under the 2-chunk schedules), 4 micro-batches of tiny_batch's
+    8 rows: each schedule's losses, first gradients (gathered over the stages), weights, bytes."""
+    from minipar.pipeline_parallel import arrival_order, build_stage, run_schedule, schedule_order
+    from minipar.pipeline_parallel.stage import gather_over_stages
+    pgm, m, out = minipar.init(ParallelismConfig(pp_size=2)), 4, {}
+    for schedule in PP_RUNGS:
+        v = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
+        model = LlamaForCausalLM(LlamaConfig(**dict(CFG, num_hidden_layers=4)), pgm, seed=0).double()
+        stage = build_stage(model, pgm, v, None, schedule)
+        opt = build_optimizer(stage, lr=1e-2, weight_decay=0.1)
+        order = schedule_order(schedule, 2, m, pgm.pp.rank, v)
+        losses, grads = [], None
+        with comm_ledger.ledger() as led:
+            for step in range(STEPS):
+                ids, labels = tiny_batch(step)
+                micro = [local_batch(ids, labels, pgm, i, m) for i in range(m)]
+                loss = run_schedule(stage, order, pgm, micro, (labels != -100).sum(), act_dtype=torch.float64,
+                                    arrivals=arrival_order(schedule, 2, m, v, pgm.pp.rank))
+                if step == 0:
+                    grads = gather_over_stages({n: p.grad.clone() for n, p in stage.named_parameters()}, pgm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(comm.all_reduce(loss, pgm.pp).item())
+        out[schedule] = dict(losses=losses, grads=grads, params=stage.full_state_dict(),
+                             sent=led.total_bytes("send"))
+    return out
+
+
+def test_pp_schedule_rungs_equal_one_process():
+    """1F1B, interleaved, ZB-H1 and ZB-V on pp 2: one process's losses, gradients and weights; the
+    zero-bubble ones send 1F1B's bytes (ZB-H1) or twice them (ZB-V's two crossings each way),
+    interleaving three times (its ring of 3 boundaries)."""
+    want = _train(None, layers=4)
+    for got in run_world(_pp_world, 2, timeout=240):
+        for rung in PP_RUNGS:
+            _compare(got[rung], want)
+        sent = {rung: got[rung]["sent"] for rung in PP_RUNGS}
+        assert sent["zb_h1"] == sent["1f1b"] > 0 and sent["zbv"] == 2 * sent["1f1b"]
+        assert sent["interleaved_1f1b"] == 3 * sent["1f1b"]
 
 
 def test_bad_rung_values_are_clear_errors():

@@ -130,3 +130,25 @@ def test_tp_adapters_equal_one_process_in_fp64(sp):
         assert got["frozen_grads"] == []
         for n in ref["grads"]:             # column A and row B: summed over tp, not a partial sum
             torch.testing.assert_close(got["grads"][n], ref["grads"][n], atol=1e-10, rtol=1e-10, msg=n)
+
+
+@pytest.mark.parametrize("argv,messages", [
+    (["--adapter", "qlora", "--load_in_4bit", "true"],
+     ["adapter: qlora, load_in_4bit: true: quantised bases"]),
+    (["--load_in_8bit", "true"], ["load_in_8bit: true: quantised bases"]),
+    (["--adapter", "lora", "--lora_r", "0", "--lora_alpha", "-1", "--lora_target_modules", "[q_proj, qkv]"],
+     ["3 config values are wrong", "lora_r must be an integer >= 1 (the adapters' rank), got 0",
+      "lora_alpha must be > 0", "lora_target_modules ['qkv'] are not Linear layers of this model"]),
+    (["--adapter", "lora", "--lora_target_linear", "true", "--lora_modules_to_save", "[lm_head]",
+      "--tp_async_overlap", "true"], ["lora_modules_to_save ['lm_head'] is not supported",
+                                      "tp_async_overlap with adapter: lora"]),
+    (["--merge_lora", "true"], ["merge_lora set without adapter: lora"]),
+    (["--adapter", "lora", "--lora_target_linear", "true", "--lora_model_dir", "/nonexistent"],
+     ["lora_model_dir '/nonexistent' does not fit this model", "is not a PEFT adapter directory"]),
+])
+def test_config_refuses_bad_lora_keys_naming_every_value(argv, messages):
+    from minipar.training.config.train_config import load_config
+    with pytest.raises(ValueError) as err:
+        load_config(None, argv)
+    for m in messages:
+        assert m in str(err.value), str(err.value)

@@ -1,7 +1,8 @@
 """LoRA as Axolotl users run it: a real Hugging Face checkpoint (base_model), packed chat data, on a
 sharded layout like one process; the run leaves PEFT's adapter directory, which
 peft.PeftModel.from_pretrained loads with minipar's logits, and (merge_lora) a merged directory
-transformers loads alone; lora_model_dir starts a run from that adapter."""
+transformers loads alone, as does the export command on its checkpoint; lora_model_dir starts a run
+from that adapter."""
 import json
 import os
 import shutil
@@ -14,12 +15,15 @@ from safetensors.torch import load_file
 from test_hf_load import VARIANTS, _argv, make_checkpoint
 
 from minipar.lora import full_adapters, minipar_name
+from minipar.training.checkpoint.export import main as export_main
 from minipar.training.config.train_config import load_config
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
 
-LORA = ["--adapter", "lora", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules",
-        "[q_proj, v_proj, o_proj, down_proj]", "--learning_rate", "1e-2"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LORA = ["--adapter", "lora", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_linear", "false",
+        "--lora_target_modules", "[q_proj, v_proj, o_proj, down_proj]", "--learning_rate", "1e-2",
+        "--merge_lora", "false"]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +40,7 @@ def chat_base(tmp_path_factory):
 
 def _chat_argv(ex, out, steps, *extra, **layout):
     argv = _argv(ex["base"], out, steps, **layout)
+    argv[0] = os.path.join(ROOT, "configs", "lora.yaml")      # its keys, on the tiny checkpoint
     for key, value in (("--datasets", f"[{{path: {ex['chat']}, type: chat_template}}]"),
                        ("--sample_packing", "true"), ("--sequence_len", "64"), ("--export_hf", "true")):
         argv[argv.index(key) + 1] = value
@@ -60,7 +65,7 @@ def test_lora_chat_finetune_on_hf_checkpoint_exports_peft_and_merged(tmp_path, c
     ref = run_world(_run, 1, _chat_argv(chat_base, tmp_path / "one", 3), timeout=300)[0]
     out = tmp_path / "par"
     got = run_world(_run, 4, _chat_argv(chat_base, out, 3, "--merge_lora", "true", "--save_steps", "2",
-                                        dp=2, tp=2), timeout=300)
+                                        "--save_final_checkpoint", "true", dp=2, tp=2), timeout=300)
     for g in got:
         for (a, ga), (b, gb) in zip(ref["curve"], g["curve"]):
             assert abs(a - b) <= 1e-4 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga) + 1e-7
@@ -82,9 +87,13 @@ def test_lora_chat_finetune_on_hf_checkpoint_exports_peft_and_merged(tmp_path, c
         merged.eval()
         torch.testing.assert_close(merged(input_ids=IDS).logits, logits, atol=1e-5, rtol=1e-5)
     assert transformers.AutoTokenizer.from_pretrained(str(out / "merged")) is not None
-    # the checkpoint holds the adapters and their AdamW states only
+    # the checkpoint holds the adapters and their AdamW states only; the export command merges it
     manifest = json.load(open(out / "step-2" / "manifest.json"))
     assert manifest["params"] and all(".lora.lora_" in n for n in manifest["params"])
+    export_main([str(out / "step-3"), str(tmp_path / "exported")])
+    exported = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "exported"), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(exported.eval()(input_ids=IDS).logits, logits, atol=1e-5, rtol=1e-5)
 
 
 def _loaded(argv):
@@ -113,13 +122,3 @@ def test_lora_model_dir_starts_from_a_peft_adapter_and_refuses_a_wrong_one(tmp_p
         load_config(None, argv[1:] + ["--lora_target_modules", "[q_proj, v_proj, o_proj, down_proj, up_proj]"
                                       ])
 
-
-def test_export_command_merges_a_lora_checkpoint(tmp_path, chat_base):
-    from minipar.training.checkpoint.export import main
-    out = tmp_path / "run"
-    argv = _chat_argv(chat_base, out, 2, "--save_final_checkpoint", "true", dp=2)
-    logits = run_world(_run, 2, argv, timeout=300)[0]["logits"]
-    main([str(out / "step-2"), str(tmp_path / "merged")])
-    merged = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
-    with torch.no_grad():
-        torch.testing.assert_close(merged.eval()(input_ids=IDS).logits, logits, atol=1e-5, rtol=1e-5)

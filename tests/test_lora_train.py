@@ -8,7 +8,7 @@ import torch
 from harness import run_world
 
 import minipar
-from minipar import ParallelismConfig
+from minipar import ParallelismConfig, comm_ledger
 from minipar import tensor_parallel as tpl
 from minipar.data_parallel import replicate
 from minipar.lora import add_lora, lora_parameters
@@ -73,7 +73,9 @@ SLOW = [(4, ["--dp_shard_size", "4"]),
         (8, ["--dp_shard_size", "2", "--context_parallel_size", "2", "--tensor_parallel_size", "2",
              "--sequence_parallel", "true"]),
         (4, ["--dp_shard_size", "2", "--pipeline_parallel_size", "2", "--model.num_hidden_layers", "4",
-             "--micro_batch_size", "2"])]
+             "--micro_batch_size", "2"]),
+        (4, ["--dp_replicate_size", "2", "--dp_shard_size", "2", "--gradient_checkpointing", "true",
+             "--micro_batch_size", "1"])]
 
 
 def _check_layout(tmp_path, world, extra, steps):
@@ -96,7 +98,7 @@ def test_lora_layouts_match_single_process(tmp_path, world, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,extra", SLOW, ids=["dp_shard4", "dp_shard2-tp2-sp", "dp2-cp2-tp2-sp",
-                                                   "pp2-dp_shard2"])
+                                                   "pp2-dp_shard2", "hsdp2x2-checkpointing-accumulation"])
 def test_lora_layouts_match_single_process_20_steps(tmp_path, world, extra):
     _check_layout(tmp_path, world, extra, 20)
 
@@ -164,3 +166,52 @@ def test_lora_checkpoint_holds_adapters_and_resumes_on_another_layout(tmp_path):
         after = [r for r in g["curve"] if r[0] > 2]
         assert [s for s, _, _ in after] == [3, 4]
         _same_curve(ref["curve"][2:], after, 2)
+
+
+def _state(argv):
+    """A LoRA run's persistent bytes per rank at the end of its first step (params, grads, AdamW
+    states), its collectives by the comm ledger, and the config the planner reads."""
+    torch.set_num_threads(1)
+    tr = Trainer(setup_run(argv))
+    state, zero_grad = {}, tr.optimizer.zero_grad
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)   # noqa: E731
+
+    def measure_then_zero(set_to_none=True):    # the state as it stands at the end of the step
+        params = list(tr.model.parameters())
+        opt = [v for st in tr.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        state.update(params=nbytes(params), grads=nbytes(p.grad for p in params), optimizer=nbytes(opt))
+        zero_grad(set_to_none=set_to_none)
+
+    tr.optimizer.zero_grad = measure_then_zero
+    with comm_ledger.ledger() as led:
+        tr.train_step(0)
+    return dict(state, gathered=getattr(getattr(tr.model, "zero3", None), "peak_gathered_bytes", 0),
+                ledger={k: list(v) for k, v in led.summary().items()}, cfg=tr.cfg, layout=tr.pgm.config)
+
+
+PLANNED = [(["--lora_target_modules", "[q_proj, o_proj, up_proj, down_proj]"], ("q_proj", "o_proj", "up_proj",
+                                                                               "down_proj")),
+           (["--lora_target_modules", "[up_proj, down_proj]", "--sequence_parallel", "true", "--dtype",
+             "bfloat16"], ("up_proj", "down_proj"))]
+
+
+@pytest.mark.parametrize("extra,targets", PLANNED, ids=["attention-and-mlp", "mlp-only-sp-bf16"])
+def test_planner_counts_lora_memory_and_collectives_exactly(tmp_path, extra, targets):
+    """python -m minipar.plan's counts for a LoRA run (minipar/plan/model.py) against the run itself
+    on dp_shard 2 x tp 2: the frozen shards, the adapters' gradients and AdamW states, the gathered
+    units, and every collective of the step (no reduce-scatter; the adapters' all-reduces over tp
+    and dp_cp; layer 0's backward f/g that do not run)."""
+    from minipar.plan import Layout, collectives, memory
+    from minipar.plan.__main__ import from_train_config
+    argv = _argv(tmp_path, 1, "--dp_shard_size", "2", "--tensor_parallel_size", "2",
+                 "--lora_target_linear", "false", *extra)
+    for got in run_world(_state, 4, argv, timeout=200):
+        model, _, batch, opts = from_train_config(got["cfg"])
+        assert opts.lora_r == 4 and opts.lora_targets == targets
+        lc = got["layout"]
+        layout = Layout(1, lc.dp_shard_size, 1, lc.tp_size, lc.sequence_parallel)
+        mem = memory(model, layout, opts)
+        want = (mem["params"], mem["grads"], mem["optimizer"], mem["gathered"])
+        assert (got["params"], got["grads"], got["optimizer"], got["gathered"]) == want
+        assert mem["grads"] < mem["params"] / 5 and mem["accumulated_grads"] == 0
+        assert got["ledger"] == {k: [c, b] for k, (c, b) in collectives(model, layout, batch, opts).items()}

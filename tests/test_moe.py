@@ -128,12 +128,13 @@ def test_capacity_drops_past_the_cap_and_counts_them():
         torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_checkpointed_layers_give_the_same_gradients():
-    """The router statistics are a side output of a layer: under activation checkpointing the aux
-    loss's gradient still reaches the router through the recomputed layer."""
+@pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "op")])
+def test_checkpointed_layers_give_the_same_gradients(mode, option):
+    """The router statistics are a side output of a layer: under activation checkpointing (full, or
+    selective per op) the aux loss's gradient still reaches the router through the recomputed layer."""
     hf = hf_model("qwen3_moe")
     a, b = ours_from(hf).train(), ours_from(hf).train()
-    b.gradient_checkpointing_enable()
+    b.gradient_checkpointing_enable(mode, option)
     ids = torch.randint(0, 128, (2, 16))
     for m in (a, b):
         m(ids, labels=shifted(ids)).backward()
@@ -195,3 +196,17 @@ def test_an_expert_slice_reads_only_its_experts(tmp_path):
         hf.config.num_local_experts = 3                      # config and weights disagree
         HFCheckpoint.check(ckpt, LlamaForCausalLM(LlamaConfig.from_dict(hf.config.to_dict()),
                                                   device="meta"))
+
+
+def test_bf16_autocast_runs_close_to_fp32():
+    """Under bf16 autocast the experts return bf16 into the fp32 residual stream (the trainer's
+    bf16 without ZeRO-3): the un-permute casts, and the loss stays near fp32's."""
+    hf = hf_model("mixtral")
+    ours = ours_from(hf)
+    ids = torch.randint(0, 128, (2, 16))
+    ref = ours(ids, labels=shifted(ids))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ours(ids, labels=shifted(ids))
+    got.backward()
+    assert abs(got.item() - ref.item()) < 2e-2 * abs(ref.item())
+    assert ours.model.layers[0].mlp.gate.weight.grad is not None

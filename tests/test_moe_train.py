@@ -83,13 +83,44 @@ def test_moe_more_layouts_equal_one_process_for_20_steps(tmp_path, world, extra)
         _same(ref, got)
 
 
+def test_pipeline_equals_one_process(tmp_path):
+    """pp 2 (1F1B over 4 micro-batches, one MoE layer per stage): the aux loss pools both stages'
+    counts (models/moe_aux.py's PipelineAux: side vectors forward and back), and the losses and
+    gradient norms are one process's, with it and without it (router_aux_loss_coef 0); so are the
+    step's aux loss, imbalance per layer and drops."""
+    def losses(history):
+        return [(r["loss"], r["grad_norm"]) for r in history]
+    for coef in ("0.1", "0"):
+        extra = ("--model.router_aux_loss_coef", coef)
+        ref = run_world(_train_pp, 1, _argv(tmp_path / f"one{coef}", 3, *extra), timeout=300)[0]
+        got = run_world(_train_pp, 2, _argv(tmp_path / f"pp{coef}", 3, *extra,
+                                            "--pipeline_parallel_size", "2"), timeout=300)
+        for g in got:
+            for (a, ga), (b, gb) in zip(losses(ref), losses(g)):
+                assert abs(a - b) <= 1e-4 * a and abs(ga - gb) <= 1e-4 * ga, (coef, a, b, ga, gb)
+            if coef != "0":                      # the step's figures too, gathered over the stages
+                _same_moe(ref, g)
+
+
+def _same_moe(ref, got):
+    for step, (a, b) in enumerate(zip(ref, got), 1):
+        assert abs(a["moe_aux_loss"] - b["moe_aux_loss"]) <= 1e-5 * a["moe_aux_loss"], f"step {step}"
+        assert b["moe_imbalance"] == pytest.approx(a["moe_imbalance"], rel=1e-6), f"step {step}"
+        assert a["moe_dropped"] == b["moe_dropped"], f"step {step}"
+
+
+def _train_pp(argv):
+    torch.set_num_threads(1)
+    return Trainer(setup_run(argv)).train()
+
+
 def test_moe_config_refusals_name_every_value():
-    """Refused on load, before any group exists: pp with an MoE, a capacity factor <= 0 or on a
-    dense model, top-k above the experts; several at once in one error."""
+    """Refused on load, before any group exists: a capacity factor <= 0 (with the other wrong values
+    in one error) or on a dense model, top-k above the experts."""
     moe = os.path.join(ROOT, "configs", "moe.yaml")
-    with pytest.raises(ValueError,
-                       match=r"moe_capacity_factor=0\.0.*pipeline_parallel_size=2 with a mixture"):
-        load_config(moe, ["--pipeline_parallel_size", "2", "--moe_capacity_factor", "0"])
+    with pytest.raises(ValueError, match=r"2 config values are wrong: learning_rate must be > 0.*"
+                                         r"moe_capacity_factor=0\.0: a capacity factor is > 0"):
+        load_config(moe, ["--moe_capacity_factor", "0", "--learning_rate", "-1"])
     with pytest.raises(ValueError, match=r"moe_capacity_factor=1\.5: .*applies to a mixture of experts"):
         load_config(os.path.join(ROOT, "configs", "ddp.yaml"), ["--moe_capacity_factor", "1.5"])
     with pytest.raises(ValueError, match="num_experts_per_tok=9 must be between 1 and the number of experts"):
@@ -108,7 +139,7 @@ def _first_step_and_hf_loss(argv):
         out = hf(input_ids=ids, output_router_logits=True)
         ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).double(), labels.flatten(),
                                                ignore_index=-100)
-    ref = ce.item() + hf.config.router_aux_loss_coef * out.aux_loss.item()
+    ref = ce.item() + run.cfg.model.router_aux_loss_coef * out.aux_loss.item()   # the run's coefficient
     return trainer.train_step(0)["loss"], ref
 
 
@@ -116,7 +147,8 @@ def _first_step_and_hf_loss(argv):
 def test_hub_moe_checkpoint_first_step_equals_transformers(tmp_path, family):
     """make_example's writer puts a Hub-layout MoE (per-expert tensors, sharded with an index) on
     disk; base_model reads it on tp 2 with SP (each rank its attention slices, all experts), and the
-    first step's loss, the aux loss included, is transformers' on the same batch."""
+    first step's loss, the aux loss included (its coefficient the run's, over config.json's), is
+    transformers' on the same batch."""
     from minipar.training.data.make_example import EXAMPLES, write_checkpoint
     from models.llama_config import LlamaConfig
     shape = dict(EXAMPLES[family], vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -133,6 +165,31 @@ def test_hub_moe_checkpoint_first_step_equals_transformers(tmp_path, family):
             "--val_set_size", "0", "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"),
             "--sequence_len", "16", "--global_batch_size", "4", "--max_steps", "1", "--export_hf", "false",
             "--progress_bar", "false", "--context_parallel_size", "1", "--tensor_parallel_size", "2",
-            "--sequence_parallel", "true"]
+            "--sequence_parallel", "true", "--expert_parallel_size", "1",
+            "--model.router_aux_loss_coef", "0.3"]                                  # over config.json's
     for got, ref in run_world(_first_step_and_hf_loss, 2, argv, timeout=300):
         assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,extra", [
+    (4, ["--pipeline_schedule", "1f1b", "--dp_shard_size", "2", "--moe_capacity_factor", "1.0"]),
+    (2, ["--pipeline_schedule", "interleaved_1f1b"]),                           # two chunks per rank
+    (2, ["--pipeline_schedule", "zbv"]),                                        # the V: a turn kept local
+    (4, ["--pipeline_schedule", "zb_h1", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
+    (4, ["--pipeline_schedule", "1f1b", "--context_parallel_size", "2"]),
+    (4, ["--pipeline_schedule", "1f1b", "--dp_shard_size", "2", "--expert_parallel_size", "2"]),
+], ids=["1f1b-shard2-capacity", "interleaved", "zbv", "zb_h1-tp2-sp", "1f1b-cp2", "1f1b-shard2-ep2"])
+def test_moe_pipeline_schedules_equal_one_process(tmp_path, world, extra):
+    """Every schedule carries the aux loss's side vectors (forward with the activations, back with
+    their gradients), alone and beside ZeRO-3 (with drops past capacity), TP + SP, CP and EP: 6
+    steps as one process's, the step's MoE figures included."""
+    four = ("--model.num_hidden_layers", "4")
+    capacity = ("--moe_capacity_factor", "1.0") if "--moe_capacity_factor" in extra else ()
+    ref = _single(tmp_path, 6, *four, *capacity)
+    for got in run_world(_train_pp, world, _argv(tmp_path / "run", 6, *four, "--pipeline_parallel_size", "2",
+                                              *extra), timeout=600):
+        for step, (a, b) in enumerate(zip(ref, got), 1):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), f"step {step}: {key} {b[key]} vs {a[key]}"
+        _same_moe(ref, got)

@@ -206,7 +206,8 @@ VARIANTS = [("fsdp_tp.yaml", ["--sequence_parallel", "true", "--gradient_checkpo
                            "--tensor_parallel_size", "1"])]
 # pipeline parallelism beyond pp.yaml (pp 4, 1F1B, no dp): every pp path of minipar/plan/pipeline.py
 # on 4 ranks: ZeRO-3 per stage in bf16 (bf16 messages, the empty root of the first stage), TP + SP
-# inside the stages under AFAB with checkpointing, DDP and ZeRO-3 per stage under the interleaved schedule
+# inside the stages under AFAB with checkpointing, DDP and ZeRO-3 per stage under the interleaved schedule,
+# ZeRO-3 under ZB-V and TP + SP under ZB-H1
 PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16",
                               "--micro_batch_size", "1"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
@@ -217,7 +218,12 @@ PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size"
                             "--model.num_hidden_layers", "4"]),
                # ZeRO-3 prefetch under interleaving: the learned unit order alternates between chunks
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
-                            "interleaved_1f1b", "--micro_batch_size", "1", "--model.num_hidden_layers", "8"])]
+                            "interleaved_1f1b", "--micro_batch_size", "1", "--model.num_hidden_layers", "8"]),
+               # zero bubble: W gathers nothing and reduces once per step; the V's sends and turn
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
+                            "zbv", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
+                            "--sequence_parallel", "true", "--pipeline_schedule", "zb_h1"])]
 
 
 def test_plan_matches_runs_on_4_ranks(tmp_path):
@@ -272,15 +278,20 @@ def test_search_follows_its_rules():
         assert rec["layout"]["cp"] == min(p["layout"]["cp"] for p in band)
         if world > 8 and any(not p["comm"]["dp_shard_cp"]["crosses_nodes"] for p in band):
             assert not rec["comm"]["dp_shard_cp"]["crosses_nodes"]
-        # pipeline layouts are ranked too (planned stage by stage, 1F1B), recommended across nodes only
+        # pipeline layouts are ranked too (planned stage by stage, under every schedule that runs),
+        # recommended across nodes only
         pps = {p["layout"].get("pp", 1) for p in ranked}
         assert pps == ({1, 2, 4, 8} if world <= 8 else {1, 2, 4, 8, 16})
         assert world > 8 or rec["layout"].get("pp", 1) == 1
-        assert all(len(p["stages"]) == p["layout"]["pp"] for p in ranked if "stages" in p)
-        # interleaved twins are ranked where they could reach the band (at 16 GPUs some do)
-        scheds = {(p["pipeline"]["schedule"], p["pipeline"]["virtual_stages"]) for p in ranked
-                  if "stages" in p}
-        assert scheds <= {("1f1b", 1), ("interleaved_1f1b", 2)} and (world <= 8 or len(scheds) == 2)
+        piped = [p for p in ranked if "stages" in p]
+        assert all(len(p["stages"]) == p["layout"]["pp"] for p in piped)
+        assert {p["pipeline"]["schedule"] for p in piped} == {"1f1b", "interleaved_1f1b", "zb_h1", "zbv"}
+        # the same layout under ZB-H1: 1F1B's sends, a third of its bubble, so never slower
+        step = {(p["layout_str"].split(" (")[0] + p["layout_str"].split(")")[1], p["pipeline"]["schedule"]):
+                p["time"] for p in piped}
+        both = [k for k, sch in step if sch == "1f1b" and (k, "zb_h1") in step]
+        assert both and all(step[(k, "zb_h1")]["step_s"] < step[(k, "1f1b")]["step_s"]
+                            and step[(k, "zb_h1")]["bubble"] < step[(k, "1f1b")]["bubble"] / 2 for k in both)
         assert all(p["options"]["gradient_checkpointing"] in (False, "selective", True) for p in ranked)
 
 
@@ -294,7 +305,8 @@ def test_search_never_trades_a_real_slowdown_for_a_placement_rule():
 
 def test_long_steps_extend_the_replay_exactly():
     """A stage of a long step (m > 4p) is computed from three short replays and extended; the
-    answer is the full replay's, under AFAB and 1F1B, ZeRO-3 and DDP, prefetch 1 and 2."""
+    answer is the full replay's, under AFAB, 1F1B, interleaved, ZB-H1 and ZB-V, ZeRO-3 and DDP,
+    prefetch 1 and 2."""
     from minipar.plan import Pipeline, plan_stage
     from minipar.plan.pipeline_stage import _plan_stage, stages
     m8, m70 = _llama("llama-3.1-8b"), _llama("llama-3.1-70b")
@@ -304,7 +316,13 @@ def test_long_steps_extend_the_replay_exactly():
              (m8, Layout(1, 4, 2, 1, False), Pipeline(4, "1f1b"), Batch(192, 2, 4096),
               Options(gradient_checkpointing=True, prefetch=2)),
              (m70, Layout(1, 2, 1, 8, True), Pipeline(8, "1f1b"), Batch(1024, 1, 8192),
-              Options(dtype="bfloat16", sync_each_batch=False))]
+              Options(dtype="bfloat16", sync_each_batch=False)),
+             # the zero-bubble schedules repeat per micro-batch too, the interleaved one per group of p
+             (m8, Layout(1, 2, 1, 2, True), Pipeline(4, "zb_h1"), Batch(64, 1, 4096), Options()),
+             (m8, Layout(1, 2, 1, 2, True), Pipeline(2, "zbv", 2), Batch(64, 1, 4096),
+              Options(gradient_checkpointing=True)),
+             (m8, Layout(1, 2, 1, 2, True), Pipeline(2, "interleaved_1f1b", 2), Batch(64, 1, 4096),
+              Options())]
     for model, lay, pipe, batch, opts in cases:
         assert batch.micro_steps(lay) > 4 * pipe.pp
         for st in stages(model, pipe):

@@ -12,6 +12,12 @@
         W(c, m):  stage.weight_grads.weight_grads((c, m)): every queued dW, accumulated through
                   autograd into the parameters' .grad; the kept x and dy are freed
 
+A model whose loss needs more than h between stages declares it (stage.pipeline_aux: an MoE's
+load-balancing loss pools the routing counts of all layers, models/moe_aux.py): after F a small
+side vector goes on with h (each stage adds its part; the last adds the loss term), and after B
+the vector the earlier stages' gradient terms need goes back with dL/dh; the executor only passes
+them on and adds the model's term to each backward.
+
 A stage keeps (x, out) and everything autograd saved between F(c, m) and B(c, m), and the
 linears' inputs and output gradients until W(c, m): that is the activation memory the schedules
 differ in (schedules.py). Only receives block, so a rank waits
@@ -76,8 +82,12 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
     under zbv; None receives in the order this rank consumes."""
     m = len(micro_batches)
     device = micro_batches[0]["input_ids"].device
+    aux = stage.pipeline_aux                    # the model's side vectors, or None
+    aux_weight = 1.0 / (pgm.dp.size * m)        # each micro-batch's share of the step's objective
     link = StageLink(pgm, activation_shape(micro_batches[0], pgm, stage.config.hidden_size), act_dtype,
-                     device, m, stage.owner, arrivals)
+                     device, m, stage.owner, arrivals,
+                     side_sizes=(aux.size, aux.back_size) if aux is not None else (0, 0))
+    sides: Dict[tuple, tuple] = {}              # (chunk, micro) -> (this chunk's sums, back or None)
     store = stage.weight_grads                  # a WeightGradStore when the backward is split
     split = any(a.kind == "W" for a in order)
     if split and store is None:
@@ -107,28 +117,49 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
             with autocast():
                 out = stage(x, mb["position_ids"], labels=mb["labels"], num_items_in_batch=num_items_in_batch,
                             chunk=a.chunk, document_ids=mb.get("document_ids"))
+            if aux is not None:                 # the side vector: received, this chunk's part added
+                side = torch.zeros(aux.size, device=device) if stage.is_first_virtual(a.chunk) \
+                    else link.recv_side_forward(vs, a.micro)
+                side, sums, tokens = aux.forward_side(stage.chunk_layers(a.chunk), side)
+                back = None
+                if stage.is_last_virtual(a.chunk):
+                    term, back = aux.last(side, sums, tokens, aux_weight)
+                    out = out + term
+                sides[(a.chunk, a.micro)] = (sums, back)
             if recorder is not None:
                 recorder.note(a, t, time.perf_counter(), freed_by)
             if stage.is_last_virtual(a.chunk):
                 loss += out.detach().double()
             else:
                 link.send_forward(out, vs + 1, a.micro)
+                if aux is not None:
+                    link.send_side_forward(side, vs + 1, a.micro)
             saved[(a.chunk, a.micro)] = (x, out)
         else:
             x, out = saved.pop((a.chunk, a.micro))
             grad = None if stage.is_last_virtual(a.chunk) else link.recv_backward(vs, a.micro).to(out.dtype)
+            outs, grads = [out], [grad]
+            if aux is not None:
+                sums, back = sides.pop((a.chunk, a.micro))
+                if back is None:                # an earlier stage: the counts of all layers came back
+                    back = link.recv_side_backward(vs, a.micro)
+                    if sums is not None:
+                        outs.append(aux.earlier(back, sums, aux_weight))
+                        grads.append(None)
             if before_backward is not None:
                 before_backward(a, i == final)
             t = time.perf_counter()
             with store.inputs_only((a.chunk, a.micro)) if split else contextlib.nullcontext():
-                torch.autograd.backward(out, grad)
+                torch.autograd.backward(outs, grads)
             if recorder is not None:
                 recorder.note(a, t, time.perf_counter(), freed_by)
                 if split:
                     recorder.peak_held_w = max(recorder.peak_held_w, store.held_bytes())
             if not stage.is_first_virtual(a.chunk):
                 link.send_backward(x.grad, vs - 1, a.micro)
-            del x, out
+                if aux is not None:
+                    link.send_side_backward(back, vs - 1, a.micro)
+            del x, out, outs
     link.finish()
     if recorder is not None:
         recorder.stop()

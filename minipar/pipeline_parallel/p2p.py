@@ -9,6 +9,10 @@ so tp rank t of stage p talks to tp rank t of stage p + 1 only):
     s_local = sequence_len / cp (and / tp under sequence parallelism: the residual stream is
     already split along the sequence there, so each tp rank sends only its part, as Megatron does)
 
+A model whose loss needs more than h across stages (an MoE's load-balancing loss, which pools
+the routing counts of every layer) declares a side vector: a few fp32 numbers sent right after each
+activation (SIDE_FORWARD) and each gradient (SIDE_BACKWARD), with their own tags (executor.py).
+
 Bytes per step: each of the p - 1 boundaries carries one activation forward and one gradient
 backward per micro-batch, so 2 (p - 1) m x bytes(h) over the whole pipeline (interleaving: v p - 1
 boundaries, a ring: the last rank feeds the first one's next chunk; the V of zbv: 2 p - 1
@@ -43,16 +47,19 @@ import torch
 from .. import comm
 from .schedules import chunk_stages, schedule_order
 
-ACTIVATION, GRADIENT = 0, 1
+# the kinds of message; a model whose loss needs more than h between stages (an MoE's aux loss:
+# the model's pipeline_aux) sends a small side vector after each activation and each gradient
+ACTIVATION, GRADIENT, SIDE_FORWARD, SIDE_BACKWARD = 0, 1, 2, 3
 
 
 def message_tag(kind: int, virtual: int, micro: int, num_micro: int) -> int:
     """The tag naming (kind, receiving virtual stage, micro-batch): unique within a step."""
-    return 2 * (virtual * num_micro + micro) + kind
+    return 4 * (virtual * num_micro + micro) + kind
 
 
-def arrival_order(name: str, p: int, m: int, v: int, rank: int) -> Dict[int, List[int]]:
-    """{pp rank of a neighbour: the tags of its sends to `rank`, in the order it posts them}."""
+def arrival_order(name: str, p: int, m: int, v: int, rank: int, side: bool = False) -> Dict[int, List[int]]:
+    """{pp rank of a neighbour: the tags of its sends to `rank`, in the order it posts them};
+    side: each activation and gradient is followed by its side vector."""
     owner = {k: r for r in range(p) for k in chunk_stages(name, p, r, v)}
     last, out = p * v - 1, {}
     for r in range(p):
@@ -60,8 +67,12 @@ def arrival_order(name: str, p: int, m: int, v: int, rank: int) -> Dict[int, Lis
             vs = chunk_stages(name, p, r, v)[a.chunk]
             if a.kind == "F" and vs < last and owner[vs + 1] == rank != r:
                 out.setdefault(r, []).append(message_tag(ACTIVATION, vs + 1, a.micro, m))
+                if side:
+                    out[r].append(message_tag(SIDE_FORWARD, vs + 1, a.micro, m))
             if a.kind == "B" and vs > 0 and owner[vs - 1] == rank != r:
                 out.setdefault(r, []).append(message_tag(GRADIENT, vs - 1, a.micro, m))
+                if side:
+                    out[r].append(message_tag(SIDE_BACKWARD, vs - 1, a.micro, m))
     return out
 
 
@@ -70,8 +81,10 @@ class StageLink:
     of h known in advance. `virtual` is the receiving virtual stage (chunk * pp + rank)."""
 
     def __init__(self, pgm, shape: Tuple[int, ...], dtype: torch.dtype, device, num_micro: int,
-                 owner: Optional[List[int]] = None, arrivals: Optional[Dict[int, List[int]]] = None):
+                 owner: Optional[List[int]] = None, arrivals: Optional[Dict[int, List[int]]] = None,
+                 side_sizes: Tuple[int, int] = (0, 0)):
         self.pp, self.shape, self.dtype = pgm.pp, tuple(shape), dtype
+        self.side_sizes = side_sizes              # the side vectors' lengths (fp32), forward and back
         self.device, self.num_micro = device, num_micro
         # the pp rank holding each virtual stage; default: the loop, k -> k % pp
         self.owner = owner
@@ -91,7 +104,7 @@ class StageLink:
         return None if k == self.pp.rank else self.pp.ranks[k]
 
     def _send(self, t: torch.Tensor, peer: int, tag: int):
-        t = t.detach().to(self.dtype).contiguous()
+        t = t.detach().to(self.dtype if tag % 4 < SIDE_FORWARD else torch.float32).contiguous()
         if peer is None:                         # both ends here: no bytes move
             self.local[tag] = t
             return
@@ -110,7 +123,11 @@ class StageLink:
         return self.early.pop(tag)
 
     def _recv_now(self, peer: int, tag: int) -> torch.Tensor:
-        t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        kind = tag % 4
+        if kind < SIDE_FORWARD:
+            t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        else:
+            t = torch.empty(self.side_sizes[kind - SIDE_FORWARD], dtype=torch.float32, device=self.device)
         comm.wait_all(comm.send_recv([], [(t, peer, tag)], self.pp))
         return t
 
@@ -130,6 +147,19 @@ class StageLink:
 
     def recv_backward(self, virtual: int, micro: int) -> torch.Tensor:
         return self._recv(self._peer(virtual + 1), self._tag(GRADIENT, virtual, micro))
+
+    # the side vectors, sent right after their activation / gradient (arrival_order's side=True)
+    def send_side_forward(self, side: torch.Tensor, virtual: int, micro: int):
+        self._send(side, self._peer(virtual), self._tag(SIDE_FORWARD, virtual, micro))
+
+    def recv_side_forward(self, virtual: int, micro: int) -> torch.Tensor:
+        return self._recv(self._peer(virtual - 1), self._tag(SIDE_FORWARD, virtual, micro))
+
+    def send_side_backward(self, side: torch.Tensor, virtual: int, micro: int):
+        self._send(side, self._peer(virtual), self._tag(SIDE_BACKWARD, virtual, micro))
+
+    def recv_side_backward(self, virtual: int, micro: int) -> torch.Tensor:
+        return self._recv(self._peer(virtual + 1), self._tag(SIDE_BACKWARD, virtual, micro))
 
     def finish(self):
         """Wait for every send still in flight (end of the step: the buffers must stay valid)."""

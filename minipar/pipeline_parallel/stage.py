@@ -120,6 +120,9 @@ class PipelineStage(nn.Module):
         self.lm_head = model.lm_head if self.is_last else None
         self.gradient_checkpointing = getattr(model, "gradient_checkpointing", False)
         self.zero3_unit_classes = model.zero3_unit_classes     # the model's ZeRO-3 units, for fully_shard
+        # what the model's loss needs carried between stages besides h (an MoE's aux loss; None:
+        # nothing): the executor passes its vectors on, the model computes them
+        self.pipeline_aux = model.pipeline_aux
 
     def gradient_checkpointing_enable(self):
         self.gradient_checkpointing = True
@@ -137,11 +140,14 @@ class PipelineStage(nn.Module):
         body = self.model
         h = body.embed(x) if self.is_first_virtual(chunk) else x
         cos, sin = body.rotary(position_ids, h.dtype)
-        layers = [body.layers[str(i)] for i in self.chunks[chunk]]
-        h = body.run_layers(h, cos, sin, layers, document_ids, self.gradient_checkpointing)
+        h = body.run_layers(h, cos, sin, self.chunk_layers(chunk), document_ids, self.gradient_checkpointing)
         if not self.is_last_virtual(chunk):
             return h
         return body.head_loss(h, self.lm_head, labels, num_items_in_batch)
+
+    def chunk_layers(self, chunk: int) -> list:
+        """The decoder layers of model chunk `chunk`, in order."""
+        return [self.model.layers[str(i)] for i in self.chunks[chunk]]
 
     # ------------------------------------------------------------------ whole-model state dicts
     def full_state_dict(self) -> dict:

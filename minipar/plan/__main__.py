@@ -23,10 +23,12 @@ import json
 import sys
 
 from minipar.cli import fail, memory_bytes, positive_ints, within
+from minipar.lora import check_targets
 from minipar.training.config.train_config import load_config
 from minipar.training.pipeline_step import virtual_stages
 from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
+from models.llama import LlamaForCausalLM
 
 from .estimate import Cluster, plan
 from .inputs import Batch, Layout, ModelShape, Options
@@ -59,7 +61,7 @@ def _pipeline(args, base: dict) -> Pipeline:
     schedule = args.pipeline_schedule or base.get("pipeline_schedule", "1f1b")
     v = args.virtual_stages \
         or (base.get("virtual_stages") if schedule == base.get("pipeline_schedule") else None) \
-        or (2 if schedule == "interleaved_1f1b" else 1)
+        or (2 if schedule in ("interleaved_1f1b", "zbv") else 1)
     layers = base.get("pipeline_layers")
     return Pipeline(pp, schedule, v, tuple(layers) if layers else None)
 
@@ -112,8 +114,18 @@ def from_train_config(cfg):
                    reshard_after_forward=cfg.fsdp.reshard_after_forward,
                    sync_each_batch=cfg.fsdp.sync_each_batch,
                    gradient_checkpointing=cfg.gradient_checkpointing,
-                   selective_ac_option=cfg.selective_ac_option, max_grad_norm=bool(cfg.max_grad_norm))
+                   selective_ac_option=cfg.selective_ac_option, max_grad_norm=bool(cfg.max_grad_norm),
+                   **_lora(cfg))
     return model, sizes, batch, opts
+
+
+def _lora(cfg) -> dict:
+    """adapter: lora's rank and targets (the trainer's check_targets: the model's declared order)."""
+    if cfg.adapter != "lora":
+        return {}
+    targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
+                            LlamaForCausalLM.lora_target_modules)
+    return dict(lora_r=cfg.lora_r, lora_targets=tuple(targets))
 
 
 def load(args):
@@ -181,8 +193,9 @@ def main(argv=None):
                     help="attention across cp: K/V round a ring, Ulysses' all-to-alls, or both (USP)")
     ap.add_argument("--cp-ulysses", type=int, help="USP's Ulysses group size (divides --cp)")
     ap.add_argument("--pp", type=int, help="pipeline stages (default: the config's; --search tries every pp)")
-    ap.add_argument("--pipeline-schedule", choices=("afab", "1f1b", "interleaved_1f1b"))
-    ap.add_argument("--virtual-stages", type=int, help="model chunks per rank (interleaved_1f1b; default 2)")
+    ap.add_argument("--pipeline-schedule", choices=("afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"))
+    ap.add_argument("--virtual-stages", type=int, help="model chunks per rank (interleaved_1f1b; default 2; "
+                    "zbv: 2)")
     ap.add_argument("--sp", "--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--global-batch-size", type=int,

@@ -14,7 +14,7 @@ that layout can run the model at all. The counts that answer it are model.py's.
     Batch       global_batch_size, micro_batch_size, sequence_len: b rows per dp rank per forward,
                 M = global / (dp b) micro-batches per step
     Options     compute dtype, ZeRO-3's prefetch / reshard_after_forward / sync_each_batch,
-                activation checkpointing, gradient clipping
+                activation checkpointing, gradient clipping, LoRA's rank and targets
 
 check() repeats the trainer's own divisibility checks (heads, vocab and f by tp; sequence by 2 cp,
 and by tp under SP; the batch by dp x micro; under ulysses / usp the head split, by calling the
@@ -65,6 +65,20 @@ class ModelShape:
         layer = [d, d * q, d * kv, d * kv, q * d, d, d * f // tp, d * f // tp, f // tp * d]
         head = [d] + ([] if self.tie_word_embeddings else [V // tp * d])
         return [V // tp * d], layer, head
+
+    def lora_tensors(self, tp: int, r: int, targets) -> List[int]:
+        """TP-local element counts of one layer's LoRA adapters (A, B per target, minipar/lora/):
+        a column-parallel target keeps A (r, in) whole and B (out/tp, r); a row-parallel one
+        (o_proj, down_proj) A (r, in/tp) and B (out, r) whole."""
+        d, f, D = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * D, self.num_key_value_heads * D
+        shapes = dict(q_proj=(d, q, False), k_proj=(d, kv, False), v_proj=(d, kv, False), o_proj=(q, d, True),
+                      gate_proj=(d, f, False), up_proj=(d, f, False), down_proj=(f, d, True))
+        out = []
+        for name in targets:
+            n_in, n_out, row = shapes[name]
+            out += [r * n_in // tp, n_out * r] if row else [r * n_in, n_out // tp * r]
+        return out
 
     def num_params(self) -> int:
         """All parameters of the full model (tied ones once)."""
@@ -139,6 +153,10 @@ class Options:
     gradient_checkpointing: Union[bool, str] = False
     selective_ac_option: Union[str, int] = "op"
     max_grad_norm: bool = True     # clipping measures the global norm (two tiny all-reduces)
+    # adapter: lora (minipar/lora/): rank r > 0 on these projections; the base frozen (no gradient,
+    # no optimizer state), the adapters whole over dp. 0: every weight trained
+    lora_r: int = 0
+    lora_targets: Tuple[str, ...] = ()
 
 
 def check(model: ModelShape, layout: Layout, batch: Batch) -> List[str]:

@@ -1,22 +1,17 @@
 """The search: every layout of a world that runs and fits, ranked, and one recommended by rules.
 
-Candidates. Every (R, S, C, T) whose product is the world (sequence parallelism on whenever tp > 1:
-the same bytes, less memory), and, for each pp that divides the world with 2 <= pp <= MAX_PP and
-at least two layers a stage, every pp x (R, S, C, T) with 1F1B, and then its TWINS: the same layout
-under interleaved 1F1B with two model chunks a rank (a bubble of (p - 1) / (2 m + p - 1) for twice
-the sends and the root's regathers; the estimate weighs them). A twin is planned only where it could
-reach the near-tie band: its compute and exposed traffic are at least its 1F1B layout's, so its step
-is at least (1F1B's step - its sends) x (1 - bubble) / (1 - the twin's bubble); a twin whose bound
-is over (1 + NEAR_TIE) x the fastest so far cannot be recommended, and is left out of the ranking
-(an interleaved step is replayed action by action, which at m in the hundreds would be most of a
-search's time). A twin is tried at the checkpointing its 1F1B layout fitted with, or heavier.
-Every layout with cp > 1 comes once per cp_impl: ring, ulysses (u = cp), and usp for each u dividing
-cp with 1 < u < cp (`cp_impls`). A candidate must pass the trainer's checks (inputs.py's `check`:
-under ulysses / usp u must divide the query heads of a tp rank, check_ulysses; pipeline.py's for
-pp: enough micro-batches, a multiple of pp, chunks that split the layers) and fit: activation
-checkpointing is switched on only where the activations would not fit without it, and then the
-lightest that fits (AC_LEVELS: none, selective per op, which keeps the matmul and attention outputs
-and recomputes the rest, then every layer).
+Candidates. Every (R, S, C, T) whose product is the world (sequence parallelism on whenever tp > 1: the
+same bytes, less memory), and, for each pp that divides the world with 2 <= pp <= MAX_PP and at least
+two layers a stage, every pp x (R, S, C, T) under each schedule that runs there (PIPELINES: 1F1B,
+interleaved 1F1B with 2 chunks, ZB-H1, ZB-V; pipeline.py's check refuses too few micro-batches, or a
+count that is not a multiple of pp where the interleaved schedule needs one): the estimate weighs each
+one's bubble against its sends and the memory of what it keeps in flight. Every layout with cp > 1 comes
+once per cp_impl: ring, ulysses (u = cp), and usp for each u dividing cp with 1 < u < cp (`cp_impls`). A
+candidate must pass the trainer's checks (inputs.py's `check`: under ulysses / usp u must divide the
+query heads of a tp rank, check_ulysses; pipeline.py's for pp: enough micro-batches, a multiple of pp)
+and fit: activation checkpointing is switched on only where the activations would not fit without it,
+and then the lightest that fits (AC_LEVELS: none, selective per op, which keeps the matmul and attention
+outputs and recomputes the rest, then every layer).
 
 Ranking: by estimated step time (estimate.py; under pp, pipeline.py: the slowest stage over
 (1 - bubble) plus the sends on the critical path).
@@ -57,9 +52,9 @@ from .estimate import Cluster, plan
 from .inputs import Batch, Layout, ModelShape, Options
 
 NEAR_TIE = 0.05   # the placement rules choose only among layouts this close to the fastest
-TWINS = (("interleaved_1f1b", 2),)   # (schedule, model chunks a rank) tried beside each 1F1B layout
 AC_LEVELS = (False, "selective", True)                # the cheapest recompute first
 MAX_PP = 16    # deeper pipelines: a bubble of (p - 1) / (m + p - 1) and a stage or two of layers
+PIPELINES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2))   # (schedule, chunks per rank)
 
 
 def layouts(world: int) -> List[Layout]:
@@ -84,11 +79,14 @@ def candidates(model: ModelShape, batch: Batch, world: int, pipeline: bool = Tru
     deepest = min(world, MAX_PP, model.num_hidden_layers // 2)
     pps = [1] + ([k for k in range(2, deepest + 1) if world % k == 0] if pipeline else [])
     for pp in pps:
-        pipe = pipeline_stage.Pipeline(pp, "1f1b", 1) if pp > 1 else None
+        pipes = [pipeline_stage.Pipeline(pp, name, v) for name, v in PIPELINES] if pp > 1 else [None]
         for lay in (v for grid in layouts(world // pp) for v in cp_impls(grid)):
-            if inputs_mod.check(model, lay, batch) or (pipe and pl.check(model, lay, pipe, batch)):
+            if inputs_mod.check(model, lay, batch):
                 continue
-            yield lay, pipe
+            for pipe in pipes:
+                if pipe and pl.check(model, lay, pipe, batch):
+                    continue
+                yield lay, pipe
 
 
 def _plan(model, lay, pipe, batch, opts, cluster) -> dict:
@@ -108,33 +106,39 @@ def pp_of(p: dict) -> int:
 def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, world: int,
            pipeline: bool = True) -> dict:
     """Every candidate that fits, fastest first, and the recommendation by the rules above."""
-    fitting, considered, pipelined = [], 0, []
+    fitting, considered, later = [], 0, []
+    first: dict = {}                  # pp x layout -> its 1F1B plan (None: it does not fit)
 
-    def lightest(lay, pipe, levels):
-        """The plan at the lightest checkpointing that fits (the heaviest's plan if none does)."""
-        for ac in levels:
+    def fit(lay, pipe, checkpointing=AC_LEVELS):
+        for ac in checkpointing:      # checkpointing only when needed, the lightest that fits
             p = _plan(model, lay, pipe, batch, dataclasses.replace(opts, gradient_checkpointing=ac), cluster)
             if _fits(p):
                 fitting.append(p)
-                break
-        return p
+                return p
+        return None
 
     for lay, pipe in candidates(model, batch, world, pipeline):
         considered += 1
-        p = lightest(lay, pipe, AC_LEVELS)
-        if pipe:
-            pipelined.append((lay, p))
-    fastest = min((p["time"]["step_s"] for p in fitting), default=float("inf"))
-    for lay, p in pipelined:                     # the twins that could reach the near-tie band
-        t, ac = p["time"], p["options"]["gradient_checkpointing"]
-        for name, v in TWINS:
-            twin = pipeline_stage.Pipeline(p["layout"]["pp"], name, v)
-            if pl.check(model, lay, twin, batch):
-                continue
-            considered += 1
-            bound = (t["step_s"] - t["pp_s"]) * (1 - t["bubble"]) / (1 - pl.bubble(twin, p["micro_steps"]))
-            if bound <= (1 + NEAR_TIE) * fastest:
-                lightest(lay, twin, AC_LEVELS[AC_LEVELS.index(ac):])
+        if pipe is not None and pipe.schedule != "1f1b":
+            later.append((lay, pipe))
+            continue
+        p = fit(lay, pipe)
+        if pipe is not None:
+            first[(lay, pipe.pp)] = p
+    # the other schedules, where they can matter. Each keeps at least 1F1B's activations in flight
+    # on its fullest stage (ZB-H1 and ZB-V p micro-batches' worth plus W's dy, interleaving more):
+    # none runs where 1F1B does not fit, and each starts from 1F1B's checkpointing. None beats the
+    # slowest stage's work plus 1F1B's sends (no bubble at all): where even that is more than
+    # 2 NEAR_TIE above the fastest plan, it could not be recommended, and is not planned.
+    fastest = min((p["time"]["step_s"] for p in fitting), default=0.0)
+    for lay, pipe in later:
+        base = first.get((lay, pipe.pp))
+        if base is None:
+            continue
+        t = base["time"]
+        if t["step_s"] - t["work_s"] * t["bubble"] / (1 - t["bubble"]) > (1 + 2 * NEAR_TIE) * fastest:
+            continue
+        fit(lay, pipe, AC_LEVELS[AC_LEVELS.index(base["options"]["gradient_checkpointing"]):])
     fitting.sort(key=lambda p: p["time"]["step_s"])
     g = cluster.gpus_per_node
     rules = [("TP within a node", lambda p, pool: p["layout"]["tp"] <= g),

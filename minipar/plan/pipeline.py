@@ -9,6 +9,8 @@ flight and ledger), and the worst stage is what must fit.
 Time: the stage with the most work sets the pace, and the schedule adds the bubble
     step = (compute + tp + all-to-all + exposed cp/dp of the slowest stage) / (1 - bubble) + sends
     bubble = (p - 1) / (m + p - 1)  (afab, 1f1b)     (p - 1) / (v m + p - 1)  (interleaved)
+             (p - 1) / (3 m + p - 1)  (zb_h1)        (p - 1) / (6 m + p - 1)  (zbv, m >= 2p - 1)
+             (schedules.theory_bubble: t_F = t_B (= t_W), the split backward's B and W even)
     sends  = 2 (m v + p - 1) x bytes(h) / bandwidth of pp: the messages on the critical path
              (the fill and drain's p - 1 hops, and each micro-batch chunk's hop in and out)
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List
 
-from minipar.pipeline_parallel.schedules import check_schedule
+from minipar.pipeline_parallel.schedules import check_schedule, theory_bubble
 
 from . import inputs as inputs_mod
 from . import model as pm
@@ -39,8 +41,7 @@ def check(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batch) -> Li
 
 
 def bubble(pipe: Pipeline, m: int) -> float:
-    v = pipe.virtual_stages if pipe.schedule == "interleaved_1f1b" else 1
-    return (pipe.pp - 1) / (v * m + pipe.pp - 1)
+    return theory_bubble(pipe.schedule, pipe.pp, m, pipe.virtual_stages)
 
 
 def critical_sends(pipe: Pipeline, m: int) -> int:

@@ -18,10 +18,13 @@ Inside a stage the layout is the 4D one of model.py; plan_stage answers, per sta
     activations  per micro-batch, the chunk's layers (model.py's per-layer bytes) + cos/sin per
                  chunk + ids on the first stage + norm/softmax on the last, times what is in flight:
                  counted from the action list (the peak of live (chunk, micro) pairs, each weighted
-                 by its chunk's bytes): AFAB m, 1F1B min(m, p - stage), interleaved what it holds
+                 by its chunk's bytes): AFAB m, 1F1B min(m, p - stage), interleaved what it holds;
+                 under zb_h1 / zbv (split_backward.py) B frees a chunk's activations but each
+                 Linear's input x and output gradient dy, which W frees (`w_bytes` below)
 
 Communication per stage, as comm.py's ledger records it: ("send", "pp") one message per F on a
-non-last virtual stage (h forward) and per B on a non-first one (dL/dh backward), each
+non-last virtual stage (h forward) and per B on a non-first one (dL/dh backward), when the
+neighbouring virtual stage is on another rank (zbv's turn at rank p - 1 is not), each
 b x s/cp (/tp under SP) x d in the dtype of the residual stream (bf16 only when ZeRO-3 casts the
 weights to bf16, else fp32; p2p.py); ("all_reduce", "pp") 8 B for the loss and 8 B for the global
 grad norm; TP/CP per layer of the stage, the embedding's collective on the first stage, lm_head's
@@ -35,7 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from minipar.pipeline_parallel.schedules import peak_in_flight, schedule_order
+from minipar.pipeline_parallel.schedules import chunk_stages, peak_in_flight, schedule_order
 from minipar.pipeline_parallel.stage import stage_chunks
 
 from . import model as pm
@@ -75,8 +78,10 @@ def stages(model: ModelShape, pipe: Pipeline) -> List[Stage]:
         raise ValueError("tie_word_embeddings with pipeline parallelism is not supported (the embedding and "
                          "lm_head would share one weight across stages): untie them or use pp 1")
     layers = list(pipe.layers) if pipe.layers is not None else None
-    return [Stage(r, stage_chunks(model.num_hidden_layers, pipe.pp, r, pipe.virtual_stages, layers), r == 0,
-                  r == pipe.pp - 1) for r in range(pipe.pp)]
+    last = pipe.pp * pipe.virtual_stages - 1
+    placed = [chunk_stages(pipe.schedule, pipe.pp, r, pipe.virtual_stages) for r in range(pipe.pp)]
+    return [Stage(r, stage_chunks(model.num_hidden_layers, pipe.pp, r, pipe.virtual_stages, layers,
+                                  pipe.schedule), 0 in placed[r], last in placed[r]) for r in range(pipe.pp)]
 
 
 def stage_tensors(model: ModelShape, layout: Layout, st: Stage) -> List[int]:
@@ -104,6 +109,8 @@ def _replay_step(replay: Zero3Replay, order, us: List[Unit], st: Stage):
     """One step of the schedule's actions through ZeRO-3's hooks."""
     chunks = [_chunk_units(us, st, c) for c in range(len(st.chunks))]
     for a in order:
+        if a.kind == "W":          # a W pass reaches the flat buffers only: it gathers nothing
+            continue
         seq = chunks[a.chunk]
         if a.kind == "F":
             replay.forward(seq)
@@ -120,21 +127,24 @@ def plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, bat
                opts: Options) -> dict:
     """Memory, activations and ledger of one stage (one rank of it: all its ranks are alike).
 
-    A long step is not replayed action by action. Under AFAB and 1F1B (one chunk per rank) every
-    micro-batch past the warm-up repeats the same actions from the same state (a backward ends
+    A long step is not replayed action by action. Under AFAB, 1F1B, ZB-H1 and ZB-V every
+    micro-batch past the warm-up (under interleaving every group of p) repeats the same actions from
+    the same state (a backward ends
     with nothing gathered, the learned orders do not change), so each count grows by the same
     amount per micro-batch and each peak stops growing. With m > 4p the stage is replayed at
     m1 = 2p, 2p + 1 and 2p + 2 micro-batches; when the three agree (every number constant, or
     growing by the same step) the answer at m is m1's plus (m - m1) steps, exactly what the full
     replay gives (tests/test_plan.py compares both); if they do not, the full replay runs."""
     M = batch.micro_steps(layout)
-    if pipe.virtual_stages > 1 or M <= 4 * pipe.pp or batch.global_batch_size % M:
+    # the interleaved schedule repeats per group of p micro-batches, the others per micro-batch
+    period = pipe.pp if pipe.schedule == "interleaved_1f1b" else 1
+    m1 = 2 * pipe.pp
+    if M <= 4 * pipe.pp or batch.global_batch_size % M or (M - m1) % period:
         return _plan_stage(model, layout, pipe, st, batch, opts)
     per = batch.global_batch_size // M                   # samples of one micro-step, over dp
-    m1 = 2 * pipe.pp
     r1, r2, r3 = (_plan_stage(model, layout, pipe, st, dataclasses.replace(batch, global_batch_size=per * m),
-                              opts) for m in (m1, m1 + 1, m1 + 2))
-    out = _extend(r1, r2, r3, M - m1)
+                              opts) for m in (m1, m1 + period, m1 + 2 * period))
+    out = _extend(r1, r2, r3, (M - m1) // period)
     return out if out is not None else _plan_stage(model, layout, pipe, st, batch, opts)
 
 
@@ -214,10 +224,32 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
         return extra + sum(pm.kept_per_layer(act, how, i) if checkpointed else act["per_layer"]
                            for i in st.chunks[c])
 
+    # zb_h1 / zbv: what each Linear keeps from B to W, its input x and output gradient dy, per
+    # layer: x of q/k/v and gate/up (n d each, gathered under SP), of o (H hd / T) and down (f / T);
+    # dy of q/k/v ((H + 2 KV) hd / T), o and down (d each, before the tp reduction), gate/up (f / T)
+    d, f, hd = model.hidden_size, model.intermediate_size, model.head_dim
+    x_layer = e * n * (2 * d + model.num_attention_heads * hd // T + f // T)
+    qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * hd // T
+    dy_layer = e * n * (qkv + 2 * d + 2 * f // T)
+
+    def w_bytes(c: int) -> Tuple[int, int]:
+        """(x, dy) bytes chunk c keeps for W: its layers', and lm_head's on the last chunk."""
+        lm = st.last and c == len(st.chunks) - 1
+        return (len(st.chunks[c]) * x_layer + (e * n * d if lm else 0),
+                len(st.chunks[c]) * dy_layer + (e * n * model.vocab_size // T if lm else 0))
+
+    split = any(a.kind == "W" for a in order)
+
     def in_flight(checkpointed, how: Options = full_ac) -> int:
         live = peak = 0
         for a in order:
-            live += (1 if a.kind == "F" else -1) * chunk_bytes(a.chunk, checkpointed, how)
+            x, dy = w_bytes(a.chunk) if split else (0, 0)
+            if a.kind == "F":
+                live += chunk_bytes(a.chunk, checkpointed, how)
+            elif a.kind == "B":        # frees what autograd saved but x (or keeps the recomputed x), adds dy
+                live += x + dy - chunk_bytes(a.chunk, checkpointed, how)
+            else:                      # W frees x and dy
+                live -= x + dy
             peak = max(peak, live)
         return peak
 
@@ -248,8 +280,12 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
     # ---- the pipeline's own messages, and the step's small reductions
     msg = message_bytes(model, layout, batch, opts)
     last_vs = pipe.pp * pipe.virtual_stages - 1
-    sends = sum(1 for a in order if (a.kind == "F" and a.chunk * pipe.pp + st.rank < last_vs)
-                or (a.kind == "B" and a.chunk * pipe.pp + st.rank > 0))
+    owner = {k: r for r in range(pipe.pp)
+             for k in chunk_stages(pipe.schedule, pipe.pp, r, pipe.virtual_stages)}
+    mine = chunk_stages(pipe.schedule, pipe.pp, st.rank, pipe.virtual_stages)
+    sends = sum(1 for a in order if (a.kind == "F" and mine[a.chunk] < last_vs
+                                     and owner[mine[a.chunk] + 1] != st.rank)
+                or (a.kind == "B" and mine[a.chunk] > 0 and owner[mine[a.chunk] - 1] != st.rank))
     add("send", "pp", sends, msg)
     add("all_reduce", "dp_cp", 1, 8)                       # the loss over dp_cp, then over pp
     add("all_reduce", "pp", 1, 8)

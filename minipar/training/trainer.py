@@ -43,6 +43,7 @@ from minipar.training.batch_source import Batches, eval_loss
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.checkpoint import verify
 from minipar.training.data import batches as mdata
+from minipar.training.host_memory import return_freed_memory
 from minipar.training.moe_metrics import MoEStepMetrics
 from minipar.training.pipeline_step import PipelineStep, build_pipeline_model
 from minipar.training.run_setup import Run
@@ -63,6 +64,8 @@ class Trainer:
         cfg, pgm = self.cfg, self.pgm
         self.is_main = pgm.global_rank == 0
         self.device = minipar.default_device()
+        if self.device.type == "cpu":             # freed tensors back to the OS, not kept by glibc
+            return_freed_memory()                 # (host_memory.py: ~23 MiB per layer at SmolLM's shape)
         self.bf16 = cfg.dtype == "bfloat16"
         # built on the meta device; each rank then materialises only what it keeps (its TP slice,
         # under ZeRO-3 only its shard of each unit), from the seed or from base_model's files
@@ -79,6 +82,11 @@ class Trainer:
                      device=self.device)
             if cfg.lora_model_dir:               # checked against the model by check.py already
                 load_adapters(model, cfg.lora_model_dir, pgm.tp)
+            n_lora = sum(math.prod(p.tp_full_shape) for p in lora_parameters(model))
+            self.log(f"LoRA r={cfg.lora_r}, alpha={cfg.lora_alpha:g} on {', '.join(self.lora_targets)}: "
+                     f"{n_lora / 1e6:.2f} M trainable parameters ({100 * n_lora / self.n_params:.2f} % of "
+                     f"{self.n_params / 1e6:.1f} M), the base frozen"
+                     + (f"; adapters from {cfg.lora_model_dir}" if cfg.lora_model_dir else ""))
         if cfg.gradient_checkpointing:            # true: full; selective: per op, or every n-th layer
             model.gradient_checkpointing_enable("full" if cfg.gradient_checkpointing is True else
                                                 cfg.gradient_checkpointing, cfg.selective_ac_option)

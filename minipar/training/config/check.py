@@ -110,11 +110,6 @@ def check(cfg) -> None:
     if cfg.moe_capacity_factor is not None and not (moe and cfg.moe_capacity_factor > 0):
         bad(f"moe_capacity_factor={cfg.moe_capacity_factor}: a capacity factor is > 0 and applies to a "
             f"mixture of experts (model_type mixtral or qwen3_moe); null is dropless")
-    if moe and (cfg.pipeline_parallel_size or 1) > 1:
-        bad(f"pipeline_parallel_size={cfg.pipeline_parallel_size} with a mixture of experts "
-            f"(model_type {cfg.model.model_type}): not supported yet, because the load-balancing "
-            f"loss pools the routing counts of all layers, which would live on different stages; "
-            f"use pipeline_parallel_size 1 (dp_shard, tp and cp compose with the experts)")
     problems += _data_files(cfg)
     problems += [ValueError(m) for m in _lora(cfg)]
     problems += [ValueError(p) for p in _reporting(cfg)]

@@ -247,9 +247,16 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
     return cfg
 
 
+# model.* keys a run may set over base_model's config.json: how it trains, not the weights' shape
+TRAINING_MODEL_KEYS = {"router_aux_loss_coef"}
+
+
 def _base_model_config(cfg: TrainConfig, explicit: set) -> LlamaConfig:
-    """base_model's config.json is the model: a `model.*` key that says otherwise is refused."""
+    """base_model's config.json is the model: a `model.*` key that says otherwise is refused, but
+    for TRAINING_MODEL_KEYS, which the run's config sets."""
     model = read_config(cfg.base_model)
+    for key in TRAINING_MODEL_KEYS & explicit:   # not the shape: the run may choose it
+        setattr(model, key, getattr(cfg.model, key))
     clash = {k: getattr(cfg.model, k) for k in sorted(explicit) if getattr(cfg.model, k) != getattr(model, k)}
     if clash:
         got = ", ".join(f"model.{k}={v!r} (config.json: {getattr(model, k)!r})" for k, v in clash.items())

@@ -83,23 +83,23 @@ def test_moe_more_layouts_equal_one_process_for_20_steps(tmp_path, world, extra)
         _same(ref, got)
 
 
-def test_pipeline_equals_one_process(tmp_path):
+@pytest.mark.parametrize("coef", ["0.1", pytest.param("0", marks=pytest.mark.slow)])
+def test_pipeline_equals_one_process(tmp_path, coef):
     """pp 2 (1F1B over 4 micro-batches, one MoE layer per stage): the aux loss pools both stages'
     counts (models/moe_aux.py's PipelineAux: side vectors forward and back), and the losses and
     gradient norms are one process's, with it and without it (router_aux_loss_coef 0); so are the
     step's aux loss, imbalance per layer and drops."""
     def losses(history):
         return [(r["loss"], r["grad_norm"]) for r in history]
-    for coef in ("0.1", "0"):
-        extra = ("--model.router_aux_loss_coef", coef)
-        ref = run_world(_train_pp, 1, _argv(tmp_path / f"one{coef}", 3, *extra), timeout=300)[0]
-        got = run_world(_train_pp, 2, _argv(tmp_path / f"pp{coef}", 3, *extra,
-                                            "--pipeline_parallel_size", "2"), timeout=300)
-        for g in got:
-            for (a, ga), (b, gb) in zip(losses(ref), losses(g)):
-                assert abs(a - b) <= 1e-4 * a and abs(ga - gb) <= 1e-4 * ga, (coef, a, b, ga, gb)
-            if coef != "0":                      # the step's figures too, gathered over the stages
-                _same_moe(ref, g)
+    extra = ("--model.router_aux_loss_coef", coef)
+    ref = run_world(_train_pp, 1, _argv(tmp_path / "one", 3, *extra), timeout=300)[0]
+    got = run_world(_train_pp, 2, _argv(tmp_path / "pp", 3, *extra, "--pipeline_parallel_size", "2"),
+                    timeout=300)
+    for g in got:
+        for (a, ga), (b, gb) in zip(losses(ref), losses(g)):
+            assert abs(a - b) <= 1e-4 * a and abs(ga - gb) <= 1e-4 * ga, (coef, a, b, ga, gb)
+        if coef != "0":                          # the step's figures too, gathered over the stages
+            _same_moe(ref, g)
 
 
 def _same_moe(ref, got):

@@ -103,6 +103,12 @@ def _parts(t: dict) -> str:
             f"{t['memory_bound_s']:.3g} s, optimizer step {t['optimizer_s']:.3g} s")
 
 
+def ac_label(o: dict, sep: str = ", ") -> str:
+    """A layout's checkpointing as a short suffix: "", ", AC" (every layer) or ", SAC" (selective)."""
+    ac = o["gradient_checkpointing"]
+    return "" if not ac else f"{sep}{'SAC' if ac == 'selective' else 'AC'}"
+
+
 def _ac(o: dict) -> str:
     """The options' activation checkpointing in words."""
     ac = o["gradient_checkpointing"]
@@ -143,7 +149,7 @@ def describe_search(s: dict, model: ModelShape, top: int = 10) -> str:
     lines = [f"{len(s['ranked'])} of {s['considered']} layouts fit; fastest first "
              f"(est. step s, MFU, GB per rank):"]
     for p in s["ranked"][:top]:
-        ac = " +AC" if p["options"]["gradient_checkpointing"] else ""
+        ac = ac_label(p["options"], " +")
         t = p["time"]
         lines.append(f"  {p['layout_str'] + ac:<66}{t['step_s']:8.3f} s {100 * t['mfu']:5.1f} %"
                      f"{p['memory']['total'] / GB:8.1f} GB")

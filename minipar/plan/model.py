@@ -287,6 +287,8 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
             row = t in ("o_proj", "down_proj")                    # (the norm's), row B in e
             a, b_ = model.lora_tensors(1, opts.lora_r, [t])
             add("all_reduce", "tp", L, b_ * e if row else a * pe)
+        if m.qk_norm and not lora:   # Qwen3's q / k norms: a tp rank saw its heads only, so summed
+            add("all_reduce", "tp", 2 * L, m.head_dim * pe)
         add("all_reduce", "tp", 1, 4 * n)                 # loss: the max of the logits
         add("all_reduce", "tp", 1, 8 * n)                 # loss: sum of exps and the target logit
         cp_attention(add, m, layout, batch, opts, L, ac)

@@ -115,10 +115,10 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
         return None
 
     for lay, pipe in candidates(model, batch, world, pipeline):
-        considered += 1
         if pipe is not None and pipe.schedule != "1f1b":
             later.append((lay, pipe))
             continue
+        considered += 1
         p = fit(lay, pipe)
         if pipe is not None:
             first[(lay, pipe.pp)] = p
@@ -135,6 +135,7 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
         t = base["time"]
         if t["step_s"] - t["work_s"] * t["bubble"] / (1 - t["bubble"]) > (1 + 2 * NEAR_TIE) * fastest:
             continue
+        considered += 1               # (the count of layouts planned: the skipped ones are not)
         fit(lay, pipe, (True,) if base["options"]["gradient_checkpointing"] else (False, True))
     fitting.sort(key=lambda p: p["time"]["step_s"])
     g = cluster.gpus_per_node

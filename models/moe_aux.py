@@ -107,19 +107,33 @@ class PipelineAux:
                   each earlier stage adds K * sum_e C_e * (its sums) to its backward
 
     so the gradients are the one-process ones. Only the size of two vectors per micro-batch and
-    boundary is sent (2E and E + 1 floats). metrics.jsonl gets no moe_* fields under pp."""
+    boundary is sent (2E and E + 1 floats). It also sums a step's figures (step_metrics: the
+    moe_* fields of metrics.jsonl, as minipar/training/moe_metrics.py gives them without pp)."""
 
     def __init__(self, config, pgm: ProcessGroupManager):
         self.config, self.pgm = config, pgm
         self.E = config.num_local_experts
         self.L = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
         self.size, self.back_size = 2 * self.E, self.E + 1
+        moe_ids = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+        self.moe_index = {i: j for j, i in enumerate(moe_ids)}    # decoder layer -> row of `counts`
+        self._reset()
+
+    def _reset(self):
+        # this rank's sums over a step: the aux losses (last stage), counts per MoE layer, drops
+        self.aux_sum, self.counts, self.dropped, self.micro = 0.0, None, 0, 0
 
     def forward_side(self, layers, side_in):
         """-> (side_out, this chunk's probability sums with grad (or None), its tokens)."""
         moes = moe_layers(layers)
         if not moes:
             return side_in, None, None
+        if self.counts is None:
+            self.counts = torch.zeros(self.L, self.E, dtype=torch.float64, device=side_in.device)
+        for layer in layers:
+            if getattr(layer, "is_moe", False):
+                self.counts[self.moe_index[layer.layer_idx]] += layer.mlp.router_stats[0].double()
+                self.dropped += layer.mlp.dropped
         counts = torch.stack([m.router_stats[0] for m in moes]).sum(0)
         probs = torch.stack([m.router_stats[1] for m in moes]).sum(0)
         side_out = side_in + torch.cat([counts, probs.detach()]).to(side_in.dtype)
@@ -135,6 +149,8 @@ class PipelineAux:
         if pgm.cp.size > 1:
             packed = comm.all_reduce(packed, pgm.cp)
         back = torch.cat([packed[:E], (self.L * packed[-1:])])
+        self.aux_sum += (E * (back[:E] * packed[E:2 * E]).sum() / back[E] ** 2).item()
+        self.micro += 1
         value = self._k(back, weight) * (back[:E] * probs_tp).sum()
         term = self.earlier(back, probs, weight) if probs is not None else value * 0
         return term + (value - term).detach(), back
@@ -145,3 +161,23 @@ class PipelineAux:
 
     def _k(self, back, weight: float):
         return self.config.router_aux_loss_coef * weight * self.E / back[self.E] ** 2
+
+    def step_metrics(self, device, num_micro: int) -> dict:
+        """The step's moe_aux_loss, moe_imbalance, moe_dropped, as without pp. Collective over
+        dp_cp and pp (and tp under SP); resets the sums."""
+        pgm = self.pgm
+        counts = self.counts if self.counts is not None else \
+            torch.zeros(self.L, self.E, dtype=torch.float64, device=device)
+        # aux: last stage only, equal on its cp and tp ranks; counts and drops: each rank's own
+        packed = torch.cat([torch.tensor([self.aux_sum / pgm.cp.size], dtype=torch.float64, device=device),
+                            counts.reshape(-1), torch.tensor([float(self.dropped)], dtype=torch.float64,
+                                                             device=device)])
+        for group in (pgm.dp_cp, pgm.pp):
+            packed = comm.all_reduce(packed, group)
+        if pgm.config.sequence_parallel and pgm.tp.size > 1:   # the tp ranks routed their own tokens
+            packed[1:] = comm.all_reduce(packed[1:].clone(), pgm.tp)
+        counts = packed[1:-1].view(self.L, self.E)
+        imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).tolist()
+        self._reset()
+        return dict(moe_aux_loss=packed[0].item() / (num_micro * pgm.dp.size),
+                    moe_imbalance=[round(x, 6) for x in imbalance], moe_dropped=int(round(packed[-1].item())))

@@ -8,7 +8,7 @@ import torch
 from harness import run_world
 
 import minipar
-from minipar import ParallelismConfig
+from minipar import ParallelismConfig, comm_ledger
 from minipar import tensor_parallel as tpl
 from minipar.data_parallel import replicate
 from minipar.lora import add_lora, lora_parameters
@@ -169,8 +169,8 @@ def test_lora_checkpoint_holds_adapters_and_resumes_on_another_layout(tmp_path):
 
 
 def _state(argv):
-    """A LoRA run's persistent bytes per rank after one step (params, grads, AdamW states), and
-    the planner's config view of it."""
+    """A LoRA run's persistent bytes per rank at the end of its first step (params, grads, AdamW
+    states), its collectives by the comm ledger, and the config the planner reads."""
     torch.set_num_threads(1)
     tr = Trainer(setup_run(argv))
     state, zero_grad = {}, tr.optimizer.zero_grad
@@ -183,24 +183,35 @@ def _state(argv):
         zero_grad(set_to_none=set_to_none)
 
     tr.optimizer.zero_grad = measure_then_zero
-    tr.train_step(0)
+    with comm_ledger.ledger() as led:
+        tr.train_step(0)
     return dict(state, gathered=getattr(getattr(tr.model, "zero3", None), "peak_gathered_bytes", 0),
-                cfg=tr.cfg)
+                ledger={k: list(v) for k, v in led.summary().items()}, cfg=tr.cfg, layout=tr.pgm.config)
 
 
-def test_planner_counts_lora_memory_exactly(tmp_path):
-    world, extra = 4, ["--dp_shard_size", "2", "--tensor_parallel_size", "2"]
-    from minipar.plan import Layout, memory
+PLANNED = [(["--lora_target_modules", "[q_proj, o_proj, up_proj, down_proj]"], ("q_proj", "o_proj", "up_proj",
+                                                                               "down_proj")),
+           (["--lora_target_modules", "[up_proj, down_proj]", "--sequence_parallel", "true", "--dtype",
+             "bfloat16"], ("up_proj", "down_proj"))]
+
+
+@pytest.mark.parametrize("extra,targets", PLANNED, ids=["attention-and-mlp", "mlp-only-sp-bf16"])
+def test_planner_counts_lora_memory_and_collectives_exactly(tmp_path, extra, targets):
+    """python -m minipar.plan's counts for a LoRA run (minipar/plan/model.py) against the run itself
+    on dp_shard 2 x tp 2: the frozen shards, the adapters' gradients and AdamW states, the gathered
+    units, and every collective of the step (no reduce-scatter; the adapters' all-reduces over tp
+    and dp_cp; layer 0's backward f/g that do not run)."""
+    from minipar.plan import Layout, collectives, memory
     from minipar.plan.__main__ import from_train_config
-    argv = _argv(tmp_path, 1, *extra, "--lora_target_linear", "false", "--lora_target_modules",
-                 "[q_proj, o_proj, up_proj, down_proj]")
-    for got in run_world(_state, world, argv, timeout=200):
-        model, sizes, _, opts = from_train_config(got["cfg"])
-        assert opts.lora_r == 4 and opts.lora_targets == ("q_proj", "o_proj", "up_proj", "down_proj")
-        cfg = got["cfg"]
-        layout = Layout(1, cfg.dp_shard_size, 1, cfg.tensor_parallel_size)
+    argv = _argv(tmp_path, 1, "--dp_shard_size", "2", "--tensor_parallel_size", "2",
+                 "--lora_target_linear", "false", *extra)
+    for got in run_world(_state, 4, argv, timeout=200):
+        model, _, batch, opts = from_train_config(got["cfg"])
+        assert opts.lora_r == 4 and opts.lora_targets == targets
+        lc = got["layout"]
+        layout = Layout(1, lc.dp_shard_size, 1, lc.tp_size, lc.sequence_parallel)
         mem = memory(model, layout, opts)
-        want = (mem["params"], mem["grads"], mem["optimizer"])
-        assert (got["params"], got["grads"], got["optimizer"]) == want
+        want = (mem["params"], mem["grads"], mem["optimizer"], mem["gathered"])
+        assert (got["params"], got["grads"], got["optimizer"], got["gathered"]) == want
         assert mem["grads"] < mem["params"] / 5 and mem["accumulated_grads"] == 0
-        assert got["gathered"] == mem["gathered"] > 0
+        assert got["ledger"] == {k: [c, b] for k, (c, b) in collectives(model, layout, batch, opts).items()}

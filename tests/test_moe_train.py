@@ -83,20 +83,30 @@ def test_moe_more_layouts_equal_one_process_for_20_steps(tmp_path, world, extra)
         _same(ref, got)
 
 
-def test_pipeline_equals_one_process(tmp_path):
+@pytest.mark.parametrize("coef", ["0.1", pytest.param("0", marks=pytest.mark.slow)])
+def test_pipeline_equals_one_process(tmp_path, coef):
     """pp 2 (1F1B over 4 micro-batches, one MoE layer per stage): the aux loss pools both stages'
     counts (models/moe_aux.py's PipelineAux: side vectors forward and back), and the losses and
-    gradient norms are one process's, with it and without it (router_aux_loss_coef 0)."""
+    gradient norms are one process's, with it and without it (router_aux_loss_coef 0); so are the
+    step's aux loss, imbalance per layer and drops."""
     def losses(history):
         return [(r["loss"], r["grad_norm"]) for r in history]
-    for coef in ("0.1", "0"):
-        extra = ("--model.router_aux_loss_coef", coef)
-        ref = run_world(_train_pp, 1, _argv(tmp_path / f"one{coef}", 3, *extra), timeout=300)[0]
-        got = run_world(_train_pp, 2, _argv(tmp_path / f"pp{coef}", 3, *extra,
-                                            "--pipeline_parallel_size", "2"), timeout=300)
-        for g in got:
-            for (a, ga), (b, gb) in zip(losses(ref), losses(g)):
-                assert abs(a - b) <= 1e-4 * a and abs(ga - gb) <= 1e-4 * ga, (coef, a, b, ga, gb)
+    extra = ("--model.router_aux_loss_coef", coef)
+    ref = run_world(_train_pp, 1, _argv(tmp_path / "one", 3, *extra), timeout=300)[0]
+    got = run_world(_train_pp, 2, _argv(tmp_path / "pp", 3, *extra, "--pipeline_parallel_size", "2"),
+                    timeout=300)
+    for g in got:
+        for (a, ga), (b, gb) in zip(losses(ref), losses(g)):
+            assert abs(a - b) <= 1e-4 * a and abs(ga - gb) <= 1e-4 * ga, (coef, a, b, ga, gb)
+        if coef != "0":                          # the step's figures too, gathered over the stages
+            _same_moe(ref, g)
+
+
+def _same_moe(ref, got):
+    for step, (a, b) in enumerate(zip(ref, got), 1):
+        assert abs(a["moe_aux_loss"] - b["moe_aux_loss"]) <= 1e-5 * a["moe_aux_loss"], f"step {step}"
+        assert b["moe_imbalance"] == pytest.approx(a["moe_imbalance"], rel=1e-6), f"step {step}"
+        assert a["moe_dropped"] == b["moe_dropped"], f"step {step}"
 
 
 def _train_pp(argv):
@@ -163,20 +173,23 @@ def test_hub_moe_checkpoint_first_step_equals_transformers(tmp_path, family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,extra", [
-    (4, ["--pipeline_schedule", "1f1b", "--dp_shard_size", "2"]),               # ZeRO-3 inside the stages
+    (4, ["--pipeline_schedule", "1f1b", "--dp_shard_size", "2", "--moe_capacity_factor", "1.0"]),
     (2, ["--pipeline_schedule", "interleaved_1f1b"]),                           # two chunks per rank
     (2, ["--pipeline_schedule", "zbv"]),                                        # the V: a turn kept local
     (4, ["--pipeline_schedule", "zb_h1", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
     (4, ["--pipeline_schedule", "1f1b", "--context_parallel_size", "2"]),
     (4, ["--pipeline_schedule", "1f1b", "--dp_shard_size", "2", "--expert_parallel_size", "2"]),
-], ids=["1f1b-shard2", "interleaved", "zbv", "zb_h1-tp2-sp", "1f1b-cp2", "1f1b-shard2-ep2"])
+], ids=["1f1b-shard2-capacity", "interleaved", "zbv", "zb_h1-tp2-sp", "1f1b-cp2", "1f1b-shard2-ep2"])
 def test_moe_pipeline_schedules_equal_one_process(tmp_path, world, extra):
     """Every schedule carries the aux loss's side vectors (forward with the activations, back with
-    their gradients), alone and beside ZeRO-3, TP + SP and CP: 6 steps as one process's."""
+    their gradients), alone and beside ZeRO-3 (with drops past capacity), TP + SP, CP and EP: 6
+    steps as one process's, the step's MoE figures included."""
     four = ("--model.num_hidden_layers", "4")
-    ref = _single(tmp_path, 6, *four)
+    capacity = ("--moe_capacity_factor", "1.0") if "--moe_capacity_factor" in extra else ()
+    ref = _single(tmp_path, 6, *four, *capacity)
     for got in run_world(_train_pp, world, _argv(tmp_path / "run", 6, *four, "--pipeline_parallel_size", "2",
                                               *extra), timeout=600):
         for step, (a, b) in enumerate(zip(ref, got), 1):
             for key in ("loss", "grad_norm"):
                 assert abs(a[key] - b[key]) <= 1e-4 * abs(a[key]), f"step {step}: {key} {b[key]} vs {a[key]}"
+        _same_moe(ref, got)

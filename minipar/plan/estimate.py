@@ -27,7 +27,8 @@ The time model (stated, and the same for every layout so that the ranking is fai
     defaults    Cluster below: each field is a flag of python -m minipar.plan, with its source
 Kernel launch gaps and the host are not modelled.
 
-Fits: persistent + gathered + activations (with or without checkpointing) + transient (ZeRO-3:
+Fits: persistent + gathered + activations (with or without checkpointing; with one micro-batch
+per step not beside the gradients, model.py's activations_beside_grads) + transient (ZeRO-3:
 two units' unsharded fp32 gradients in flight; the loss: the logits and their fp32 softmax) must
 stay under `gpu_memory` x (1 - reserve); reserve (default 0.1) stands for the CUDA context, NCCL
 buffers and allocator fragmentation.
@@ -129,7 +130,8 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     if layout.sharded:
         transient += 2 * 4 * max(u.numel for u in pm.units(model, layout))
     activation = act["as_configured"]
-    total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
+    total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + transient \
+        + pm.activations_beside_grads(activation, mem["grads"], batch.micro_steps(layout))
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
     tokens = batch.global_batch_size * batch.sequence_len
     return dict(

@@ -17,9 +17,10 @@ Persistent state per rank (what lives between steps, after backward):
   P_rank = the TP-local parameters; under ZeRO-3 (S > 1) the sum over units of ceil(P_unit / N),
   each unit's flat buffer padded to a multiple of N, and one tensor per unit.
   With LoRA (adapter: lora) the base keeps its 4 B x P_rank of fp32 weights only, and the adapters,
-  A_rank = L x their TP-local elements (whole over dp, inputs.py's lora_tensors), take the 16 B;
-  the collectives and FLOPs below, and a pipeline stage's memory (pipeline_stage.py), are still a
-  full fine-tune's (LoRA's are not modelled).
+  A_rank = L x their TP-local elements (whole over dp, inputs.py's lora_tensors), take the 16 B.
+  Its collectives (`collectives`): no reduce-scatter of the frozen units, the adapters' all-reduce
+  over dp_cp, one tp all-reduce per adapter's whole piece, and fewer backward f/g at layer 0; its
+  FLOPs and a pipeline stage's memory and collectives (pipeline_stage.py) are a full fine-tune's.
 Gathered (ZeRO-3 only): full unit buffers in the compute dtype: the root (final norm, lm_head) from
   the start of forward into its backward, plus a window of 1 + prefetch units (the embedding, then
   decoder layers) moving through the forward and backward orders. With fsdp.sync_each_batch false
@@ -164,6 +165,20 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     return out
 
 
+def activations_beside_grads(activation: int, grads: int, micro_steps: int) -> int:
+    """What the activations add to the persistent state (which counts the gradient shards) at the
+    peak. With one micro-batch per step they never meet the gradients: zero_grad sets every gradient
+    to None after the optimizer step, so the forward and the start of backward hold none, and a
+    layer's gradient shard appears only once its backward has freed its activations; the peak is
+    then the larger of the start of backward (activations, no gradients) and its end (gradients, no
+    activations). Accumulating micro-batches hold the earlier ones' gradients: both count.
+    (benchmarks/bench_memory.py measures it: at SmolLM-135M's shape the gradients would be 3.4 MiB
+    of the 25 per layer.)"""
+    if micro_steps > 1:
+        return activation
+    return max(activation - grads, 0)
+
+
 def kept_per_layer(act: Dict[str, int], opts: Options, i: int) -> int:
     """Bytes decoder layer i (its index in the model) keeps for backward under the options'
     checkpointing, from activations()' per-layer counts."""
@@ -233,14 +248,25 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
     ac = recomputed_layers(model, opts, L)
     # ZeRO-3 gathers parameters in the compute dtype; otherwise fp32 masters (and so fp32 norm grads)
     pe = e if layout.sharded else 4
+    # LoRA (frozen base): layer 0's input needs no gradient (embedding and norm frozen), so the f
+    # before its q/k/v runs no backward, nor (unless attention is adapted) the one before gate/up;
+    # under SP the embedding's g runs no backward, nor (unless attention is adapted) layer 0's o_proj's
+    lora = opts.lora_r > 0
+    attn = any(t in ("q_proj", "k_proj", "v_proj", "o_proj") for t in opts.lora_targets)
+    skipped = (2 - attn) if lora else 0
     for micro in range(M):
         act = n * d * e
         if layout.sp:   # f / g become all-gather / reduce-scatter along the sequence
-            add("all_gather", "tp", (2 * L + 1) + (2 * L + 1) + 2 * ac, act)
-            add("reduce_scatter", "tp", (2 * L + 1) + (2 * L + 1) + ac, act)
-            add("all_reduce", "tp", 2 * L + 1, d * pe)  # norm weight grads (they saw n / tp tokens)
+            add("all_gather", "tp", (2 * L + 1) + (2 * L + 1) - skipped + 2 * ac, act)
+            add("reduce_scatter", "tp", (2 * L + 1) + (2 * L + 1) - skipped + ac, act)
+            if not lora:
+                add("all_reduce", "tp", 2 * L + 1, d * pe)  # norm weight grads (they saw n / tp tokens)
         else:           # fwd: embedding, o_proj, down_proj; bwd: the f before qkv, gate/up, lm_head
-            add("all_reduce", "tp", (2 * L + 1) + (2 * L + 1) + ac, act)
+            add("all_reduce", "tp", (2 * L + 1) + (2 * L + 1) - skipped + ac, act)
+        for t in opts.lora_targets:   # the whole pieces' gradients: column A in the input's dtype
+            row = t in ("o_proj", "down_proj")                    # (the norm's), row B in e
+            a, b_ = model.lora_tensors(1, opts.lora_r, [t])
+            add("all_reduce", "tp", L, b_ * e if row else a * pe)
         add("all_reduce", "tp", 1, 4 * n)                 # loss: the max of the logits
         add("all_reduce", "tp", 1, 8 * n)                 # loss: sum of exps and the target logit
         cp_attention(add, m, layout, batch, opts, L, ac)
@@ -249,9 +275,14 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
             synced = opts.sync_each_batch or micro == M - 1      # no_sync: only the last micro-batch
             for u in units(m, layout):
                 add("all_gather", "dp_shard_cp", gathers(u, opts), _padded(u.numel, N) * e)
-                add("reduce_scatter", "dp_shard_cp", int(synced), _padded(u.numel, N) * 4)
-                add("all_reduce", "dp_replicate", int(synced), _padded(u.numel, N) // N * 4)
-    if not layout.sharded:                                # DDP over dp_cp at the last micro-batch
+                if not lora:                              # a frozen unit is never reduced
+                    add("reduce_scatter", "dp_shard_cp", int(synced), _padded(u.numel, N) * 4)
+                    add("all_reduce", "dp_replicate", int(synced), _padded(u.numel, N) // N * 4)
+    if lora:                                              # the adapters, whole on every dp rank
+        ad = model.lora_tensors(layout.tp, opts.lora_r, opts.lora_targets) * L
+        for nbytes in bucket_bytes([4 * x for x in ad]):
+            add("all_reduce", "dp_cp", 1, nbytes)
+    elif not layout.sharded:                              # DDP over dp_cp at the last micro-batch
         for nbytes in ddp_buckets(m, layout):
             add("all_reduce", "dp_cp", 1, nbytes)
     add("all_reduce", "dp_cp", 1, 8)                      # the logged loss (fp64)

@@ -31,9 +31,9 @@ def describe(p: dict, model: ModelShape) -> str:
              f"prefetch {o['prefetch']}, activation checkpointing "
              f"{_ac(o)}",
              ""]
-    if o.get("lora_r"):     # memory counts LoRA (the frozen base, the adapters); the rest does not
-        lines[-1:] = [f"LoRA r={o['lora_r']} on {', '.join(o['lora_targets'])}: memory counts the frozen "
-                      f"base and the adapters; communication and time are a full fine-tune's", ""]
+    if o.get("lora_r"):     # memory and collectives count LoRA; the FLOPs do not
+        lines[-1:] = [f"LoRA r={o['lora_r']} on {', '.join(o['lora_targets'])}: memory and communication "
+                      f"count the frozen base and the adapters; compute is a full fine-tune's", ""]
     unit, size = _unit(m["total"])
     lines.append(f"memory per rank ({unit})")
     sharded = p["layout"]["dp_shard"] * p["layout"]["cp"] > 1        # ZeRO-3 over dp_shard_cp

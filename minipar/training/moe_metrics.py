@@ -17,8 +17,8 @@ summed):
 
 (summed over tp too under sequence parallelism, where each tp rank routes its own tokens). The
 figures do not depend on the layout, except moe_dropped under cp or sequence parallelism, where
-the capacity is a rank's (models/moe.py). Under pipeline parallelism the step (pipeline_step.py)
-records none of them.
+the capacity is a rank's (models/moe.py). Under pipeline parallelism models/moe_aux.py's
+PipelineAux sums the same figures over the stages (when the aux loss is on).
 """
 from __future__ import annotations
 

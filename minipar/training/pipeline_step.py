@@ -112,7 +112,9 @@ class PipelineStep:
                                 arrivals=self.arrivals)
         comm.all_reduce(loss, pgm.dp_cp)
         comm.all_reduce(loss, pgm.pp)
-        return dict(loss=loss.item(), **self.optimizer_step())
+        aux = self.model.pipeline_aux             # an MoE's figures (models/moe_aux.py), or none
+        moe = aux.step_metrics(loss.device, M) if aux is not None else {}
+        return dict(loss=loss.item(), **self.optimizer_step(), moe=moe)
 
     def evaluate(self) -> float:
         # only the last stage's forward_only returns a loss (the others zero): summed over pp too

@@ -53,6 +53,9 @@ How the hooks find their moments, for any model:
     saved view is valid again; then prefetches the next unit of the backward order;
   - after backward:  the flat buffer is one autograd leaf; its post-accumulate-grad hook fires
     once all gradients of the unit are in its .grad: reduce-scatter, free;
+  - after backward, a frozen unit (LoRA's base: no gradient, so no such hook): the pre-forward hook
+    passes the unit's inputs through an identity Function (unit.py's AfterBackward) whose backward runs
+    once their gradients are complete, i.e. once the unit's backward is done, and frees it;
   - end of backward: a callback queued on the autograd engine waits for the outstanding
     reduce-scatters, so when loss.backward() returns the shard gradients are final (queued by the
     first of these hooks to fire: a pipeline's W pass only reaches the post-accumulate-grad one).
@@ -83,7 +86,7 @@ from ..expert_parallel.sharding import split_experts
 from .flat_param import plan_units
 from .grad_reduce import GradientReduction
 from .state_dicts import ShardedStateDicts
-from .unit import Unit
+from .unit import AfterBackward, Unit
 
 
 def _tensors(out):
@@ -95,21 +98,6 @@ def _tensors(out):
     elif isinstance(out, dict):
         for o in out.values():
             yield from _tensors(o)
-
-
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once their gradients are complete, i.e. when
-    the unit's backward is done, and calls `done` (frees a frozen unit, which has no gradient hook)."""
-
-    @staticmethod
-    def forward(ctx, done, *tensors):
-        ctx.done = done
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.done()
-        return (None, *grads)
 
 
 class Zero3:
@@ -210,7 +198,7 @@ class Zero3:
         grads = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not grads:
             return None                          # (freed at the end of backward)
-        out = _AfterBackward.apply(lambda u=u: self._post_backward_frozen(u), *(args[i] for i in grads))
+        out = AfterBackward.apply(lambda u=u: self._post_backward_frozen(u), *(args[i] for i in grads))
         args = list(args)
         for i, t in zip(grads, out):
             args[i] = t

@@ -113,3 +113,18 @@ class Unit:
     @property
     def gathered_bytes(self) -> int:
         return self.buffer.untyped_storage().nbytes()
+
+
+class AfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once their gradients are complete, i.e. when
+    the unit's backward is done, and calls `done` (frees a frozen unit, which has no gradient hook)."""
+
+    @staticmethod
+    def forward(ctx, done, *tensors):
+        ctx.done = done
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)

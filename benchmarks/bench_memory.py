@@ -1,0 +1,153 @@
+r"""Peak resident memory per rank as decoder layers are added, against the planner, at SmolLM-135M's
+shape (vocab 49,152, hidden 576, intermediate 1,536, 9 / 3 heads, tied embeddings; fp32,
+dp_shard 4 (ZeRO-3), 4 x 256 tokens per step, one micro-batch per rank).
+
+    .venv/bin/python benchmarks/bench_memory.py                      layers 1, 15, 30; writes the table
+    .venv/bin/python benchmarks/bench_memory.py --quick              layers 1 and 4, prints only
+
+Each cell is a fresh world of 4 forked gloo ranks running train.py's Trainer for 3 steps. Per rank:
+baseline = resident memory before the Trainer is built (Python, torch, the process groups); peak =
+the most resident memory during steps 2 and 3 (VmHWM, reset after step 1: the first step creates
+AdamW's states, so a run's peak is a later step's). The table shows the largest over ranks, and
+the planner's total for the same run (python -m minipar.plan: persistent state, gathered units,
+activations, the loss's and the gradients' transients), which leaves the baseline out: compare
+the growth per layer, not the totals.
+
+    allocator   returned    minipar's default on a CPU (minipar/training/host_memory.py: glibc's mmap
+                            threshold fixed, so a freed tensor goes back to the kernel)
+                glibc       that setting undone: glibc's dynamic threshold keeps freed tensors in
+                            its heap, and the peak counts memory that was live at different moments
+
+Memory does not depend on the machine's load (the time would), but the table records the load
+average like every benchmark here and is written only when the load at the start is below the
+number of cores.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+from common import current_rss, peak_rss, reset_peak_rss  # noqa: E402
+from harness import run_world  # noqa: E402
+
+from minipar.plan import Batch, Cluster, Layout, ModelShape, Options, plan  # noqa: E402
+
+MiB = 2 ** 20
+SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+             num_key_value_heads=3, tie_word_embeddings=True)
+RANKS, BATCH, SEQ = 4, 4, 256
+
+
+def argv(layers: int, output_dir: str):
+    model = [x for k, v in SHAPE.items() for x in (f"--model.{k}", str(v).lower())]
+    return [os.path.join(ROOT, "configs", "fsdp.yaml"), *model, "--model.num_hidden_layers", str(layers),
+            "--model.max_position_embeddings", "2048", "--sequence_len", str(SEQ),
+            "--global_batch_size", str(BATCH), "--dp_shard_size", str(RANKS), "--dtype", "float32",
+            "--max_steps", "3", "--warmup_steps", "0", "--eval_steps", "0", "--progress_bar", "false",
+            "--save_final_checkpoint", "false", "--export_hf", "false", "--peak_tflops", "1",
+            "--output_dir", output_dir]
+
+
+def measure(args, allocator: str):
+    """Inside a rank: (baseline, peak of steps 2-3, resident at the end of step 3's forward), in bytes."""
+    import torch
+
+    from minipar.training.run_setup import setup_run
+    from minipar.training.trainer import Trainer
+    torch.set_num_threads(1)
+    if allocator == "glibc":             # the Trainer leaves glibc's malloc as it is (host_memory.py)
+        os.environ["MINIPAR_GLIBC_MALLOC"] = "1"
+    run = setup_run(args)
+    base = reset_peak_rss()
+    tr = Trainer(run)
+    forward, at_end = tr._forward, []
+
+    def counted(*a, **k):                # every activation of the micro-batch alive, no gradient yet
+        loss = forward(*a, **k)
+        at_end.append(current_rss())
+        return loss
+    tr._forward = counted
+    tr.train_step(0)
+    reset_peak_rss()
+    for step in (1, 2):
+        tr.train_step(step)
+    return base, peak_rss(), at_end[-1]
+
+
+def measured(layers: int, allocator: str) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        per_rank = run_world(measure, RANKS, argv(layers, out), allocator, timeout=1200)
+    return dict(baseline=max(r[0] for r in per_rank), peak=max(r[1] for r in per_rank),
+                forward_end=max(r[2] for r in per_rank))
+
+
+def planned(layers: int) -> dict:
+    """The planner's peak, and what it has alive at the end of the forward (the state less the
+    gradients, which zero_grad freed, the gathered units and the micro-batch's activations)."""
+    model = ModelShape.from_dict(dict(SHAPE, num_hidden_layers=layers))
+    layout, batch = Layout(dp_shard=RANKS), Batch(BATCH, None, SEQ)
+    m = plan(model, layout, batch, Options(dtype="float32"), Cluster())["memory"]
+    return dict(planned=m["total"],
+                planned_forward_end=m["persistent"] - m["grads"] + m["gathered"] + m["activations"]["full"])
+
+
+def growth(rows, key):
+    """MiB per layer between consecutive rows."""
+    return [(a["layers"], b["layers"], (b[key] - a[key]) / (b["layers"] - a["layers"]) / MiB)
+            for a, b in zip(rows, rows[1:])]
+
+
+def table(rows_by_allocator, load_start, load_end) -> str:
+    lines = ["# Peak resident memory per rank against the planner, by decoder layers", "",
+             f"SmolLM-135M's shape, fp32, dp_shard {RANKS} (ZeRO-3), {BATCH} x {SEQ} tokens per step; "
+             f"peak of steps 2-3, largest over ranks; {os.cpu_count()} cores, load average "
+             f"{load_start:.2f} at the start and {load_end:.2f} at the end. Generated by "
+             "`python benchmarks/bench_memory.py` (benchmarks/bench_memory.py says how).", "",
+             "| allocator | layers | baseline MiB | peak MiB | planner MiB | end of forward MiB | "
+             "planner MiB |", "|---|---|---|---|---|---|---|"]
+    for allocator, rows in rows_by_allocator.items():
+        lines += [f"| {allocator} | {r['layers']} | {r['baseline'] / MiB:.0f} | {r['peak'] / MiB:.0f} | "
+                  f"{r['planned'] / MiB:.0f} | {r['forward_end'] / MiB:.0f} | "
+                  f"{r['planned_forward_end'] / MiB:.0f} |" for r in rows]
+    lines += ["", "Growth per decoder layer (MiB), of the peak and of the end of the forward:", "",
+              "| allocator | layers | peak | planner | ratio | end of forward | planner | ratio |",
+              "|---|---|---|---|---|---|---|---|"]
+    for allocator, rows in rows_by_allocator.items():
+        for (a, b, got), (_, _, want), (_, _, fgot), (_, _, fwant) in zip(
+                growth(rows, "peak"), growth(rows, "planned"), growth(rows, "forward_end"),
+                growth(rows, "planned_forward_end")):
+            lines.append(f"| {allocator} | {a} -> {b} | {got:.1f} | {want:.1f} | {got / want:.2f} | "
+                         f"{fgot:.1f} | {fwant:.1f} | {fgot / fwant:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv_=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, nargs="+", default=[1, 15, 30])
+    ap.add_argument("--allocators", nargs="+", default=["returned", "glibc"], choices=("returned", "glibc"))
+    ap.add_argument("--quick", action="store_true", help="layers 1 and 4, the returned allocator; no file")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_memory.md"))
+    args = ap.parse_args(argv_)
+    if args.quick:
+        args.layers, args.allocators = [1, 4], ["returned"]
+    load_start = os.getloadavg()[0]
+    rows_by_allocator = {a: [dict(layers=n, **planned(n), **measured(n, a)) for n in args.layers]
+                         for a in args.allocators}
+    text = table(rows_by_allocator, load_start, os.getloadavg()[0])
+    print(text)
+    if args.quick or load_start > os.cpu_count():
+        print(f"not written: {'--quick' if args.quick else f'load average {load_start:.1f} at the start'}")
+        return rows_by_allocator
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(f"wrote {args.out}")
+    return rows_by_allocator
+
+
+if __name__ == "__main__":
+    main()

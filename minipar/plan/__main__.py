@@ -6,6 +6,7 @@
     python -m minipar.plan configs/cp_tp.yaml --cp-impl usp --cp-ulysses 2 --cp 4 --world 8
                                                                    attention across cp: ring
                                                                    (default), ulysses or usp
+    python -m minipar.plan configs/moe.yaml                        a mixture of experts (--ep N)
     python -m minipar.plan configs/5d.yaml                         pipeline: one line per stage,
                                                                    the worst in full
     ... --json                                                     the same, as JSON for scripts
@@ -29,6 +30,7 @@ from minipar.training.pipeline_step import virtual_stages
 from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
 from models.llama import LlamaForCausalLM
+from models.llama_config import FAMILIES
 
 from .estimate import Cluster, plan
 from .inputs import Batch, Layout, ModelShape, Options
@@ -42,7 +44,7 @@ SIZE_FLAGS = dict(world="the number of GPUs", gpus_per_node="GPUs per node", dp_
                   dp_shard="ZeRO-3 shards", cp="context-parallel ranks", tp="tensor-parallel ranks",
                   pp="pipeline stages", virtual_stages="model chunks per rank", seq_len="tokens per sequence",
                   global_batch_size="sequences per step", micro_batch_size="rows per forward",
-                  top="layouts shown", cp_ulysses="ranks of a Ulysses group")
+                  top="layouts shown", cp_ulysses="ranks of a Ulysses group", ep="expert-parallel ranks")
 # the flags that are rates or fractions: each with the test it must pass
 FLOAT_FLAGS = dict(peak_tflops=(lambda v: v > 0, "more than 0 (dense bf16 TFLOP/s of one GPU)"),
                    intra_bw=(lambda v: v > 0, "more than 0 (GB/s per GPU inside a node)"),
@@ -73,7 +75,7 @@ def _layout(args, base: dict, world: int) -> Layout:
         raise ValueError(f"pp {pp} does not divide --world {world}")
     world //= pp                            # the 4D grid of one stage
     for key, flag in (("dp_replicate", args.dp_replicate), ("dp_shard", args.dp_shard), ("cp", args.cp),
-                      ("tp", args.tp)):
+                      ("tp", args.tp), ("ep", args.ep)):
         if flag is not None:
             sizes[key] = flag
     if args.sequence_parallel is not None:
@@ -92,7 +94,7 @@ def _layout(args, base: dict, world: int) -> Layout:
         sizes["dp_shard"] = world // others
     lay = Layout(sizes.get("dp_replicate", 1), sizes["dp_shard"], sizes.get("cp", 1), sizes.get("tp", 1),
                  bool(sizes.get("sequence_parallel", False)), sizes.get("cp_impl", "ring"),
-                 sizes.get("cp_ulysses_size"))
+                 sizes.get("cp_ulysses_size"), sizes.get("ep") or 1)
     if lay.world != world:
         raise ValueError(f"the sizes ({lay}) multiply to {lay.world * pp}, not --world {world * pp}: "
                          f"change a size "
@@ -105,7 +107,7 @@ def from_train_config(cfg):
     model = ModelShape.from_dict(dataclasses.asdict(cfg.model))
     sizes = dict(dp_replicate=cfg.dp_replicate_size, dp_shard=cfg.dp_shard_size, cp=cfg.context_parallel_size,
                  tp=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel,
-                 cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size)
+                 cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size, ep=cfg.expert_parallel_size)
     if (getattr(cfg, "pipeline_parallel_size", 1) or 1) > 1:          # minipar/plan/pipeline.py
         sizes.update(pp=cfg.pipeline_parallel_size, pipeline_schedule=cfg.pipeline_schedule,
                      virtual_stages=virtual_stages(cfg), pipeline_layers=cfg.pipeline_layers)
@@ -139,7 +141,7 @@ def load(args):
         world = (cfg.dp_replicate_size * (cfg.dp_shard_size or 1) * cfg.context_parallel_size
                  * cfg.tensor_parallel_size * (cfg.pipeline_parallel_size or 1))
     if args.model:                          # train.py's base_model check: a Llama decoder, valid JSON
-        model = ModelShape.from_dict(read_hf_config(args.model, f"--model {args.model}"))
+        model = ModelShape.from_dict(read_hf_config(args.model, f"--model {args.model}", tuple(FAMILIES)))
         if not args.config:
             opts = Options(dtype="bfloat16")
     if model is None:
@@ -189,6 +191,7 @@ def main(argv=None):
     ap.add_argument("--reserve", type=float, default=0.1, help="fraction of GPU memory kept free")
     for size in ("dp-replicate", "dp-shard", "cp", "tp"):
         ap.add_argument(f"--{size}", type=int)
+    ap.add_argument("--ep", type=int, help="expert-parallel ranks of an MoE, borrowed from dp_shard x cp")
     ap.add_argument("--cp-impl", choices=("ring", "ulysses", "usp"),
                     help="attention across cp: K/V round a ring, Ulysses' all-to-alls, or both (USP)")
     ap.add_argument("--cp-ulysses", type=int, help="USP's Ulysses group size (divides --cp)")
@@ -245,6 +248,10 @@ def main(argv=None):
                              "(pp 1 and each pp that divides the world, 1F1B); "
                              "drop --pp/--pipeline-schedule/--virtual-stages, or drop --search to plan one "
                              "pipeline layout")
+        if model.is_moe and (args.search or pipe.pp > 1):
+            raise ValueError(f"a mixture of experts ({model.num_local_experts} experts) is planned on one "
+                             f"4D layout (with --ep): drop {'--search' if args.search else 'pp'} "
+                             f"(the search and pipeline stages count dense layers only, not yet MoE)")
         if args.search:
             result = search(model, batch, opts, cluster, world, pipeline=not args.no_pp)
             if result["recommended"] is None:

@@ -47,6 +47,8 @@ from . import inputs as inputs_mod
 from . import model as pm
 from . import time_model as tm
 from .inputs import Batch, Layout, ModelShape, Options
+from .moe import crosses_nodes as moe_crosses_nodes
+from .moe import exposed_seconds, summary
 from .overlap import step_seconds
 
 # the axes of the grid (R, S, C / u, u, T) that each group spans
@@ -107,7 +109,8 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     act = pm.activations(model, layout, batch, opts)
     coll = pm.collectives(model, layout, batch, opts)
     fl = pm.flops(model, layout, batch, opts)
-    cross = crosses_nodes(layout, cluster.gpus_per_node)
+    g = cluster.gpus_per_node
+    cross = {**crosses_nodes(layout, g), **moe_crosses_nodes(layout, g)}     # + ep, edp
     sizes = layout.sizes()
     groups: Dict[str, dict] = {}
     for (op, group), (calls, nbytes) in sorted(coll.items()):
@@ -124,6 +127,9 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts, layer_units,
                      model.num_hidden_layers, reducing)
     step = t.pop("work_s")
+    if model.is_moe:                 # the token exchanges wait for nothing to hide behind (moe.py)
+        t["moe_s"] = exposed_seconds(groups)
+        step += t["moe_s"]
     e = inputs_mod.DTYPE_BYTES[opts.dtype]
     n = batch.micro(layout) * batch.sequence_len // layout.cp
     transient = n * model.vocab_size // layout.tp * (e + 4)
@@ -138,7 +144,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         layout=dataclasses.asdict(layout), layout_str=str(layout), world=layout.world,
         nodes=-(-layout.world // cluster.gpus_per_node), micro_steps=batch.micro_steps(layout),
         batch=dataclasses.asdict(batch), micro_batch=batch.micro(layout), options=dataclasses.asdict(opts),
-        params=fl["params"],
+        params=fl["params"], moe=summary(model, layout) if model.is_moe else None,
         memory=dict(mem, activations=act, transient=transient, total=total, budget=budget,
                     fits=total <= budget),
         comm=groups,

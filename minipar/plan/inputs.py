@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from minipar.config import ParallelismConfig
 from minipar.context_parallel.ulysses import check_ulysses
+from models.llama_config import LlamaConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GROUPS = ("tp", "cp", "cp_ulysses", "cp_ring", "dp_shard_cp", "dp_replicate", "dp_cp")
@@ -43,6 +44,22 @@ class ModelShape:
     num_key_value_heads: int
     head_dim: int
     tie_word_embeddings: bool = False
+    qk_norm: bool = False                 # Qwen3: a (D,) RMSNorm weight for q and one for k per layer
+    # a mixture of experts (models/moe.py; minipar/plan/moe.py counts it): E experts of width F,
+    # top-k per token, in the layers `moe_layers` (Mixtral: all); 0 experts is dense
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: Tuple[int, ...] = ()
+    norm_topk_prob: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_local_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """models/flops.py asks this of a shape: layer i's feed-forward is the mixture of experts."""
+        return i in self.moe_layers
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelShape":
@@ -53,16 +70,29 @@ class ModelShape:
             raise ValueError(f"the model config lacks (or has no integer for) {', '.join(missing)}: a Llama "
                              f"config.json has them (configs/models/llama-3.1-8b.json)")
         heads = d["num_attention_heads"]
+        kind = d.get("model_type") or "llama"
+        moe = {}
+        if kind in ("mixtral", "qwen3_moe"):     # the trainer's own reading: E, k, F and which layers
+            c = LlamaConfig.from_dict(d)
+            moe = dict(num_local_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
+                       moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
+                       moe_layers=tuple(i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)))
         return cls(d["vocab_size"], d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], heads,
                    d.get("num_key_value_heads") or heads, d.get("head_dim") or d["hidden_size"] // heads,
-                   bool(d.get("tie_word_embeddings", False)))
+                   bool(d.get("tie_word_embeddings", False)), kind in ("qwen3", "qwen3_moe"), **moe)
 
-    def tensors(self, tp: int) -> Tuple[List[int], List[int], List[int]]:
+    def tensors(self, tp: int, ep: int = 1) -> Tuple[List[int], List[int], List[int]]:
         """TP-local element counts of (root-before-layers, one layer, root-after-layers) tensors,
-        in the model's parameter order."""
+        in the model's parameter order. An MoE layer ends in the router (E, d) and this ep rank's
+        stacked experts, 3 x (E/ep, F, d), not split over tp (minipar/plan/moe.py)."""
         d, f, D, V = self.hidden_size, self.intermediate_size, self.head_dim, self.vocab_size
         q, kv = self.num_attention_heads * D // tp, self.num_key_value_heads * D // tp
-        layer = [d, d * q, d * kv, d * kv, q * d, d, d * f // tp, d * f // tp, f // tp * d]
+        layer = [d, d * q, d * kv, d * kv, q * d] + [D, D] * self.qk_norm + [d]
+        if self.is_moe:
+            E, F = self.num_local_experts, self.moe_intermediate_size
+            layer += [E * d] + [E // ep * F * d] * 3
+        else:
+            layer += [d * f // tp, d * f // tp, f // tp * d]
         head = [d] + ([] if self.tie_word_embeddings else [V // tp * d])
         return [V // tp * d], layer, head
 
@@ -95,6 +125,7 @@ class Layout:
     sequence_parallel: bool = False
     cp_impl: str = "ring"                  # ring | ulysses | usp (config.py's CP_IMPLS)
     cp_ulysses_size: Optional[int] = None  # USP's Ulysses group; None: the impl's default
+    ep: int = 1                            # expert parallelism: ep consecutive ranks of dp_shard_cp
 
     @property
     def world(self) -> int:
@@ -117,14 +148,15 @@ class Layout:
         u = self.ulysses_size()           # under ring the mesh's trivial parts: 1 and cp
         return dict(tp=self.tp, cp=self.cp, cp_ulysses=u, cp_ring=self.cp // u,
                     dp_shard_cp=self.dp_shard * self.cp, dp_replicate=self.dp_replicate,
-                    dp_cp=self.dp_replicate * self.dp_shard * self.cp)
+                    dp_cp=self.dp_replicate * self.dp_shard * self.cp, ep=self.ep,
+                    edp=self.dp_shard * self.cp // self.ep)
 
     def __str__(self) -> str:
         impl = ""
         if self.cp > 1 and self.cp_impl != "ring":     # ring's string stays what it always was
             impl = " ulysses" if self.cp_impl == "ulysses" else f" usp u {self.cp_ulysses_size}"
         return (f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp}{impl} x tp "
-                f"{self.tp}" + (" +SP" if self.sp else ""))
+                f"{self.tp}" + (" +SP" if self.sp else "") + (f" (ep {self.ep})" if self.ep > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -176,8 +208,25 @@ def check(model: ModelShape, layout: Layout, batch: Batch) -> List[str]:
             out += check_ulysses(m.num_attention_heads, m.num_key_value_heads, T, C, layout.ulysses_size())
         except ValueError as err:         # u that ParallelismConfig refuses (not a divisor of cp)
             out.append(str(err))
+    out += expert_problems(model, layout)
     dp = layout.dp_replicate * layout.dp_shard
     if batch.global_batch_size % (dp * batch.micro(layout)):
         out.append(f"global_batch_size {batch.global_batch_size} is not a multiple of dp {dp} x "
                    f"micro_batch_size {batch.micro(layout)}")
+    return out
+
+
+def expert_problems(model: ModelShape, layout: Layout) -> List[str]:
+    """The trainer's expert-parallel checks (ep divides dp_shard x cp and E), and what the planner
+    does not count yet: a model with dense layers between its MoE layers."""
+    ep = layout.ep
+    out = ParallelismConfig(dp_shard_size=layout.dp_shard, cp_size=layout.cp, ep_size=ep).expert_problems()
+    if not model.is_moe:
+        return out + ([f"ep {ep} needs a mixture-of-experts model (num_local_experts > 0)"] if ep > 1 else [])
+    if model.num_local_experts % ep:
+        out.append(f"ep {ep} does not divide the {model.num_local_experts} experts of each MoE layer")
+    if len(model.moe_layers) != model.num_hidden_layers:
+        out.append(f"the planner counts MoE models whose every layer is MoE; this one has dense layers "
+                   f"{sorted(set(range(model.num_hidden_layers)) - set(model.moe_layers))} "
+                   f"(mlp_only_layers / decoder_sparse_step): not planned yet")
     return out

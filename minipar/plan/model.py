@@ -70,6 +70,8 @@ from minipar.context_parallel.ulysses import kv_repeats
 from models.flops import layers_matmul_weights, matmul_weights, step_flops
 
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .moe import collectives as moe_collectives
+from .moe import gathered_window, mlp_activations, split_layer, step_collectives
 
 
 # --------------------------------------------------------------------------------------- memory
@@ -78,27 +80,37 @@ class Unit:
     name: str
     numel: int                     # TP-local elements in the flat buffer (before padding)
     tensors: int
-    kind: str = "layer"            # "root", "embedding" or "layer"
+    kind: str = "layer"            # "root", "embedding", "layer" or an MoE layer's "experts"
+    group: str = "dp_shard_cp"     # its ZeRO-3 shard group (an MoE layer's experts: edp, moe.py)
 
 
 def units(model: ModelShape, layout: Layout) -> List[Unit]:
     """ZeRO-3 units as the trainer builds them: the root (final norm, lm_head; the embedding too
     when tied to lm_head) first, the embedding, then one per decoder layer."""
-    emb, layer, head = model.tensors(layout.tp)
+    emb, layer, head = model.tensors(layout.tp, layout.ep)
     if model.tie_word_embeddings:
         out = [Unit("<root>", sum(emb) + sum(head), len(emb) + len(head), "root")]
     else:
         out = [Unit("<root>", sum(head), len(head), "root"),
                Unit("model.embed_tokens", sum(emb), len(emb), "embedding")]
-    out += [Unit(f"model.layers.{i}", sum(layer), len(layer)) for i in range(model.num_hidden_layers)]
+    rest, experts = split_layer(model, layer)
+    for i in range(model.num_hidden_layers):
+        out.append(Unit(f"model.layers.{i}", sum(rest), len(rest)))
+        if experts:
+            out.append(Unit(f"model.layers.{i}.experts", sum(experts), len(experts), "experts", "edp"))
     return out
+
+
+def shard_size(u: Unit, layout: Layout) -> int:
+    """The ranks a unit is sharded over: dp_shard_cp, or edp for an MoE layer's experts."""
+    return layout.sizes()[u.group]
 
 
 def gathers(u: Unit, opts: Options) -> int:
     """All-gathers of a unit per micro-batch: the root stays gathered from forward into backward
     and an embedding's backward never reads its weight (once each); a layer is gathered for its
     forward and again for its backward (once without reshard_after_forward)."""
-    return 1 if u.kind != "layer" or not opts.reshard_after_forward else 2
+    return 1 if u.kind not in ("layer", "experts") or not opts.reshard_after_forward else 2
 
 
 def _padded(numel: int, n: int) -> int:
@@ -111,14 +123,19 @@ def memory(model: ModelShape, layout: Layout, opts: Options) -> Dict[str, int]:
     us = units(model, layout)
     accumulated = 0
     if layout.sharded:
-        n = layout.dp_shard * layout.cp
-        elems, tensors = sum(_padded(u.numel, n) // n for u in us), len(us)
-        root, rest = _padded(us[0].numel, n), [_padded(u.numel, n) for u in us[1:]]
+        padded = [_padded(u.numel, shard_size(u, layout)) for u in us]
+        elems, tensors = sum(p // shard_size(u, layout) for u, p in zip(us, padded)), len(us)
+        root, rest = padded[0], padded[1:]
         if not opts.reshard_after_forward:
             gathered = root + sum(rest)
-        else:   # the root all along; a window of 1 + prefetch units moving through the forward order
-            w = 1 + opts.prefetch
-            gathered = root + max([sum(rest[i:i + w]) for i in range(len(rest))] or [0])
+        else:   # the root all along; a module's units (a layer and its experts) + prefetch more
+            modules: List[List[int]] = []
+            for u, p in zip(us[1:], rest):
+                if u.kind == "experts":
+                    modules[-1].append(p)
+                else:
+                    modules.append([p])
+            gathered = root + gathered_window(modules, opts.prefetch)
         gathered *= e
         if not opts.sync_each_batch:   # no_sync: unsharded fp32 gradients held between micro-batches
             accumulated = 4 * (root + sum(rest))
@@ -149,7 +166,8 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
 
     kv_heads = K * kv_repeat(model, layout) if (C > 1 or H == K) else H
     attention = e * n * (2 * H + 2 * kv_heads) * D + 4 * b * H * s + (e * n * H * D if C > 1 else 0)
-    layer = 2 * norm(True) + attention + 4 * e * n * f // T
+    mlp = mlp_activations(model, layout, batch, e) if model.is_moe else 4 * e * n * f // T
+    layer = 2 * norm(True) + attention + mlp
     root = 8 * n + 2 * e * n * D                        # ids (int64; under tp the local ids), cos, sin
     if T > 1:
         root += n                                       # the mask of ids outside the vocab shard
@@ -270,13 +288,14 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
         add("all_reduce", "tp", 1, 4 * n)                 # loss: the max of the logits
         add("all_reduce", "tp", 1, 8 * n)                 # loss: sum of exps and the target logit
         cp_attention(add, m, layout, batch, opts, L, ac)
+        moe_collectives(add, m, layout, batch, opts, ac)      # the token exchanges, the aux loss
         if layout.sharded:
-            N = layout.dp_shard * C
             synced = opts.sync_each_batch or micro == M - 1      # no_sync: only the last micro-batch
             for u in units(m, layout):
-                add("all_gather", "dp_shard_cp", gathers(u, opts), _padded(u.numel, N) * e)
+                N = shard_size(u, layout)
+                add("all_gather", u.group, gathers(u, opts), _padded(u.numel, N) * e)
                 if not lora:                              # a frozen unit is never reduced
-                    add("reduce_scatter", "dp_shard_cp", int(synced), _padded(u.numel, N) * 4)
+                    add("reduce_scatter", u.group, int(synced), _padded(u.numel, N) * 4)
                     add("all_reduce", "dp_replicate", int(synced), _padded(u.numel, N) // N * 4)
     if lora:                                              # the adapters, whole on every dp rank
         ad = model.lora_tensors(layout.tp, opts.lora_r, opts.lora_targets) * L
@@ -286,6 +305,7 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
         for nbytes in ddp_buckets(m, layout):
             add("all_reduce", "dp_cp", 1, nbytes)
     add("all_reduce", "dp_cp", 1, 8)                      # the logged loss (fp64)
+    step_collectives(add, m, layout)                      # an MoE's metrics
     if opts.max_grad_norm:
         add("all_reduce", "tp", 1, 16)                    # the global norm: 2 fp64 sums over tp
         add("all_reduce", "dp_shard_cp", 1, 8)            # and 1 over the shard group
@@ -339,7 +359,8 @@ def bucket_bytes(sizes: List[int], bucket_mb: float = 25) -> List[int]:
 
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0,
-        "all_to_all": lambda n: (n - 1) / n}      # keeps its own slot, sends the other n - 1
+        "all_to_all": lambda n: (n - 1) / n,      # keeps its own slot, sends the other n - 1
+        "all_to_all_uneven": lambda n: (n - 1) / n}   # balanced routing (moe.py)
 
 
 def wire_bytes(op: str, group_size: int, nbytes: float) -> float:

@@ -31,6 +31,15 @@ def describe(p: dict, model: ModelShape) -> str:
              f"prefetch {o['prefetch']}, activation checkpointing "
              f"{_ac(o)}",
              ""]
+    if p.get("moe"):        # a mixture of experts: minipar/plan/moe.py
+        x = p["moe"]
+        per_rank = x["expert_elements_per_rank"]
+        lines[-1:] = [f"mixture of experts: {x['experts']} experts, top-{x['top_k']}, in {x['moe_layers']} "
+                      f"layers; {x['total_params'] / 1e9:.3f} B parameters, {x['active_params'] / 1e9:.3f} B "
+                      f"active per token", f"experts: ep {x['ep']} (each rank {x['experts_per_rank']} per "
+                      f"layer), ZeRO-3 over edp {x['edp']}: {per_rank * 16 / 1e9:.3f} GB per rank "
+                      f"(16 B x {per_rank:,} elements); all-to-all bytes "
+                      f"assume balanced routing", ""]
     if o.get("lora_r"):     # memory and collectives count LoRA; the FLOPs do not
         lines[-1:] = [f"LoRA r={o['lora_r']} on {', '.join(o['lora_targets'])}: memory and communication "
                       f"count the frozen base and the adapters; compute is a full fine-tune's", ""]
@@ -70,6 +79,8 @@ def describe(p: dict, model: ModelShape) -> str:
             nbytes, wire = c["bytes"] / size, c["wire_bytes"] / size
             lines.append(f"{head}{op:<16}{c['calls']:>7}{nbytes:12.3f}{wire:10.3f}{sec}")
     a2a = f" + all-to-all {t['all_to_all_s']:.3g}" if t.get("all_to_all_s") else ""   # Ulysses: exposed
+    if t.get("moe_s") is not None:                     # ep's exchanges and edp's gathers, exposed
+        a2a += f" + MoE ep/edp {t['moe_s']:.3g}"
     lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
               f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g}{a2a} + {_hidden(t)}; "
               f"{t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]

@@ -58,7 +58,8 @@ from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 from .model import recompute_shares, wire_bytes
 
 HOPS = {"all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1, "all_to_all": lambda p: p - 1,
-        "all_reduce": lambda p: 2 * (p - 1), "send": lambda p: 1, "send_recv": lambda p: 1}
+        "all_reduce": lambda p: 2 * (p - 1), "send": lambda p: 1, "send_recv": lambda p: 1,
+        "all_to_all_uneven": lambda p: p - 1}     # expert parallelism's token exchange (moe.py)
 
 
 def latency_seconds(op: str, group_size: int, calls: int, crosses_nodes: bool, cluster) -> float:

@@ -1,0 +1,150 @@
+"""The planner's mixture of experts: what models/moe.py and minipar/expert_parallel/ cost a rank.
+
+Notation as model.py's, and: E experts of width F, top-k, ep ranks per ep group (E/ep experts each),
+edp = S C / ep (the ranks holding the same experts: their ZeRO-3 shard group), n local tokens of a
+micro-batch (n / T under sequence parallelism: the MoE sees the norms' tokens), N = n k copies.
+
+Memory. Each MoE layer's experts are 3 stacked tensors, (E/ep, F, d) each on this rank (not split
+over tp), in a ZeRO-3 unit of their own sharded over edp (zero3/shard_manager.py, sharding.py):
+
+    expert elements per rank and layer   ceil(3 (E/ep) F d / edp)       (padded, as every flat shard)
+
+and the router (E, d) stays in the layer's unit over dp_shard_cp. A layer's two units gather in the
+same module hook, so the gathered peak is one module's units plus the `prefetch` units after them.
+
+Communication, per MoE layer and micro-batch (ledger op, group: comm.py's conventions):
+
+    ("all_to_all", "ep")          the counts: E int64, once per forward (again when recomputed)
+    ("all_to_all_uneven", "ep")   dispatch and combine forward, and their backward (the reverse
+                                  exchanges): 4 calls (+ 2 when recomputed); the ledger counts each
+                                  call's whole input, N or M rows of d x e bytes
+    ("all_gather", "edp")         the experts' unit, twice (once without reshard_after_forward)
+    ("reduce_scatter", "edp")     its fp32 gradient; HSDP adds its shard's all-reduce over dp_replicate
+    aux loss                      (2 L_moe E + 1) fp32 over tp (under SP) and over cp, per micro-batch
+    metrics                       (L_moe E + 2) fp64 over dp_cp once a step (moe_metrics.py)
+
+The token exchange's bytes depend on the routing: the rows this rank sends (N = n k, exact) and
+receives (M, which is N only on average). The plan is the BALANCED case, M = N: every exchange
+4 n k d e bytes of buffer, wire (ep - 1) / ep of that. Summed over an ep group it is exact (every
+copy sent is received once); per rank it moves with the router's imbalance (tests/test_plan_moe.py
+holds the calls exactly, the sum over ranks exactly and each rank within 25 %).
+
+Activations of an MoE feed-forward (replacing the dense MLP's 4 e n f / T), balanced:
+
+    router      fp32 probabilities 4 n E, top-k ids 8 n k, (norm_topk_prob) weights and sum 4 n k + 4 n
+    sort        order and token ids 16 N; ep > 1: the regroup's order and its inverse 16 N
+    experts     their input rows e N d, gate, silu(gate), up, product 4 e N F
+    combine     the outputs e N d and the router weights e N
+
+Time: the exchanges are on the critical path (the experts wait for their tokens, the layer for the
+outputs), so the ep group's time is added to the step whole. The experts' ZeRO-3 traffic over edp is
+added whole too, an upper bound: overlap.py's per-layer hiding is not applied to it yet. The step's
+compute is time_model.py's dense count (an MoE layer priced as one dense MLP of intermediate_size),
+not the k experts' matmuls: under-counted by the active experts' share; MFU's FLOPs are exact.
+FLOPs are models/flops.py's (the active weights: k experts and the router per token).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from .inputs import DTYPE_BYTES
+
+
+def moe_layers(model) -> int:
+    """L_moe, the decoder layers whose feed-forward is the mixture of experts."""
+    return len(model.moe_layers)
+
+
+def split_layer(model, layer: List[int]) -> Tuple[List[int], List[int]]:
+    """One layer's tensors (ModelShape.tensors) -> (its unit's, the experts' unit's): an MoE layer
+    ends in its 3 stacked experts, which shard_manager.py puts in a unit of their own."""
+    if not model.is_moe:
+        return layer, []
+    return layer[:-3], layer[-3:]
+
+
+def gathered_window(modules: List[List[int]], prefetch: int) -> int:
+    """The most elements gathered at once: one module's units (a layer and its experts, gathered by
+    the same forward hook) plus the `prefetch` units after its last one, over every module."""
+    flat = [x for m in modules for x in m]
+    best, start = 0, 0
+    for m in modules:
+        start += len(m)
+        best = max(best, sum(m) + sum(flat[start:start + prefetch]))
+    return best
+
+
+def collectives(add, model, layout, batch, opts, recomputed: int) -> None:
+    """add(op, group, calls, bytes) the MoE collectives of one micro-batch (the module docstring)
+    but the ZeRO-3 ones, which model.py counts with every unit."""
+    if not model.is_moe:
+        return
+    e, L, E = DTYPE_BYTES[opts.dtype], moe_layers(model), model.num_local_experts
+    passes = L + min(recomputed, L)                       # forwards through an MoE layer
+    add("all_to_all", "ep", passes, 8 * E)
+    add("all_to_all_uneven", "ep", 2 * passes + 2 * L, copies(model, layout, batch) * model.hidden_size * e)
+    aux = 4 * (2 * L * E + 1)
+    if layout.sp:
+        add("all_reduce", "tp", 1, aux)
+    add("all_reduce", "cp", 1, aux)
+
+
+def step_collectives(add, model, layout) -> None:
+    """Once a step: the metrics' sums (moe_aux_loss, moe_imbalance, moe_dropped) over dp_cp."""
+    if not model.is_moe:
+        return
+    add("all_reduce", "dp_cp", 1, 8 * (moe_layers(model) * model.num_local_experts + 2))
+    if layout.sp:
+        add("all_reduce", "tp", 1, 8)
+
+
+def copies(model, layout, batch) -> int:
+    """N = n k, the routed copies of one micro-batch's tokens on this rank (balanced: also M)."""
+    n = batch.micro(layout) * batch.sequence_len // layout.cp
+    return (n // layout.tp if layout.sp else n) * model.num_experts_per_tok
+
+
+def mlp_activations(model, layout, batch, e: int) -> int:
+    """Saved-for-backward bytes of one MoE feed-forward, balanced (the module docstring)."""
+    n = batch.micro(layout) * batch.sequence_len // layout.cp
+    n = n // layout.tp if layout.sp else n
+    k, E, d, F = model.num_experts_per_tok, model.num_local_experts, model.hidden_size, \
+        model.moe_intermediate_size
+    N = n * k
+    router = 4 * n * E + 8 * n * k + (4 * n * k + 4 * n if model.norm_topk_prob else 0)
+    sort = 16 * N + (16 * N if layout.ep > 1 else 0)
+    return router + sort + e * N * d + 4 * e * N * F + e * N * d + e * N
+
+
+def summary(model, layout) -> Dict[str, int]:
+    """Total and active parameters, and the experts' share of a rank (what the report prints)."""
+    E, k, F, d = model.num_local_experts, model.num_experts_per_tok, model.moe_intermediate_size, \
+        model.hidden_size
+    expert = 3 * F * d
+    total = model.num_params()
+    L = moe_layers(model)
+    edp = layout.dp_shard * layout.cp // layout.ep
+    local = 3 * (E // layout.ep) * F * d
+    return dict(total_params=total, active_params=total - L * (E - k) * expert, experts=E, top_k=k,
+                ep=layout.ep, edp=edp, moe_layers=L, experts_per_rank=E // layout.ep,
+                expert_elements_per_rank=L * -(-local // edp))
+
+
+def crosses_nodes(layout, gpus_per_node: int) -> Dict[str, bool]:
+    """Whether the ep and edp groups (mesh.py: consecutive and every ep-th rank of dp_shard_cp, whose
+    index is s C + c) lie on more than one node of the grid (R, S C, T), tp fastest."""
+    SC, ep = layout.dp_shard * layout.cp, layout.ep
+    node = (np.arange(layout.world) // gpus_per_node).reshape(layout.dp_replicate, SC // ep, ep, layout.tp)
+    out = {}
+    for group, axis in (("ep", 2), ("edp", 1)):
+        members = np.moveaxis(node, axis, -1).reshape(-1, node.shape[axis])
+        out[group] = bool((members.min(axis=1) != members.max(axis=1)).any())
+    return out
+
+
+def exposed_seconds(groups: Dict[str, dict]) -> float:
+    """What the step waits for of the MoE's own groups: the token exchanges over ep and (an upper
+    bound, the module docstring) the experts' ZeRO-3 traffic over edp."""
+    return sum(groups.get(g, {}).get("seconds", 0.0) for g in ("ep", "edp"))

@@ -1,0 +1,90 @@
+"""The planner on mixtures of experts (minipar/plan/moe.py) against a real run of configs/moe.yaml.
+
+One optimizer step of dp_shard 4 x ep 2 on 4 forked gloo ranks (the tiny model of tests/test_plan.py,
+Mixtral-shaped: 8 experts, top-2), compared per rank with the plan:
+  - persistent state and the peak of gathered ZeRO-3 buffers (the experts' units over edp), EXACTLY;
+  - the ledger per (op, group), EXACTLY, but for the token exchange ("all_to_all_uneven", "ep"), whose
+    bytes depend on the routing: its calls exactly, its bytes summed over the ranks exactly (every
+    copy sent is received once, so the balanced plan is the mean) and each rank's within 25 %;
+  - activations within 15 %, as the dense configs.
+"""
+import dataclasses
+
+import pytest
+from harness import run_world
+from test_plan import _argv, _measure_all
+
+from minipar.plan.__main__ import from_train_config
+from minipar.plan.__main__ import main as plan_main
+from minipar.plan.estimate import Cluster, plan
+from minipar.plan.inputs import Batch, Layout, ModelShape, Options, check
+from minipar.plan.model import activations, collectives, memory
+from minipar.plan.moe import crosses_nodes
+
+MIXTRAL_8X7B = dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    num_local_experts=8, num_experts_per_tok=2)
+TOKEN_EXCHANGE = ("all_to_all_uneven", "ep")
+
+
+def test_plan_moe_matches_a_run(tmp_path):
+    argv = _argv("moe.yaml", tmp_path, "--micro_batch_size", "1")
+    results = [r[0] for r in run_world(_measure_all, 4, [argv], timeout=900)]
+    model, sizes, batch, opts = from_train_config(results[0]["cfg"])
+    assert model.is_moe and sizes["ep"] == 2
+    layout = Layout(dp_shard=4, ep=2)
+    mem, coll = memory(model, layout, opts), collectives(model, layout, batch, opts)
+    want = {k: list(v) for k, v in coll.items()}
+    exchanged = 0
+    for rank, r in enumerate(results):
+        got = r["state"]
+        assert (got["params"], got["grads"], got["optimizer"], got["gathered"]) == \
+            (mem["params"], mem["grads"], mem["optimizer"], mem["gathered"]), f"rank {rank}: {got} vs {mem}"
+        ledger = dict(r["ledger"])
+        calls, nbytes = ledger.pop(TOKEN_EXCHANGE)
+        assert calls == want[TOKEN_EXCHANGE][0]
+        assert abs(nbytes - want[TOKEN_EXCHANGE][1]) <= 0.25 * want[TOKEN_EXCHANGE][1], (rank, nbytes)
+        exchanged += nbytes
+        rest = {k: v for k, v in want.items() if k != TOKEN_EXCHANGE}
+        assert ledger == rest, f"rank {rank}: ledger {sorted(ledger.items())}\nplanned {sorted(rest.items())}"
+    assert exchanged == len(results) * want[TOKEN_EXCHANGE][1]
+    for (checkpointing, seq), measured in results[0]["acts"].items():
+        act = activations(model, layout, dataclasses.replace(batch, sequence_len=seq), opts)
+        planned = act["checkpointed" if checkpointing else "full"]
+        assert abs(planned - measured) <= 0.15 * measured, (checkpointing, seq, planned, measured)
+
+
+def test_mixtral_8x7b_parameters_and_placement():
+    """Mixtral 8x7B: 46.7 B parameters, 12.9 B active (Mistral's figures); on 16 GPUs of 8 per node,
+    ep 8 stays inside a node while its edp group (every 8th rank) crosses."""
+    model = ModelShape.from_dict(MIXTRAL_8X7B)
+    layout = Layout(dp_shard=16, ep=8)
+    p = plan(model, layout, Batch(16, 1, 4096), Options(), Cluster())
+    assert round(p["moe"]["total_params"] / 1e9, 1) == 46.7
+    assert round(p["moe"]["active_params"] / 1e9, 1) == 12.9
+    assert p["comm"]["ep"]["crosses_nodes"] is False and p["comm"]["edp"]["crosses_nodes"] is True
+    assert crosses_nodes(Layout(dp_shard=16, ep=16), 8)["ep"] is True
+    assert p["time"]["moe_s"] > 0
+    # balanced token exchange: 4 calls a layer, n k d e bytes each (bf16, 4096 tokens, top-2)
+    calls, nbytes = p["comm"]["ep"]["ops"]["all_to_all_uneven"]["calls"], \
+        p["comm"]["ep"]["ops"]["all_to_all_uneven"]["bytes"]
+    assert (calls, nbytes) == (4 * 32, 4 * 32 * 4096 * 2 * 4096 * 2)
+
+
+def test_moe_layouts_refused_by_name(capsys):
+    model = ModelShape.from_dict(MIXTRAL_8X7B)
+    problems = check(model, Layout(dp_shard=4, ep=3), Batch(4, 1, 128))
+    assert any("expert_parallel_size=3" in p for p in problems)
+    assert any("does not divide the 8 experts" in p for p in problems)
+    dense = dict(MIXTRAL_8X7B, model_type="qwen3_moe", num_experts=8, mlp_only_layers=[0])
+    problems = check(ModelShape.from_dict(dense), Layout(), Batch(1, 1, 128))
+    assert any("dense layers [0]" in p for p in problems)
+    assert plan_main(["configs/moe.yaml", "--search"]) == 2
+    assert "--search" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["configs/moe.yaml"], ["configs/moe.yaml", "--ep", "4", "--json"]])
+def test_report_prints_the_moe_lines(flags, capsys):
+    assert plan_main(flags) == 0
+    out = capsys.readouterr().out
+    assert ("active per token" in out and "ep 2" in out) if "--json" not in flags else '"ep": 4' in out

@@ -17,7 +17,7 @@ sys.path.insert(0, ROOT)
 from minipar.plan import estimate as pe  # noqa: E402
 from minipar.plan import layout_search as ps  # noqa: E402
 from minipar.plan.inputs import Batch, ModelShape, Options  # noqa: E402
-from minipar.plan.report import describe, describe_pipeline  # noqa: E402
+from minipar.plan.report import ac_label, describe, describe_pipeline  # noqa: E402
 
 SEQ = 8192
 CASES = [(model, world, 64 if world <= 16 else 1024) for model in ("llama-3.1-8b", "llama-3.1-70b")
@@ -43,7 +43,7 @@ def main():
             need = ps.smallest_world(model, batch, opts, cluster, world)
             rows.append(f"| {name} | {world} | {gbs} x {SEQ} | does not fit (fewest: {need} GPUs) | | | | |")
             continue
-        ac = ", AC" if rec["options"]["gradient_checkpointing"] else ""
+        ac = ac_label(rec["options"])
         m, t = rec["memory"], rec["time"]
         rows.append(f"| {name} | {world} | {gbs} x {SEQ} | {rec['layout_str']}{ac} | "
                     f"{m['total'] / 1e9:.1f} | "
@@ -52,7 +52,7 @@ def main():
                     f"{len(s['ranked'])} of {s['considered']} layouts fit; rules applied: "
                     f"{', '.join(s['rules_applied'])}. Fastest three:", ""]
         for p in s["ranked"][:3]:
-            details.append(f"- {p['layout_str']}{', AC' if p['options']['gradient_checkpointing'] else ''}: "
+            details.append(f"- {p['layout_str']}{ac_label(p['options'])}: "
                            f"{p['time']['step_s']:.2f} s, MFU {100 * p['time']['mfu']:.1f} %, "
                            f"{p['memory']['total'] / 1e9:.1f} GB")
         details += ["", "```", (describe_pipeline if "stages" in rec else describe)(rec, model), "```", ""]
@@ -66,7 +66,8 @@ def main():
             f"IB {cluster.inter_gbps:.0f} GB/s per GPU, {100 * cluster.reserve:.0f} % of memory reserved; "
             "bf16 compute with fp32 masters, "
             "AdamW; micro-batch 1, sequence 8192; prefetch 1. AC = activation checkpointing of every "
-            "decoder layer. MFU counts causal attention as half (torchtitan and Megatron-LM count it whole; "
+            "decoder layer, SAC = selective (per op: the matmul and attention outputs kept, the rest "
+            "recomputed). MFU counts causal attention as half (torchtitan and Megatron-LM count it whole; "
             "the details give both). The time model is in minipar/plan/time_model.py and estimate.py "
             "(per pipeline stage, "
             "pipeline.py), the search and its rules in minipar/plan/layout_search.py.", "",

@@ -292,6 +292,7 @@ def test_search_follows_its_rules():
         both = [k for k, sch in step if sch == "1f1b" and (k, "zb_h1") in step]
         assert both and all(step[(k, "zb_h1")]["step_s"] < step[(k, "1f1b")]["step_s"]
                             and step[(k, "zb_h1")]["bubble"] < step[(k, "1f1b")]["bubble"] / 2 for k in both)
+        assert all(p["options"]["gradient_checkpointing"] in (False, "selective", True) for p in ranked)
 
 
 def test_search_never_trades_a_real_slowdown_for_a_placement_rule():

@@ -1,7 +1,7 @@
 """The planner on mixtures of experts (minipar/plan/moe.py) against a real run of configs/moe.yaml.
 
-One optimizer step of dp_shard 4 x ep 2 on 4 forked gloo ranks (the tiny model of tests/test_plan.py,
-Mixtral-shaped: 8 experts, top-2), compared per rank with the plan:
+One optimizer step of dp_shard 4 x ep 2 (and two variants) on 4 forked gloo ranks (the tiny model
+of tests/test_plan.py, Mixtral-shaped: 8 experts, top-2), compared per rank with the plan:
   - persistent state and the peak of gathered ZeRO-3 buffers (the experts' units over edp), EXACTLY;
   - the ledger per (op, group), EXACTLY, but for the token exchange ("all_to_all_uneven", "ep"), whose
     bytes depend on the routing: its calls exactly, its bytes summed over the ranks exactly (every
@@ -27,12 +27,27 @@ MIXTRAL_8X7B = dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, in
 TOKEN_EXCHANGE = ("all_to_all_uneven", "ep")
 
 
-def test_plan_moe_matches_a_run(tmp_path):
-    argv = _argv("moe.yaml", tmp_path, "--micro_batch_size", "1")
-    results = [r[0] for r in run_world(_measure_all, 4, [argv], timeout=900)]
+# beyond moe.yaml: tp 2 with SP and checkpointing (no f / g around the experts, their gradients
+# summed over tp, the recomputed exchanges), and HSDP in bf16 (the experts' shards over dp_replicate)
+VARIANTS = [[], ["--tensor_parallel_size", "2", "--dp_shard_size", "2", "--sequence_parallel", "true",
+                 "--gradient_checkpointing", "true"],
+            ["--dp_replicate_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16"]]
+
+
+def test_plan_moe_matches_runs(tmp_path):
+    argvs = [_argv("moe.yaml", tmp_path / str(i), "--micro_batch_size", "1", *v)
+             for i, v in enumerate(VARIANTS)]
+    per_rank = run_world(_measure_all, 4, argvs, timeout=900)
+    for i in range(len(VARIANTS)):
+        _check([r[i] for r in per_rank])
+
+
+def _check(results):
     model, sizes, batch, opts = from_train_config(results[0]["cfg"])
     assert model.is_moe and sizes["ep"] == 2
-    layout = Layout(dp_shard=4, ep=2)
+    lc = results[0]["layout"]
+    layout = Layout(lc.dp_replicate_size, lc.dp_shard_size, lc.cp_size, lc.tp_size, lc.sequence_parallel,
+                    ep=sizes["ep"])
     mem, coll = memory(model, layout, opts), collectives(model, layout, batch, opts)
     want = {k: list(v) for k, v in coll.items()}
     exchanged = 0
@@ -47,7 +62,7 @@ def test_plan_moe_matches_a_run(tmp_path):
         exchanged += nbytes
         rest = {k: v for k, v in want.items() if k != TOKEN_EXCHANGE}
         assert ledger == rest, f"rank {rank}: ledger {sorted(ledger.items())}\nplanned {sorted(rest.items())}"
-    assert exchanged == len(results) * want[TOKEN_EXCHANGE][1]
+    assert exchanged == len(results) * want[TOKEN_EXCHANGE][1]    # exact in each ep group
     for (checkpointing, seq), measured in results[0]["acts"].items():
         act = activations(model, layout, dataclasses.replace(batch, sequence_len=seq), opts)
         planned = act["checkpointed" if checkpointing else "full"]
@@ -65,6 +80,8 @@ def test_mixtral_8x7b_parameters_and_placement():
     assert p["comm"]["ep"]["crosses_nodes"] is False and p["comm"]["edp"]["crosses_nodes"] is True
     assert crosses_nodes(Layout(dp_shard=16, ep=16), 8)["ep"] is True
     assert p["time"]["moe_s"] > 0
+    # top-2 experts as wide as the dense MLP time_model.py priced: about one more MLP's matmuls a layer
+    assert 0 < p["time"]["moe_matmul_s"] < p["time"]["compute_s"]
     # balanced token exchange: 4 calls a layer, n k d e bytes each (bf16, 4096 tokens, top-2)
     calls, nbytes = p["comm"]["ep"]["ops"]["all_to_all_uneven"]["calls"], \
         p["comm"]["ep"]["ops"]["all_to_all_uneven"]["bytes"]

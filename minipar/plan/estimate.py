@@ -48,7 +48,7 @@ from . import model as pm
 from . import time_model as tm
 from .inputs import Batch, Layout, ModelShape, Options
 from .moe import crosses_nodes as moe_crosses_nodes
-from .moe import exposed_seconds, summary
+from .moe import exposed_seconds, matmul_seconds, summary
 from .overlap import step_seconds
 
 # the axes of the grid (R, S, C / u, u, T) that each group spans
@@ -58,17 +58,20 @@ AXES = {"tp": (4,), "cp": (2, 3), "cp_ulysses": (3,), "cp_ring": (2,), "dp_shard
 
 @dataclass(frozen=True)
 class Cluster:
+    """The hardware and the time model's constants: each a flag of python -m minipar.plan. The
+    defaults are an H100 SXM 80 GB node of 8 with one 400 Gb/s NIC per GPU; benchmarks/
+    plan_vs_published.py holds them against published runs (docs/planner.md)."""
     gpus_per_node: int = 8
     gpu_memory_bytes: float = 80 * 2 ** 30   # --gpu-memory 80GiB (a bare number is GiB, as torch reports)
-    peak_tflops: float = 989.0
-    intra_gbps: float = 450.0      # GB/s per GPU per direction, inside a node
-    inter_gbps: float = 50.0       # GB/s per GPU, between nodes
-    efficiency: float = 0.7        # of peak, large GEMMs (cuBLAS bf16 on H100: 0.6-0.8)
-    reserve: float = 0.1
+    peak_tflops: float = 989.0     # dense bf16, NVIDIA's H100 SXM data sheet (1,979 is with sparsity)
+    intra_gbps: float = 450.0      # NVLink 4: 900 GB/s both directions a GPU, 450 one way
+    inter_gbps: float = 50.0       # one ConnectX-7 400 Gb/s NIC per GPU
+    efficiency: float = 0.7        # of peak, large GEMMs (cuBLAS bf16 on H100 at these shapes: 0.6-0.8)
+    reserve: float = 0.1           # CUDA context, NCCL buffers, allocator fragmentation
     hbm_gbps: float = 3350.0       # H100 SXM HBM3, NVIDIA's data sheet
-    attention_efficiency: float = 0.5
-    intra_latency_us: float = 1.0  # per hop of a ring collective over NVLink
-    inter_latency_us: float = 5.0  # per hop over InfiniBand
+    attention_efficiency: float = 0.5   # FlashAttention-2 about 1/3 of H100 peak, FlashAttention-3 1/2-3/4
+    intra_latency_us: float = 1.0  # per hop over NVLink, the order of nccl-tests' small-message times
+    inter_latency_us: float = 5.0  # per hop over InfiniBand, likewise
 
 
 def group_seconds(groups: Dict[str, dict], cluster: Cluster) -> Dict[str, float]:
@@ -129,7 +132,10 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     step = t.pop("work_s")
     if model.is_moe:                 # the token exchanges wait for nothing to hide behind (moe.py)
         t["moe_s"] = exposed_seconds(groups)
-        step += t["moe_s"]
+        gemm = lambda m, k, n: tm.gemm_seconds(m, k, n, inputs_mod.DTYPE_BYTES[opts.dtype], cluster)
+        again = pm.recompute_shares(model, opts)[0]
+        t["moe_matmul_s"] = matmul_seconds(model, layout, batch, opts, gemm, again)
+        step += t["moe_s"] + t["moe_matmul_s"]
     e = inputs_mod.DTYPE_BYTES[opts.dtype]
     n = batch.micro(layout) * batch.sequence_len // layout.cp
     transient = n * model.vocab_size // layout.tp * (e + 4)

@@ -9,7 +9,9 @@ one's bubble against its sends and the memory of what it keeps in flight. Every 
 once per cp_impl: ring, ulysses (u = cp), and usp for each u dividing cp with 1 < u < cp (`cp_impls`). A
 candidate must pass the trainer's checks (inputs.py's `check`: under ulysses / usp u must divide the
 query heads of a tp rank, check_ulysses; pipeline.py's for pp: enough micro-batches, a multiple of pp)
-and fit: activation checkpointing is switched on only where the activations would not fit without it.
+and fit: activation checkpointing is switched on only where the activations would not fit without it,
+and then the lightest that fits (AC_LEVELS: none, selective per op, which keeps the matmul and attention
+outputs and recomputes the rest, then every layer).
 
 Ranking: by estimated step time (estimate.py; under pp, pipeline.py: the slowest stage over
 (1 - bubble) plus the sends on the critical path).
@@ -50,6 +52,7 @@ from .estimate import Cluster, plan
 from .inputs import Batch, Layout, ModelShape, Options
 
 NEAR_TIE = 0.05   # the placement rules choose only among layouts this close to the fastest
+AC_LEVELS = (False, "selective", True)                # the cheapest recompute first
 MAX_PP = 16    # deeper pipelines: a bubble of (p - 1) / (m + p - 1) and a stage or two of layers
 PIPELINES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2))   # (schedule, chunks per rank)
 
@@ -106,8 +109,8 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
     fitting, considered, later = [], 0, []
     first: dict = {}                  # pp x layout -> its 1F1B plan (None: it does not fit)
 
-    def fit(lay, pipe, checkpointing=(False, True)):
-        for ac in checkpointing:      # checkpointing only when needed
+    def fit(lay, pipe, checkpointing=AC_LEVELS):
+        for ac in checkpointing:      # checkpointing only when needed, the lightest that fits
             p = _plan(model, lay, pipe, batch, dataclasses.replace(opts, gradient_checkpointing=ac), cluster)
             if _fits(p):
                 fitting.append(p)
@@ -115,10 +118,10 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
         return None
 
     for lay, pipe in candidates(model, batch, world, pipeline):
+        considered += 1
         if pipe is not None and pipe.schedule != "1f1b":
             later.append((lay, pipe))
             continue
-        considered += 1
         p = fit(lay, pipe)
         if pipe is not None:
             first[(lay, pipe.pp)] = p
@@ -135,8 +138,7 @@ def search(model: ModelShape, batch: Batch, opts: Options, cluster: Cluster, wor
         t = base["time"]
         if t["step_s"] - t["work_s"] * t["bubble"] / (1 - t["bubble"]) > (1 + 2 * NEAR_TIE) * fastest:
             continue
-        considered += 1               # (the count of layouts planned: the skipped ones are not)
-        fit(lay, pipe, (True,) if base["options"]["gradient_checkpointing"] else (False, True))
+        fit(lay, pipe, AC_LEVELS[AC_LEVELS.index(base["options"]["gradient_checkpointing"]):])
     fitting.sort(key=lambda p: p["time"]["step_s"])
     g = cluster.gpus_per_node
     rules = [("TP within a node", lambda p, pool: p["layout"]["tp"] <= g),

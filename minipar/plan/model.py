@@ -264,6 +264,8 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
     # layers whose forward runs again in backward; torch's checkpoint stops the recompute once the
     # last saved tensor is back (early stop), so the collective after down_proj is not repeated
     ac = recomputed_layers(model, opts, L)
+    # the f / g pairs of the layers: attention's in each, the dense MLP's (an MoE has none: moe.py)
+    fg, mlp = (L + 1, 0) if m.is_moe else (2 * L + 1, 1)
     # ZeRO-3 gathers parameters in the compute dtype; otherwise fp32 masters (and so fp32 norm grads)
     pe = e if layout.sharded else 4
     # LoRA (frozen base): layer 0's input needs no gradient (embedding and norm frozen), so the f
@@ -275,12 +277,12 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
     for micro in range(M):
         act = n * d * e
         if layout.sp:   # f / g become all-gather / reduce-scatter along the sequence
-            add("all_gather", "tp", (2 * L + 1) + (2 * L + 1) - skipped + 2 * ac, act)
-            add("reduce_scatter", "tp", (2 * L + 1) + (2 * L + 1) - skipped + ac, act)
+            add("all_gather", "tp", fg + fg - skipped + (1 + mlp) * ac, act)
+            add("reduce_scatter", "tp", fg + fg - skipped + ac, act)
             if not lora:
                 add("all_reduce", "tp", 2 * L + 1, d * pe)  # norm weight grads (they saw n / tp tokens)
         else:           # fwd: embedding, o_proj, down_proj; bwd: the f before qkv, gate/up, lm_head
-            add("all_reduce", "tp", (2 * L + 1) + (2 * L + 1) - skipped + ac, act)
+            add("all_reduce", "tp", fg + fg - skipped + ac, act)
         for t in opts.lora_targets:   # the whole pieces' gradients: column A in the input's dtype
             row = t in ("o_proj", "down_proj")                    # (the norm's), row B in e
             a, b_ = model.lora_tensors(1, opts.lora_r, [t])

@@ -19,6 +19,8 @@ Communication, per MoE layer and micro-batch (ledger op, group: comm.py's conven
                                   exchanges): 4 calls (+ 2 when recomputed); the ledger counts each
                                   call's whole input, N or M rows of d x e bytes
     ("all_gather", "edp")         the experts' unit, twice (once without reshard_after_forward)
+    tp                            no f / g around the feed-forward (model.py: L + 1 pairs, not 2 L + 1);
+                                  under SP the router's and each expert tensor's gradient summed
     ("reduce_scatter", "edp")     its fp32 gradient; HSDP adds its shard's all-reduce over dp_replicate
     aux loss                      (2 L_moe E + 1) fp32 over tp (under SP) and over cp, per micro-batch
     metrics                       (L_moe E + 2) fp64 over dp_cp once a step (moe_metrics.py)
@@ -38,9 +40,11 @@ Activations of an MoE feed-forward (replacing the dense MLP's 4 e n f / T), bala
 
 Time: the exchanges are on the critical path (the experts wait for their tokens, the layer for the
 outputs), so the ep group's time is added to the step whole. The experts' ZeRO-3 traffic over edp is
-added whole too, an upper bound: overlap.py's per-layer hiding is not applied to it yet. The step's
-compute is time_model.py's dense count (an MoE layer priced as one dense MLP of intermediate_size),
-not the k experts' matmuls: under-counted by the active experts' share; MFU's FLOPs are exact.
+added whole too, an upper bound: overlap.py's per-layer hiding is not applied to it yet.
+time_model.py prices every layer's feed-forward as the dense MLP (f / T wide); `matmul_seconds` adds
+the difference to what an MoE layer runs, balanced: the router (n, d) x (d, E), and per local expert
+N ep / E rows through gate and up (d -> F) and down (F -> d), not split over tp, forward and twice
+backward (and again when recomputed). MFU's FLOPs are models/flops.py's active weights.
 FLOPs are models/flops.py's (the active weights: k experts and the router per token).
 """
 from __future__ import annotations
@@ -86,8 +90,11 @@ def collectives(add, model, layout, batch, opts, recomputed: int) -> None:
     add("all_to_all", "ep", passes, 8 * E)
     add("all_to_all_uneven", "ep", 2 * passes + 2 * L, copies(model, layout, batch) * model.hidden_size * e)
     aux = 4 * (2 * L * E + 1)
-    if layout.sp:
+    if layout.sp:                    # the router and experts saw n / T tokens: their gradients summed
         add("all_reduce", "tp", 1, aux)
+        pe = e if layout.sharded else 4                   # (in the gathered dtype under ZeRO-3)
+        add("all_reduce", "tp", L, E * model.hidden_size * pe)
+        add("all_reduce", "tp", 3 * L, E // layout.ep * model.moe_intermediate_size * model.hidden_size * pe)
     add("all_reduce", "cp", 1, aux)
 
 
@@ -148,3 +155,17 @@ def exposed_seconds(groups: Dict[str, dict]) -> float:
     """What the step waits for of the MoE's own groups: the token exchanges over ep and (an upper
     bound, the module docstring) the experts' ZeRO-3 traffic over edp."""
     return sum(groups.get(g, {}).get("seconds", 0.0) for g in ("ep", "edp"))
+
+
+def matmul_seconds(model, layout, batch, opts, gemm, again: float) -> float:
+    """The MoE layers' GEMM seconds of a step less the dense MLP's that time_model.py priced in their
+    place (the module docstring); gemm(m, k, n) prices one GEMM, `again` is the share recomputed."""
+    rows = batch.micro(layout) * batch.sequence_len / layout.cp
+    tokens = rows / layout.tp if layout.sp else rows
+    E, local, d, F = model.num_local_experts, model.num_local_experts // layout.ep, model.hidden_size, \
+        model.moe_intermediate_size
+    r = copies(model, layout, batch) / local                  # balanced: each local expert's rows
+    moe = gemm(tokens, d, E) + local * (2 * gemm(r, d, F) + gemm(r, F, d))
+    f, T = model.intermediate_size, layout.tp
+    dense = gemm(rows, d, 2 * f / T) + gemm(rows, f / T, d)
+    return batch.micro_steps(layout) * moe_layers(model) * (3 + again) * (moe - dense)

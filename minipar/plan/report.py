@@ -80,7 +80,7 @@ def describe(p: dict, model: ModelShape) -> str:
             lines.append(f"{head}{op:<16}{c['calls']:>7}{nbytes:12.3f}{wire:10.3f}{sec}")
     a2a = f" + all-to-all {t['all_to_all_s']:.3g}" if t.get("all_to_all_s") else ""   # Ulysses: exposed
     if t.get("moe_s") is not None:                     # ep's exchanges and edp's gathers, exposed
-        a2a += f" + MoE ep/edp {t['moe_s']:.3g}"
+        a2a += f" + MoE ep/edp {t['moe_s']:.3g} + MoE matmuls beyond the dense MLP's {t['moe_matmul_s']:.3g}"
     lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
               f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g}{a2a} + {_hidden(t)}; "
               f"{t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
@@ -101,6 +101,12 @@ def _parts(t: dict) -> str:
     return (f"  compute by operation (minipar/plan/time_model.py): GEMMs {t['gemm_s']:.3g} s, attention "
             f"{t['attention_s']:.3g} s, memory-bound (norms, RoPE, SwiGLU, residuals, loss) "
             f"{t['memory_bound_s']:.3g} s, optimizer step {t['optimizer_s']:.3g} s")
+
+
+def ac_label(o: dict, sep: str = ", ") -> str:
+    """A layout's checkpointing as a short suffix: "", ", AC" (every layer) or ", SAC" (selective)."""
+    ac = o["gradient_checkpointing"]
+    return "" if not ac else f"{sep}{'SAC' if ac == 'selective' else 'AC'}"
 
 
 def _ac(o: dict) -> str:
@@ -143,7 +149,7 @@ def describe_search(s: dict, model: ModelShape, top: int = 10) -> str:
     lines = [f"{len(s['ranked'])} of {s['considered']} layouts fit; fastest first "
              f"(est. step s, MFU, GB per rank):"]
     for p in s["ranked"][:top]:
-        ac = " +AC" if p["options"]["gradient_checkpointing"] else ""
+        ac = ac_label(p["options"], " +")
         t = p["time"]
         lines.append(f"  {p['layout_str'] + ac:<66}{t['step_s']:8.3f} s {100 * t['mfu']:5.1f} %"
                      f"{p['memory']['total'] / GB:8.1f} GB")

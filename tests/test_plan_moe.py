@@ -28,10 +28,12 @@ TOKEN_EXCHANGE = ("all_to_all_uneven", "ep")
 
 
 # beyond moe.yaml: tp 2 with SP and checkpointing (no f / g around the experts, their gradients
-# summed over tp, the recomputed exchanges), and HSDP in bf16 (the experts' shards over dp_replicate)
+# summed over tp, the recomputed exchanges), HSDP in bf16 (the experts' shards over dp_replicate), and
+# cp 2 (ep borrows a cp rank: the ep and edp groups cut dp_shard_cp; the aux loss summed over cp)
 VARIANTS = [[], ["--tensor_parallel_size", "2", "--dp_shard_size", "2", "--sequence_parallel", "true",
                  "--gradient_checkpointing", "true"],
-            ["--dp_replicate_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16"]]
+            ["--dp_replicate_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16"],
+            ["--dp_shard_size", "2", "--context_parallel_size", "2"]]
 
 
 def test_plan_moe_matches_runs(tmp_path):

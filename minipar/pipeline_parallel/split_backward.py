@@ -21,8 +21,8 @@ which pops that B's queue, computes every dW and db, and frees the kept x and dy
 Memory: between B and W a stage holds, for each Linear of each micro-batch chunk whose W has not
 run, its input x (kept from the forward: B no longer frees it) and its output gradient dy
 (new: bytes of the Linear's output). For a decoder layer of hidden d, intermediate f and b s
-tokens that is about (4 d + 2 f) b s elements of x (q/k/v read one x, gate/up one, o and down
-one each) plus (q + k + v + d + 2 f + d) b s of dy: the price of moving W into the bubble.
+tokens that is about (3 d + f) b s elements of x (q/k/v read one x, gate/up one, o reads d and
+down f) plus (q + k + v + d + 2 f + d) b s of dy: the price of moving W into the bubble.
 
 How W hands its gradient over: `torch.autograd.backward(weights, dWs)` starts a small backward at
 the weight tensors themselves. For a plain Parameter that is its AccumulateGrad: .grad += dW,
@@ -138,10 +138,14 @@ class WeightGradStore:
             torch.autograd.backward(targets, grads)
 
     def held_bytes(self) -> int:
-        """Bytes of x and dy kept for W runs still to come (x may share memory with other saved
-        tensors while their B has not run: this counts it once per Linear)."""
-        return sum(t.numel() * t.element_size() for q in self.queues.values() for _, _, x, dy in q
-                   for t in (x, dy))
+        """Bytes of x and dy kept for W runs still to come, each storage once (q, k and v share
+        their x)."""
+        seen = {}
+        for q in self.queues.values():
+            for _, _, x, dy in q:
+                for t in (x, dy):
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
 
     def pending(self) -> List[tuple]:
         return sorted(self.queues)

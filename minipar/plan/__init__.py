@@ -8,7 +8,8 @@ tests hold exactly against the ledger and the measured state), estimate.py the p
 nodes and the stated time model, pipeline.py the same under pipeline parallelism
 (pipeline_stage.py: one stage; zero3_replay.py: ZeRO-3's gathers over a schedule), layout_search.py the
 ranking of every layout of a world, pp and cp_impl included, and the recommendation by stated
-rules; report.py the text `python -m minipar.plan` prints.
+rules; moe.py a mixture of experts' share (the experts over ep and edp, the token exchanges);
+report.py the text `python -m minipar.plan` prints.
 """
 from .estimate import Cluster, crosses_nodes, plan
 from .inputs import Batch, Layout, ModelShape, Options

@@ -295,9 +295,12 @@ def test_search_follows_its_rules():
         assert all(p["options"]["gradient_checkpointing"] in (False, "selective", True) for p in ranked)
 
 
+@pytest.mark.slow
 def test_search_never_trades_a_real_slowdown_for_a_placement_rule():
     """70B on 256 GPUs: "shard groups inside a node" once picked a layout 2.2x slower than the
-    fastest that fit (85th of 98); now the recommendation is within 5 % (the issue asks 10 %)."""
+    fastest that fit (85th of 98); now the recommendation is within 5 % (the issue asks 10 %).
+    A minute of search: slow; its fast twin is test_search_follows_its_rules (8B on 8 and 16 GPUs,
+    the recommendation inside the 5 % band)."""
     s = search(_llama("llama-3.1-70b"), Batch(256, 1, 8192), Options(), Cluster(), 256)
     fastest, rec = s["ranked"][0]["time"]["step_s"], s["recommended"]["time"]["step_s"]
     assert len(s["ranked"]) > 100 and rec <= 1.05 * fastest, (rec, fastest)

@@ -111,23 +111,24 @@ CLIP, ACCUMULATE, CHECKPOINT = (["--max_grad_norm", "0.05"],         # clipping 
                                 ["--gradient_checkpointing", "true"])  # activation checkpointing
 
 
-# the fast twin: the three options at once (any one of them wrong changes the curve); the slow
-# test below runs each alone, so that a failure names the option
+# the fast twin: the three options at once (any one of them wrong changes the curve) on HSDP x TP;
+# the slow tests run each alone, so that a failure names the option, and all on dp_shard x cp x tp
+@pytest.mark.parametrize("config, layout", [
+    pytest.param("hsdp_tp.yaml", [], id="hsdp_tp"),
+    pytest.param("cp_tp.yaml", ["--dp_shard_size", "2"], id="shard_cp_tp", marks=pytest.mark.slow),
+])
 @pytest.mark.parametrize("extra", [
     pytest.param(CLIP + ACCUMULATE + CHECKPOINT, id="all-three"),
     pytest.param(CLIP, id="clipping", marks=pytest.mark.slow),
     pytest.param(ACCUMULATE, id="accumulation", marks=pytest.mark.slow),
     pytest.param(CHECKPOINT, id="checkpointing", marks=pytest.mark.slow),
 ])
-def test_options_match_single_process_on_4d_layouts(tmp_path, extra):
+def test_options_match_single_process_on_4d_layouts(tmp_path, extra, config, layout):
     ref = _single(tmp_path, *extra)
     if "--max_grad_norm" in extra:
         assert all(g > 0.05 for _, _, _, g in ref)       # the clip really engages
-    for got in (run_world(_train, 8, _argv("hsdp_tp.yaml", tmp_path / "run", *extra), timeout=600),
-                run_world(_train, 8, _argv("cp_tp.yaml", tmp_path / "run2", "--dp_shard_size", "2", *extra),
-                          timeout=600)):
-        for g in got:                       # every rank
-            _assert_same_curve(ref, g)
+    for g in run_world(_train, 8, _argv(config, tmp_path / "run", *layout, *extra), timeout=600):
+        _assert_same_curve(ref, g)          # every rank
 
 
 def test_single_process_run_writes_metrics_and_plot(tmp_path):

@@ -13,10 +13,11 @@ the planner's total for the same run (python -m minipar.plan: persistent state, 
 activations, the loss's and the gradients' transients), which leaves the baseline out: compare
 the growth per layer, not the totals.
 
-    allocator   returned    minipar's default on a CPU (minipar/training/host_memory.py: glibc's mmap
-                            threshold fixed, so a freed tensor goes back to the kernel)
-                glibc       that setting undone: glibc's dynamic threshold keeps freed tensors in
-                            its heap, and the peak counts memory that was live at different moments
+    allocator   returned    MINIPAR_RETURN_FREED_MEMORY=1 (minipar/training/host_memory.py: glibc's
+                            mmap threshold fixed, so a freed tensor goes back to the kernel)
+                glibc       minipar's default (that setting costs speed): glibc's dynamic threshold
+                            keeps freed tensors in its heap, and the peak counts memory that was
+                            live at different moments
 
 Memory does not depend on the machine's load (the time would), but the table records the load
 average like every benchmark here and is written only when the load at the start is below the
@@ -60,8 +61,8 @@ def measure(args, allocator: str):
     from minipar.training.run_setup import setup_run
     from minipar.training.trainer import Trainer
     torch.set_num_threads(1)
-    if allocator == "glibc":             # the Trainer leaves glibc's malloc as it is (host_memory.py)
-        os.environ["MINIPAR_GLIBC_MALLOC"] = "1"
+    if allocator == "returned":          # the Trainer then fixes glibc's mmap threshold (host_memory.py)
+        os.environ["MINIPAR_RETURN_FREED_MEMORY"] = "1"
     run = setup_run(args)
     base = reset_peak_rss()
     tr = Trainer(run)

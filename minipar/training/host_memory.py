@@ -17,13 +17,14 @@ tensors alive at once grow by 22 (the parameter and AdamW shards, one micro-batc
 Fixing the threshold at 128 KiB (mallopt(M_MMAP_THRESHOLD), which also turns the dynamic rule off)
 keeps every tensor of 128 KiB or more in its own mapping, returned when freed; the growth falls to
 what the tensors need (19 to 22 MiB per layer from 15 layers on). The cost is a page fault per
-4 KiB page of each new large tensor (the kernel hands out zeroed pages), a few milliseconds per
-layer and step against a CPU layer's ~100 ms.
-
-MINIPAR_GLIBC_MALLOC=1 in the environment leaves glibc's malloc as it is (benchmarks/bench_memory.py
-compares both). A GPU run is not affected (torch's CUDA caching allocator serves its tensors; the
-summary reports its max_memory_allocated). Another allocator preloaded (jemalloc, tcmalloc via
-LD_PRELOAD) ignores the setting; a C library without mallopt (musl, macOS) is left alone.
+4 KiB page of each new large tensor (the kernel hands out zeroed pages, and every step maps and
+unmaps them again), and it is not small: the default one-process run (train.py, 40 steps, 2 cores)
+went from 11,070 to 6,787 tokens/s with it. So it is opt-in: MINIPAR_RETURN_FREED_MEMORY=1 in the
+environment turns it on for a CPU run, when resident memory is the limit or is what is measured
+(benchmarks/bench_memory.py compares both, and the planner's per-layer memory is held to runs with
+it on). A GPU run is not affected (torch's CUDA caching allocator serves its tensors; the summary
+reports its max_memory_allocated). Another allocator preloaded (jemalloc, tcmalloc via LD_PRELOAD)
+ignores the setting; a C library without mallopt (musl, macOS) is left alone.
 """
 from __future__ import annotations
 
@@ -35,10 +36,13 @@ M_MMAP_THRESHOLD = -3          # glibc's malloc.h
 THRESHOLD_BYTES = 128 * 1024   # glibc's own starting value, now fixed
 
 
+def asked() -> bool:
+    """Whether this process was asked to return freed memory (MINIPAR_RETURN_FREED_MEMORY=1)."""
+    return os.environ.get("MINIPAR_RETURN_FREED_MEMORY") == "1"
+
+
 def return_freed_memory() -> bool:
     """Fix glibc's mmap threshold for this process (see the module docstring); whether it took."""
-    if os.environ.get("MINIPAR_GLIBC_MALLOC") == "1":
-        return False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

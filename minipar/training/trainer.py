@@ -38,12 +38,12 @@ import minipar
 from minipar import comm
 from minipar.data_parallel import replicate, replicate_naive
 from minipar.lora import add_lora, check_targets, load_adapters, lora_parameters, lora_targets
+from minipar.training import host_memory
 from minipar.training import optim as moptim
 from minipar.training.batch_source import Batches, eval_loss
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.checkpoint import verify
 from minipar.training.data import batches as mdata
-from minipar.training.host_memory import return_freed_memory
 from minipar.training.moe_metrics import MoEStepMetrics
 from minipar.training.pipeline_step import PipelineStep, build_pipeline_model
 from minipar.training.run_setup import Run
@@ -64,8 +64,8 @@ class Trainer:
         cfg, pgm = self.cfg, self.pgm
         self.is_main = pgm.global_rank == 0
         self.device = minipar.default_device()
-        if self.device.type == "cpu":             # freed tensors back to the OS, not kept by glibc
-            return_freed_memory()                 # (host_memory.py: ~23 MiB per layer at SmolLM's shape)
+        if self.device.type == "cpu" and host_memory.asked():    # freed tensors back to the OS, at a
+            host_memory.return_freed_memory()                     # cost in speed (host_memory.py)
         self.bf16 = cfg.dtype == "bfloat16"
         # built on the meta device; each rank then materialises only what it keeps (its TP slice,
         # under ZeRO-3 only its shard of each unit), from the seed or from base_model's files

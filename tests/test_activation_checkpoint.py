@@ -103,11 +103,14 @@ def _measure(argv):
     measured = {}
     for how in (False, ("full", "op"), ("selective", "op"), ("selective", 2)):
         tr.model.gradient_checkpointing = how and ActivationCheckpointing(*how)
-        measured[how] = _forward_bytes(tr.model, batch, ids.numel())
+        # the least of three: a buffer gloo's threads still hold only ever adds to a count
+        measured[how] = min(_forward_bytes(tr.model, batch, ids.numel()) for _ in range(3))
     return ledger, measured
 
 
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
+# one process in the default suite: under tp 2 gloo's threads may still hold a collective's buffer
+# when the count is taken (rarely, even after the least of three), so that twin is slow
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_planner_counts_what_selective_checkpointing_keeps(tmp_path, world):
     """One micro-batch's forward at a shape where activations dominate (hidden 256, 128 tokens x 2
     rows), on one process and under tp 2: the planner's bytes for no checkpointing, full, per op and

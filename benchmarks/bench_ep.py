@@ -30,7 +30,6 @@ the load average at the start exceeds the core count (--quick, for the tests, al
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -41,7 +40,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
-from common import MB, run_variant, timed_world  # noqa: E402
+from common import MB, run_variant, save_results, timed_world  # noqa: E402
 
 import minipar  # noqa: E402
 from minipar import ParallelismConfig, comm_ledger  # noqa: E402
@@ -154,19 +153,10 @@ def main(argv=None):
             f"ledger); peak MiB is resident memory above the rank's baseline.", ""]
     md = "\n".join(head + [table(args, rows), ""])
     print("\n" + md)
-    if load > cores and not args.quick:
-        print(f"not saved: the load average at the start ({load:.1f}) exceeds the {cores} cores; "
-              f"rerun on a quiet machine")
-        return 1
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    with open(args.out + ".json", "w") as f:
-        json.dump(dict(command=command.strip(), load_start=load, load_end=load_end, cores=cores,
-                       torch=torch.__version__,
-                       rows=[dict(n=n, variant=name, **r) for (n, name), r in rows.items()]), f, indent=1)
-    print(f"saved {args.out}.md and {args.out}.json")
-    return 0
+    record = dict(command=command.strip(), load_start=load, load_end=load_end, cores=cores,
+                  torch=torch.__version__,
+                  rows=[dict(n=n, variant=name, **r) for (n, name), r in rows.items()])
+    return save_results(args.out, md, record, load, cores, args.quick)
 
 
 if __name__ == "__main__":

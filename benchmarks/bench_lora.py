@@ -26,7 +26,6 @@ average at the start exceeds the core count (--quick, for the tests, writes only
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -38,7 +37,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
-from common import MB, SIZES, run_variant, timed_world  # noqa: E402
+from common import MB, SIZES, run_variant, save_results, timed_world  # noqa: E402
 
 from minipar import comm_ledger  # noqa: E402
 from minipar.training.run_setup import setup_run  # noqa: E402
@@ -161,19 +160,9 @@ def main(argv=None):
             f"peak MiB is resident memory above the rank's baseline.", ""]
     md = "\n".join(head + [table(rows), ""])
     print("\n" + md)
-    if load > cores and not args.quick:
-        print(f"not saved: the load average at the start ({load:.1f}) exceeds the {cores} cores; "
-              f"rerun on a quiet machine")
-        return 1
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    with open(args.out + ".json", "w") as f:
-        json.dump(dict(command=command.strip(), load_start=load, load_end=load_end, cores=cores,
-                       torch=torch.__version__, rows=[dict(variant=n, **r) for n, r in rows.items()]),
-                  f, indent=1)
-    print(f"saved {args.out}.md and {args.out}.json")
-    return 0
+    record = dict(command=command.strip(), load_start=load, load_end=load_end, cores=cores,
+                  torch=torch.__version__, rows=[dict(variant=n, **r) for n, r in rows.items()])
+    return save_results(args.out, md, record, load, cores, args.quick)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ the min-max over rounds, and the ratio to the peer per round (paired, so drift c
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -132,3 +133,20 @@ def spread(values):
 def local_bytes(t) -> int:
     t = t.to_local() if hasattr(t, "to_local") else t
     return t.numel() * t.element_size()
+
+
+def save_results(out: str, md: str, record: dict, load: float, cores: int, quick: bool) -> int:
+    """Write the markdown table and the JSON record beside it (two files named after out), or refuse
+    when the load average at the start exceeded the cores (timings from a busy machine are noise; a
+    quick run is a smoke test and is written anywhere). 0: saved, 1: refused."""
+    if load > cores and not quick:
+        print(f"not saved: the load average at the start ({load:.1f}) exceeds the {cores} cores; "
+              f"rerun on a quiet machine")
+        return 1
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".md", "w") as f:
+        f.write(md)
+    with open(out + ".json", "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"saved {out}.md and {out}.json")
+    return 0

@@ -37,10 +37,10 @@ USP_ULYSSES = 2
 
 
 def planner_bytes(variant, seq, ranks):
-    """What the planner (minipar/plan/model.py, cp_attention) counts for this cell's one attention
+    """What the planner (minipar/plan/collective_counts.py, cp_attention) counts for this cell's one attention
     forward + backward, {op: bytes}, to print beside the ledger's; {} for the one-process baseline."""
+    from minipar.plan.collective_counts import cp_attention
     from minipar.plan.inputs import Batch, Layout, ModelShape, Options
-    from minipar.plan.model import cp_attention
     if variant.startswith("SDPA"):
         return {}
     impl = variant.split()[0]

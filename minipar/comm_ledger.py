@@ -9,7 +9,7 @@ benchmarks to hold against theory.
     led.summary()                           # {(op, group): (calls, bytes)}
 
 Each Record holds (op, group name, group size, element count, bytes of the full buffer, wire
-bytes, dtype). Which buffer counts is fixed per op, as the planner (minipar/plan/model.py) counts:
+bytes, dtype). Which buffer counts is fixed per op, as the planner (minipar/plan/collective_counts.py) counts:
 all_reduce the tensor, all_gather the output, reduce_scatter and all_to_all (even or uneven) the
 input, send_recv and send the message; wire bytes apply the factors of comm.py's table (all_reduce
 2 (n-1)/n, all_gather, reduce_scatter and all_to_all (n-1)/n, all_to_all_uneven the rows that leave

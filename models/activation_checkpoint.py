@@ -2,7 +2,7 @@
 
 Backward needs what forward computed; autograd keeps it (the saved tensors) from a layer's forward
 to its backward, so without checkpointing a micro-batch holds every layer's activations at once
-(minipar/plan/model.py counts them). Checkpointing trades that memory for recomputation:
+(minipar/plan/activation_bytes.py counts them). Checkpointing trades that memory for recomputation:
 
     full                   each layer keeps only its input h (e n d bytes: n tokens, hidden d, e
                            bytes per element) and runs its forward again in backward: a third more
@@ -13,7 +13,7 @@ to its backward, so without checkpointing a micro-batch holds every layer's acti
                            residual adds) is recomputed in backward. The recompute is the cheap,
                            memory-bound part (no matmul runs twice), the memory per layer is about
                            half of keeping everything (a layer of SmolLM-135M, 256 tokens, fp32:
-                           6.5 MB of 12.2 MB; full keeps 0.6 MB; minipar/plan/model.py's counts)
+                           6.5 MB of 12.2 MB; full keeps 0.6 MB; minipar/plan/activation_bytes.py's counts)
     selective, n (an int)  every n-th layer (layers n-1, 2n-1, ... counted from 0) fully
                            checkpointed, the others keep everything: 1/n of full's recompute
 

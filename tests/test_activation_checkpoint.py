@@ -1,5 +1,5 @@
 """Selective activation checkpointing (models/activation_checkpoint.py): the same training as one
-process without it, and the bytes it keeps as the planner counts them (minipar/plan/model.py)."""
+process without it, and the bytes it keeps as the planner counts them (minipar/plan/activation_bytes.py)."""
 import os
 import time
 

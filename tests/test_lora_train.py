@@ -197,10 +197,10 @@ PLANNED = [(["--lora_target_modules", "[q_proj, o_proj, up_proj, down_proj]"], (
 
 @pytest.mark.parametrize("extra,targets", PLANNED, ids=["attention-and-mlp", "mlp-only-sp-bf16"])
 def test_planner_counts_lora_memory_and_collectives_exactly(tmp_path, extra, targets):
-    """python -m minipar.plan's counts for a LoRA run (minipar/plan/model.py) against the run itself
-    on dp_shard 2 x tp 2: the frozen shards, the adapters' gradients and AdamW states, the gathered
-    units, and every collective of the step (no reduce-scatter; the adapters' all-reduces over tp
-    and dp_cp; layer 0's backward f/g that do not run)."""
+    """python -m minipar.plan's counts for a LoRA run (minipar/plan/model.py, collective_counts.py)
+    against the run itself on dp_shard 2 x tp 2: the frozen shards, the adapters' gradients and
+    AdamW states, the gathered units, and every collective of the step (no reduce-scatter; the
+    adapters' all-reduces over tp and dp_cp; layer 0's backward f/g that do not run)."""
     from minipar.plan import Layout, collectives, memory
     from minipar.plan.__main__ import from_train_config
     argv = _argv(tmp_path, 1, "--dp_shard_size", "2", "--tensor_parallel_size", "2",

@@ -11,8 +11,8 @@
                                                                    the worst in full
     ... --json                                                     the same, as JSON for scripts
 
-The counts are minipar's own code paths (minipar/plan/model.py; per pipeline stage
-minipar/plan/pipeline.py), held exactly against real runs by
+The counts are minipar's own code paths (minipar/plan/model.py, activation_bytes.py, collective_counts.py;
+per pipeline stage minipar/plan/pipeline.py), held exactly against real runs by
 tests/test_plan.py (cp_impl ulysses / usp: tests/test_plan_cp_impls.py); the time is a stated
 model (minipar/plan/estimate.py), not a measurement; the text is minipar/plan/report.py's.
 """

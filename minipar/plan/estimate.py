@@ -28,7 +28,7 @@ The time model (stated, and the same for every layout so that the ranking is fai
 Kernel launch gaps and the host are not modelled.
 
 Fits: persistent + gathered + activations (with or without checkpointing; with one micro-batch
-per step not beside the gradients, model.py's activations_beside_grads) + transient (ZeRO-3:
+per step not beside the gradients, activation_bytes.py's activations_beside_grads) + transient (ZeRO-3:
 two units' unsharded fp32 gradients in flight; the loss: the logits and their fp32 softmax) must
 stay under `gpu_memory` x (1 - reserve); reserve (default 0.1) stands for the CUDA context, NCCL
 buffers and allocator fragmentation.
@@ -43,6 +43,8 @@ from typing import Dict
 
 import numpy as np
 
+from . import activation_bytes as pa
+from . import collective_counts as pc
 from . import inputs as inputs_mod
 from . import model as pm
 from . import time_model as tm
@@ -109,8 +111,8 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     if problems:
         raise ValueError(f"layout {layout} cannot run this model and batch: " + "; ".join(problems))
     mem = pm.memory(model, layout, opts)
-    act = pm.activations(model, layout, batch, opts)
-    coll = pm.collectives(model, layout, batch, opts)
+    act = pa.activations(model, layout, batch, opts)
+    coll = pc.collectives(model, layout, batch, opts)
     fl = pm.flops(model, layout, batch, opts)
     g = cluster.gpus_per_node
     cross = {**crosses_nodes(layout, g), **moe_crosses_nodes(layout, g)}     # + ep, edp
@@ -119,7 +121,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     for (op, group), (calls, nbytes) in sorted(coll.items()):
         g = groups.setdefault(group, dict(size=sizes[group], crosses_nodes=cross[group], ops={},
                                           wire_bytes=0.0))
-        wire = pm.wire_bytes(op, sizes[group], nbytes)
+        wire = pc.wire_bytes(op, sizes[group], nbytes)
         g["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
         g["wire_bytes"] += wire
     group_seconds(groups, cluster)
@@ -133,7 +135,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     if model.is_moe:                 # the token exchanges wait for nothing to hide behind (moe.py)
         t["moe_s"] = exposed_seconds(groups)
         gemm = lambda m, k, n: tm.gemm_seconds(m, k, n, inputs_mod.DTYPE_BYTES[opts.dtype], cluster)
-        again = pm.recompute_shares(model, opts)[0]
+        again = pa.recompute_shares(model, opts)[0]
         t["moe_matmul_s"] = matmul_seconds(model, layout, batch, opts, gemm, again)
         step += t["moe_s"] + t["moe_matmul_s"]
     e = inputs_mod.DTYPE_BYTES[opts.dtype]
@@ -143,7 +145,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         transient += 2 * 4 * max(u.numel for u in pm.units(model, layout))
     activation = act["as_configured"]
     total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + transient \
-        + pm.activations_beside_grads(activation, mem["grads"], batch.micro_steps(layout))
+        + pa.activations_beside_grads(activation, mem["grads"], batch.micro_steps(layout))
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
     tokens = batch.global_batch_size * batch.sequence_len
     return dict(

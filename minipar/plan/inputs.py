@@ -1,5 +1,6 @@
 """The planner's question: a model shape, a layout, a batch and the run's options, and whether
-that layout can run the model at all. The counts that answer it are model.py's.
+that layout can run the model at all. The counts that answer it are
+model.py's, activation_bytes.py's and collective_counts.py's.
 
     ModelShape  from a Hugging Face config.json or minipar's LlamaConfig: d, f, L, H, K, D, V, and
                 tensors(tp): the TP-local element counts of every parameter, in the model's order
@@ -181,7 +182,7 @@ class Options:
     reshard_after_forward: bool = True
     sync_each_batch: bool = True   # ZeRO-3: reduce-scatter every micro-batch (false: once per step)
     # True (full), False, or "selective" with selective_ac_option "op" or n (every n-th layer):
-    # models/activation_checkpoint.py, counted by model.py's activations and recompute_shares
+    # models/activation_checkpoint.py, counted by activation_bytes.py's activations and recompute_shares
     gradient_checkpointing: Union[bool, str] = False
     selective_ac_option: Union[str, int] = "op"
     max_grad_norm: bool = True     # clipping measures the global norm (two tiny all-reduces)

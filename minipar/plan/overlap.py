@@ -33,8 +33,9 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+from .activation_bytes import kv_repeat, recomputed_layers
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
-from .model import Unit, _padded, kv_repeat, recomputed_layers
+from .model import Unit, _padded
 from .time_model import collective_seconds
 
 DP_GROUPS = ("dp_shard_cp", "dp_replicate", "dp_cp")

@@ -21,6 +21,7 @@ from typing import Dict, List
 
 from minipar.pipeline_parallel.schedules import check_schedule, theory_bubble
 
+from . import collective_counts as pc
 from . import inputs as inputs_mod
 from . import model as pm
 from . import time_model as tm
@@ -72,7 +73,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         for (op, group), (calls, nbytes) in sorted(p.pop("collectives").items()):
             gr = groups.setdefault(group, dict(size=sizes[group], crosses_nodes=cross[group], ops={},
                                                wire_bytes=0.0))
-            wire = nbytes if op == "send" else pm.wire_bytes(op, sizes[group], nbytes)   # p2p: as is
+            wire = nbytes if op == "send" else pc.wire_bytes(op, sizes[group], nbytes)   # p2p: as is
             gr["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
             gr["wire_bytes"] += wire
         group_seconds(groups, cluster)

@@ -15,7 +15,7 @@ Inside a stage the layout is the 4D one of model.py; plan_stage answers, per sta
     accumulated  pipeline_step.py keeps ZeRO-3 / DDP in no_sync until the rank's last backward:
                  with m > 1 every unit's unsharded fp32 gradient is held (as fsdp.sync_each_batch
                  false), and each unit reduce-scatters ONCE per step
-    activations  per micro-batch, the chunk's layers (model.py's per-layer bytes) + cos/sin per
+    activations  per micro-batch, the chunk's layers (activation_bytes.py's per-layer bytes) + cos/sin per
                  chunk + ids on the first stage + norm/softmax on the last, times what is in flight:
                  counted from the action list (the peak of live (chunk, micro) pairs, each weighted
                  by its chunk's bytes): AFAB m, 1F1B min(m, p - stage), interleaved what it holds;
@@ -41,6 +41,8 @@ from typing import Dict, List, Optional, Tuple
 from minipar.pipeline_parallel.schedules import chunk_stages, peak_in_flight, schedule_order
 from minipar.pipeline_parallel.stage import stage_chunks
 
+from . import activation_bytes as pa
+from . import collective_counts as pc
 from . import model as pm
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 from .model import Unit
@@ -204,14 +206,14 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
         tens = stage_tensors(model, layout, st)
         elems, tensors = sum(tens), len(tens)
         if layout.sizes()["dp_cp"] > 1:                      # DDP once per step
-            for nbytes in pm.bucket_bytes([4 * x for x in tens]):
+            for nbytes in pc.bucket_bytes([4 * x for x in tens]):
                 add("all_reduce", "dp_cp", 1, nbytes)
     mem = dict(params=4 * elems, grads=4 * elems, optimizer=8 * elems + 4 * tensors,
                persistent=16 * elems + 4 * tensors, gathered=gathered, accumulated_grads=accumulated,
                param_elements=elems)
 
     # ---- activations: per (chunk, micro-batch), weighted by what the schedule keeps alive
-    act = pm.activations(model, layout, batch, opts)
+    act = pa.activations(model, layout, batch, opts)
     n, D = b * (batch.sequence_len // C), model.head_dim
     ids = 8 * n + (n if T > 1 else 0)
     rope = 2 * e * n * D
@@ -221,7 +223,7 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
     def chunk_bytes(c: int, checkpointed, how: Options = full_ac) -> int:
         extra = (rope + (ids if st.first and c == 0 else 0)
                  + (head if st.last and c == len(st.chunks) - 1 else 0))
-        return extra + sum(pm.kept_per_layer(act, how, i) if checkpointed else act["per_layer"]
+        return extra + sum(pa.kept_per_layer(act, how, i) if checkpointed else act["per_layer"]
                            for i in st.chunks[c])
 
     # zb_h1 / zbv: what each Linear keeps from B to W, its input x and output gradient dy, per
@@ -258,12 +260,12 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
                 per_micro_checkpointed=sum(chunk_bytes(c, True) for c in range(len(st.chunks))),
                 full=in_flight(False), checkpointed=in_flight(True),
                 checkpointed_peak=in_flight(True) + act["per_layer"],
-                as_configured=in_flight(True, opts) + pm.recompute_peak(act, opts),
+                as_configured=in_flight(True, opts) + pa.recompute_peak(act, opts),
                 in_flight=peak_in_flight(order))
 
     # ---- TP / CP inside the stage, per micro-batch
     L, fst, lst = st.num_layers, int(st.first), int(st.last)
-    acL = pm.recomputed_layers(model, opts, L)
+    acL = pa.recomputed_layers(model, opts, L)
     pe = e if layout.sharded else 4
     for _ in range(M):
         h = n * model.hidden_size * e
@@ -275,7 +277,7 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
             add("all_reduce", "tp", 4 * L + fst + lst + acL, h)
         add("all_reduce", "tp", lst, 4 * n)
         add("all_reduce", "tp", lst, 8 * n)
-        pm.cp_attention(add, model, layout, batch, opts, L, acL)     # ring hops and/or all-to-alls
+        pc.cp_attention(add, model, layout, batch, opts, L, acL)     # ring hops and/or all-to-alls
 
     # ---- the pipeline's own messages, and the step's small reductions
     msg = message_bytes(model, layout, batch, opts)

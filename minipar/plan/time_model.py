@@ -17,7 +17,7 @@ large GEMMs run at `--efficiency` of peak, and a GEMM whose per-rank slice is th
 micro-batches) becomes bound by the bytes it reads, which is why heavy TP runs slower per FLOP. The
 backward is two GEMMs of the forward's size (dX and dW), 2x its time; checkpointing runs the
 forward again: all of it (full), only the memory-bound ops (selective per op: the matmul and attention
-outputs are kept), or every n-th layer's (model.py's recompute_shares).
+outputs are kept), or every n-th layer's (activation_bytes.py's recompute_shares).
 
 Attention (FlashAttention-style, causal): per layer and micro-batch the forward does
 2 b (s / cp) s (Hq / tp) hd FLOPs (QK^T and PV, half the score matrix), the backward twice that,
@@ -44,7 +44,7 @@ dtype e; under SP the norms and residual adds see m / tp tokens, without SP ever
 A fused implementation (torch.compile, Transformer Engine) moves fewer bytes: there this part is
 an upper bound. all at `--hbm-bandwidth`.
 
-Collectives: wire bytes (model.py's wire_bytes: the ring algorithms' (p - 1) / p factors) over the
+Collectives: wire bytes (collective_counts.py's wire_bytes: the ring algorithms' (p - 1) / p factors) over the
 group's bandwidth (`--intra-bw` inside a node, `--inter-bw` across), plus a latency of `hops x alpha`
 per call: hops = p - 1 for all-gather, reduce-scatter and all-to-all, 2 (p - 1) for all-reduce, 1 for
 a point-to-point message, alpha `--intra-latency-us` or `--inter-latency-us`. What of it hides behind
@@ -54,8 +54,9 @@ from __future__ import annotations
 
 from typing import Dict
 
+from .activation_bytes import recompute_shares
+from .collective_counts import wire_bytes
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
-from .model import recompute_shares, wire_bytes
 
 HOPS = {"all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1, "all_to_all": lambda p: p - 1,
         "all_reduce": lambda p: 2 * (p - 1), "send": lambda p: 1, "send_recv": lambda p: 1,

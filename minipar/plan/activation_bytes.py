@@ -1,0 +1,128 @@
+"""What one micro-batch keeps for backward, per rank, from the shapes alone (model.py has the
+notation), and what activation checkpointing keeps and brings back.
+
+Activations: the bytes autograd saves for backward in one micro-batch's forward, counted
+storage by storage (what `torch.autograd.graph.saved_tensors_hooks` sees), parameters excluded:
+    per layer, no SP:  2 norms x (4nd + 4n + 2 e nd)      fp32 copy of x, rsqrt, x_hat, output
+                       attention  e n (2 H + 2 K') D / T + 4 b H s / T   q, k, v, out; fp32 lse
+                                  (K' = H: SDPA gets K/V repeated to the query heads; under cp
+                                   ring attention keeps K heads and o_proj's input is a copy: + e n H D / T)
+                                  ulysses / usp: the same count with K' = f K, f = u / gcd(K / T, u)
+                                  the KV repeat: ring_attention saves the head-split q, k, v, out (u s
+                                  tokens of H / u heads: the local elements, f times for k and v) and
+                                  its lse; the all-to-alls and repeat_interleave save nothing
+                       MLP        4 e n f / T                gate, silu(gate), up, product
+    under SP the norms see n / T tokens and save their input's gathered copy (e n d) instead
+    of their output; with activation checkpointing a layer keeps only its input, and one layer's
+    activations come back during its recompute in backward. Selective checkpointing per op
+    (models/activation_checkpoint.py) keeps a layer's input and what its matmuls and attention
+    output, everything else recomputed (o and down before their reduction, all n tokens under SP):
+        e ns d + e n ((2 H + 2 K) D + 2 d + 2 f) / T + 4 b H s / T      (cp counted as without it)
+    and selective every n-th layer fully checkpoints layers n-1, 2n-1, ... (`as_configured`: the
+    peak of the mode the options name, `kept_per_layer`: what each layer keeps).
+    root: ids, cos/sin (2 e n D), final norm, and the vocab-parallel loss's fp32 softmax 4 n V / T.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from minipar.context_parallel.ulysses import kv_repeats
+
+from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .moe import mlp_activations
+
+
+def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> Dict[str, int]:
+    """Saved-for-backward bytes of one micro-batch (see the module docstring)."""
+    m, T, C = model, layout.tp, layout.cp
+    e = DTYPE_BYTES[opts.dtype]
+    b, s = batch.micro(layout), batch.sequence_len // C
+    n, d, D, f = b * s, m.hidden_size, m.head_dim, m.intermediate_size
+    H, K = m.num_attention_heads // T, m.num_key_value_heads // T
+    ns = n // T if layout.sp else n                     # tokens the norms and residuals see
+
+    def norm(output_saved: bool) -> int:                # fp32 x, rsqrt, x_hat; output or gathered copy
+        return 4 * ns * d + 4 * ns + e * ns * d + e * n * d * (1 if output_saved or layout.sp else 0)
+
+    kv_heads = K * kv_repeat(model, layout) if (C > 1 or H == K) else H
+    attention = e * n * (2 * H + 2 * kv_heads) * D + 4 * b * H * s + (e * n * H * D if C > 1 else 0)
+    mlp = mlp_activations(model, layout, batch, e) if model.is_moe else 4 * e * n * f // T
+    layer = 2 * norm(True) + attention + mlp
+    root = 8 * n + 2 * e * n * D                        # ids (int64; under tp the local ids), cos, sin
+    if T > 1:
+        root += n                                       # the mask of ids outside the vocab shard
+    root += norm(True) + 4 * n * m.vocab_size // T + 8 * n + 2 * n   # softmax fp32, target, 2 masks
+    layer_input = e * ns * d
+    selective = layer_input + e * n * ((2 * H + 2 * K) * D + 2 * d + 2 * f // T) + 4 * b * H * s
+    L = m.num_hidden_layers
+    out = dict(per_layer=layer, root=root, full=L * layer + root, layer_input=layer_input,
+               selective_layer=selective, checkpointed=L * layer_input + root,
+               checkpointed_peak=L * layer_input + root + layer)
+    kept = sum(kept_per_layer(out, opts, i) for i in range(L))
+    out.update(as_configured_kept=kept + root, as_configured=kept + root + recompute_peak(out, opts))
+    return out
+
+
+def activations_beside_grads(activation: int, grads: int, micro_steps: int) -> int:
+    """What the activations add to the persistent state (which counts the gradient shards) at the
+    peak. With one micro-batch per step they never meet the gradients: zero_grad sets every gradient
+    to None after the optimizer step, so the forward and the start of backward hold none, and a
+    layer's gradient shard appears only once its backward has freed its activations; the peak is
+    then the larger of the start of backward (activations, no gradients) and its end (gradients, no
+    activations). Accumulating micro-batches hold the earlier ones' gradients: both count.
+    (benchmarks/bench_memory.py measures it: at SmolLM-135M's shape the gradients would be 3.4 MiB
+    of the 25 per layer.)"""
+    if micro_steps > 1:
+        return activation
+    return max(activation - grads, 0)
+
+
+def kept_per_layer(act: Dict[str, int], opts: Options, i: int) -> int:
+    """Bytes decoder layer i (its index in the model) keeps for backward under the options'
+    checkpointing, from activations()' per-layer counts."""
+    ac = opts.gradient_checkpointing
+    if not ac:
+        return act["per_layer"]
+    if ac == "selective" and opts.selective_ac_option == "op":
+        return act["selective_layer"]
+    if ac == "selective" and (i + 1) % opts.selective_ac_option:
+        return act["per_layer"]                          # not an n-th layer: keeps everything
+    return act["layer_input"]
+
+
+def recompute_peak(act: Dict[str, int], opts: Options) -> int:
+    """What a layer's recompute in backward brings back on top of what it kept: all of its
+    activations (full, every n-th), or the ones the op policy did not keep."""
+    if not opts.gradient_checkpointing:
+        return 0
+    if opts.gradient_checkpointing == "selective" and opts.selective_ac_option == "op":
+        return act["per_layer"] - act["selective_layer"] + act["layer_input"]
+    return act["per_layer"]
+
+
+def recompute_shares(model: ModelShape, opts: Options) -> Tuple[float, float]:
+    """(the share of the layers' matmul and attention work, of their memory-bound work) that runs
+    again in backward: full 1 and 1, selective per op 0 and 1 (only the cheap ops), every n-th
+    layer the share of layers it checkpoints."""
+    ac, L = opts.gradient_checkpointing, model.num_hidden_layers
+    if not ac:
+        return 0.0, 0.0
+    if ac == "selective" and opts.selective_ac_option == "op":
+        return 0.0, 1.0
+    share = (L // opts.selective_ac_option) / L if ac == "selective" else 1.0
+    return share, share
+
+
+def recomputed_layers(model: ModelShape, opts: Options, layers: int) -> int:
+    """Of `layers` decoder layers, how many run (part of) their forward again in backward, and so
+    repeat its collectives (the op policy caches no collective: each runs again)."""
+    ac = opts.gradient_checkpointing
+    if ac == "selective" and opts.selective_ac_option != "op":
+        return layers // opts.selective_ac_option
+    return layers if ac else 0
+
+
+def kv_repeat(model: ModelShape, layout: Layout) -> int:
+    """f, how often Ulysses repeats each KV head of a tp rank (1 under ring): ulysses.py's rule."""
+    T = layout.tp
+    return kv_repeats(model.num_attention_heads // T, model.num_key_value_heads // T, layout.ulysses_size())

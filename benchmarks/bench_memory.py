@@ -54,10 +54,57 @@ def argv(layers: int, output_dir: str):
             "--output_dir", output_dir]
 
 
+class PhaseMarks(list):
+    """A ledger's event list (minipar/comm_ledger.py) that also samples memory: at each event (the
+    ZeRO-3 hooks' marks, every collective) the peak resident memory since the last one (VmHWM, then
+    reset) goes to the phase the step is in. The marks give the phases: the forward up to the root's
+    end (the loss computes there), the root's backward (lm_head), the layers' backward (to the first
+    layer's reduce-scatter), the end of backward (the embedding's, the root's reduce-scatter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase, self.peaks = "loss forward", {}
+
+    def sample(self):
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), peak_rss())
+        reset_peak_rss()
+
+    def append(self, event):
+        self.sample()
+        super().append(event)
+        if not isinstance(event, str):
+            return
+        if event == "zero3.backward <root>":
+            self.phase = "head backward"
+        elif event.startswith("zero3.backward model.layers.") and self.phase == "head backward":
+            self.phase = "layer backward"
+        elif event == "zero3.reduce_scatter model.layers.0":
+            self.phase = "backward end"
+
+
+def tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor alive in this process."""
+    import gc
+    import warnings
+
+    import torch
+    seen = {}
+    with warnings.catch_warnings():      # isinstance on some deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for o in tensors:
+        if o.device.type == "cpu":
+            s = o.untyped_storage()
+            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+    return sum(seen.values())
+
+
 def measure(args, allocator: str):
-    """Inside a rank: (baseline, peak of steps 2-3, resident at the end of step 3's forward), in bytes."""
+    """Inside a rank: baseline, runtime, peak of steps 2-3, resident at the end of step 3's forward,
+    and step 3's peak by phase, in bytes."""
     import torch
 
+    from minipar import comm_ledger
     from minipar.training.run_setup import setup_run
     from minipar.training.trainer import Trainer
     torch.set_num_threads(1)
@@ -66,35 +113,55 @@ def measure(args, allocator: str):
     run = setup_run(args)
     base = reset_peak_rss()
     tr = Trainer(run)
-    forward, at_end = tr._forward, []
+    forward, step_tail, at_end = tr._forward, tr.optimizer_step, []
+    marks = PhaseMarks()
 
     def counted(*a, **k):                # every activation of the micro-batch alive, no gradient yet
         loss = forward(*a, **k)
         at_end.append(current_rss())
         return loss
-    tr._forward = counted
+
+    def optimizer_step():
+        marks.sample()
+        marks.phase = "optimizer"
+        out = step_tail()
+        marks.sample()
+        return out
+    tr._forward, tr.optimizer_step = counted, optimizer_step
     tr.train_step(0)
     reset_peak_rss()
-    for step in (1, 2):
-        tr.train_step(step)
-    return base, peak_rss(), at_end[-1]
+    tr.train_step(1)
+    peak = peak_rss()
+    # between steps: what is resident but held by no tensor (libraries' pages, the small-object
+    # heap, freed memory the allocator kept), the part of a rank's memory the planner leaves out
+    runtime = current_rss() - tensor_bytes()
+    marks.phase, marks.peaks = "loss forward", {}      # (the wrapper sampled steps 1 and 2 too)
+    reset_peak_rss()
+    with comm_ledger.ledger() as led:
+        led.events = marks
+        tr.train_step(2)
+    return dict(baseline=base, runtime=runtime, peak=max(peak, *marks.peaks.values()),
+                forward_end=at_end[-1], phases=marks.peaks)
 
 
 def measured(layers: int, allocator: str) -> dict:
     with tempfile.TemporaryDirectory() as out:
         per_rank = run_world(measure, RANKS, argv(layers, out), allocator, timeout=1200)
-    return dict(baseline=max(r[0] for r in per_rank), peak=max(r[1] for r in per_rank),
-                forward_end=max(r[2] for r in per_rank))
+    worst = max(per_rank, key=lambda r: r["peak"])
+    return dict(baseline=worst["baseline"], runtime=worst["runtime"], peak=worst["peak"],
+                forward_end=worst["forward_end"], phases=worst["phases"])
 
 
 def planned(layers: int) -> dict:
-    """The planner's peak, and what it has alive at the end of the forward (the state less the
-    gradients, which zero_grad freed, the gathered units and the micro-batch's activations)."""
+    """The planner's peak and its phases, and what it has alive at the end of the forward (the loss
+    forward's phase less the logits and z - max: the state less the gradients, which zero_grad freed,
+    the gathered root and the micro-batch's activations)."""
     model = ModelShape.from_dict(dict(SHAPE, num_hidden_layers=layers))
     layout, batch = Layout(dp_shard=RANKS), Batch(BATCH, None, SEQ)
     m = plan(model, layout, batch, Options(dtype="float32"), Cluster())["memory"]
-    return dict(planned=m["total"],
-                planned_forward_end=m["persistent"] - m["grads"] + m["gathered"] + m["activations"]["full"])
+    loss = SEQ * batch.micro(layout) * model.vocab_size * (4 + 4)
+    return dict(planned=m["total"], planned_phases=m["phases"], planned_peak_phase=m["peak_phase"],
+                planned_forward_end=m["phases"]["loss forward"] - loss)
 
 
 def growth(rows, key):
@@ -103,18 +170,27 @@ def growth(rows, key):
             for a, b in zip(rows, rows[1:])]
 
 
+PHASES = ("loss forward", "head backward", "layer backward", "backward end", "optimizer")
+
+
 def table(rows_by_allocator, load_start, load_end) -> str:
     lines = ["# Peak resident memory per rank against the planner, by decoder layers", "",
              f"SmolLM-135M's shape, fp32, dp_shard {RANKS} (ZeRO-3), {BATCH} x {SEQ} tokens per step; "
-             f"peak of steps 2-3, largest over ranks; {os.cpu_count()} cores, load average "
+             f"peak of steps 2-3, the rank with the largest; {os.cpu_count()} cores, load average "
              f"{load_start:.2f} at the start and {load_end:.2f} at the end. Generated by "
-             "`python benchmarks/bench_memory.py` (benchmarks/bench_memory.py says how).", "",
-             "| allocator | layers | baseline MiB | peak MiB | planner MiB | end of forward MiB | "
-             "planner MiB |", "|---|---|---|---|---|---|---|"]
+             "`python benchmarks/bench_memory.py` (benchmarks/bench_memory.py says how). runtime: the "
+             "resident memory no tensor holds, between steps (the planner leaves it out: libraries, "
+             "the small-object heap, and under glibc the freed memory its heap kept).", "",
+             "| allocator | layers | baseline MiB | runtime MiB | peak MiB | peak - runtime | planner MiB | "
+             "ratio | planner's peak phase | measured |", "|---|---|---|---|---|---|---|---|---|---|"]
     for allocator, rows in rows_by_allocator.items():
-        lines += [f"| {allocator} | {r['layers']} | {r['baseline'] / MiB:.0f} | {r['peak'] / MiB:.0f} | "
-                  f"{r['planned'] / MiB:.0f} | {r['forward_end'] / MiB:.0f} | "
-                  f"{r['planned_forward_end'] / MiB:.0f} |" for r in rows]
+        for r in rows:
+            net = r["peak"] - r["runtime"]
+            at = max(r["phases"], key=r["phases"].get)
+            lines.append(f"| {allocator} | {r['layers']} | {r['baseline'] / MiB:.0f} | "
+                         f"{r['runtime'] / MiB:.0f} | {r['peak'] / MiB:.0f} | {net / MiB:.0f} | "
+                         f"{r['planned'] / MiB:.0f} | "
+                         f"{net / r['planned']:.2f} | {r['planned_peak_phase']} | {at} |")
     lines += ["", "Growth per decoder layer (MiB), of the peak and of the end of the forward:", "",
               "| allocator | layers | peak | planner | ratio | end of forward | planner | ratio |",
               "|---|---|---|---|---|---|---|---|"]
@@ -124,6 +200,14 @@ def table(rows_by_allocator, load_start, load_end) -> str:
                 growth(rows, "planned_forward_end")):
             lines.append(f"| {allocator} | {a} -> {b} | {got:.1f} | {want:.1f} | {got / want:.2f} | "
                          f"{fgot:.1f} | {fwant:.1f} | {fgot / fwant:.2f} |")
+    lines += ["", "By phase of step 3 (minipar/plan/peak.py): the peak resident memory less the runtime, "
+              "measured / planned, MiB:", "",
+              "| allocator | layers | " + " | ".join(PHASES) + " |", "|---|---|" + "---|" * len(PHASES)]
+    for allocator, rows in rows_by_allocator.items():
+        for r in rows:
+            cells = [f"{(r['phases'].get(k, 0) - r['runtime']) / MiB:.0f} / "
+                     f"{r['planned_phases'][k] / MiB:.0f}" for k in PHASES]
+            lines.append(f"| {allocator} | {r['layers']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -63,20 +63,6 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     return out
 
 
-def activations_beside_grads(activation: int, grads: int, micro_steps: int) -> int:
-    """What the activations add to the persistent state (which counts the gradient shards) at the
-    peak. With one micro-batch per step they never meet the gradients: zero_grad sets every gradient
-    to None after the optimizer step, so the forward and the start of backward hold none, and a
-    layer's gradient shard appears only once its backward has freed its activations; the peak is
-    then the larger of the start of backward (activations, no gradients) and its end (gradients, no
-    activations). Accumulating micro-batches hold the earlier ones' gradients: both count.
-    (benchmarks/bench_memory.py measures it: at SmolLM-135M's shape the gradients would be 3.4 MiB
-    of the 25 per layer.)"""
-    if micro_steps > 1:
-        return activation
-    return max(activation - grads, 0)
-
-
 def kept_per_layer(act: Dict[str, int], opts: Options, i: int) -> int:
     """Bytes decoder layer i (its index in the model) keeps for backward under the options'
     checkpointing, from activations()' per-layer counts."""

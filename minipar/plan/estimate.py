@@ -27,11 +27,10 @@ The time model (stated, and the same for every layout so that the ranking is fai
     defaults    Cluster below: each field is a flag of python -m minipar.plan, with its source
 Kernel launch gaps and the host are not modelled.
 
-Fits: persistent + gathered + activations (with or without checkpointing; with one micro-batch
-per step not beside the gradients, activation_bytes.py's activations_beside_grads) + transient (ZeRO-3:
-two units' unsharded fp32 gradients in flight; the loss: the logits and their fp32 softmax) must
-stay under `gpu_memory` x (1 - reserve); reserve (default 0.1) stands for the CUDA context, NCCL
-buffers and allocator fragmentation.
+Fits: the peak, the largest of what is alive at each phase of the step (peak.py: the loss's
+forward, the head's backward, a layer's, the end of backward, the optimizer step), must stay under
+`gpu_memory` x (1 - reserve); reserve (default 0.1) stands for the CUDA context, NCCL buffers and
+allocator fragmentation.
 
 The search over layouts, and its rules, are layout_search.py's.
 """
@@ -47,6 +46,7 @@ from . import activation_bytes as pa
 from . import collective_counts as pc
 from . import inputs as inputs_mod
 from . import model as pm
+from . import peak
 from . import time_model as tm
 from .inputs import Batch, Layout, ModelShape, Options
 from .moe import crosses_nodes as moe_crosses_nodes
@@ -138,14 +138,8 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         again = pa.recompute_shares(model, opts)[0]
         t["moe_matmul_s"] = matmul_seconds(model, layout, batch, opts, gemm, again)
         step += t["moe_s"] + t["moe_matmul_s"]
-    e = inputs_mod.DTYPE_BYTES[opts.dtype]
-    n = batch.micro(layout) * batch.sequence_len // layout.cp
-    transient = n * model.vocab_size // layout.tp * (e + 4)
-    if layout.sharded:
-        transient += 2 * 4 * max(u.numel for u in pm.units(model, layout))
-    activation = act["as_configured"]
-    total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + transient \
-        + pa.activations_beside_grads(activation, mem["grads"], batch.micro_steps(layout))
+    by_phase = peak.phases(model, layout, batch, opts, mem, act)
+    total = max(by_phase.values())
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
     tokens = batch.global_batch_size * batch.sequence_len
     return dict(
@@ -153,8 +147,8 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         nodes=-(-layout.world // cluster.gpus_per_node), micro_steps=batch.micro_steps(layout),
         batch=dataclasses.asdict(batch), micro_batch=batch.micro(layout), options=dataclasses.asdict(opts),
         params=fl["params"], moe=summary(model, layout) if model.is_moe else None,
-        memory=dict(mem, activations=act, transient=transient, total=total, budget=budget,
-                    fits=total <= budget),
+        memory=dict(mem, activations=act, phases=by_phase, peak_phase=max(by_phase, key=by_phase.get),
+                    total=total, budget=budget, fits=total <= budget),
         comm=groups,
         time=dict(parts, **t, step_s=step, tokens_per_s=tokens / step,
                   **mfu(fl, step, layout.world, cluster),

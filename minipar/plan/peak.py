@@ -1,0 +1,113 @@
+"""The peak memory of a step: the largest of what is alive at each of its phases, counted from the
+code path (model.py has the notation; bytes per rank, plain path, no pipeline).
+
+A sum of everyone's maximum (the state + the gathered buffers + the activations + every transient)
+overcounts what never meets, and a transient counted too small hides the phase where it does meet:
+at SmolLM-135M's shape (benchmarks/bench_memory.py) the tied embedding's three full-vocabulary
+gradients at the end of backward, not the activations, set the peak up to 15 layers. So the planner
+walks the step and takes the maximum of these phases:
+
+    S     params + AdamW states (the persistent state less its gradients: zero_grad sets them to None)
+    Gs    the shard (or, without ZeRO-3, the whole) fp32 gradients, Gacc the no_sync accumulators
+    R     the gathered root (final norm, lm_head, the embedding when tied); W the gathered window of
+          the layers' backward (1 + prefetch units), W1 the `prefetch` units the root's backward
+          prefetches; under reshard_after_forward false every unit is gathered all along (R + W)
+    A     one micro-batch's activations (activation_bytes.py, as configured), sm its softmax 4 n V/T,
+          a what one layer keeps (+ what its recompute brings back)
+    H     lm_head's weight gradient, V/T x d in the weights' dtype (the compute dtype under ZeRO-3,
+          fp32 without); U the largest decoder unit's flat gradient (its padded elements, same dtype)
+    e     the compute dtype's bytes; M micro-batches (earlier ones leave Gs, Gacc behind: "+ g")
+
+    loss forward     S + R + A + n V/T (e + 4)                 + g   the logits and z - max beside the
+                                                                     softmax (exp), fp32
+    head backward    S + R + W1 + A + H (+ n V/T e, bf16)      + g   lm_head's weight gradient; the
+                                                                     logits' gradient is the softmax, in
+                                                                     place (and its bf16 copy); untied
+                                                                     under ZeRO-3 the root's gradient is
+                                                                     then complete: + max(0, H - sm),
+                                                                     its concatenation
+    layer backward   S + R' + H' + W + A - sm - a + 2 U        + g   the first layer's, when its pieces'
+                                                                     gradients are concatenated
+                                                                     (flat_param.py's split)
+    backward end     the embedding's backward: its dense gradient (V/T x d, torch's embedding
+                     backward), with, tied, lm_head's gradient held since the head backward and
+                     their sum, out of place (lm_head's gradient is a transposed view, so autograd
+                     cannot add into it), which the root's split then concatenates; untied, that
+                     concatenation of the embedding unit's flat gradient E. ZeRO-3 tied:
+                     S + Gs - its root shard + R + 3 H + U4, untied: S + Gs - its shard + 2 E + U4
+                     (U4: the last layer's fp32 reduce-scatter source, still in flight); without
+                     ZeRO-3, tied S + Gs + 2 H (the sum becomes the weight's .grad), untied S + Gs
+    optimizer        S + Gs + max(4 P_rank, 8 x the largest shard)   AdamW's sqrt / div temporaries:
+                     the foreach kernels (CUDA's default) over every shard at once, the per-tensor
+                     loop (CPU's) two of the largest shard
+
+R' and H' are the tied root's (held through the whole backward; R is freed and H reduce-scattered
+right after the head's backward when the embedding is a unit of its own). Not counted: the
+collectives' own buffers (NCCL needs none; gloo's reduce-scatter copies its input, one unit at a
+time), DDP's buckets, the allocator's rounding and fragmentation (`reserve`).
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from .activation_bytes import kept_per_layer
+from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .model import _padded, shard_size, units
+
+
+def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: Dict[str, int],
+           act: Dict[str, int]) -> Dict[str, int]:
+    """Bytes alive at each phase of the step (the module docstring); the peak is their max."""
+    e = DTYPE_BYTES[opts.dtype]
+    eg = e if layout.sharded else 4                         # the dtype autograd's weight gradients have
+    V, d, T = model.vocab_size, model.hidden_size, layout.tp
+    n = batch.micro(layout) * batch.sequence_len // layout.cp
+    us = units(model, layout)
+    tied = model.tie_word_embeddings
+    trains = not opts.lora_r                                # LoRA's base has no gradient at all
+    S = mem["persistent"] - mem["grads"]
+    Gs, Gacc = mem["grads"], mem["accumulated_grads"]
+    g = Gacc + (Gs if batch.micro_steps(layout) > 1 else 0)
+    A = act["as_configured"]
+    # what the first layer of backward has freed when it concatenates its gradient: its activations
+    # (and what its recompute brought back)
+    done = kept_per_layer(act, opts, model.num_hidden_layers - 1) + A - act["as_configured_kept"]
+    softmax = 4 * n * V // T
+    H = V // T * d * eg if trains else 0
+    R = W = first = U = in_flight = emb = root_shard = emb_shard = 0
+    largest_shard = max(u.numel for u in us)
+    if layout.sharded:
+        padded = [_padded(u.numel, shard_size(u, layout)) for u in us]
+        shards = [p // shard_size(u, layout) for u, p in zip(us, padded)]
+        R, W, largest_shard = padded[0] * e, mem["gathered"] - padded[0] * e, max(shards)
+        layers = [p for u, p in zip(us, padded) if u.kind in ("layer", "experts")]
+        layer = max(layers, default=0)
+        # the root's pre-backward hook prefetches the first `prefetch` units of the backward order
+        # (the last layers'); the window of the layers' backward is W
+        first = W if not opts.reshard_after_forward else sum(layers[::-1][:opts.prefetch]) * e
+        if trains:
+            U, in_flight, root_shard = layer * eg, layer * 4, 4 * shards[0]
+            for u, p, sh in zip(us, padded, shards):
+                if u.kind == "embedding":
+                    emb, emb_shard = p * eg, 4 * sh
+    # what the layers' backward finds still there: the tied root (gathered, its head gradient held
+    # for the embedding's), or lm_head's gradient in its .grad without ZeRO-3
+    held = R + H if tied else (0 if layout.sharded else H)
+    # untied, the root's gradient is complete after the final norm's: lm_head's and its concatenation
+    head = H if tied or not layout.sharded else max(H, 2 * H - softmax)
+    out = {
+        "loss forward": S + R + (0 if opts.reshard_after_forward else W) + A + n * V // T * (e + 4) + g,
+        "head backward": S + R + first + A + head + (n * V // T * e if e != 4 else 0) + g,
+        "layer backward": S + held + W + A - softmax - done + 2 * U + g,
+    }
+    if not trains:
+        end = S + Gs
+    elif tied and layout.sharded:       # the root's shard gradient is not there yet; the last layer's is
+        end = S + Gs - root_shard + R + 3 * H + in_flight
+    elif tied:                          # the sum becomes the weight's .grad, one of Gs
+        end = S + Gs + 2 * H
+    else:                               # the embedding unit: its dense gradient and their concatenation
+        end = S + Gs - emb_shard + 2 * emb + in_flight
+    out["backward end"] = end + Gacc
+    out["optimizer"] = S + Gs + (max(4 * mem["param_elements"], 8 * largest_shard) if trains else 0)
+    return out

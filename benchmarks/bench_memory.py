@@ -44,10 +44,10 @@ SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_atte
 RANKS, BATCH, SEQ = 4, 4, 256
 
 
-def argv(layers: int, output_dir: str):
-    model = [x for k, v in SHAPE.items() for x in (f"--model.{k}", str(v).lower())]
+def argv(layers: int, output_dir: str, shape=SHAPE, seq: int = SEQ):
+    model = [x for k, v in shape.items() for x in (f"--model.{k}", str(v).lower())]
     return [os.path.join(ROOT, "configs", "fsdp.yaml"), *model, "--model.num_hidden_layers", str(layers),
-            "--model.max_position_embeddings", "2048", "--sequence_len", str(SEQ),
+            "--model.max_position_embeddings", "2048", "--sequence_len", str(seq),
             "--global_batch_size", str(BATCH), "--dp_shard_size", str(RANKS), "--dtype", "float32",
             "--max_steps", "3", "--warmup_steps", "0", "--eval_steps", "0", "--progress_bar", "false",
             "--save_final_checkpoint", "false", "--export_hf", "false", "--peak_tflops", "1",
@@ -144,22 +144,23 @@ def measure(args, allocator: str):
                 forward_end=at_end[-1], phases=marks.peaks)
 
 
-def measured(layers: int, allocator: str) -> dict:
+def measured(layers: int, allocator: str, shape=SHAPE, seq: int = SEQ) -> dict:
+    """The rank with the largest peak: its baseline, runtime, peak, end of forward and phases."""
     with tempfile.TemporaryDirectory() as out:
-        per_rank = run_world(measure, RANKS, argv(layers, out), allocator, timeout=1200)
+        per_rank = run_world(measure, RANKS, argv(layers, out, shape, seq), allocator, timeout=1200)
     worst = max(per_rank, key=lambda r: r["peak"])
     return dict(baseline=worst["baseline"], runtime=worst["runtime"], peak=worst["peak"],
                 forward_end=worst["forward_end"], phases=worst["phases"])
 
 
-def planned(layers: int) -> dict:
+def planned(layers: int, shape=SHAPE, seq: int = SEQ) -> dict:
     """The planner's peak and its phases, and what it has alive at the end of the forward (the loss
     forward's phase less the logits and z - max: the state less the gradients, which zero_grad freed,
     the gathered root and the micro-batch's activations)."""
-    model = ModelShape.from_dict(dict(SHAPE, num_hidden_layers=layers))
-    layout, batch = Layout(dp_shard=RANKS), Batch(BATCH, None, SEQ)
+    model = ModelShape.from_dict(dict(shape, num_hidden_layers=layers))
+    layout, batch = Layout(dp_shard=RANKS), Batch(BATCH, None, seq)
     m = plan(model, layout, batch, Options(dtype="float32"), Cluster())["memory"]
-    loss = SEQ * batch.micro(layout) * model.vocab_size * (4 + 4)
+    loss = seq * batch.micro(layout) * model.vocab_size * (4 + 4)
     return dict(planned=m["total"], planned_phases=m["phases"], planned_peak_phase=m["peak_phase"],
                 planned_forward_end=m["phases"]["loss forward"] - loss)
 

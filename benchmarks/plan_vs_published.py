@@ -17,8 +17,8 @@ Where a source is silent (AC, micro-batch, schedule), the row says what was assu
 Published throughput is tokens/s per GPU. Where a source gives TFLOP/s per GPU instead, it is turned
 into tokens/s with the source's own FLOP count per token (named in the row): Megatron-LM's is
 Narayanan et al. 2021 (arXiv 2104.04473, eq. 3), 72 L h^2 (1 + s / (6 h) + V / (12 h L)) per token,
-attention counted whole; the Llama 3 paper states none, and the row reads it with torchtitan's and
-Megatron's convention, 6 x (non-embedding params) + 12 L H D s, attention counted whole.
+attention counted whole; the Llama 3 paper defines its MFU by Chowdhery et al. 2023 (PaLM, appendix
+B): 6 x (non-embedding params) + 12 L H D s per token, attention counted whole, as torchtitan does.
 
 Sources (each row names its own):
     torchtitan  https://github.com/pytorch/torchtitan/blob/b5bcd76/benchmarks/llama3_h100_202412_torchtitan.md
@@ -155,10 +155,9 @@ def runs():
                        note="FSDP without resharding after the forward, so each layer gathered once per "
                             "step (gather_once_per_step)" + ("; CP by all-gathered K/V, exposed "
                                                              "(cp_all_gather_kv)" if cp > 1 else "")
-                            + "; AC and virtual stages not stated (none and 2 assumed: the memory is "
-                            "without AC, more than a GPU holds); the FLOP convention not stated (attention "
-                            "counted whole" + ("; counted half, the published tokens/s would be 1.4x)"
-                                               if cp > 1 else ")")))
+                            + "; no AC (the paper trains 8K sequences without it; at 131K each rank holds "
+                            "8K tokens too); virtual stages not stated (2 assumed); memory is minipar's "
+                            "eager activations in flight, more than the 80 GB the run had"))
     return out
 
 

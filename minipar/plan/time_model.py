@@ -44,7 +44,8 @@ dtype e; under SP the norms and residual adds see m / tp tokens, without SP ever
 all at `--hbm-bandwidth`.
 
 Fused kernels (Options.fused_kernels: torch.compile, as torchtitan's `--compile` runs; Transformer
-Engine's fused norm, RoPE, activation and cross-entropy kernels, which Megatron-LM uses by default):
+Engine's fused norm, RoPE, activation and cross-entropy kernels, which Megatron-LM uses by default:
+transformer_config.py's transformer_impl "transformer_engine"):
 each fused region reads its inputs once and writes its outputs once, and nothing else. The rule
 sets every figure below; none is fitted to a run:
 

@@ -10,7 +10,7 @@ Time: the stage with the most work sets the pace, and the schedule adds the bubb
     step = (compute + tp + all-to-all + exposed cp/dp of the slowest stage) / (1 - bubble) + sends
     bubble = (p - 1) / (m + p - 1)  (afab, 1f1b)     (p - 1) / (v m + p - 1)  (interleaved)
              (p - 1) / (3 m + p - 1)  (zb_h1)        (p - 1) / (6 m + p - 1)  (zbv, m >= 2p - 1)
-             (schedules.theory_bubble: t_F = t_B (= t_W), the split backward's B and W even)
+             (simulate.theory_bubble: t_F = t_B (= t_W), the split backward's B and W even)
     sends  = 2 (m v + p - 1) x bytes(h) / bandwidth of pp: the messages on the critical path
              (the fill and drain's p - 1 hops, and each micro-batch chunk's hop in and out)
 """
@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List
 
-from minipar.pipeline_parallel.schedules import check_schedule, theory_bubble
+from minipar.pipeline_parallel.schedules import check_schedule
+from minipar.pipeline_parallel.simulate import theory_bubble
 
 from . import collective_counts as pc
 from . import inputs as inputs_mod

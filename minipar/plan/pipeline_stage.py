@@ -38,7 +38,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from minipar.pipeline_parallel.schedules import chunk_stages, peak_in_flight, schedule_order
+from minipar.pipeline_parallel.schedules import chunk_stages, schedule_order
+from minipar.pipeline_parallel.simulate import peak_in_flight
 from minipar.pipeline_parallel.stage import stage_chunks
 
 from . import activation_bytes as pa

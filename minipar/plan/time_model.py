@@ -45,7 +45,7 @@ all at `--hbm-bandwidth`.
 
 Fused kernels (Options.fused_kernels: torch.compile, as torchtitan's `--compile` runs; Transformer
 Engine's fused norm, RoPE, activation and cross-entropy kernels, which Megatron-LM uses by default:
-transformer_config.py's transformer_impl "transformer_engine"):
+megatron/core/transformer/transformer_config.py in Megatron-LM, transformer_impl "transformer_engine"):
 each fused region reads its inputs once and writes its outputs once, and nothing else. The rule
 sets every figure below; none is fitted to a run:
 

@@ -103,3 +103,19 @@ def test_published_rows_within_the_bounds():
     assert len(held) == 13
     for r in held:
         assert r[5] == "yes", " | ".join(r[:6])
+
+
+def test_cli_flags_set_the_options_and_refuse_what_contradicts(capsys):
+    """Each flag reaches Options and the printout says the step is timed as another trainer runs it;
+    a flag that contradicts another is refused in one line (exit 2)."""
+    from minipar.plan.__main__ import main
+    model = os.path.join(ROOT, "configs", "models", "llama-3.1-8b.json")
+    base = ["--model", model, "--world", "16", "--tp", "8", "--sp"]
+    assert main(base + ["--fused-kernels", "--tp-comm-overlap"]) == 0
+    out = capsys.readouterr().out
+    assert "timed as another trainer runs the step (--fused-kernels, --tp-comm-overlap)" in out
+    assert "the rest behind the GEMMs" in out
+    for bad, why in ((["--sac-every-other-matmul"], "goes with --gradient-checkpointing selective"),
+                     (["--gather-once-per-step", "--reshard-after-forward"], "drop --reshard-after-forward")):
+        assert main(base + bad) == 2
+        assert why in capsys.readouterr().err

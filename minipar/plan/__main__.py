@@ -33,7 +33,7 @@ from models.llama import LlamaForCausalLM
 from models.llama_config import FAMILIES
 
 from .estimate import Cluster, plan
-from .inputs import Batch, Layout, ModelShape, Options
+from .inputs import OTHER_TRAINER_FIELDS, Batch, Layout, ModelShape, Options
 from .layout_search import search, smallest_world
 from .pipeline import plan_pipeline
 from .pipeline_stage import Pipeline
@@ -57,6 +57,7 @@ OTHER_TRAINERS = dict(
     gather_once_per_step="ZeRO-3: each layer gathered once per step and kept to its last backward "
                          "(PyTorch pipelining with reshard_after_forward False)",
     cp_all_gather_kv="context parallelism as the Llama 3 paper: K/V all-gathered, exposed")
+assert tuple(OTHER_TRAINERS) == OTHER_TRAINER_FIELDS
 # the flags that are rates or fractions: each with the test it must pass
 FLOAT_FLAGS = dict(peak_tflops=(lambda v: v > 0, "more than 0 (dense bf16 TFLOP/s of one GPU)"),
                    intra_bw=(lambda v: v > 0, "more than 0 (GB/s per GPU inside a node)"),
@@ -174,6 +175,11 @@ def load(args):
     if args.selective_ac_option is not None and ac != "selective":
         raise ValueError(f"--selective-ac-option {args.selective_ac_option} goes with "
                          f"--gradient-checkpointing selective")
+    if args.gather_once_per_step:          # each layer stays gathered: nothing reshards after forward
+        if args.reshard_after_forward:
+            raise ValueError("--gather-once-per-step keeps every layer gathered from its first forward to "
+                             "its last backward: drop --reshard-after-forward")
+        changes["reshard_after_forward"] = False
     if args.sac_every_other_matmul and not (ac == "selective" and changes.get(
             "selective_ac_option", opts.selective_ac_option) == "op"):
         raise ValueError("--sac-every-other-matmul goes with --gradient-checkpointing selective "

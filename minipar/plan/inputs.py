@@ -33,6 +33,9 @@ from models.llama_config import LlamaConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GROUPS = ("tp", "cp", "cp_ulysses", "cp_ring", "dp_shard_cp", "dp_replicate", "dp_cp")
+# the Options that time a step as another trainer runs it (below); minipar's own runs leave them off
+OTHER_TRAINER_FIELDS = ("fused_kernels", "sac_every_other_matmul", "distributed_optimizer", "tp_comm_overlap",
+                        "gather_once_per_step", "cp_all_gather_kv")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ that the plan does not already hold.
 """
 from __future__ import annotations
 
-from .inputs import ModelShape
+from .inputs import OTHER_TRAINER_FIELDS, ModelShape
 
 GB = 1e9
 
@@ -40,6 +40,10 @@ def describe(p: dict, model: ModelShape) -> str:
                       f"layer), ZeRO-3 over edp {x['edp']}: {per_rank * 16 / 1e9:.3f} GB per rank "
                       f"(16 B x {per_rank:,} elements); all-to-all bytes "
                       f"assume balanced routing", ""]
+    other = [k.replace("_", "-") for k in OTHER_TRAINER_FIELDS if o.get(k)]
+    if other:               # time_model.py / overlap.py price them; the ledger stays minipar's
+        lines[-1:] = [f"timed as another trainer runs the step (--{', --'.join(other)}); the bytes per "
+                      f"group below are minipar's own ledger", ""]
     if o.get("lora_r"):     # memory and collectives count LoRA; the FLOPs do not
         lines[-1:] = [f"LoRA r={o['lora_r']} on {', '.join(o['lora_targets'])}: memory and communication "
                       f"count the frozen base and the adapters; compute is a full fine-tune's", ""]

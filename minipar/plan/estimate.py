@@ -111,6 +111,10 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     if problems:
         raise ValueError(f"layout {layout} cannot run this model and batch: " + "; ".join(problems))
     mem = pm.memory(model, layout, opts)
+    if opts.gather_once_per_step and layout.sharded:          # every unit stays gathered (overlap.py)
+        N = layout.dp_shard * layout.cp
+        mem["gathered"] = max(mem["gathered"], sum(pm._padded(u.numel, N) * inputs_mod.DTYPE_BYTES[opts.dtype]
+                                                   for u in pm.units(model, layout)))
     act = pa.activations(model, layout, batch, opts)
     coll = pc.collectives(model, layout, batch, opts)
     fl = pm.flops(model, layout, batch, opts)
@@ -127,10 +131,11 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     group_seconds(groups, cluster)
     parts = tm.compute_seconds(model, layout, batch, opts, cluster, model.num_hidden_layers, True,
                                mem["param_elements"])
-    layer_units = [u for u in pm.units(model, layout) if u.kind == "layer"]
+    us = pm.units(model, layout)
     reducing = batch.micro_steps(layout) if opts.sync_each_batch else 1
-    t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts, layer_units,
-                     model.num_hidden_layers, reducing)
+    t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts,
+                     [u for u in us if u.kind == "layer"], model.num_hidden_layers, reducing,
+                     [u for u in us if u.kind != "layer"])
     step = t.pop("work_s")
     if model.is_moe:                 # the token exchanges wait for nothing to hide behind (moe.py)
         t["moe_s"] = exposed_seconds(groups)

@@ -190,6 +190,18 @@ class Options:
     # no optimizer state), the adapters whole over dp. 0: every weight trained
     lora_r: int = 0
     lora_targets: Tuple[str, ...] = ()
+    # how ANOTHER trainer runs the same step (time only; minipar's own runs leave them at the defaults;
+    # time_model.py and overlap.py price them, each with its source): fused memory-bound kernels
+    # (torch.compile, Transformer Engine); torchtitan's per-op selective AC, which recomputes every
+    # second matmul of a layer; Megatron-LM's distributed optimizer and --tp-comm-overlap; ZeRO-3
+    # gathering each layer once per step (PyTorch's pipelining with reshard_after_forward False);
+    # the Llama 3 paper's all-gather context parallelism
+    fused_kernels: bool = False
+    sac_every_other_matmul: bool = False
+    distributed_optimizer: bool = False
+    tp_comm_overlap: bool = False
+    gather_once_per_step: bool = False
+    cp_all_gather_kv: bool = False
 
 
 def check(model: ModelShape, layout: Layout, batch: Batch) -> List[str]:

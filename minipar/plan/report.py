@@ -82,9 +82,16 @@ def describe(p: dict, model: ModelShape) -> str:
     if t.get("moe_s") is not None:                     # ep's exchanges and edp's gathers, exposed
         a2a += f" + MoE ep/edp {t['moe_s']:.3g} + MoE matmuls beyond the dense MLP's {t['moe_matmul_s']:.3g}"
     lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
-              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g}{a2a} + {_hidden(t)}; "
+              f"{t['compute_s']:.3g} + tp {_tp(t)}{a2a} + {_hidden(t)}; "
               f"{t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
     return "\n".join(lines)
+
+
+def _tp(t: dict) -> str:
+    """tp's seconds; under --tp-comm-overlap the part the GEMMs do not hide beside it."""
+    if t["tp_exposed_s"] == t["tp_s"]:
+        return f"{t['tp_s']:.3g}"
+    return f"{t['tp_exposed_s']:.3g} (of {t['tp_s']:.3g}, the rest behind the GEMMs)"
 
 
 def _hidden(t: dict) -> str:

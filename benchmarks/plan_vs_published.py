@@ -139,8 +139,9 @@ def runs():
                             "distributed optimizer), --tp-comm-overlap and Megatron's default Transformer "
                             "Engine kernels: planned with distributed_optimizer, tp_comm_overlap and "
                             "fused_kernels; AC, micro-batch and schedule not stated (none, 1 and 1F1B "
-                            "assumed); the GELU MLP as a SwiGLU of the same parameters; memory is "
-                            "DDP's (the distributed optimizer's sharded state not subtracted)"))
+                            "assumed); the GELU MLP as a SwiGLU of the same parameters; without AC the "
+                            "314B and 462B stages need more than the 80 GB they ran on, so those runs "
+                            "recomputed something the README does not say"))
     m405 = LLAMA["405B"]
     for gpus, cp, seq, tflops in ((8192, 1, 8192, 430), (16384, 1, 8192, 400), (16384, 16, 131072, 380)):
         dp = gpus // (8 * cp * 16)

@@ -58,6 +58,9 @@ def test_distributed_optimizer_reduce_scatters_and_gathers_behind_compute():
     ddp = plan(MODEL, layout, batch, BF16, c)["time"]
     dist = plan(MODEL, layout, batch, dataclasses.replace(BF16, distributed_optimizer=True), c)["time"]
     assert dist["optimizer_s"] == pytest.approx(ddp["optimizer_s"] / 16)
+    mem = plan(MODEL, layout, batch, dataclasses.replace(BF16, distributed_optimizer=True), c)["memory"]
+    n = mem["param_elements"]                  # bf16 params, fp32 grads; fp32 master + moments / 16
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (2 * n, 4 * n, 12 * n // 16)
     assert dist["dp_exposed_s"] < ddp["dp_exposed_s"]
     assert dist["step_s"] < ddp["step_s"]
 

@@ -52,7 +52,8 @@ OTHER_TRAINERS = dict(
     sac_every_other_matmul="with selective op AC: torchtitan's policy, every second matmul of a layer "
                            "recomputed (k, o, up)",
     distributed_optimizer="DDP layouts: Megatron-LM's distributed optimizer, gradients reduce-scattered "
-                          "in the last backward, parameters all-gathered behind the next forward",
+                          "in the last backward, parameters all-gathered behind the next forward, the "
+                          "fp32 master and moments sharded over dp",
     tp_comm_overlap="Megatron-LM's --tp-comm-overlap: TP collectives pipelined with their GEMMs",
     gather_once_per_step="ZeRO-3: each layer gathered once per step and kept to its last backward "
                          "(PyTorch pipelining with reshard_after_forward False)",

@@ -1,7 +1,7 @@
 """Pipeline schedules as they really run: bubble, activation memory and bytes sent per stage,
 next to the ideal and the theory, and the timeline of one step drawn from the recorded events.
 
-    python benchmarks/bench_pp.py [--stages 2 4] [--micro 4 8 16] [--hidden 1024] [--seq 128] [--iters 3]
+    python benchmarks/bench_pp.py [--cells 2:4 2:8 2:16 4:4 4:8] [--hidden 1024] [--seq 128] [--iters 3]
     python benchmarks/bench_pp.py --quick --out /tmp/bench_pp.md          # a 1-minute smoke run
 
 Run it with nothing else on the machine: it records the load average at its start and end, and
@@ -33,7 +33,7 @@ torch thread each). Per stage, from the executor's Recorder and the comm ledger:
 A second table puts the schedules side by side per (p, m): the mean measured and ideal bubble,
 measured / ideal, and each ideal bubble (in idle time per step) over 1F1B's. A step's numbers are
 from the iteration whose slowest stage was fastest. The figure: one row per stage, time across,
-F, B and W boxes in three colours (lighter: chunk b), for p = max(--stages) and m = max(--micro),
+F, B and W boxes in three colours (lighter: chunk b), for the largest p of --cells and its largest m,
 each schedule; written next to the table (bench_pp.png).
 """
 from __future__ import annotations
@@ -208,8 +208,8 @@ def _summary(results):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--micro", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--cells", nargs="+", default=["2:4", "2:8", "2:16", "4:4", "4:8"], metavar="P:M",
+                    help="(stages p, micro-batches m) to run; p 4 shares 2 cores, so it runs fewer m")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -222,9 +222,14 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_pp.md"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.stages, args.micro, args.hidden, args.seq, args.iters = [2], [4], 64, 32, 1
+        args.cells, args.hidden, args.seq, args.iters = ["2:4"], 64, 32, 1
+    try:
+        cells = [tuple(int(x) for x in c.split(":")) for c in args.cells]
+        assert all(len(c) == 2 and c[0] >= 2 and c[1] >= 1 for c in cells)
+    except (ValueError, AssertionError):
+        ap.error(f"--cells takes P:M pairs with P >= 2 stages and M >= 1 micro-batches, got {args.cells}")
     if args.hidden < 64 or args.hidden % 64:       # head_dim 64: hidden / 64 query heads
-        raise ValueError(f"--hidden must be a positive multiple of 64 (heads of 64), got {args.hidden}")
+        ap.error(f"--hidden must be a positive multiple of 64 (heads of 64), got {args.hidden}")
     load_start, cores = os.getloadavg()[0], os.cpu_count()
     published = os.path.abspath(args.out).startswith(RESULTS + os.sep)
     if published and (load_start > cores or args.quick):
@@ -235,15 +240,14 @@ def main(argv=None):
     act = args.micro_batch * args.seq * args.hidden * 4
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)   # the table and the PNG
     results, t_start = [], time.time()
-    for p in args.stages:
-        for m in args.micro:
-            for schedule, v in SCHEDULE_V:
-                if schedule not in args.schedules:
-                    continue
-                if schedule != "afab" and m < p or (schedule == "interleaved_1f1b" and m % p):
-                    continue
-                results.append(_measure(args, schedule, p, m, v))
-                print(f"  {schedule} p={p} m={m}: step {results[-1]['step'] * 1e3:.0f} ms", flush=True)
+    for p, m in cells:
+        for schedule, v in SCHEDULE_V:
+            if schedule not in args.schedules:
+                continue
+            if schedule != "afab" and m < p or (schedule == "interleaved_1f1b" and m % p):
+                continue
+            results.append(_measure(args, schedule, p, m, v))
+            print(f"  {schedule} p={p} m={m}: step {results[-1]['step'] * 1e3:.0f} ms", flush=True)
     load_end = os.getloadavg()[0]
     lines = [
         "# Pipeline schedules benchmark (bench_pp.py)", "",
@@ -278,7 +282,8 @@ def main(argv=None):
     lines += ["", "Bytes sent per step over the whole pipeline (ledger) "
               "against 2 x boundaries x m x bytes(h):", "",
               "| schedule | p | m | v | sent MiB | theory MiB |", "|---|---|---|---|---|---|", *totals]
-    big_p, big_m = max(args.stages), max(args.micro)
+    big_p = max(p for p, _ in cells)
+    big_m = max(m for p, m in cells if p == big_p)
     drawn = [r for r in results if r["p"] == big_p and r["m"] == big_m]
     png = os.path.splitext(args.out)[0] + ".png"
     if drawn:

@@ -36,7 +36,12 @@ schedule, like everything the neighbours do); it then receives in that order, an
 comes before it is needed waits in `early` (its sender posted it earlier, so receiving it first
 never waits longer than for the wanted one). Sends are
 asynchronous: a stage never waits for its neighbour to take a tensor before going on with its next
-micro-batch; only a receive blocks, when its data is needed.
+micro-batch; only a receive blocks, when its data is needed. On gloo each neighbour's next receive
+is kept posted (`_post_next`): gloo moves a message only once its receiver has posted the receive,
+so a receive posted at the moment of need pays a handshake and the sender's I/O thread must win a
+core from the sender's compute; posted ahead, the bytes arrive while this rank computes. Not on
+NCCL, which runs a pair's sends and receives on one stream: a receive posted ahead would hold back
+this rank's own sends behind it, and two neighbours doing so would wait on each other.
 """
 from __future__ import annotations
 
@@ -95,8 +100,7 @@ class StageLink:
         self.arrivals = None if arrivals is None else {pgm.pp.ranks[k]: list(t) for k, t in arrivals.items()}
         self.early: Dict[int, torch.Tensor] = {}                  # tag -> received before it was needed
         self.bytes_sent = 0
-        # gloo: keep each neighbour's next receive posted (below); NCCL runs a pair's sends and
-        # receives on one stream, where a posted receive would hold back this rank's own sends
+        # gloo: each neighbour's next receive kept posted (the module docstring says why not NCCL)
         self.posted: Dict[int, tuple] = {}                        # peer -> (tag, tensor, works)
         self.prepost = self.arrivals is not None and "gloo" in str(dist.get_backend(pgm.pp.group))
         if self.prepost:

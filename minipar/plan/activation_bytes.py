@@ -18,6 +18,8 @@ storage by storage (what `torch.autograd.graph.saved_tensors_hooks` sees), param
     (models/activation_checkpoint.py) keeps a layer's input and what its matmuls and attention
     output, everything else recomputed (o and down before their reduction, all n tokens under SP):
         e ns d + e n ((2 H + 2 K) D + 2 d + 2 f) / T + 4 b H s / T      (cp counted as without it)
+    (torchtitan's policy, Options.sac_every_other_matmul, keeps neither k, o's output nor up: less
+    e n (K D + d + f) / T)
     and selective every n-th layer fully checkpoints layers n-1, 2n-1, ... (`as_configured`: the
     peak of the mode the options name, `kept_per_layer`: what each layer keeps).
     root: ids, cos/sin (2 e n D), final norm, and the vocab-parallel loss's fp32 softmax 4 n V / T.
@@ -71,6 +73,8 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
         root += e * d * m.vocab_size // T               # lm_head's bf16 weight
     layer_input = pe * ns * d
     selective = layer_input + e * n * ((2 * H + 2 * K) * D + 2 * d + 2 * f // T) + 4 * b * H * s
+    if opts.sac_every_other_matmul:           # torchtitan's policy recomputes k, o and up (time_model.py)
+        selective -= e * n * (K * D + d + f // T)
     L = m.num_hidden_layers
     out = dict(per_layer=layer, root=root, full=L * layer + root, layer_input=layer_input,
                selective_layer=selective, checkpointed=L * layer_input + root,

@@ -28,9 +28,10 @@ layer input, cos/sin and the norms' x_hat are 4 bytes an element) and every matm
 casts of its input and its weight, the input cast once per reader (autocast caches only the
 weights' casts). So a norm keeps 4 ns d + 4 ns + 4 ns d + r e n d for its r readers (q, k, v: 3;
 gate, up: 2; lm_head: 1), a layer also its weights e (d (2 H + 2 K) D + 3 d f / T), the root
-lm_head's e d V / T. (An MoE feed-forward is counted as under ZeRO-3 there, with the router as the
-post-attention norm's one reader: not measured. Under checkpointing autocast's cache also holds the
-weights' casts until the forward ends: a transient, freed before backward, not counted here.)
+lm_head's e d V / T (`stream_bytes`: not under Megatron-LM's distributed optimizer, whose bf16
+parameters are counted as ZeRO-3's). An MoE feed-forward is counted as under ZeRO-3 there, with the
+router as the post-attention norm's one reader: not measured. Under checkpointing autocast's cache
+also holds the weights' casts until the forward ends: a transient, freed before backward, not counted.
 """
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     """Saved-for-backward bytes of one micro-batch (see the module docstring)."""
     m, T, C = model, layout.tp, layout.cp
     e = DTYPE_BYTES[opts.dtype]
-    # the residual stream's dtype (collective_counts.py): fp32 under autocast (bf16 without ZeRO-3),
-    # where the weights stay fp32 and each matmul saves bf16 casts of its input and its weight
-    pe = e if layout.sharded else 4
+    # fp32 under autocast (bf16 without ZeRO-3), where the weights stay fp32 and each matmul saves
+    # bf16 casts of its input and its weight
+    pe = stream_bytes(layout, opts)
     autocast = pe != e
     b, s = batch.micro(layout), batch.sequence_len // C
     n, d, D, f = b * s, m.hidden_size, m.head_dim, m.intermediate_size
@@ -82,6 +83,16 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     kept = sum(kept_per_layer(out, opts, i) for i in range(L))
     out.update(as_configured_kept=kept + root, as_configured=kept + root + recompute_peak(out, opts))
     return out
+
+
+def stream_bytes(layout: Layout, opts: Options) -> int:
+    """Bytes an element of the residual stream takes: the parameters' dtype. ZeRO-3 gathers them in
+    the compute dtype; without it they stay fp32 and bf16 runs under autocast (fp32 stream), as
+    collective_counts.py prices minipar's collectives. Megatron-LM's distributed optimizer
+    (Options.distributed_optimizer: time and memory as that trainer runs them, estimate.py) keeps the
+    parameters themselves in the compute dtype."""
+    e = DTYPE_BYTES[opts.dtype]
+    return e if layout.sharded or opts.distributed_optimizer else 4
 
 
 def activations_beside_grads(activation: int, grads: int, micro_steps: int) -> int:

@@ -219,7 +219,7 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
     act = pa.activations(model, layout, batch, opts)
     n, D = b * (batch.sequence_len // C), model.head_dim
     ids = 8 * n + (n if T > 1 else 0)
-    rope = 2 * pe * n * D
+    rope = 2 * pa.stream_bytes(layout, opts) * n * D
     head = act["root"] - ids - rope                         # final norm, softmax, targets, masks
     full_ac = dataclasses.replace(opts, gradient_checkpointing=True)
 

@@ -31,7 +31,7 @@ import dataclasses
 import os
 import sys
 
-from minipar.comm import CollectiveError
+from minipar.comm_calls import CollectiveError
 from minipar.plan import Cluster, Layout, Pipeline, plan, plan_pipeline
 from minipar.plan.__main__ import from_train_config
 from minipar.training import lifecycle

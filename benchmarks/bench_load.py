@@ -54,8 +54,9 @@ def worker(args):
     from minipar.tensor_parallel import VocabParallelEmbedding
     from minipar.zero3 import fully_shard, plan_units
     from models.hf_checkpoint import HFCheckpoint
-    from models.llama import LlamaDecoderLayer, LlamaForCausalLM
+    from models.llama import LlamaForCausalLM
     from models.llama_init import materialize
+    from models.llama_layer import LlamaDecoderLayer
     store = dist.FileStore(args.store, args.world)
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
     sizes = LAYOUT8 if args.world == 8 else {}

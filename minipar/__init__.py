@@ -6,11 +6,12 @@ and sharded data, context and tensor parallelism).
     pgm.tp.rank, pgm.dp_shard_cp.group, pgm.cp.next_rank, ...
 
 The pieces: config.py (the five sizes), mesh.py (the grid and its groups), comm.py (the
-collectives; comm_ledger.py, their ledger), config_files.py and cli.py (bad files and flags, in
-one line); one subpackage per technique, data_parallel/, zero3/, tensor_parallel/,
-context_parallel/, pipeline_parallel/; the training program in training/ (its config/, data/ and
-checkpoint/ packages, then the run); the planner in plan/. models/llama.py builds the reference
-decoder from them; docs/README.md gives the reading order, docs/design.md the layers of imports.
+collectives; comm_calls.py, how one runs and fails; comm_ledger.py, their ledger), config_files.py
+and cli.py (bad files and flags, in one line); one subpackage per technique, data_parallel/,
+zero3/, tensor_parallel/, context_parallel/, pipeline_parallel/; the training program in training/
+(its config/, data/ and checkpoint/ packages, then the run); the planner in plan/. models/llama.py
+builds the reference decoder from them; docs/README.md gives the reading order, docs/design.md the
+layers of imports.
 """
 from __future__ import annotations
 

@@ -23,28 +23,17 @@ the wire by the table above). Tests and benchmarks compare it against theory. It
 recorder, not a setting: nothing in the model reads it. `comm_ledger.mark("label")` adds a marker to the
 record, so an order of events (a prefetch issued before a forward ends, say) can be checked.
 
-In a profiler trace (profile_steps) every call is a span named as the ledger names it,
-"all_gather:dp_shard_cp", around its launch (the whole call when synchronous), and every wait on
-an async one a span "wait:all_gather:dp_shard_cp": where a gather was issued and where the rank
-waited for it show whether the prefetch hid it. (A ring hop that also carries packed document ids
-is one span and two ledger records.) With no profiler recording, no span is made.
-
-Failures are named. A collective whose peer is stuck (stopped, swapped out, deadlocked) waits for
-the group's timeout (`ddp_timeout`, given to every group by mesh.py) and then fails; one whose peer
-died fails at once. gloo's own messages say neither which collective nor which group ("Timed out
-waiting 5000ms for recv operation to complete", "Connection closed by peer"), so every call here,
-and every wait() on an async one, re-raises such an error as a `CollectiveError` that names the
-operation, the group and its ranks: "all_reduce over dp_cp (ranks [0, 2, 4, 6]) on rank 2 failed
-...". (NCCL raises its timeouts from a watchdog thread instead, unless TORCH_NCCL_BLOCKING_WAIT=1.)
+Every call runs through comm_calls.py: a span "op:group" in a profiler trace, and a failure or
+timeout re-raised as a `CollectiveError` naming the operation, the group and its ranks.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from .comm_calls import Done, NamedWork, run, span
 from .comm_ledger import _record
 
 ReduceOp = dist.ReduceOp
@@ -53,89 +42,17 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-
-class _Done:
-    """What an async call on a size-1 group returns: already complete."""
-
-    def wait(self, timeout=None):
-        return True
-
-    def is_completed(self):
-        return True
-
-
 def _reduce_op(op):
     if isinstance(op, str):
         return {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "avg": "avg"}[op]
     return op
 
 
-# ------------------------------------------------------------------------------ named failures
-class CollectiveError(RuntimeError):
-    """A collective that failed or timed out, with the operation, the group and its ranks."""
-
-
-def _describe(op: str, dim, err: BaseException) -> str:
-    ranks = dim.ranks if len(dim.ranks) <= 16 else f"{dim.ranks[:8]}... ({len(dim.ranks)} ranks)"
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    low = text.lower()
-    if "timed out" in low or "timeout" in low:
-        why = "a peer did not take part within the timeout (ddp_timeout): it is stuck, stopped or far behind"
-    elif "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
-        why = "a peer's connection closed: that rank exited or crashed (its own error is the first one)"
-    else:
-        why = "see the error above"
-    return f"{op} over {dim.name} (ranks {ranks}) failed on rank {dim.global_rank}: {why}. [{text}]"
-
-
-@contextlib.contextmanager
-def _named(op: str, dim):
-    try:
-        yield
-    except CollectiveError:
-        raise
-    except RuntimeError as err:     # gloo and NCCL raise RuntimeError (DistBackendError is one)
-        raise CollectiveError(_describe(op, dim, err)) from err
-
-
-class _NamedWork:
-    """An async work whose wait() names the collective when it fails. Holds the work only until
-    it completes: a finished gloo work kept alive keeps its group's I/O thread alive with it."""
-
-    def __init__(self, work, op: str, dim):
-        self._work, self.op, self.dim = work, op, dim
-
-    def wait(self, timeout=None):
-        if self._work is None:
-            return True
-        work, self._work = self._work, None
-        with _named(self.op, self.dim), span(f"wait:{self.op}:{self.dim.name}"):
-            return work.wait() if timeout is None else work.wait(timeout)
-
-    def is_completed(self):
-        return self._work is None or self._work.is_completed()
-
-
-def span(name: str):
-    """A torch.profiler span (record_function) while a profiler records, else nothing: every
-    collective is one, named "op:group" as the ledger names it, so a trace (profile_steps,
-    minipar/training/profiling.py) shows each call where it was issued (a prefetch during the
-    previous layer) and, as "wait:op:group", where the rank blocked on an async one."""
-    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() \
-        else contextlib.nullcontext()
-
-
-def _run(op: str, dim, call, async_op: bool):
-    with _named(op, dim), span(f"{op}:{dim.name}"):
-        work = call()
-    return _NamedWork(work, op, dim) if async_op else work
-
-
 # ----------------------------------------------------------------------------------- collectives
 def all_reduce(tensor: torch.Tensor, dim, op="sum", async_op: bool = False):
     """In place. op "avg" is a sum then a division (gloo has no AVG)."""
     if dim.size == 1:
-        return _Done() if async_op else tensor
+        return Done() if async_op else tensor
     n = dim.size
     _record("all_reduce", dim, tensor, 2 * (n - 1) / n)
     op = _reduce_op(op)
@@ -143,9 +60,9 @@ def all_reduce(tensor: torch.Tensor, dim, op="sum", async_op: bool = False):
         if async_op:
             raise ValueError("all_reduce(op='avg') cannot be async; "
                              "sum asynchronously and divide after wait()")
-        _run("all_reduce", dim, lambda: dist.all_reduce(tensor, op=ReduceOp.SUM, group=dim.group), False)
+        run("all_reduce", dim, lambda: dist.all_reduce(tensor, op=ReduceOp.SUM, group=dim.group), False)
         return tensor.div_(n)
-    work = _run("all_reduce", dim, lambda: dist.all_reduce(tensor, op=op, group=dim.group, async_op=async_op),
+    work = run("all_reduce", dim, lambda: dist.all_reduce(tensor, op=op, group=dim.group, async_op=async_op),
                 async_op)
     return work if async_op else tensor
 
@@ -157,10 +74,10 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, dim, async_op: bo
                          f"{dim.size} x {input.shape[0]} over {dim.name}")
     if dim.size == 1:
         output.copy_(input)
-        return _Done() if async_op else output
+        return Done() if async_op else output
     _record("all_gather", dim, output, (dim.size - 1) / dim.size)
     src = input.contiguous()
-    work = _run("all_gather", dim,
+    work = run("all_gather", dim,
                 lambda: _all_gather_single(output, src, group=dim.group, async_op=async_op), async_op)
     return work if async_op else output
 
@@ -182,13 +99,13 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, dim, op="sum"
                          f"{dim.size} x {output.shape[0]} over {dim.name}")
     if dim.size == 1:
         output.copy_(input)
-        return _Done() if async_op else output
+        return Done() if async_op else output
     _record("reduce_scatter", dim, input, (dim.size - 1) / dim.size)
     op = _reduce_op(op)
     if op == "avg":
         raise ValueError("reduce_scatter: use op='sum' and scale; gloo has no AVG")
     src = input.contiguous()
-    work = _run("reduce_scatter", dim,
+    work = run("reduce_scatter", dim,
                 lambda: _reduce_scatter_single(output, src, op=op, group=dim.group, async_op=async_op),
                 async_op)
     return work if async_op else output
@@ -217,10 +134,10 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, dim, async_op: bool = 
                          f"one shape, its dim 0 divisible by the {dim.name} group size {n}")
     if n == 1:
         output.copy_(input)
-        return _Done() if async_op else output
+        return Done() if async_op else output
     _record("all_to_all", dim, input, (n - 1) / n)
     src = input.contiguous()
-    work = _run("all_to_all", dim,
+    work = run("all_to_all", dim,
                 lambda: dist.all_to_all_single(output, src, group=dim.group, async_op=async_op), async_op)
     return work if async_op else output
 
@@ -242,7 +159,7 @@ def all_to_all_uneven(input: torch.Tensor, dim, input_splits: Sequence[int],
     rows = max(input.shape[0], 1)
     _record("all_to_all_uneven", dim, input, (input.shape[0] - input_splits[dim.rank]) / rows)
     src = input.contiguous()
-    _run("all_to_all_uneven", dim,
+    run("all_to_all_uneven", dim,
          lambda: dist.all_to_all_single(output, src, list(output_splits), list(input_splits),
                                         group=dim.group), False)
     return output
@@ -253,7 +170,7 @@ def broadcast(tensor: torch.Tensor, dim, src_group_rank: int = 0):
     if dim.size == 1:
         return tensor
     _record("broadcast", dim, tensor, 1.0 if dim.rank == src_group_rank else 0.0)
-    _run("broadcast", dim,
+    run("broadcast", dim,
          lambda: dist.broadcast(tensor, src=dim.ranks[src_group_rank], group=dim.group), False)
     return tensor
 
@@ -272,8 +189,8 @@ def ring_shift(send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], dim) 
         _record("send_recv", dim, s, 1.0)
         ops.append(dist.P2POp(dist.isend, s.contiguous(), dim.next_rank, group=dim.group))
         ops.append(dist.P2POp(dist.irecv, r, dim.prev_rank, group=dim.group))
-    works = _run("send_recv", dim, lambda: dist.batch_isend_irecv(ops), False)
-    return [_NamedWork(w, "send_recv", dim) for w in works]
+    works = run("send_recv", dim, lambda: dist.batch_isend_irecv(ops), False)
+    return [NamedWork(w, "send_recv", dim) for w in works]
 
 
 def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], dim) -> list:
@@ -309,4 +226,4 @@ def barrier(dim) -> None:
     kwargs = {}
     if "nccl" in str(dist.get_backend(dim.group)):
         kwargs["device_ids"] = [torch.cuda.current_device()]
-    _run("barrier", dim, lambda: dist.barrier(group=dim.group, **kwargs), False)
+    run("barrier", dim, lambda: dist.barrier(group=dim.group, **kwargs), False)

@@ -274,11 +274,8 @@ def describe_grid(config: ParallelismConfig) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Print minipar's rank grid and its groups.")
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--dp-replicate", type=int, default=1)
-    parser.add_argument("--dp-shard", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--tp", type=int, default=1)
+    for flag in ("--pp", "--dp-replicate", "--dp-shard", "--cp", "--tp"):     # the five sizes
+        parser.add_argument(flag, type=int, default=1)
     parser.add_argument("--cp-impl", choices=("ring", "ulysses", "usp"), default="ring")
     parser.add_argument("--cp-ulysses", type=int, default=None, help="USP's Ulysses group size")
     parser.add_argument("--ep", type=int, default=1,

@@ -1,4 +1,5 @@
 """The reference models built from minipar's parallel layers: llama.py, the Llama decoder with
 Hugging Face's parameter names (TP and CP inside it; DDP and ZeRO-3 wrap it from outside);
+llama_layer.py, one decoder layer (attention, the MLP or a mixture of experts);
 llama_config.py, its shape and config.json keys; rope.py, the rotary position tables; llama_init.py,
 meta-device construction filled from a seed or a checkpoint."""

@@ -127,13 +127,13 @@ def test_bench_gpu_cpu_tiny_path(tmp_path):
     assert "MFU" in res.stdout and "peak memory" in res.stdout
 
 
-def test_bench_pp_small_run_matches_its_theory(tmp_path):
+def test_bench_pp_small_run_matches_its_theory(tmp_path, capsys):
     """bench_pp.py on 2 stages, 2 micro-batches: every schedule's bytes sent equal 2 x boundaries x m
     x bytes(h), the micro-batches held equal the schedule's theory, and the timeline PNG is drawn."""
     import bench_pp
     out = tmp_path / "bench_pp.md"
-    results = bench_pp.main(["--stages", "2", "--micro", "2", "--hidden", "64", "--seq", "32", "--iters", "1",
-                             "--out", str(out)])
+    results = bench_pp.main(["--cells", "2:2", "--hidden", "64", "--seq", "32", "--micro-batch", "2",
+                             "--iters", "1", "--out", str(out)])
     assert {r["schedule"] for r in results} == {"afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"}
     act = 2 * 32 * 64 * 4                          # micro-batch 2 x seq 32 x hidden 64, fp32
     for r in results:                              # zbv: 2 (p - 1) boundaries cross ranks, the rest v p - 1
@@ -143,8 +143,11 @@ def test_bench_pp_small_run_matches_its_theory(tmp_path):
         assert all(row["held_w"] > 0 for row in r["rows"]) == (r["schedule"] in ("zb_h1", "zbv"))
     text = out.read_text()
     assert (tmp_path / "bench_pp.png").stat().st_size > 0 and "theory MiB" in text and "load average" in text
-    with pytest.raises(ValueError, match="multiple of 64"):
-        bench_pp.main(["--hidden", "32", "--out", str(out)])
+    assert "## Against the targets" in text and "| 2 | 2 | zbv |" in text
+    for bad, says in ((["--hidden", "32"], "multiple of 64"), (["--cells", "2"], "P:M pairs")):
+        with pytest.raises(SystemExit):            # a flag's mistake: argparse's one line, exit 2
+            bench_pp.main([*bad, "--out", str(out)])
+        assert says in capsys.readouterr().err
     with pytest.raises(SystemExit, match="refusing to write"):   # a smoke run never lands in results/
         bench_pp.main(["--quick"])
 

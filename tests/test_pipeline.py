@@ -34,7 +34,8 @@ from minipar.pipeline_parallel import (
     stage_chunks,
     theory_bubble,
 )
-from minipar.pipeline_parallel.schedules import chunk_stages, peak_in_flight
+from minipar.pipeline_parallel.schedules import chunk_stages
+from minipar.pipeline_parallel.simulate import peak_in_flight
 from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.training.config.train_config import load_config
 from minipar.training.pipeline_step import check_pipeline
@@ -179,6 +180,19 @@ def test_zero_bubble_bubbles_against_1f1b():
                 return total - 3 * m
             assert idle("zb_h1") == pytest.approx(idle("1f1b") / 3)
             assert idle("zbv", 2) == pytest.approx(idle("1f1b") / 6)
+
+
+def test_simulate_with_each_stage_its_own_times():
+    # 1F1B, p 2, m 2, stage 1 twice as slow (F 2, B 4) as stage 0 (F 1, B 2), by hand:
+    #   stage 0  F0 0-1  F1 1-2                 B0 7-9             B1 13-15
+    #   stage 1         F0 1-3  B0 3-7  F1 7-9  B1 9-13
+    orders = [schedule_order("1f1b", 2, 2, r) for r in range(2)]
+    events, total = simulate(orders, 1, name="1f1b", times={(0, 0): (1.0, 2.0, 0.0), (1, 0): (2.0, 4.0, 0.0)})
+    assert total == 15.0
+    assert [(a.kind, a.micro, s, e) for a, s, e in events[0]] == [
+        ("F", 0, 0.0, 1.0), ("F", 1, 1.0, 2.0), ("B", 0, 7.0, 9.0), ("B", 1, 13.0, 15.0)]
+    # the same stages evenly timed (the mean) would hide stage 0's waiting on its slow neighbour
+    assert simulate(orders, 1, t_f=1.5, t_b=3.0, name="1f1b")[1] < total
 
 
 def _link_messages(name, p, m, v):

@@ -13,6 +13,7 @@ minipar.plan's prediction for the same model, layout, batch and dtype:
     backward needs (the logits themselves) are not in it. With activation checkpointing, what the
     forward keeps (layer inputs and the unwrapped root).
 """
+import contextlib
 import dataclasses
 import glob
 import math
@@ -47,9 +48,10 @@ def _tensor_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _saved_bytes(model, batch, n_items, h=None):
-    """Distinct storages saved for backward by one forward, parameters excluded. (No backward: the
-    graph is dropped, which frees what it saved; ZeRO-3 has already resharded after forward.)
+def _saved_bytes(model, batch, n_items, h=None, autocast=contextlib.nullcontext):
+    """Distinct storages saved for backward by one forward, parameters excluded, under the run's
+    autocast (bf16 without ZeRO-3: its casts are saved too). (No backward: the graph is dropped,
+    which frees what it saved; ZeRO-3 has already resharded after forward.)
     A pipeline stage runs each of its model chunks once, on a residual stream `h` of the shape and
     dtype that p2p.py receives (the input ids on the first virtual stage): one micro-batch's bytes."""
     seen = {}
@@ -70,7 +72,7 @@ def _saved_bytes(model, batch, n_items, h=None):
     outs = []          # alive until the end: a freed graph's storages could be reused, and missed
     if h is not None:  # a stage's micro-batch is its own (not a view of the global batch's storage)
         batch = {k: v.clone() for k, v in batch.items()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
         for chunk in range(getattr(model, "num_chunks", 1)):
             x = batch["input_ids"] if h is None or model.is_first_virtual(chunk) else h().requires_grad_()
             outs.append(model(x, position_ids=batch["position_ids"], labels=batch["labels"],
@@ -109,7 +111,7 @@ def _measure(argv):
             if tr.pipeline is not None:          # what a stage receives: p2p.py's shape and dtype
                 shape = activation_shape(batch, pgm, tr.cfg.model.hidden_size)
                 h = lambda: torch.randn(shape).to(tr.pipeline.act_dtype)
-            acts[(checkpointing, seq)] = _saved_bytes(tr.model, batch, ids.numel(), h)
+            acts[(checkpointing, seq)] = _saved_bytes(tr.model, batch, ids.numel(), h, tr.autocast)
     return dict(state=state, ledger=ledger, acts=acts, cfg=tr.cfg, layout=pgm.config)
 
 
@@ -207,7 +209,8 @@ VARIANTS = [("fsdp_tp.yaml", ["--sequence_parallel", "true", "--gradient_checkpo
 # pipeline parallelism beyond pp.yaml (pp 4, 1F1B, no dp): every pp path of minipar/plan/pipeline.py
 # on 4 ranks: ZeRO-3 per stage in bf16 (bf16 messages, the empty root of the first stage), TP + SP
 # inside the stages under AFAB with checkpointing, DDP and ZeRO-3 per stage under the interleaved schedule,
-# ZeRO-3 under ZB-V and TP + SP under ZB-H1
+# ZeRO-3 under ZB-V and TP + SP under ZB-H1, and bf16 TP without ZeRO-3 (autocast: fp32 messages and
+# stream, the TP collectives in two dtypes as collective_counts.py prices them)
 PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16",
                               "--micro_batch_size", "1"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
@@ -223,7 +226,9 @@ PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size"
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
                             "zbv", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
-                            "--sequence_parallel", "true", "--pipeline_schedule", "zb_h1"])]
+                            "--sequence_parallel", "true", "--pipeline_schedule", "zb_h1"]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--dtype",
+                            "bfloat16", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"])]
 
 
 def test_plan_matches_runs_on_4_ranks(tmp_path):
@@ -231,6 +236,20 @@ def test_plan_matches_runs_on_4_ranks(tmp_path):
     runs = [(c, []) for c in CONFIGS if WORLDS[c] == 4] + VARIANTS + PP_VARIANTS
     assert len(runs) >= 14 and "pp.yaml" in [c for c, _ in runs]
     _check_world(4, runs, tmp_path)
+
+
+# bf16 TP without ZeRO-3: autocast keeps the residual stream fp32 and casts only a matmul's output,
+# so the embedding's g and the backward of every f carry fp32, the row-parallel outputs' g bf16
+BF16_TP_UNSHARDED = [("ddp.yaml", ["--dp_replicate_size", "2", "--tensor_parallel_size", "2", "--dtype",
+                                   "bfloat16", "--gradient_checkpointing", "true"]),
+                     ("ddp.yaml", ["--dp_replicate_size", "2", "--tensor_parallel_size", "2", "--dtype",
+                                   "bfloat16", "--sequence_parallel", "true"])]
+
+
+def test_plan_matches_bf16_tp_runs_without_zero3(tmp_path):
+    """State and ledger exactly, activations within 15 % (measured under the run's autocast: its
+    bf16 casts of every matmul's input and weight, the fp32 stream), with and without SP."""
+    _check_world(4, BF16_TP_UNSHARDED, tmp_path)
 
 
 @pytest.mark.slow

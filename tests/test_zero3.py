@@ -16,8 +16,9 @@ from minipar.mesh import ProcessGroupManager
 from minipar.tensor_parallel import gather_tensor
 from minipar.training.optim import build_optimizer
 from minipar.zero3 import fully_shard
-from models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
+from models.llama_layer import LlamaDecoderLayer
 
 
 def _rows(x, pgm, micro, n_micro):

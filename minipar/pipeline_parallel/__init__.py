@@ -3,8 +3,9 @@ through them forward and their gradients flowing back.
 
     stage.py      which layers a stage holds (the split rule, pipeline_layers), the stage module
     p2p.py        the sends and receives of activations and gradients between neighbours
-    schedules.py  AFAB, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V as per-rank action lists, their
-                  minimum micro-batch counts, and an ideal-time model of them
+    schedules.py  AFAB, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V as per-rank action lists, and
+                  their minimum micro-batch counts
+    simulate.py   the action lists on an ideal machine: bubbles, the closed forms, chunks held
     split_backward.py  the Linears' backward split into B (dL/dx) and a later W (dL/dW)
     executor.py   runs an action list: compute, send, receive, one step
 
@@ -21,13 +22,13 @@ from .schedules import (
     check_schedule,
     chunk_stages,
     schedule_order,
-    simulate,
-    theory_bubble,
 )
+from .simulate import peak_in_flight, simulate, theory_bubble
 from .split_backward import WeightGradStore, split_weight_gradients
 from .stage import PipelineStage, build_stage, split_layers, stage_chunks
 
 __all__ = ["Recorder", "forward_only", "run_schedule", "arrival_order", "SCHEDULES", "SPLIT_BACKWARD",
-           "Action", "check_schedule", "chunk_stages", "schedule_order", "simulate", "theory_bubble",
+           "Action", "check_schedule", "chunk_stages", "schedule_order", "peak_in_flight", "simulate",
+           "theory_bubble",
            "WeightGradStore", "split_weight_gradients", "PipelineStage", "build_stage", "split_layers",
            "stage_chunks"]

@@ -36,13 +36,19 @@ schedule, like everything the neighbours do); it then receives in that order, an
 comes before it is needed waits in `early` (its sender posted it earlier, so receiving it first
 never waits longer than for the wanted one). Sends are
 asynchronous: a stage never waits for its neighbour to take a tensor before going on with its next
-micro-batch; only a receive blocks, when its data is needed.
+micro-batch; only a receive blocks, when its data is needed. On gloo each neighbour's next receive
+is kept posted (`_post_next`): gloo moves a message only once its receiver has posted the receive,
+so a receive posted at the moment of need pays a handshake and the sender's I/O thread must win a
+core from the sender's compute; posted ahead, the bytes arrive while this rank computes. Not on
+NCCL, which runs a pair's sends and receives on one stream: a receive posted ahead would hold back
+this rank's own sends behind it, and two neighbours doing so would wait on each other.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from .schedules import chunk_stages, schedule_order
@@ -94,6 +100,12 @@ class StageLink:
         self.arrivals = None if arrivals is None else {pgm.pp.ranks[k]: list(t) for k, t in arrivals.items()}
         self.early: Dict[int, torch.Tensor] = {}                  # tag -> received before it was needed
         self.bytes_sent = 0
+        # gloo: each neighbour's next receive kept posted (the module docstring says why not NCCL)
+        self.posted: Dict[int, tuple] = {}                        # peer -> (tag, tensor, works)
+        self.prepost = self.arrivals is not None and "gloo" in str(dist.get_backend(pgm.pp.group))
+        if self.prepost:
+            for peer in self.arrivals:
+                self._post_next(peer)
 
     def _tag(self, kind: int, virtual: int, micro: int) -> int:
         return message_tag(kind, virtual, micro, self.num_micro)
@@ -118,16 +130,35 @@ class StageLink:
         if self.arrivals is None:
             return self._recv_now(peer, tag)
         while tag not in self.early:             # what the neighbour posted first comes first
-            first = self.arrivals[peer].pop(0)
-            self.early[first] = self._recv_now(peer, first)
+            if not self.prepost:
+                first = self.arrivals[peer].pop(0)
+                self.early[first] = self._recv_now(peer, first)
+                continue
+            first, t, works = self.posted.pop(peer)
+            comm.wait_all(works)
+            self.early[first] = t
+            self._post_next(peer)
         return self.early.pop(tag)
 
-    def _recv_now(self, peer: int, tag: int) -> torch.Tensor:
+    def _post_next(self, peer: int):
+        """Post the receive of the next message `peer` sends us, into a fresh buffer. gloo moves a
+        message only once its receive is posted (the receiver tells the sender it is ready); a
+        receive posted when the data is needed costs that handshake, and the sender's I/O thread
+        must then win a core from its own compute. Posted ahead, the bytes move while this rank
+        computes and the wait finds them there."""
+        if self.arrivals[peer]:
+            tag = self.arrivals[peer].pop(0)
+            t = self._buffer(tag)
+            self.posted[peer] = (tag, t, comm.send_recv([], [(t, peer, tag)], self.pp))
+
+    def _buffer(self, tag: int) -> torch.Tensor:
         kind = tag % 4
         if kind < SIDE_FORWARD:
-            t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        else:
-            t = torch.empty(self.side_sizes[kind - SIDE_FORWARD], dtype=torch.float32, device=self.device)
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return torch.empty(self.side_sizes[kind - SIDE_FORWARD], dtype=torch.float32, device=self.device)
+
+    def _recv_now(self, peer: int, tag: int) -> torch.Tensor:
+        t = self._buffer(tag)
         comm.wait_all(comm.send_recv([], [(t, peer, tag)], self.pp))
         return t
 
@@ -166,6 +197,9 @@ class StageLink:
         for w, _ in self.pending:
             w.wait()
         self.pending = []
+        if self.posted:                          # every arrival is consumed by a schedule's end
+            tags = [t for t, _, _ in self.posted.values()]
+            raise RuntimeError(f"receives posted but never consumed: tags {tags}")
 
 
 def activation_shape(micro_batch: dict, pgm, hidden_size: int) -> Tuple[int, int, int]:

@@ -43,7 +43,7 @@ Memory", 2024: the V-shape).
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Tuple
+from typing import List, NamedTuple
 
 SCHEDULES = ("afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 SPLIT_BACKWARD = ("zb_h1", "zbv")        # the schedules with W actions (split_backward.py)
@@ -164,7 +164,7 @@ def zbv(p: int, m: int, rank: int) -> List[Action]:
         rank 0  F0a F1a F2a F0b b0b w0b F1b b1b w1b b0a w0a F2b b2b w2b b1a w1a b2a w2a .
         rank 1  .   F0a F0b F1a F1b b0b w0b F2a b0a w0a F2b b1b w1b b1a b2b b2a w1a w2b w2a
 
-    (simulate() with t_F = t_B = t_W; a micro-batch visits 0a, 1a, 1b, 0b: rank 1 hands its chunk a's
+    (simulate.py with t_F = t_B = t_W; a micro-batch visits 0a, 1a, 1b, 0b: rank 1 hands its chunk a's
     output to its chunk b without a send.) The phases of rank r, which keep every rank busy from its
     first forward to its last W when m >= 2p - 1:
       1. 2 (p - r) - 1 forwards of chunk 0: the descending arm fills (rank p - 1: one);
@@ -173,7 +173,7 @@ def zbv(p: int, m: int, rank: int) -> List[Action]:
       4. steady state: F a, B a, W a, F b, B b, W b, until every forward has run;
       5. drain: r pairs (B a, B b) with their W's postponed, p - r pairs (B a, W a), the W's left.
     Built for n = max(m, 2p - 1) micro-batches, keeping the actions of the first m (with fewer than
-    2p - 1 the V does not fill: the bubble grows, see theory_bubble). Peak chunks held (F done, W
+    2p - 1 the V does not fill: the bubble grows, see simulate.theory_bubble). Peak chunks held (F done, W
     not): min(2p, m + r + 1), i.e. at most p micro-batches' worth, 1F1B's first-stage peak.
     """
     n = max(m, 2 * p - 1)
@@ -251,67 +251,3 @@ def check_schedule(name: str, p: int, m: int, v: int) -> None:
         raise ValueError(f"pipeline_schedule interleaved_1f1b needs the micro-batch count "
                          f"to be a multiple of pipeline_parallel_size {p} ({why}), "
                          f"but this run has {m}: {fix}")
-
-
-# ------------------------------------------------------------------------- a model of the timing
-def simulate(orders: List[List[Action]], v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
-             name: str = "1f1b") -> Tuple[List[List[Tuple[Action, float, float]]], float]:
-    """Run the action lists of all p ranks of schedule `name` on an ideal machine (a chunk's F, B,
-    W take t_f / v, t_b / v, t_w / v; a send arrives at once): ([(action, start, end)] per rank, step
-    time). t_b is the whole backward for the schedules without W, dL/dx alone for those with.
-    Raises RuntimeError if the lists deadlock. What bench_pp.py draws as the ideal, and what the
-    tests use to check that every schedule completes. Virtual stages: chunk_stages(name, ...)."""
-    p = len(orders)
-    stages = [chunk_stages(name, p, r, v) for r in range(p)]
-    took = {"F": t_f / v, "B": t_b / v, "W": t_w / v}
-    done: Dict[Tuple[str, int, int], float] = {}       # (kind, virtual stage, micro) -> end time
-    pos, clock = [0] * p, [0.0] * p
-    events: List[List[Tuple[Action, float, float]]] = [[] for _ in range(p)]
-    last_vs = p * v - 1
-    while any(pos[r] < len(orders[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            if pos[r] == len(orders[r]):
-                continue
-            a = orders[r][pos[r]]
-            vs = stages[r][a.chunk]
-            if a.kind == "F":
-                dep = ("F", vs - 1, a.micro) if vs > 0 else None
-            elif a.kind == "B":
-                dep = ("B", vs + 1, a.micro) if vs < last_vs else ("F", vs, a.micro)
-            else:                                       # W: after this stage's own B
-                dep = ("B", vs, a.micro)
-            if dep is not None and dep not in done:
-                continue
-            start = max(clock[r], done[dep] if dep is not None else 0.0)
-            end = start + took[a.kind]
-            done[(a.kind, vs, a.micro)] = clock[r] = end
-            events[r].append((a, start, end))
-            pos[r] += 1
-            progressed = True
-        if not progressed:
-            stuck = {r: orders[r][pos[r]] for r in range(p) if pos[r] < len(orders[r])}
-            raise RuntimeError(f"the schedule deadlocks: ranks wait on {stuck}")
-    return events, max(clock)
-
-
-def peak_in_flight(order: List[Action]) -> int:
-    """The most micro-batch chunks whose forward ran and whose backward has not (whose W has not,
-    under a zero-bubble schedule: B keeps the linears' inputs for W), on one rank."""
-    freed_by = "W" if any(a.kind == "W" for a in order) else "B"
-    live = peak = 0
-    for a in order:
-        live += 1 if a.kind == "F" else -1 if a.kind == freed_by else 0
-        peak = max(peak, live)
-    return peak
-
-
-def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
-    """The idle fraction of a step with every chunk's F, B (and W) equally long per stage:
-    t_F = t_B for the whole-backward schedules, t_F = t_B = t_W for the split ones."""
-    if name == "zb_h1":
-        return (p - 1) / (3 * m + p - 1)
-    if name == "zbv":                          # in half-stage slots: p - 1, or more while the V is not full
-        idle = max(p - 1, 4 * p - 2 - 2 * m)
-        return idle / (6 * m + idle)
-    return (p - 1) / ((v if name == "interleaved_1f1b" else 1) * m + p - 1)

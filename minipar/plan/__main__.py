@@ -33,7 +33,7 @@ from models.llama import LlamaForCausalLM
 from models.llama_config import FAMILIES
 
 from .estimate import Cluster, plan
-from .inputs import Batch, Layout, ModelShape, Options
+from .inputs import OTHER_TRAINER_FIELDS, Batch, Layout, ModelShape, Options
 from .layout_search import search, smallest_world
 from .pipeline import plan_pipeline
 from .pipeline_stage import Pipeline
@@ -45,6 +45,20 @@ SIZE_FLAGS = dict(world="the number of GPUs", gpus_per_node="GPUs per node", dp_
                   pp="pipeline stages", virtual_stages="model chunks per rank", seq_len="tokens per sequence",
                   global_batch_size="sequences per step", micro_batch_size="rows per forward",
                   top="layouts shown", cp_ulysses="ranks of a Ulysses group", ep="expert-parallel ranks")
+# how another trainer runs the step (inputs.py's Options; time_model.py and overlap.py price them)
+OTHER_TRAINERS = dict(
+    fused_kernels="memory-bound ops fused, each region reading its inputs and writing its outputs once "
+                  "(torch.compile, Transformer Engine)",
+    sac_every_other_matmul="with selective op AC: torchtitan's policy, every second matmul of a layer "
+                           "recomputed (k, o, up)",
+    distributed_optimizer="DDP layouts: Megatron-LM's distributed optimizer, gradients reduce-scattered "
+                          "in the last backward, parameters all-gathered behind the next forward, the "
+                          "fp32 master and moments sharded over dp",
+    tp_comm_overlap="Megatron-LM's --tp-comm-overlap: TP collectives pipelined with their GEMMs",
+    gather_once_per_step="ZeRO-3: each layer gathered once per step and kept to its last backward "
+                         "(PyTorch pipelining with reshard_after_forward False)",
+    cp_all_gather_kv="context parallelism as the Llama 3 paper: K/V all-gathered, exposed")
+assert tuple(OTHER_TRAINERS) == OTHER_TRAINER_FIELDS
 # the flags that are rates or fractions: each with the test it must pass
 FLOAT_FLAGS = dict(peak_tflops=(lambda v: v > 0, "more than 0 (dense bf16 TFLOP/s of one GPU)"),
                    intra_bw=(lambda v: v > 0, "more than 0 (GB/s per GPU inside a node)"),
@@ -155,12 +169,22 @@ def load(args):
     flags = dict(dtype=args.dtype, prefetch=args.prefetch, sync_each_batch=args.sync_each_batch,
                  gradient_checkpointing=args.gradient_checkpointing,
                  reshard_after_forward=args.reshard_after_forward,
-                 selective_ac_option=args.selective_ac_option)
+                 selective_ac_option=args.selective_ac_option,
+                 **{k: getattr(args, k) for k in OTHER_TRAINERS})
     changes = {k: v for k, v in flags.items() if v is not None}
     ac = changes.get("gradient_checkpointing", opts.gradient_checkpointing)
     if args.selective_ac_option is not None and ac != "selective":
         raise ValueError(f"--selective-ac-option {args.selective_ac_option} goes with "
                          f"--gradient-checkpointing selective")
+    if args.gather_once_per_step:          # each layer stays gathered: nothing reshards after forward
+        if args.reshard_after_forward:
+            raise ValueError("--gather-once-per-step keeps every layer gathered from its first forward to "
+                             "its last backward: drop --reshard-after-forward")
+        changes["reshard_after_forward"] = False
+    if args.sac_every_other_matmul and not (ac == "selective" and changes.get(
+            "selective_ac_option", opts.selective_ac_option) == "op"):
+        raise ValueError("--sac-every-other-matmul goes with --gradient-checkpointing selective "
+                         "--selective-ac-option op (torchtitan's per-op policy)")
     if ac not in (True, False):
         problem = check_option(ac, changes.get("selective_ac_option", opts.selective_ac_option))
         if problem:
@@ -220,6 +244,8 @@ def main(argv=None):
                     help="ZeRO-3: free each layer's gathered weights after its forward and gather them "
                          "again for the backward (the default); --no-reshard-after-forward keeps them, "
                          "one gather per micro-batch for more memory")
+    for name, what in OTHER_TRAINERS.items():
+        ap.add_argument("--" + name.replace("_", "-"), action="store_const", const=True, help=what)
     ap.add_argument("--search", action="store_true",
                     help="rank every layout of --world that fits (pp included)")
     ap.add_argument("--no-pp", action="store_true",

@@ -18,9 +18,20 @@ storage by storage (what `torch.autograd.graph.saved_tensors_hooks` sees), param
     (models/activation_checkpoint.py) keeps a layer's input and what its matmuls and attention
     output, everything else recomputed (o and down before their reduction, all n tokens under SP):
         e ns d + e n ((2 H + 2 K) D + 2 d + 2 f) / T + 4 b H s / T      (cp counted as without it)
+    (torchtitan's policy, Options.sac_every_other_matmul, keeps neither k, o's output nor up: less
+    e n (K D + d + f) / T)
     and selective every n-th layer fully checkpoints layers n-1, 2n-1, ... (`as_configured`: the
     peak of the mode the options name, `kept_per_layer`: what each layer keeps).
     root: ids, cos/sin (2 e n D), final norm, and the vocab-parallel loss's fp32 softmax 4 n V / T.
+bf16 without ZeRO-3 runs under autocast: the weights and the residual stream stay fp32 (so the
+layer input, cos/sin and the norms' x_hat are 4 bytes an element) and every matmul saves bf16
+casts of its input and its weight, the input cast once per reader (autocast caches only the
+weights' casts). So a norm keeps 4 ns d + 4 ns + 4 ns d + r e n d for its r readers (q, k, v: 3;
+gate, up: 2; lm_head: 1), a layer also its weights e (d (2 H + 2 K) D + 3 d f / T), the root
+lm_head's e d V / T (`stream_bytes`: not under Megatron-LM's distributed optimizer, whose bf16
+parameters are counted as ZeRO-3's). An MoE feed-forward is counted as under ZeRO-3 there, with the
+router as the post-attention norm's one reader: not measured. Under checkpointing autocast's cache
+also holds the weights' casts until the forward ends: a transient, freed before backward, not counted.
 """
 from __future__ import annotations
 
@@ -36,24 +47,35 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     """Saved-for-backward bytes of one micro-batch (see the module docstring)."""
     m, T, C = model, layout.tp, layout.cp
     e = DTYPE_BYTES[opts.dtype]
+    # fp32 under autocast (bf16 without ZeRO-3), where the weights stay fp32 and each matmul saves
+    # bf16 casts of its input and its weight
+    pe = stream_bytes(layout, opts)
+    autocast = pe != e
     b, s = batch.micro(layout), batch.sequence_len // C
     n, d, D, f = b * s, m.hidden_size, m.head_dim, m.intermediate_size
     H, K = m.num_attention_heads // T, m.num_key_value_heads // T
     ns = n // T if layout.sp else n                     # tokens the norms and residuals see
 
-    def norm(output_saved: bool) -> int:                # fp32 x, rsqrt, x_hat; output or gathered copy
-        return 4 * ns * d + 4 * ns + e * ns * d + e * n * d * (1 if output_saved or layout.sp else 0)
+    def norm(readers: int) -> int:     # x, rsqrt, x_hat; the output (or its gathered copy) its
+        # readers save: one tensor, or under autocast each reader's own bf16 cast of it
+        return 4 * ns * d + 4 * ns + pe * ns * d + e * n * d * (readers if autocast else 1)
 
     kv_heads = K * kv_repeat(model, layout) if (C > 1 or H == K) else H
     attention = e * n * (2 * H + 2 * kv_heads) * D + 4 * b * H * s + (e * n * H * D if C > 1 else 0)
     mlp = mlp_activations(model, layout, batch, e) if model.is_moe else 4 * e * n * f // T
-    layer = 2 * norm(True) + attention + mlp
-    root = 8 * n + 2 * e * n * D                        # ids (int64; under tp the local ids), cos, sin
+    # autocast's bf16 weight casts: q, k, v, o (and gate, up, down), saved by their matmuls
+    weights = e * (d * (2 * H + 2 * K) * D + (0 if model.is_moe else 3 * d * f // T)) if autocast else 0
+    layer = norm(3) + norm(1 if model.is_moe else 2) + attention + mlp + weights
+    root = 8 * n + 2 * pe * n * D                       # ids (int64; under tp the local ids), cos, sin
     if T > 1:
         root += n                                       # the mask of ids outside the vocab shard
-    root += norm(True) + 4 * n * m.vocab_size // T + 8 * n + 2 * n   # softmax fp32, target, 2 masks
-    layer_input = e * ns * d
+    root += norm(1) + 4 * n * m.vocab_size // T + 8 * n + 2 * n   # softmax fp32, target, 2 masks
+    if autocast:
+        root += e * d * m.vocab_size // T               # lm_head's bf16 weight
+    layer_input = pe * ns * d
     selective = layer_input + e * n * ((2 * H + 2 * K) * D + 2 * d + 2 * f // T) + 4 * b * H * s
+    if opts.sac_every_other_matmul:           # torchtitan's policy recomputes k, o and up (time_model.py)
+        selective -= e * n * (K * D + d + f // T)
     L = m.num_hidden_layers
     out = dict(per_layer=layer, root=root, full=L * layer + root, layer_input=layer_input,
                selective_layer=selective, checkpointed=L * layer_input + root,
@@ -61,6 +83,16 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     kept = sum(kept_per_layer(out, opts, i) for i in range(L))
     out.update(as_configured_kept=kept + root, as_configured=kept + root + recompute_peak(out, opts))
     return out
+
+
+def stream_bytes(layout: Layout, opts: Options) -> int:
+    """Bytes an element of the residual stream takes: the parameters' dtype. ZeRO-3 gathers them in
+    the compute dtype; without it they stay fp32 and bf16 runs under autocast (fp32 stream), as
+    collective_counts.py prices minipar's collectives. Megatron-LM's distributed optimizer
+    (Options.distributed_optimizer: time and memory as that trainer runs them, estimate.py) keeps the
+    parameters themselves in the compute dtype."""
+    e = DTYPE_BYTES[opts.dtype]
+    return e if layout.sharded or opts.distributed_optimizer else 4
 
 
 def kept_per_layer(act: Dict[str, int], opts: Options, i: int) -> int:

@@ -49,7 +49,11 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
     ac = recomputed_layers(model, opts, L)
     # the f / g pairs of the layers: attention's in each, the dense MLP's (an MoE has none: moe.py)
     fg, mlp = (L + 1, 0) if m.is_moe else (2 * L + 1, 1)
-    # ZeRO-3 gathers parameters in the compute dtype; otherwise fp32 masters (and so fp32 norm grads)
+    # ZeRO-3 gathers parameters in the compute dtype; otherwise fp32 masters (and so fp32 norm grads).
+    # The residual stream has the parameters' dtype: autocast (no ZeRO-3) keeps it fp32 and casts
+    # only a matmul's output, so a row-parallel output (o_proj, down_proj) is in e, while the
+    # embedding's output, the norms' outputs before a column-parallel layer, and their gradients
+    # are in pe (trainer.py's act_dtype, which pipeline messages carry, is the same dtype)
     pe = e if layout.sharded else 4
     # LoRA (frozen base): layer 0's input needs no gradient (embedding and norm frozen), so the f
     # before its q/k/v runs no backward, nor (unless attention is adapted) the one before gate/up;
@@ -58,14 +62,20 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
     attn = any(t in ("q_proj", "k_proj", "v_proj", "o_proj") for t in opts.lora_targets)
     skipped = (2 - attn) if lora else 0
     for micro in range(M):
-        act = n * d * e
+        act, stream = n * d * e, n * d * pe      # a row-parallel output; the stream and its grads
+        rows = fg - 1                            # the g after o_proj (and down_proj) of each layer
         if layout.sp:   # f / g become all-gather / reduce-scatter along the sequence
-            add("all_gather", "tp", fg + fg - skipped + (1 + mlp) * ac, act)
-            add("reduce_scatter", "tp", fg + fg - skipped + ac, act)
+            # all-gather: the f's forward and recompute, the embedding's g backward (stream); the rows'
+            add("all_gather", "tp", fg + (1 + mlp) * ac + 1 - lora, stream)      # g backward (e)
+            add("all_gather", "tp", rows - (skipped - lora), act)
+            # reduce-scatter: the embedding's g, the f's backward (stream); the rows' g and recompute
+            add("reduce_scatter", "tp", 1 + fg - skipped, stream)
+            add("reduce_scatter", "tp", rows + ac, act)
             if not lora:
                 add("all_reduce", "tp", 2 * L + 1, d * pe)  # norm weight grads (they saw n / tp tokens)
         else:           # fwd: embedding, o_proj, down_proj; bwd: the f before qkv, gate/up, lm_head
-            add("all_reduce", "tp", fg + fg - skipped + ac, act)
+            add("all_reduce", "tp", 1 + fg - skipped, stream)   # embedding's g, the f's backward
+            add("all_reduce", "tp", rows + ac, act)             # the rows' g, forward and recompute
         for t in opts.lora_targets:   # the whole pieces' gradients: column A in the input's dtype
             row = t in ("o_proj", "down_proj")                    # (the norm's), row B in e
             a, b_ = model.lora_tensors(1, opts.lora_r, [t])

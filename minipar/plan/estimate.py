@@ -76,6 +76,19 @@ class Cluster:
     inter_latency_us: float = 5.0  # per hop over InfiniBand, likewise
 
 
+def distributed_optimizer_memory(mem: dict, layout: Layout, opts: Options) -> dict:
+    """Megatron-LM's distributed optimizer (Options.distributed_optimizer, on a layout without
+    ZeRO-3): the parameters in the compute dtype and the fp32 main gradients whole on every rank, the
+    fp32 master copy (under bf16) and AdamW's two moments sharded over the dp ranks
+    (megatron/core/optimizer/distrib_optimizer.py in Megatron-LM); `mem` as model.memory gives it."""
+    dp = layout.sizes()["dp_cp"]
+    if not opts.distributed_optimizer or layout.sharded or dp == 1 or opts.lora_r:
+        return mem
+    n, e = mem["param_elements"], inputs_mod.DTYPE_BYTES[opts.dtype]
+    params, grads, optimizer = e * n, 4 * n, ((4 if e == 2 else 0) + 8) * n // dp
+    return dict(mem, params=params, grads=grads, optimizer=optimizer, persistent=params + grads + optimizer)
+
+
 def group_seconds(groups: Dict[str, dict], cluster: Cluster) -> Dict[str, float]:
     """Each group's collectives: wire bytes at its placement's bandwidth + hops x latency per call."""
     out = {}
@@ -110,7 +123,11 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     problems = inputs_mod.check(model, layout, batch)
     if problems:
         raise ValueError(f"layout {layout} cannot run this model and batch: " + "; ".join(problems))
-    mem = pm.memory(model, layout, opts)
+    mem = distributed_optimizer_memory(pm.memory(model, layout, opts), layout, opts)
+    if opts.gather_once_per_step and layout.sharded:          # every unit stays gathered (overlap.py)
+        N = layout.dp_shard * layout.cp
+        mem["gathered"] = max(mem["gathered"], sum(pm._padded(u.numel, N) * inputs_mod.DTYPE_BYTES[opts.dtype]
+                                                   for u in pm.units(model, layout)))
     act = pa.activations(model, layout, batch, opts)
     coll = pc.collectives(model, layout, batch, opts)
     fl = pm.flops(model, layout, batch, opts)
@@ -127,10 +144,11 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     group_seconds(groups, cluster)
     parts = tm.compute_seconds(model, layout, batch, opts, cluster, model.num_hidden_layers, True,
                                mem["param_elements"])
-    layer_units = [u for u in pm.units(model, layout) if u.kind == "layer"]
+    us = pm.units(model, layout)
     reducing = batch.micro_steps(layout) if opts.sync_each_batch else 1
-    t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts, layer_units,
-                     model.num_hidden_layers, reducing)
+    t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts,
+                     [u for u in us if u.kind == "layer"], model.num_hidden_layers, reducing,
+                     [u for u in us if u.kind != "layer"])
     step = t.pop("work_s")
     if model.is_moe:                 # the token exchanges wait for nothing to hide behind (moe.py)
         t["moe_s"] = exposed_seconds(groups)

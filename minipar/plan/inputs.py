@@ -33,6 +33,9 @@ from models.llama_config import LlamaConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GROUPS = ("tp", "cp", "cp_ulysses", "cp_ring", "dp_shard_cp", "dp_replicate", "dp_cp")
+# the Options that time a step as another trainer runs it (below); minipar's own runs leave them off
+OTHER_TRAINER_FIELDS = ("fused_kernels", "sac_every_other_matmul", "distributed_optimizer", "tp_comm_overlap",
+                        "gather_once_per_step", "cp_all_gather_kv")
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,18 @@ class Options:
     # no optimizer state), the adapters whole over dp. 0: every weight trained
     lora_r: int = 0
     lora_targets: Tuple[str, ...] = ()
+    # how ANOTHER trainer runs the same step (time only; minipar's own runs leave them at the defaults;
+    # time_model.py and overlap.py price them, each with its source): fused memory-bound kernels
+    # (torch.compile, Transformer Engine); torchtitan's per-op selective AC, which recomputes every
+    # second matmul of a layer; Megatron-LM's distributed optimizer and --tp-comm-overlap; ZeRO-3
+    # gathering each layer once per step (PyTorch's pipelining with reshard_after_forward False);
+    # the Llama 3 paper's all-gather context parallelism
+    fused_kernels: bool = False
+    sac_every_other_matmul: bool = False
+    distributed_optimizer: bool = False
+    tp_comm_overlap: bool = False
+    gather_once_per_step: bool = False
+    cp_all_gather_kv: bool = False
 
 
 def check(model: ModelShape, layout: Layout, batch: Batch) -> List[str]:

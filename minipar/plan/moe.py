@@ -5,7 +5,8 @@ edp = S C / ep (the ranks holding the same experts: their ZeRO-3 shard group), n
 micro-batch (n / T under sequence parallelism: the MoE sees the norms' tokens), N = n k copies.
 
 Memory. Each MoE layer's experts are 3 stacked tensors, (E/ep, F, d) each on this rank (not split
-over tp), in a ZeRO-3 unit of their own sharded over edp (zero3/shard_manager.py, sharding.py):
+over tp), in a ZeRO-3 unit of their own sharded over edp (zero3/wrap.py cuts it out with
+expert_parallel/sharding.py's split_experts):
 
     expert elements per rank and layer   ceil(3 (E/ep) F d / edp)       (padded, as every flat shard)
 
@@ -63,7 +64,7 @@ def moe_layers(model) -> int:
 
 def split_layer(model, layer: List[int]) -> Tuple[List[int], List[int]]:
     """One layer's tensors (ModelShape.tensors) -> (its unit's, the experts' unit's): an MoE layer
-    ends in its 3 stacked experts, which shard_manager.py puts in a unit of their own."""
+    ends in its 3 stacked experts, which zero3/wrap.py (fully_shard) puts in a unit of their own."""
     if not model.is_moe:
         return layer, []
     return layer[:-3], layer[-3:]

@@ -41,7 +41,8 @@ walks the step and takes the maximum of these phases:
                      the foreach kernels (CUDA's default) over every shard at once, the per-tensor
                      loop (CPU's) two of the largest shard
 
-R' and H' are the tied root's (held through the whole backward; R is freed and H reduce-scattered
+Megatron-LM's distributed optimizer (time and memory as that trainer runs them) keeps its fp32 main
+gradients all along (in S) and steps with a fused Adam (no temporaries). R' and H' are the tied root's (held through the whole backward; R is freed and H reduce-scattered
 right after the head's backward when the embedding is a unit of its own). Not counted: the
 collectives' own buffers (NCCL needs none; gloo's reduce-scatter copies its input, one unit at a
 time), DDP's buckets, the allocator's rounding and fragmentation (`reserve`).
@@ -67,6 +68,11 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
     trains = not opts.lora_r                                # LoRA's base has no gradient at all
     S = mem["persistent"] - mem["grads"]
     Gs, Gacc = mem["grads"], mem["accumulated_grads"]
+    # Megatron-LM's distributed optimizer (estimate.py's distributed_optimizer_memory) keeps its
+    # fp32 main gradients in buffers that live all along, and steps with a fused Adam (no temporaries)
+    megatron = opts.distributed_optimizer and not layout.sharded and layout.sizes()["dp_cp"] > 1 and trains
+    if megatron:
+        S, Gs = S + Gs, 0
     g = Gacc + (Gs if batch.micro_steps(layout) > 1 else 0)
     A = act["as_configured"]
     # what the first layer of backward has freed when it concatenates its gradient: its activations
@@ -74,6 +80,7 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
     done = kept_per_layer(act, opts, model.num_hidden_layers - 1) + A - act["as_configured_kept"]
     softmax = 4 * n * V // T
     H = V // T * d * eg if trains else 0
+    all_along = not opts.reshard_after_forward or opts.gather_once_per_step   # every unit gathered
     R = W = first = U = in_flight = emb = root_shard = emb_shard = 0
     largest_shard = max(u.numel for u in us)
     if layout.sharded:
@@ -84,7 +91,7 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
         layer = max(layers, default=0)
         # the root's pre-backward hook prefetches the first `prefetch` units of the backward order
         # (the last layers'); the window of the layers' backward is W
-        first = W if not opts.reshard_after_forward else sum(layers[::-1][:opts.prefetch]) * e
+        first = W if all_along else sum(layers[::-1][:opts.prefetch]) * e
         if trains:
             U, in_flight, root_shard = layer * eg, layer * 4, 4 * shards[0]
             for u, p, sh in zip(us, padded, shards):
@@ -96,7 +103,7 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
     # untied, the root's gradient is complete after the final norm's: lm_head's and its concatenation
     head = H if tied or not layout.sharded else max(H, 2 * H - softmax)
     out = {
-        "loss forward": S + R + (0 if opts.reshard_after_forward else W) + A + n * V // T * (e + 4) + g,
+        "loss forward": S + R + (W if all_along else 0) + A + n * V // T * (e + 4) + g,
         "head backward": S + R + first + A + head + (n * V // T * e if e != 4 else 0) + g,
         "layer backward": S + held + W + A - softmax - done + 2 * U + g,
     }
@@ -109,5 +116,6 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
     else:                               # the embedding unit: its dense gradient and their concatenation
         end = S + Gs - emb_shard + 2 * emb + in_flight
     out["backward end"] = end + Gacc
-    out["optimizer"] = S + Gs + (max(4 * mem["param_elements"], 8 * largest_shard) if trains else 0)
+    out["optimizer"] = S + Gs + (max(4 * mem["param_elements"], 8 * largest_shard)
+                                 if trains and not megatron else 0)
     return out

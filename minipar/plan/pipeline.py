@@ -10,7 +10,7 @@ Time: the stage with the most work sets the pace, and the schedule adds the bubb
     step = (compute + tp + all-to-all + exposed cp/dp of the slowest stage) / (1 - bubble) + sends
     bubble = (p - 1) / (m + p - 1)  (afab, 1f1b)     (p - 1) / (v m + p - 1)  (interleaved)
              (p - 1) / (3 m + p - 1)  (zb_h1)        (p - 1) / (6 m + p - 1)  (zbv, m >= 2p - 1)
-             (schedules.theory_bubble: t_F = t_B (= t_W), the split backward's B and W even)
+             (simulate.theory_bubble: t_F = t_B (= t_W), the split backward's B and W even)
     sends  = 2 (m v + p - 1) x bytes(h) / bandwidth of pp: the messages on the critical path
              (the fill and drain's p - 1 hops, and each micro-batch chunk's hop in and out)
 """
@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List
 
-from minipar.pipeline_parallel.schedules import check_schedule, theory_bubble
+from minipar.pipeline_parallel.schedules import check_schedule
+from minipar.pipeline_parallel.simulate import theory_bubble
 
 from . import collective_counts as pc
 from . import inputs as inputs_mod
 from . import model as pm
 from . import time_model as tm
-from .estimate import crosses_nodes, group_seconds, mfu
+from .estimate import crosses_nodes, distributed_optimizer_memory, group_seconds, mfu
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 from .overlap import step_seconds
 from .pipeline_stage import Pipeline, message_bytes, plan_stage, stage_units, stages
@@ -81,14 +82,19 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
                                    p["memory"]["param_elements"])
         # pipeline_step.py reduces once per step (no_sync until the rank's last backward), and every
         # micro-batch regathers the stage's layers: overlap.py's per-layer sum over the stage
-        layer_units = [u for u in stage_units(model, layout, st) if u.kind == "layer"]
-        t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts, layer_units,
-                         st.num_layers, 1)
+        us = stage_units(model, layout, st)
+        t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts,
+                         [u for u in us if u.kind == "layer"], st.num_layers, 1,
+                         [u for u in us if u.kind != "layer"])
         n = batch.micro(layout) * batch.sequence_len // layout.cp
         transient = n * model.vocab_size // layout.tp * (e + 4) if st.last else 0
         if layout.sharded:
             transient += 2 * 4 * max(u.numel for u in stage_units(model, layout, st))
-        mem, acts = p["memory"], p["activations"]
+        mem, acts = distributed_optimizer_memory(p["memory"], layout, opts), p["activations"]
+        if opts.gather_once_per_step and layout.sharded:      # every unit of the stage stays gathered
+            N = layout.dp_shard * layout.cp
+            mem["gathered"] = max(mem["gathered"], sum(pm._padded(u.numel, N) * e
+                                                       for u in stage_units(model, layout, st)))
         activation = acts["as_configured"]
         total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
         p.update(memory=dict(mem, activations=acts, transient=transient, total=total, budget=budget,

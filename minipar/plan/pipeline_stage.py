@@ -26,9 +26,10 @@ Communication per stage, as comm.py's ledger records it: ("send", "pp") one mess
 non-last virtual stage (h forward) and per B on a non-first one (dL/dh backward), when the
 neighbouring virtual stage is on another rank (zbv's turn at rank p - 1 is not), each
 b x s/cp (/tp under SP) x d in the dtype of the residual stream (bf16 only when ZeRO-3 casts the
-weights to bf16, else fp32; p2p.py); ("all_reduce", "pp") 8 B for the loss and 8 B for the global
-grad norm; TP/CP per layer of the stage, the embedding's collective on the first stage, lm_head's
-and the loss's on the last.
+weights to bf16, else fp32: trainer.py's act_dtype, which p2p.py sends); ("all_reduce", "pp") 8 B
+for the loss and 8 B for the global grad norm; TP/CP per layer of the stage, the embedding's
+collective on the first stage, lm_head's and the loss's on the last, each in the dtype
+collective_counts.py gives it (under autocast the stream's f / g fp32, o_proj's and down_proj's g bf16).
 
 pipeline.py puts the stages together: the worst stage's memory, the slowest stage's time, the bubble.
 """
@@ -38,7 +39,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from minipar.pipeline_parallel.schedules import chunk_stages, peak_in_flight, schedule_order
+from minipar.pipeline_parallel.schedules import chunk_stages, schedule_order
+from minipar.pipeline_parallel.simulate import peak_in_flight
 from minipar.pipeline_parallel.stage import stage_chunks
 
 from . import activation_bytes as pa
@@ -171,6 +173,7 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
                 opts: Options) -> dict:
     """plan_stage by the full replay of the step's action list."""
     T, C, e = layout.tp, layout.cp, DTYPE_BYTES[opts.dtype]
+    pe = e if layout.sharded else 4              # the residual stream's dtype: fp32 under autocast
     M, b = batch.micro_steps(layout), batch.micro(layout)
     order = schedule_order(pipe.schedule, pipe.pp, M, st.rank, pipe.virtual_stages)
     coll: Dict[Tuple[str, str], List[int]] = {}
@@ -216,7 +219,7 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
     act = pa.activations(model, layout, batch, opts)
     n, D = b * (batch.sequence_len // C), model.head_dim
     ids = 8 * n + (n if T > 1 else 0)
-    rope = 2 * e * n * D
+    rope = 2 * pa.stream_bytes(layout, opts) * n * D
     head = act["root"] - ids - rope                         # final norm, softmax, targets, masks
     full_ac = dataclasses.replace(opts, gradient_checkpointing=True)
 
@@ -266,15 +269,17 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
     # ---- TP / CP inside the stage, per micro-batch
     L, fst, lst = st.num_layers, int(st.first), int(st.last)
     acL = pa.recomputed_layers(model, opts, L)
-    pe = e if layout.sharded else 4
-    for _ in range(M):
-        h = n * model.hidden_size * e
-        if layout.sp:
-            add("all_gather", "tp", 4 * L + fst + lst + 2 * acL, h)
-            add("reduce_scatter", "tp", 4 * L + fst + lst + acL, h)
+    for _ in range(M):   # dtypes as collective_counts.py: the stream's pe, o_proj's and down_proj's e
+        h, stream = n * model.hidden_size * e, n * model.hidden_size * pe
+        if layout.sp:    # the f's (qkv, gate/up, lm_head) forward and recompute, the embedding's g
+            add("all_gather", "tp", 2 * L + fst + lst + 2 * acL, stream)    # backward; the rows' g
+            add("all_gather", "tp", 2 * L, h)                               # backward
+            add("reduce_scatter", "tp", 2 * L + fst + lst, stream)   # the embedding's g, the f's backward
+            add("reduce_scatter", "tp", 2 * L + acL, h)
             add("all_reduce", "tp", 2 * L + lst, model.hidden_size * pe)
-        else:
-            add("all_reduce", "tp", 4 * L + fst + lst + acL, h)
+        else:   # the embedding's g, the f's backward (stream); the rows' g, forward and recompute
+            add("all_reduce", "tp", 2 * L + fst + lst, stream)
+            add("all_reduce", "tp", 2 * L + acL, h)
         add("all_reduce", "tp", lst, 4 * n)
         add("all_reduce", "tp", lst, 8 * n)
         pc.cp_attention(add, model, layout, batch, opts, L, acL)     # ring hops and/or all-to-alls

@@ -6,7 +6,7 @@ that the plan does not already hold.
 """
 from __future__ import annotations
 
-from .inputs import ModelShape
+from .inputs import OTHER_TRAINER_FIELDS, ModelShape
 
 GB = 1e9
 
@@ -40,6 +40,10 @@ def describe(p: dict, model: ModelShape) -> str:
                       f"layer), ZeRO-3 over edp {x['edp']}: {per_rank * 16 / 1e9:.3f} GB per rank "
                       f"(16 B x {per_rank:,} elements); all-to-all bytes "
                       f"assume balanced routing", ""]
+    other = [k.replace("_", "-") for k in OTHER_TRAINER_FIELDS if o.get(k)]
+    if other:               # time_model.py / overlap.py price them; the ledger stays minipar's
+        lines[-1:] = [f"timed as another trainer runs the step (--{', --'.join(other)}); the bytes per "
+                      f"group below are minipar's own ledger", ""]
     if o.get("lora_r"):     # memory and collectives count LoRA; the FLOPs do not
         lines[-1:] = [f"LoRA r={o['lora_r']} on {', '.join(o['lora_targets'])}: memory and communication "
                       f"count the frozen base and the adapters; compute is a full fine-tune's", ""]
@@ -84,9 +88,16 @@ def describe(p: dict, model: ModelShape) -> str:
     if t.get("moe_s") is not None:                     # ep's exchanges and edp's gathers, exposed
         a2a += f" + MoE ep/edp {t['moe_s']:.3g} + MoE matmuls beyond the dense MLP's {t['moe_matmul_s']:.3g}"
     lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
-              f"{t['compute_s']:.3g} + tp {t['tp_s']:.3g}{a2a} + {_hidden(t)}; "
+              f"{t['compute_s']:.3g} + tp {_tp(t)}{a2a} + {_hidden(t)}; "
               f"{t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
     return "\n".join(lines)
+
+
+def _tp(t: dict) -> str:
+    """tp's seconds; under --tp-comm-overlap the part the GEMMs do not hide beside it."""
+    if t["tp_exposed_s"] == t["tp_s"]:
+        return f"{t['tp_s']:.3g}"
+    return f"{t['tp_exposed_s']:.3g} (of {t['tp_s']:.3g}, the rest behind the GEMMs)"
 
 
 def _hidden(t: dict) -> str:

@@ -41,8 +41,25 @@ dtype e; under SP the norms and residual adds see m / tp tokens, without SP ever
     optimizer      AdamW reads p, g, m, v and writes p, m, v (fp32): 28 B per local parameter
                    element, + 4 (the clip's norm) + 6 under bf16 (the cast of the master to compute)
 
-A fused implementation (torch.compile, Transformer Engine) moves fewer bytes: there this part is
-an upper bound. all at `--hbm-bandwidth`.
+all at `--hbm-bandwidth`.
+
+Fused kernels (Options.fused_kernels: torch.compile, as torchtitan's `--compile` runs; Transformer
+Engine's fused norm, RoPE, activation and cross-entropy kernels, which Megatron-LM uses by default:
+megatron/core/transformer/transformer_config.py in Megatron-LM, transformer_impl "transformer_engine"):
+each fused region reads its inputs once and writes its outputs once, and nothing else. The rule
+sets every figure below; none is fitted to a run:
+
+    add + RMSNorm x2   4 e d          read the residual and the branch, write the sum and the norm
+    RoPE, q and k      2 e hd per head  read and write each once
+    SwiGLU             3 e F / tp     read gate and up, write the product
+    GQA repeat, attention out   0     the attention kernel reads K/V per group and writes (b, s, H hd)
+    the loss           3 e per logit  read the logits (forward), read them and write their gradient
+                                      (backward); the backward is still 2x the forward elsewhere
+
+torchtitan's per-op selective AC (Options.sac_every_other_matmul; torchtitan/distributed/
+activation_checkpoint.py, `_get_custom_policy`: "Save all compute/comm ops, except every second
+mm/linear") recomputes the 2nd, 4th and 6th of a Llama layer's seven matmuls (wq, wk, wv, wo, w1,
+w3, w2): k, o and the up projection run again in the backward, on top of the cheap ops.
 
 Collectives: wire bytes (collective_counts.py's wire_bytes: the ring algorithms' (p - 1) / p factors) over the
 group's bandwidth (`--intra-bw` inside a node, `--inter-bw` across), plus a latency of `hops x alpha`
@@ -113,18 +130,30 @@ def compute_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Optio
     if layout.cp == 1 and H != K:
         per_token += 2 * e * (H + K) * hd
     mem_f = (norm_rows * 2 * (28 + 4 * e + 3 * e) * d + rows * per_token / tp) / hbm
+    loss_bytes = 48 + 2 * e                                  # per logit, eager (the docstring)
+    if opts.fused_kernels:
+        mem_f = (norm_rows * 2 * 4 * e * d + rows * (2 * e * (H + K) * hd + 3 * e * model.intermediate_size)
+                 / tp) / hbm
+        loss_bytes = 3 * e
     forward = gemm_f + attn_f + mem_f
     # the share of the forward run again in backward: of the matmuls and attention, of the cheap ops
     # (full checkpointing 1 and 1; selective per op 0 and 1; every n-th layer its share of layers)
     again, again_cheap = recompute_shares(model, opts)
     heavy, cheap = 3 + again, 3 + again_cheap               # forward, 2x backward, the recompute
     gemm, attention = M * layers * heavy * gemm_f, M * layers * heavy * attn_f
+    redo = 0.0                 # torchtitan's every second matmul (k, o, up), where nothing else reruns
+    if opts.sac_every_other_matmul and again == 0 and again_cheap:
+        redo = sum(gemm_seconds(rows, k, n, e, cluster) for k, n in
+                   ((d, K * hd / tp), (H * hd / tp, d), (d, model.intermediate_size / tp)))
+        gemm += M * layers * redo
     memory_bound = M * layers * cheap * mem_f
     if last:
         gemm += M * 3 * gemm_seconds(rows, d, model.vocab_size / tp, e, cluster)
-        memory_bound += M * rows * model.vocab_size / tp * (48 + 2 * e) / hbm
+        memory_bound += M * rows * model.vocab_size / tp * loss_bytes / hbm
+    if opts.distributed_optimizer and not layout.sharded:     # Megatron's: each dp rank steps its 1/dp
+        local_elements /= layout.sizes()["dp_cp"]
     optimizer = local_elements * (32 + (6 if e == 2 else 0)) / hbm
     return dict(gemm_s=gemm, attention_s=attention, memory_bound_s=memory_bound, optimizer_s=optimizer,
                 compute_s=gemm + attention + memory_bound + optimizer, layer_forward_s=forward,
-                layer_backward_s=(heavy - 1) * (gemm_f + attn_f) + (cheap - 1) * mem_f,
+                layer_backward_s=(heavy - 1) * (gemm_f + attn_f) + (cheap - 1) * mem_f + redo,
                 layer_attention_s=attn_f)

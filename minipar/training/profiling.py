@@ -7,7 +7,7 @@
 What a trace shows (CPU ops, and on a GPU the CUDA kernels and their streams):
     "train_step N"             one span per traced step (the loop's; metrics.jsonl's step N)
     "all_gather:dp_shard_cp"   every collective, named as the comm ledger names it (op:group,
-                               minipar/comm.py), where it was issued; "wait:all_gather:dp_shard_cp"
+                               minipar/comm_calls.py), where it was issued; "wait:all_gather:dp_shard_cp"
                                where the rank waited for an async one. ZeRO-3's prefetch is the
                                next layer's gather issued inside this layer's forward; a short
                                wait means the gather was hidden behind compute.

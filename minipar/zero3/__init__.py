@@ -4,8 +4,10 @@ replicated over dp_replicate). The files in reading order:
     flat_param.py     the flat buffer of a unit: which slot holds which parameter, padding, shards;
                       plan_units, which parameters go into which unit
     unit.py           one unit: its flat buffer, this rank's fp32 shard, the all-gather and the free
-    shard_manager.py  Zero3 and fully_shard: the hooks that gather a unit before its forward and
-                      backward, prefetch the next one, free it after; it builds the two parts below
+    shard_manager.py  Zero3: the hooks that gather a unit before its forward and backward,
+                      prefetch the next one, free it after; it builds the two parts below
+    wrap.py           fully_shard: the model cut into units, its parameters replaced by flat
+                      shards (a meta model filled unit by unit), the Zero3 manager attached
     grad_reduce.py    GradientReduction: reduce-scatter of each unit's gradient (+ HSDP all-reduce),
                       or (no_sync) unsharded accumulation
     state_dicts.py    ShardedStateDicts: full tensors <-> this rank's shards, the sharded state dict
@@ -19,9 +21,10 @@ replicated over dp_replicate). The files in reading order:
 """
 from .flat_param import FlatLayout, plan_units
 from .grad_reduce import GradientReduction
-from .shard_manager import Zero3, fully_shard
+from .shard_manager import Zero3
 from .state_dicts import ShardedStateDicts
 from .unit import Unit
+from .wrap import fully_shard
 
 __all__ = ["FlatLayout", "GradientReduction", "ShardedStateDicts", "plan_units", "Unit", "Zero3",
            "fully_shard"]

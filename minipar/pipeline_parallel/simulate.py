@@ -1,0 +1,90 @@
+"""The schedules on an ideal machine: every action of every rank takes a fixed time and a send
+arrives at once. What is left of a step beyond a rank's own work is then the bubble the schedule
+itself makes, with nothing of the machine in it.
+
+    simulate(orders, v, t_f, t_b, t_w, name)   events per rank and the step time
+    theory_bubble(name, p, m, v)               the closed forms (schedules.py's docstring)
+    peak_in_flight(order)                      the most chunks one rank holds for backward
+
+How simulate runs: each rank walks its action list (schedules.py) in order; an action starts when
+its rank is free and its input exists: F of virtual stage s after F of s - 1 (the activation),
+B after B of s + 1 (the gradient; the last stage's B after its own F: the loss), W after the same
+stage's B (it needs the (x, dy) pairs B queued). A rank whose next action waits idles; if no rank
+can move while actions remain, the lists deadlock (a wrong schedule), which is how the tests
+check every schedule completes. A chunk's F, B, W take t_f / v, t_b / v, t_w / v (t_b is the whole
+backward for the schedules without W), or, with `times`, each (rank, chunk) its own measured
+(t_F, t_B, t_W): then a slower stage (the one with the embedding or the loss) delays the others
+as it does on a real machine, and bench_pp.py's "ideal" keeps only the cost of the sends and of the
+executor itself out of the comparison.
+
+The cost of this file's model is nothing: no tensor, no process group; O(p x actions) steps.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from .schedules import Action, chunk_stages
+
+
+def simulate(orders: List[List[Action]], v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
+             name: str = "1f1b", times: Optional[Dict[Tuple[int, int], Tuple[float, float, float]]] = None,
+             ) -> Tuple[List[List[Tuple[Action, float, float]]], float]:
+    """Run the action lists of all p ranks of schedule `name` on an ideal machine (the module
+    docstring): ([(action, start, end)] per rank, step time). A chunk's F, B, W take t_f / v,
+    t_b / v, t_w / v, or times[(rank, chunk)] = (its F, B, W) where given. Raises RuntimeError if
+    the lists deadlock. Virtual stages: chunk_stages(name, ...)."""
+    p = len(orders)
+    stages = [chunk_stages(name, p, r, v) for r in range(p)]
+    even = (t_f / v, t_b / v, t_w / v)
+    times = times or {}
+    done: Dict[Tuple[str, int, int], float] = {}       # (kind, virtual stage, micro) -> end time
+    pos, clock = [0] * p, [0.0] * p
+    events: List[List[Tuple[Action, float, float]]] = [[] for _ in range(p)]
+    last_vs = p * v - 1
+    while any(pos[r] < len(orders[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            if pos[r] == len(orders[r]):
+                continue
+            a = orders[r][pos[r]]
+            vs = stages[r][a.chunk]
+            if a.kind == "F":
+                dep = ("F", vs - 1, a.micro) if vs > 0 else None
+            elif a.kind == "B":
+                dep = ("B", vs + 1, a.micro) if vs < last_vs else ("F", vs, a.micro)
+            else:                                       # W: after this stage's own B
+                dep = ("B", vs, a.micro)
+            if dep is not None and dep not in done:
+                continue
+            start = max(clock[r], done[dep] if dep is not None else 0.0)
+            end = start + times.get((r, a.chunk), even)["FBW".index(a.kind)]
+            done[(a.kind, vs, a.micro)] = clock[r] = end
+            events[r].append((a, start, end))
+            pos[r] += 1
+            progressed = True
+        if not progressed:
+            stuck = {r: orders[r][pos[r]] for r in range(p) if pos[r] < len(orders[r])}
+            raise RuntimeError(f"the schedule deadlocks: ranks wait on {stuck}")
+    return events, max(clock)
+
+
+def peak_in_flight(order: List[Action]) -> int:
+    """The most micro-batch chunks whose forward ran and whose backward has not (whose W has not,
+    under a zero-bubble schedule: B keeps the linears' inputs for W), on one rank."""
+    freed_by = "W" if any(a.kind == "W" for a in order) else "B"
+    live = peak = 0
+    for a in order:
+        live += 1 if a.kind == "F" else -1 if a.kind == freed_by else 0
+        peak = max(peak, live)
+    return peak
+
+
+def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The idle fraction of a step with every chunk's F, B (and W) equally long per stage:
+    t_F = t_B for the whole-backward schedules, t_F = t_B = t_W for the split ones."""
+    if name == "zb_h1":
+        return (p - 1) / (3 * m + p - 1)
+    if name == "zbv":                          # in half-stage slots: p - 1, or more while the V is not full
+        idle = max(p - 1, 4 * p - 2 - 2 * m)
+        return idle / (6 * m + idle)
+    return (p - 1) / ((v if name == "interleaved_1f1b" else 1) * m + p - 1)

@@ -1,0 +1,141 @@
+"""One Llama decoder layer, built from minipar's parallel layers: the unit that ZeRO-3 gathers,
+activation checkpointing recomputes and a pipeline stage holds a run of (models/llama.py stacks them).
+
+    h (b, s, d)                      [(b, s/tp, d) under sequence parallelism]
+      n = input_layernorm(h)         RMSNorm, in fp32, weight replicated over tp
+      q, k, v = q_proj(n), ...       ColumnParallelLinear: heads/tp query heads, kv_heads/tp KV heads
+                                     per rank; one input collective for the three (f, or SP's
+                                     all-gather; column_parallel_group)
+      q, k = q_norm(q), k_norm(k)    Qwen3 only: an RMSNorm over each head, before RoPE
+      attention                      RoPE at the true positions, then causal attention of the local
+                                     heads: plain (cp 1), ring attention over pgm.cp, Ulysses' two
+                                     all-to-alls, or both (USP) -> (b, s, heads/tp * head_dim)
+      h = h + o_proj(attention)      RowParallelLinear: partial sums -> all-reduce over tp (g; SP:
+                                     reduce-scatter)
+      n = post_attention_layernorm(h)
+      h = h + down_proj(silu(gate_proj(n)) * up_proj(n))     gate/up column-, down row-parallel:
+                                     intermediate/tp columns per rank, one collective in, one out
+          or h + moe(n), the mixture of experts (models/moe.py), in Mixtral's and Qwen3-MoE's layers
+
+So a dense layer costs tp two collectives in and two out in forward (their mirror images in
+backward), each of the residual stream's size b s d. The stream has the parameters' dtype: fp32
+under autocast (bf16 matmul outputs), bf16 when ZeRO-3 gathers bf16 weights. With document_ids (b,
+s) the causal mask is block-diagonal: a packed row computes what its examples alone do.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minipar import tensor_parallel as tpl
+from minipar.context_parallel import ring_attention, ulysses_attention
+from minipar.mesh import ProcessGroupManager
+
+from .llama_config import LlamaConfig
+from .moe import MoEFeedForward
+from .rope import apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, in fp32 (as HF). The weight is replicated over tp."""
+
+    def __init__(self, hidden_size, eps, tp, sequence_parallel=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight.tp_split_dim, self.weight.tp_full_shape = None, (hidden_size,)
+        self.eps, self.tp, self.sequence_parallel = eps, tp, sequence_parallel
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.promote_types(dtype, torch.float32))   # fp32 at least, as HF
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return tpl.sequence_parallel_weight(self.weight, self.tp, self.sequence_parallel) * x.to(dtype)
+
+
+def causal_attention(q, k, v, document_ids=None):
+    """Plain causal attention of one full (local) sequence, grouped-query: q (b, H, s, d), k/v
+    (b, Hkv, s, d). K/V are repeated to the query heads (enable_gqa needs torch >= 2.5). With
+    document_ids (b, s) the mask is block-diagonal causal: a token sees the earlier tokens of its
+    own document only (every row still sees itself, so no row is empty)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if document_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    s = q.shape[2]
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_() & \
+        (document_ids[:, :, None] == document_ids[:, None, :])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
+        super().__init__()
+        tp, sp, overlap = pgm.tp, pgm.config.sequence_parallel, pgm.config.tp_async_overlap
+        self.pgm, self.sp, self.head_dim = pgm, sp, config.head_dim
+        self.local_heads = config.num_attention_heads // tp.size
+        self.local_kv_heads = config.num_key_value_heads // tp.size
+        d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
+        col = dict(bias=bias, sequence_parallel=sp, async_overlap=overlap)
+        self.q_proj = tpl.ColumnParallelLinear(d, config.num_attention_heads * hd, tp, **col)
+        self.k_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
+        self.v_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
+        self.o_proj = tpl.RowParallelLinear(config.num_attention_heads * hd, d, tp, bias=bias,
+                                            sequence_parallel=sp)
+        if config.qk_norm:          # Qwen3: RMSNorm over each head of q and k, before RoPE
+            # a tp rank holds some heads only, so the weight's gradient is summed over tp, as under SP
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, tp, sequence_parallel=True)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, tp, sequence_parallel=True)
+        self.qk_norm = config.qk_norm
+
+    def forward(self, x, cos, sin, document_ids=None):
+        q, k, v = tpl.column_parallel_group(x, (self.q_proj, self.k_proj, self.v_proj))   # one collective
+        b, s, _ = q.shape
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.pgm.cp.size > 1 and self.pgm.config.cp_impl == "ring":
+            out = ring_attention(q, k, v, self.pgm.cp, causal=True, layout=self.pgm.config.cp_layout,
+                                 document_ids=document_ids)
+        elif self.pgm.cp.size > 1:                # Ulysses over cp_ulysses, the ring over cp_ring (USP)
+            out = ulysses_attention(q, k, v, self.pgm.cp_ulysses, self.pgm.cp_ring,
+                                    layout=self.pgm.config.cp_layout, document_ids=document_ids)
+        else:
+            out = causal_attention(q, k, v, document_ids)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
+        super().__init__()
+        tp, sp = pgm.tp, pgm.config.sequence_parallel
+        self.tp, self.sp = tp, sp
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        col = dict(bias=bias, sequence_parallel=sp, async_overlap=pgm.config.tp_async_overlap)
+        self.gate_proj = tpl.ColumnParallelLinear(d, f, tp, **col)
+        self.up_proj = tpl.ColumnParallelLinear(d, f, tp, **col)
+        self.down_proj = tpl.RowParallelLinear(f, d, tp, bias=bias, sequence_parallel=sp)
+
+    def forward(self, x):
+        gate, up = tpl.column_parallel_group(x, (self.gate_proj, self.up_proj))   # one collective
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, layer_idx: int = 0):
+        super().__init__()
+        sp = pgm.config.sequence_parallel
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
+        self.self_attn = LlamaAttention(config, pgm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
+        self.is_moe = config.is_moe_layer(layer_idx)     # the mixture of experts, or the dense MLP
+        self.mlp = MoEFeedForward(config, pgm) if self.is_moe else LlamaMLP(config, pgm)
+
+    def forward(self, h, cos, sin, document_ids=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, document_ids)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -41,11 +41,12 @@ walks the step and takes the maximum of these phases:
                      the foreach kernels (CUDA's default) over every shard at once, the per-tensor
                      loop (CPU's) two of the largest shard
 
-Megatron-LM's distributed optimizer (time and memory as that trainer runs them) keeps its fp32 main
-gradients all along (in S) and steps with a fused Adam (no temporaries). R' and H' are the tied root's (held through the whole backward; R is freed and H reduce-scattered
-right after the head's backward when the embedding is a unit of its own). Not counted: the
-collectives' own buffers (NCCL needs none; gloo's reduce-scatter copies its input, one unit at a
-time), DDP's buckets, the allocator's rounding and fragmentation (`reserve`).
+R' and H' are the tied root's (held through the whole backward; R is freed and H reduce-scattered
+right after the head's backward when the embedding is a unit of its own). Megatron-LM's distributed
+optimizer (time and memory as that trainer runs them) keeps its fp32 main gradients all along (in S)
+and steps with a fused Adam (no temporaries). Not counted: the collectives' own buffers (NCCL needs
+none; gloo's all-gather and reduce-scatter copy one unit at a time), DDP's buckets, the allocator's
+rounding and fragmentation (`reserve`).
 """
 from __future__ import annotations
 

@@ -6,12 +6,15 @@ dp_shard 4 (ZeRO-3), 4 x 256 tokens per step, one micro-batch per rank).
     .venv/bin/python benchmarks/bench_memory.py --quick              layers 1 and 4, prints only
 
 Each cell is a fresh world of 4 forked gloo ranks running train.py's Trainer for 3 steps. Per rank:
-baseline = resident memory before the Trainer is built (Python, torch, the process groups); peak =
-the most resident memory during steps 2 and 3 (VmHWM, reset after step 1: the first step creates
-AdamW's states, so a run's peak is a later step's). The table shows the largest over ranks, and
-the planner's total for the same run (python -m minipar.plan: persistent state, gathered units,
-activations, the loss's and the gradients' transients), which leaves the baseline out: compare
-the growth per layer, not the totals.
+baseline = resident memory before the Trainer is built (Python, torch, the process groups);
+runtime = resident memory between steps 2 and 3 less the bytes of every tensor alive then (what the
+planner leaves out: libraries paged in, the small-object heap, and freed memory the allocator
+kept); peak = the most resident memory during steps 2 and 3 (VmHWM, reset after step 1: the first
+step creates AdamW's states, so a run's peak is a later step's); and step 3's peak by phase, as the
+planner walks the step (minipar/plan/peak.py): each event of a comm ledger (the ZeRO-3 hooks' marks,
+every collective) samples VmHWM and resets it, and the marks say which phase the step is in. The
+table shows the rank with the largest peak, its peak less its runtime beside the planner's (python
+-m minipar.plan's total for the same run), the growth per decoder layer of both, and every phase.
 
     allocator   returned    MINIPAR_RETURN_FREED_MEMORY=1 (minipar/training/host_memory.py: glibc's
                             mmap threshold fixed, so a freed tensor goes back to the kernel)

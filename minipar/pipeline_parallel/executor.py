@@ -32,8 +32,10 @@ everything, once). The
 loss (sum over micro-batches of sum / num_items_in_batch) is returned on the last stage, zero
 elsewhere: the caller sums it over dp_cp and pp.
 
-`recorder`, when given, receives (action, start, end) of every compute with wall-clock times and the
-count of live micro-batch chunks: what benchmarks/bench_pp.py draws and measures.
+`recorder`, when given, receives (action, start, end) of every compute with wall-clock times, the
+spans this rank sat blocked in a receive (its real bubble: waiting for a neighbour) and the count
+of live micro-batch chunks: what benchmarks/bench_pp.py draws and measures. What is neither compute
+nor waiting is the executor's own time (posting sends, Python between actions).
 """
 from __future__ import annotations
 
@@ -54,16 +56,24 @@ class Recorder:
 
     def __init__(self):
         self.events: List[tuple] = []           # (kind, chunk, micro, start, end)
+        self.waits: List[tuple] = []            # (start, end) blocked in a receive
         self.live = self.peak_live = 0
         self.peak_held_w = 0                    # bytes the split backward kept for W, at most
         self.t0 = self.t_end = None
 
     def start(self):
         self.t0 = time.perf_counter()
-        self.events, self.live, self.peak_live, self.peak_held_w = [], 0, 0, 0
+        self.events, self.waits, self.live, self.peak_live, self.peak_held_w = [], [], 0, 0, 0
 
     def stop(self):
         self.t_end = time.perf_counter() - self.t0
+
+    def waited(self, receive: Callable, *args):
+        """receive(*args), its span kept as waiting."""
+        t = time.perf_counter()
+        out = receive(*args)
+        self.waits.append((t - self.t0, time.perf_counter() - self.t0))
+        return out
 
     def note(self, a: Action, start: float, end: float, freed_by: str = "B"):
         self.live += 1 if a.kind == "F" else -1 if a.kind == freed_by else 0
@@ -99,6 +109,7 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
     loss = torch.zeros((), dtype=torch.float64, device=device)
     if recorder is not None:
         recorder.start()
+    recv = recorder.waited if recorder is not None else (lambda receive, *args: receive(*args))
     for i, a in enumerate(order):
         vs, mb = stage.virtual[a.chunk], micro_batches[a.micro]
         if a.kind == "W":
@@ -112,14 +123,14 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
             if stage.is_first_virtual(a.chunk):
                 x = mb["input_ids"]
             else:
-                x = link.recv_forward(vs, a.micro).requires_grad_()
+                x = recv(link.recv_forward, vs, a.micro).requires_grad_()
             t = time.perf_counter()
             with autocast():
                 out = stage(x, mb["position_ids"], labels=mb["labels"], num_items_in_batch=num_items_in_batch,
                             chunk=a.chunk, document_ids=mb.get("document_ids"))
             if aux is not None:                 # the side vector: received, this chunk's part added
                 side = torch.zeros(aux.size, device=device) if stage.is_first_virtual(a.chunk) \
-                    else link.recv_side_forward(vs, a.micro)
+                    else recv(link.recv_side_forward, vs, a.micro)
                 side, sums, tokens = aux.forward_side(stage.chunk_layers(a.chunk), side)
                 back = None
                 if stage.is_last_virtual(a.chunk):
@@ -137,12 +148,13 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
             saved[(a.chunk, a.micro)] = (x, out)
         else:
             x, out = saved.pop((a.chunk, a.micro))
-            grad = None if stage.is_last_virtual(a.chunk) else link.recv_backward(vs, a.micro).to(out.dtype)
+            grad = None if stage.is_last_virtual(a.chunk) else \
+                recv(link.recv_backward, vs, a.micro).to(out.dtype)
             outs, grads = [out], [grad]
             if aux is not None:
                 sums, back = sides.pop((a.chunk, a.micro))
                 if back is None:                # an earlier stage: the counts of all layers came back
-                    back = link.recv_side_backward(vs, a.micro)
+                    back = recv(link.recv_side_backward, vs, a.micro)
                     if sums is not None:
                         outs.append(aux.earlier(back, sums, aux_weight))
                         grads.append(None)

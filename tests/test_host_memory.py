@@ -67,7 +67,7 @@ def test_memory_grows_per_layer_as_planned():
     decoder layers the peak resident memory of a rank (steps 2-3) less the runtime is within 15 % of
     the planner's peak; from 1 to 15 and from 15 to 30 layers the peak grows per layer within 20 % of
     what the planner's grows (the peak moves from the end of backward to the head's backward between
-    them), and the memory at the end of the forward within 5 % of the planner's (the state less the
+    1 and 15), and the memory at the end of the forward within 5 % of the planner's (the state less the
     gradients, the gathered root, the activations)."""
     bench = _bench()
     rows = [dict(layers=n, **bench.planned(n), **bench.measured(n, "returned")) for n in (1, 15, 30)]

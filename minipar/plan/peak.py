@@ -4,8 +4,8 @@ code path (model.py has the notation; bytes per rank, plain path, no pipeline).
 A sum of everyone's maximum (the state + the gathered buffers + the activations + every transient)
 overcounts what never meets, and a transient counted too small hides the phase where it does meet:
 at SmolLM-135M's shape (benchmarks/bench_memory.py) the tied embedding's three full-vocabulary
-gradients at the end of backward, not the activations, set the peak up to 15 layers. So the planner
-walks the step and takes the maximum of these phases:
+gradients at the end of backward, not the activations, set the peak of a 1-layer model. So the
+planner walks the step and takes the maximum of these phases:
 
     S     params + AdamW states (the persistent state less its gradients: zero_grad sets them to None)
     Gs    the shard (or, without ZeRO-3, the whole) fp32 gradients, Gacc the no_sync accumulators
@@ -26,23 +26,28 @@ walks the step and takes the maximum of these phases:
                                                                      under ZeRO-3 the root's gradient is
                                                                      then complete: + max(0, H - sm),
                                                                      its concatenation
-    layer backward   S + R' + H' + W + A - sm - a + 2 U        + g   the first layer's, when its pieces'
+    layer backward   S + H' + W + A - sm - a + 2 U             + g   the first layer's, when its pieces'
                                                                      gradients are concatenated
-                                                                     (flat_param.py's split)
+                                                                     (flat_param.py's split); tied,
+                                                                     S + R + H + W + A - sm + g as it
+                                                                     starts (it gathers its window
+                                                                     before the root is freed)
     backward end     the embedding's backward: its dense gradient (V/T x d, torch's embedding
                      backward), with, tied, lm_head's gradient held since the head backward and
                      their sum, out of place (lm_head's gradient is a transposed view, so autograd
                      cannot add into it), which the root's split then concatenates; untied, that
                      concatenation of the embedding unit's flat gradient E. ZeRO-3 tied:
-                     S + Gs - its root shard + R + 3 H + U4, untied: S + Gs - its shard + 2 E + U4
+                     S + Gs - its root shard + 3 H + U4, untied: S + Gs - its shard + 2 E + U4
                      (U4: the last layer's fp32 reduce-scatter source, still in flight); without
                      ZeRO-3, tied S + Gs + 2 H (the sum becomes the weight's .grad), untied S + Gs
     optimizer        S + Gs + max(4 P_rank, 8 x the largest shard)   AdamW's sqrt / div temporaries:
                      the foreach kernels (CUDA's default) over every shard at once, the per-tensor
                      loop (CPU's) two of the largest shard
 
-R' and H' are the tied root's (held through the whole backward; R is freed and H reduce-scattered
-right after the head's backward when the embedding is a unit of its own). Megatron-LM's distributed
+H' is lm_head's gradient where it is still held: tied, to the end of backward (untied under ZeRO-3
+it is reduce-scattered right after the head's backward). R is freed once the head is done either way:
+the root's post-backward hook, or, tied, once the heads' inputs have their gradients (the embedding's
+lookup never reads the weights: shard_manager.py). Megatron-LM's distributed
 optimizer (time and memory as that trainer runs them) keeps its fp32 main gradients all along (in S)
 and steps with a fused Adam (no temporaries). Not counted: the collectives' own buffers (NCCL needs
 none; gloo's all-gather and reduce-scatter copy one unit at a time), DDP's buckets, the allocator's
@@ -98,9 +103,10 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
             for u, p, sh in zip(us, padded, shards):
                 if u.kind == "embedding":
                     emb, emb_shard = p * eg, 4 * sh
-    # what the layers' backward finds still there: the tied root (gathered, its head gradient held
-    # for the embedding's), or lm_head's gradient in its .grad without ZeRO-3
-    held = R + H if tied else (0 if layout.sharded else H)
+    # what the layers' backward finds still there: lm_head's gradient, tied held for the embedding's,
+    # untied in its .grad without ZeRO-3 (the tied root itself is freed once its head is done:
+    # shard_manager.py's _head_input_done)
+    held = H if tied or not layout.sharded else 0
     # untied, the root's gradient is complete after the final norm's: lm_head's and its concatenation
     head = H if tied or not layout.sharded else max(H, 2 * H - softmax)
     out = {
@@ -108,10 +114,12 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
         "head backward": S + R + first + A + head + (n * V // T * e if e != 4 else 0) + g,
         "layer backward": S + held + W + A - softmax - done + 2 * U + g,
     }
+    if tied and layout.sharded:     # the first layer gathers its window just before the root goes
+        out["layer backward"] = max(out["layer backward"], S + R + H + W + A - softmax + g)
     if not trains:
         end = S + Gs
     elif tied and layout.sharded:       # the root's shard gradient is not there yet; the last layer's is
-        end = S + Gs - root_shard + R + 3 * H + in_flight
+        end = S + Gs - root_shard + 3 * H + in_flight
     elif tied:                          # the sum becomes the weight's .grad, one of Gs
         end = S + Gs + 2 * H
     else:                               # the embedding unit: its dense gradient and their concatenation

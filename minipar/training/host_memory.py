@@ -25,11 +25,12 @@ environment turns it on for a CPU run, when resident memory is the limit or is w
 it on).
 
 Cheaper middle grounds, measured on the same shape (peak growth per layer from 1 to 8 layers, where
-the tensors grow by 13.5 MiB): glibc's default 75 MiB; malloc_trim(0) after every step 49 (it gives
-back only what is free between steps; the heap's holes in the middle of a step stay); a fixed
-threshold of 4 MiB 28, of 1 MiB 25, 1 MiB with the trim 25 (a layer's activations, 0.2 to 1.5 MiB
-each, still share the heap with gradients freed at other times); 128 KiB 13.7. None but the last
-gets within 20 % of the tensors, so none replaces it and the default stays glibc's.
+the tensors grow by 13.5 MiB; before ZeRO-3 freed a tied root early, which moved these peaks):
+glibc's default 75 MiB; malloc_trim(0) after every step 49 (it gives back only what is free between
+steps; the heap's holes in the middle of a step stay); a fixed threshold of 4 MiB 28, of 1 MiB 25,
+1 MiB with the trim 25 (a layer's activations, 0.2 to 1.5 MiB each, still share the heap with
+gradients freed at other times); 128 KiB 13.7. None but the last gets within 20 % of the tensors,
+so none replaces it and the default stays glibc's.
 
 A GPU run is not affected (torch's CUDA caching allocator serves its tensors; the summary
 reports its max_memory_allocated). Another allocator preloaded (jemalloc, tcmalloc via LD_PRELOAD)

@@ -50,6 +50,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
+import pp_report  # noqa: E402
 from harness import run_world  # noqa: E402
 
 import minipar  # noqa: E402
@@ -62,12 +63,11 @@ from minipar.pipeline_parallel import (  # noqa: E402
     schedule_order,
     simulate,
 )
-from minipar.pipeline_parallel.simulate import peak_in_flight, theory_bubble  # noqa: E402
+from minipar.pipeline_parallel.simulate import peak_in_flight  # noqa: E402
 from models.llama import LlamaForCausalLM  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 
 SCHEDULE_V = (("afab", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2))
-COLOURS = {"F": ("#4c72b0", "#8fb0e0"), "B": ("#55a868", "#a5d6a7"), "W": ("#dd8452", "#f3c19b")}
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
@@ -166,56 +166,6 @@ def _measure(args, schedule, p, m, v):
     return dict(schedule=schedule, p=p, m=m, v=v, step=step, rows=rows, ideal_step=ideal_step, **times)
 
 
-def _draw(results, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.0 + 0.55 * sum(r["p"] for r in results)),
-                             squeeze=False)
-    for ax, res in zip(axes[:, 0], results):
-        for rank, row in enumerate(res["rows"]):
-            for kind, chunk, micro, s, e in row["events"]:
-                color = COLOURS[kind][chunk % 2]
-                ax.barh(rank, (e - s) * 1e3, left=s * 1e3, color=color, edgecolor="black", linewidth=0.4)
-                if (e - s) / res["step"] > 0.012:
-                    label = f"{kind}{micro}" + ("ab"[chunk] if res["v"] > 1 else "")
-                    ax.text((s + e) / 2 * 1e3, rank, label, ha="center", va="center", fontsize=6)
-        ax.set_yticks(range(res["p"]), [f"stage {r}" for r in range(res["p"])])
-        ax.invert_yaxis()
-        bubble = sum(r["bubble"] for r in res["rows"]) / res["p"]
-        ax.set_title(f"{res['schedule']}  p={res['p']} m={res['m']}"
-                     + (f" v={res['v']}" if res["v"] > 1 else "")
-                     + f": step {res['step'] * 1e3:.0f} ms, mean bubble {bubble:.2f} (theory "
-                     f"{theory_bubble(res['schedule'], res['p'], res['m'], res['v']):.2f}); "
-                     f"F blue, B green, W orange"
-                     + (", lighter = chunk b" if res["v"] > 1 else ""), fontsize=8)
-        ax.set_xlabel("ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _summary(results):
-    """Per (p, m): the schedules side by side, mean over stages; ideal idle time over 1F1B's."""
-    lines = ["| p | m | schedule | t_F ms | t_B ms | t_W ms | bubble | waiting | overhead | ideal | theory "
-             "| waiting / ideal | ideal idle / 1F1B's |", "|---" * 13 + "|"]
-    for key in sorted({(r["p"], r["m"]) for r in results}):
-        group = [r for r in results if (r["p"], r["m"]) == key]
-        base = next((r for r in group if r["schedule"] == "1f1b"), None)
-        for r in group:
-            n = r["p"]
-            bubble, waiting, overhead, ideal = (sum(x[k] for x in r["rows"]) / n
-                                                for k in ("bubble", "waiting", "overhead", "ideal"))
-            idle = sum(x["ideal_idle"] for x in r["rows"]) / n
-            vs = "" if base is None else f"{idle / (sum(x['ideal_idle'] for x in base['rows']) / n):.2f}"
-            lines.append(f"| {key[0]} | {key[1]} | {r['schedule']} | {r['t_f'] * 1e3:.1f} | "
-                         f"{r['t_b'] * 1e3:.1f} | {r['t_w'] * 1e3:.1f} | {bubble:.3f} | {waiting:.3f} | "
-                         f"{overhead:.3f} | {ideal:.3f} | "
-                         f"{theory_bubble(r['schedule'], r['p'], r['m'], r['v']):.3f} | "
-                         f"{waiting / ideal if ideal > 0 else float('nan'):.2f} | {vs} |")
-    return lines
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", nargs="+", default=["2:4", "2:8", "2:16", "4:4", "4:8"], metavar="P:M",
@@ -247,7 +197,6 @@ def main(argv=None):
                          + (" (or --quick)" if args.quick else "") + f": refusing to write {args.out}, "
                          f"whose bubbles must be measured on a quiet machine (pass --out elsewhere to try "
                          f"it)")
-    act = args.micro_batch * args.seq * args.hidden * 4
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)   # the table and the PNG
     results, t_start = [], time.time()
     for p, m in cells:
@@ -259,48 +208,13 @@ def main(argv=None):
             results.append(_measure(args, schedule, p, m, v))
             print(f"  {schedule} p={p} m={m}: step {results[-1]['step'] * 1e3:.0f} ms", flush=True)
     load_end = os.getloadavg()[0]
-    lines = [
-        "# Pipeline schedules benchmark (bench_pp.py)", "",
-        f"One training step of a Llama (hidden {args.hidden}, p x 2 x {args.layers_per_chunk} layers: "
-        f"{args.layers_per_chunk} layer(s) per half stage), micro-batches of {args.micro_batch} x "
-        f"{args.seq} tokens, fp32, CPU, gloo, one torch thread per forked rank, torch {torch.__version__}; "
-        f"{cores} cores, load average {load_start:.2f} at the start and {load_end:.2f} at the end. "
-        f"bytes(h) = {act / 2 ** 20:.2f} MiB. Best of {args.iters} steps. `bubble` is measured (idle / step "
-        f"time), `waiting` the part of it blocked in a receive or done before the slowest stage, `overhead` "
-        f"the rest (the executor's sends and Python), `ideal` the same action lists simulated with each "
-        f"stage's measured mean t_F, t_B, t_W per "
-        f"chunk (the table's t columns are their means over stages), "
-        f"`theory` the formula (t_F = t_B = t_W). "
-        f"`live` is the peak count of micro-batch chunks held for backward (theory in brackets); `saved` "
-        f"the peak bytes autograd held for them; `W` what the split backward kept for W.", "",
-        "## Side by side (mean over stages)", "", *_summary(results), "", *_targets(results),
-        "## Per stage", "",
-        "| schedule | p | m | v | stage | step ms | bubble | waiting | ideal | theory | live (theory) "
-        "| saved MiB | W MiB | sent MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    totals = []
-    for res in results:
-        th = theory_bubble(res["schedule"], res["p"], res["m"], res["v"])
-        for rank, r in enumerate(res["rows"]):
-            lines.append(f"| {res['schedule']} | {res['p']} | {res['m']} | {res['v']} | {rank} | "
-                         f"{res['step'] * 1e3:.0f} | {r['bubble']:.3f} | {r['waiting']:.3f} | "
-                         f"{r['ideal']:.3f} | {th:.3f} | "
-                         f"{r['live']} ({r['peak_theory']}) | {r['saved'] / 2 ** 20:.1f} | "
-                         f"{r['held_w'] / 2 ** 20:.1f} | {r['sent'] / 2 ** 20:.2f} |")
-        boundaries = boundaries_crossing(res["schedule"], res["p"], res["v"])
-        totals.append(f"| {res['schedule']} | {res['p']} | {res['m']} | {res['v']} | "
-                      f"{sum(r['sent'] for r in res['rows']) / 2 ** 20:.2f} | "
-                      f"2 x {boundaries} x {res['m']} x {act / 2 ** 20:.2f} = "
-                      f"{2 * boundaries * res['m'] * act / 2 ** 20:.2f} |")
-    lines += ["", "Bytes sent per step over the whole pipeline (ledger) "
-              "against 2 x boundaries x m x bytes(h):", "",
-              "| schedule | p | m | v | sent MiB | theory MiB |", "|---|---|---|---|---|---|", *totals]
+    lines = pp_report.tables(args, results, cores, load_start, load_end)
     big_p = max(p for p, _ in cells)
     big_m = max(m for p, m in cells if p == big_p)
     drawn = [r for r in results if r["p"] == big_p and r["m"] == big_m]
     png = os.path.splitext(args.out)[0] + ".png"
     if drawn:
-        _draw(drawn, png)
+        pp_report.draw(drawn, png)
         shown = os.path.relpath(png, ROOT) if published else os.path.basename(png)
         lines += ["", f"Timeline of p={big_p}, m={big_m} as recorded: `{shown}`."]
     lines += ["", f"Regenerate: `{' '.join(['python benchmarks/bench_pp.py', *(argv or sys.argv[1:])])}` "
@@ -310,47 +224,6 @@ def main(argv=None):
     with open(args.out, "w") as f:
         f.write(text)
     return results
-
-
-def _targets(results):
-    """The bars the zero-bubble work is held to: at p = 2 (a core per rank) the measured bubble
-    within 1.25x of the ideal one (each stage's own times: a slow stage is the model's split, not
-    the machine); ZB-H1's ideal idle time at most 0.4x 1F1B's, ZB-V's at most 0.15x, both simulated
-    with the mean t_F, t_B, t_W (the schedule's own bubble at this model's ratios of F, B and W; the
-    formulas say 1/3 and 1/6 at t_F = t_B = t_W), and also with each stage's times."""
-    out = ["## Against the targets", "",
-           "The measured bubble is the time a stage waits (blocked in a receive, or done before the "
-           "slowest stage); the executor's own time (posting sends, Python between actions) is not idle "
-           "and is shown beside it, as (waiting + overhead) / ideal.", "",
-           "| p | m | schedule | waiting / ideal (p 2: <= 1.25) | (waiting + overhead) / ideal "
-           "| ideal idle / 1F1B's at the mean times (zb_h1 <= 0.40, zbv <= 0.15) "
-           "| the same with each stage's times |", "|---|---|---|---|---|---|---|"]
-    for key in sorted({(r["p"], r["m"]) for r in results}):
-        group = {r["schedule"]: r for r in results if (r["p"], r["m"]) == key}
-        base = group.get("1f1b")
-        for name, r in group.items():
-            n = r["p"]
-            bubble, waiting, ideal = (sum(x[k] for x in r["rows"]) / n
-                                      for k in ("bubble", "waiting", "ideal"))
-            ratio = waiting / ideal if ideal > 0 else float("nan")
-            cell = f"{ratio:.2f}" + (f" {'met' if ratio <= 1.25 else 'MISSED'}" if key[0] == 2 else "")
-            whole = f"{bubble / ideal if ideal > 0 else float('nan'):.2f}"
-            vs, per, bar = "", "", {"zb_h1": 0.40, "zbv": 0.15}.get(name)
-            if base is not None and bar is not None:
-                x = sum(y["even_idle"] for y in r["rows"]) / sum(y["even_idle"] for y in base["rows"])
-                vs = f"{x:.2f} {'met' if x <= bar else 'MISSED'}"
-                y = sum(z["ideal_idle"] for z in r["rows"]) / sum(z["ideal_idle"] for z in base["rows"])
-                per = f"{y:.2f}"
-            out.append(f"| {key[0]} | {key[1]} | {name} | {cell} | {whole} | {vs} | {per} |")
-    return out + [""]
-
-
-def boundaries_crossing(schedule: str, p: int, v: int) -> int:
-    """Boundaries between virtual stages on different ranks: p - 1; v p - 1 interleaved (a ring);
-    2 (p - 1) for the V of zbv, whose turn at rank p - 1 stays on the rank."""
-    if schedule == "zbv":
-        return 2 * (p - 1)
-    return v * p - 1
 
 
 if __name__ == "__main__":

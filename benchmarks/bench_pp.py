@@ -19,7 +19,11 @@ torch thread each). Per stage, from the executor's Recorder and the comm ledger:
     ideal        the same action lists through simulate.simulate with each stage's own mean t_F,
                  t_B (and t_W) per chunk: what the stages would see with free sends and no
                  executor overhead (a stage slower than its neighbours, e.g. the one with the
-                 loss, still delays them, as it does on any machine)
+                 loss, still delays them, as it does on any machine); `replay` the same with
+                 every action's own measured time (the jitter of compute kept, only the sends'
+                 and the executor's cost left out)
+    waiting      the part of the bubble blocked in a receive or done before the slowest stage;
+                 the rest is the executor's own overhead (posting sends, Python between actions)
     theory       simulate.theory_bubble: the formula at t_F = t_B (= t_W)
     live         the most micro-batch chunks held (F done; B, or W under zb_h1 / zbv, not yet)
     saved MiB    the peak of the bytes autograd holds for backward (saved_tensors_hooks count
@@ -145,14 +149,24 @@ def _measure(args, schedule, p, m, v):
         ts = [e - s for r in rows for k, _, _, s, e in r["events"] if k == kind]
         return v * sum(ts) / len(ts) if ts else 0.0
     times = dict(t_f=mean("F"), t_b=mean("B"), t_w=mean("W"))
-    per_chunk = {}                               # (rank, chunk) -> its own mean F, B, W
+    own = {}                                     # (rank, kind, chunk) -> that stage's mean time
+    took = {}                                    # (rank, kind, chunk, micro) -> the measured time
     for rank, r in enumerate(rows):
-        for c in range(v):
-            ts = [[e - s for k, ch, _, s, e in r["events"] if k == kind and ch == c] for kind in "FBW"]
-            per_chunk[(rank, c)] = tuple(sum(t) / len(t) if t else 0.0 for t in ts)
+        for k, c, mi, s, e in r["events"]:
+            own.setdefault((rank, k, c), []).append(e - s)
+            took[(rank, k, c, mi)] = e - s
+    own = {key: sum(ts) / len(ts) for key, ts in own.items()}
     orders = [schedule_order(schedule, p, m, rank, v) for rank in range(p)]
-    ideal_events, ideal_step = simulate(orders, v, name=schedule, times=per_chunk)
+    ideal_events, ideal_step = simulate(orders, v, name=schedule,
+                                        duration=lambda rank, a: own[(rank, a.kind, a.chunk)])
+    replay_events, replay_step = simulate(orders, v, name=schedule,
+                                          duration=lambda rank, a: took[(rank, a.kind, a.chunk, a.micro)])
     even_events, even_step = simulate(orders, v, name=schedule, **times)     # one mean for every stage
+    same = None                                  # 1F1B at this run's times (B + W its backward)
+    if times["t_w"]:
+        ones = [schedule_order("1f1b", p, m, rank) for rank in range(p)]
+        one_events, one_step = simulate(ones, 1, t_f=times["t_f"], t_b=times["t_b"] + times["t_w"])
+        same = sum(one_step - sum(e - s for _, s, e in ev) for ev in one_events) / p
     for rank, r in enumerate(rows):
         busy = sum(e - s for _, _, _, s, e in r["events"])
         r["bubble"] = 1 - busy / step
@@ -162,7 +176,9 @@ def _measure(args, schedule, p, m, v):
         r["waiting"], r["overhead"] = idle / step, 1 - busy / step - idle / step
         r["ideal"] = 1 - sum(e - s for _, s, e in ideal_events[rank]) / ideal_step
         r["ideal_idle"] = ideal_step - sum(e - s for _, s, e in ideal_events[rank])
+        r["replay"] = 1 - sum(e - s for _, s, e in replay_events[rank]) / replay_step
         r["even_idle"] = even_step - sum(e - s for _, s, e in even_events[rank])
+    times["one_f_one_b_idle"] = same
     return dict(schedule=schedule, p=p, m=m, v=v, step=step, rows=rows, ideal_step=ideal_step, **times)
 
 

@@ -187,7 +187,8 @@ def test_simulate_with_each_stage_its_own_times():
     #   stage 0  F0 0-1  F1 1-2                 B0 7-9             B1 13-15
     #   stage 1         F0 1-3  B0 3-7  F1 7-9  B1 9-13
     orders = [schedule_order("1f1b", 2, 2, r) for r in range(2)]
-    events, total = simulate(orders, 1, name="1f1b", times={(0, 0): (1.0, 2.0, 0.0), (1, 0): (2.0, 4.0, 0.0)})
+    slow = {0: {"F": 1.0, "B": 2.0}, 1: {"F": 2.0, "B": 4.0}}
+    events, total = simulate(orders, 1, name="1f1b", duration=lambda rank, a: slow[rank][a.kind])
     assert total == 15.0
     assert [(a.kind, a.micro, s, e) for a, s, e in events[0]] == [
         ("F", 0, 0.0, 1.0), ("F", 1, 1.0, 2.0), ("B", 0, 7.0, 9.0), ("B", 1, 13.0, 15.0)]

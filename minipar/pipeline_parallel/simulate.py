@@ -12,31 +12,31 @@ B after B of s + 1 (the gradient; the last stage's B after its own F: the loss),
 stage's B (it needs the (x, dy) pairs B queued). A rank whose next action waits idles; if no rank
 can move while actions remain, the lists deadlock (a wrong schedule), which is how the tests
 check every schedule completes. A chunk's F, B, W take t_f / v, t_b / v, t_w / v (t_b is the whole
-backward for the schedules without W), or, with `times`, each (rank, chunk) its own measured
-(t_F, t_B, t_W): then a slower stage (the one with the embedding or the loss) delays the others
-as it does on a real machine, and bench_pp.py's "ideal" keeps only the cost of the sends and of the
-executor itself out of the comparison.
+backward for the schedules without W), or, with `duration`, each action what the caller says: a
+stage's own measured means (a slower stage, the one with the embedding or the loss, then delays
+the others as on a real machine), or each action's measured time (a replay: what is left between
+the replay and the real step is the cost of the sends and of the executor).
 
 The cost of this file's model is nothing: no tensor, no process group; O(p x actions) steps.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .schedules import Action, chunk_stages
 
 
 def simulate(orders: List[List[Action]], v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
-             name: str = "1f1b", times: Optional[Dict[Tuple[int, int], Tuple[float, float, float]]] = None,
+             name: str = "1f1b", duration: Optional[Callable[[int, Action], float]] = None,
              ) -> Tuple[List[List[Tuple[Action, float, float]]], float]:
     """Run the action lists of all p ranks of schedule `name` on an ideal machine (the module
     docstring): ([(action, start, end)] per rank, step time). A chunk's F, B, W take t_f / v,
-    t_b / v, t_w / v, or times[(rank, chunk)] = (its F, B, W) where given. Raises RuntimeError if
+    t_b / v, t_w / v, or duration(rank, action) where given. Raises RuntimeError if
     the lists deadlock. Virtual stages: chunk_stages(name, ...)."""
     p = len(orders)
     stages = [chunk_stages(name, p, r, v) for r in range(p)]
-    even = (t_f / v, t_b / v, t_w / v)
-    times = times or {}
+    even = {"F": t_f / v, "B": t_b / v, "W": t_w / v}
+    took = duration or (lambda rank, a: even[a.kind])
     done: Dict[Tuple[str, int, int], float] = {}       # (kind, virtual stage, micro) -> end time
     pos, clock = [0] * p, [0.0] * p
     events: List[List[Tuple[Action, float, float]]] = [[] for _ in range(p)]
@@ -57,7 +57,7 @@ def simulate(orders: List[List[Action]], v: int = 1, t_f: float = 1.0, t_b: floa
             if dep is not None and dep not in done:
                 continue
             start = max(clock[r], done[dep] if dep is not None else 0.0)
-            end = start + times.get((r, a.chunk), even)["FBW".index(a.kind)]
+            end = start + took(r, a)
             done[(a.kind, vs, a.micro)] = clock[r] = end
             events[r].append((a, start, end))
             pos[r] += 1

@@ -436,6 +436,19 @@ def test_cli_pipeline_json_bubble_and_errors(capsys):
     assert [len(s["layers"]) for s in p["stages"]] == [2] * 4     # 32 layers: 8 virtual stages of 4
 
 
+def test_the_fewest_gpus_hint_counts_pipelines():
+    """The fast twin of the one below: 8B on 16 GiB cards fits no layout of 8 GPUs; the hint names 16,
+    where the search recommends a pipeline (a stage holds half the layers' state)."""
+    from minipar.plan.layout_search import smallest_world
+    model, batch = _llama("llama-3.1-8b"), Batch(8, 1, 4096)
+    cluster = Cluster(gpu_memory_bytes=16 * 2 ** 30)
+    assert search(model, batch, Options(), cluster, 8)["recommended"] is None
+    need = smallest_world(model, batch, Options(), cluster, 1)
+    best = search(model, batch, Options(), cluster, need)["recommended"]
+    assert need == 16 and best is not None and best["layout"]["pp"] == 2
+
+
+@pytest.mark.slow
 def test_the_fewest_gpus_hint_is_a_world_where_the_search_finds_a_fit():
     """The hint counts pipelines too, and the world it names has a recommendation (70B: 16 GPUs)."""
     from minipar.plan.layout_search import smallest_world

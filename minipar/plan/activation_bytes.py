@@ -39,7 +39,7 @@ from typing import Dict, Tuple
 
 from minipar.context_parallel.ulysses import kv_repeats
 
-from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options, param_bytes
 from .moe import mlp_activations
 
 
@@ -91,8 +91,7 @@ def stream_bytes(layout: Layout, opts: Options) -> int:
     collective_counts.py prices minipar's collectives. Megatron-LM's distributed optimizer
     (Options.distributed_optimizer: time and memory as that trainer runs them, estimate.py) keeps the
     parameters themselves in the compute dtype."""
-    e = DTYPE_BYTES[opts.dtype]
-    return e if layout.sharded or opts.distributed_optimizer else 4
+    return DTYPE_BYTES[opts.dtype] if opts.distributed_optimizer else param_bytes(layout, opts)
 
 
 def kept_per_layer(act: Dict[str, int], opts: Options, i: int) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 from .activation_bytes import kv_repeat, recomputed_layers
-from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options, param_bytes
 from .model import _padded, gathers, shard_size, units
 from .moe import collectives as moe_collectives
 from .moe import step_collectives
@@ -54,7 +54,7 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
     # only a matmul's output, so a row-parallel output (o_proj, down_proj) is in e, while the
     # embedding's output, the norms' outputs before a column-parallel layer, and their gradients
     # are in pe (trainer.py's act_dtype, which pipeline messages carry, is the same dtype)
-    pe = e if layout.sharded else 4
+    pe = param_bytes(layout, opts)
     # LoRA (frozen base): layer 0's input needs no gradient (embedding and norm frozen), so the f
     # before its q/k/v runs no backward, nor (unless attention is adapted) the one before gate/up;
     # under SP the embedding's g runs no backward, nor (unless attention is adapted) layer 0's o_proj's

@@ -207,6 +207,13 @@ class Options:
     cp_all_gather_kv: bool = False
 
 
+def param_bytes(layout: Layout, opts: Options) -> int:
+    """Bytes of a parameter as minipar computes with it, and so of its gradient and of the residual
+    stream: ZeRO-3 gathers the weights in the compute dtype; without it they stay fp32 masters and
+    bf16 runs under autocast, which casts a matmul's inputs and output but keeps the stream fp32."""
+    return DTYPE_BYTES[opts.dtype] if layout.sharded else 4
+
+
 def check(model: ModelShape, layout: Layout, batch: Batch) -> List[str]:
     """Why this layout cannot run (empty when it can): the trainer's own checks."""
     T, C, m = layout.tp, layout.cp, model

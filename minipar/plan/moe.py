@@ -54,7 +54,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from .inputs import DTYPE_BYTES
+from .inputs import DTYPE_BYTES, param_bytes
 
 
 def moe_layers(model) -> int:
@@ -93,7 +93,7 @@ def collectives(add, model, layout, batch, opts, recomputed: int) -> None:
     aux = 4 * (2 * L * E + 1)
     if layout.sp:                    # the router and experts saw n / T tokens: their gradients summed
         add("all_reduce", "tp", 1, aux)
-        pe = e if layout.sharded else 4                   # (in the gathered dtype under ZeRO-3)
+        pe = param_bytes(layout, opts)                    # (in the gathered dtype under ZeRO-3)
         add("all_reduce", "tp", L, E * model.hidden_size * pe)
         add("all_reduce", "tp", 3 * L, E // layout.ep * model.moe_intermediate_size * model.hidden_size * pe)
     add("all_reduce", "cp", 1, aux)

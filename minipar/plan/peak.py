@@ -58,7 +58,7 @@ from __future__ import annotations
 from typing import Dict
 
 from .activation_bytes import kept_per_layer
-from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options, param_bytes
 from .model import _padded, shard_size, units
 
 
@@ -66,7 +66,7 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
            act: Dict[str, int]) -> Dict[str, int]:
     """Bytes alive at each phase of the step (the module docstring); the peak is their max."""
     e = DTYPE_BYTES[opts.dtype]
-    eg = e if layout.sharded else 4                         # the dtype autograd's weight gradients have
+    eg = param_bytes(layout, opts)                          # the dtype autograd's weight gradients have
     V, d, T = model.vocab_size, model.hidden_size, layout.tp
     n = batch.micro(layout) * batch.sequence_len // layout.cp
     us = units(model, layout)

@@ -46,7 +46,7 @@ from minipar.pipeline_parallel.stage import stage_chunks
 from . import activation_bytes as pa
 from . import collective_counts as pc
 from . import model as pm
-from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options, param_bytes
 from .model import Unit
 from .zero3_replay import Zero3Replay
 
@@ -173,7 +173,7 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
                 opts: Options) -> dict:
     """plan_stage by the full replay of the step's action list."""
     T, C, e = layout.tp, layout.cp, DTYPE_BYTES[opts.dtype]
-    pe = e if layout.sharded else 4              # the residual stream's dtype: fp32 under autocast
+    pe = param_bytes(layout, opts)               # the residual stream's dtype: fp32 under autocast
     M, b = batch.micro_steps(layout), batch.micro(layout)
     order = schedule_order(pipe.schedule, pipe.pp, M, st.rank, pipe.virtual_stages)
     coll: Dict[Tuple[str, str], List[int]] = {}

@@ -178,8 +178,8 @@ def _measure(args, schedule, p, m, v):
         r["ideal_idle"] = ideal_step - sum(e - s for _, s, e in ideal_events[rank])
         r["replay"] = 1 - sum(e - s for _, s, e in replay_events[rank]) / replay_step
         r["even_idle"] = even_step - sum(e - s for _, s, e in even_events[rank])
-    times["one_f_one_b_idle"] = same
-    return dict(schedule=schedule, p=p, m=m, v=v, step=step, rows=rows, ideal_step=ideal_step, **times)
+    return dict(schedule=schedule, p=p, m=m, v=v, step=step, rows=rows, ideal_step=ideal_step,
+                one_f_one_b_idle=same, **times)
 
 
 def main(argv=None):

@@ -109,7 +109,7 @@ def targets(results):
                 return f"{x:.2f}" + (f" {'met' if x <= bar else 'MISSED'}" if shown else "")
             cells = [judged(waiting / ideal, 1.25, key[0] == 2) if ideal > 0 else "",
                      judged(waiting / replay, 1.25, key[0] == 2) if replay > 0 else "", "", ""]
-            bar, same = {"zb_h1": 0.40, "zbv": 0.15}.get(name), r.get("one_f_one_b_idle")
+            bar, same = {"zb_h1": 0.40, "zbv": 0.15}.get(name), r["one_f_one_b_idle"]
             if bar is not None and same:
                 cells[2] = judged(sum(y["even_idle"] for y in r["rows"]) / n / same, bar)
                 if name == "zbv":

@@ -130,14 +130,13 @@ class StageLink:
         if self.arrivals is None:
             return self._recv_now(peer, tag)
         while tag not in self.early:             # what the neighbour posted first comes first
-            if not self.prepost:
-                first = self.arrivals[peer].pop(0)
-                self.early[first] = self._recv_now(peer, first)
-                continue
+            if peer not in self.posted:          # not posted ahead (NCCL): posted now, when needed
+                self._post_next(peer)
             first, t, works = self.posted.pop(peer)
             comm.wait_all(works)
             self.early[first] = t
-            self._post_next(peer)
+            if self.prepost:
+                self._post_next(peer)
         return self.early.pop(tag)
 
     def _post_next(self, peer: int):

@@ -13,6 +13,7 @@ Slow (make test-slow): 20 steps of every schedule on pp 2 and pp 4 (the zero-bub
 and m = 2p), and pp 2 composed with tp (with and without sp), cp, dp_shard, DDP, and all of them on
 16 ranks (configs/5d.yaml; and under zbv).
 """
+import json
 import os
 
 import pytest
@@ -483,6 +484,43 @@ def test_pp_layouts_match_single_process_fast(tmp_path_factory, tmp_path, world,
     ref = _reference(tmp_path_factory)
     for g in run_world(_train, world, _argv(tmp_path, *extra, steps=2), timeout=300):
         _same(ref[:2], g)
+
+
+def test_stages_stepping_alone_train_as_the_synchronous_run(tmp_path):
+    # pipeline_overlap_steps (no clipping): each stage updates at once and goes on; the loss and
+    # grad norm of a step come a step late, the updates are the synchronous run's, so is the
+    # curve (one process within 1e-4), with a save at step 2 settled before it is written
+    argv = ["--max_grad_norm", "0", "--save_steps", "2"]
+    pp = ["--pipeline_parallel_size", "2", "--pipeline_schedule", "zbv"]
+    one = run_world(_train, 1, _argv(tmp_path / "one", *argv, steps=4), timeout=300)[0]
+    sync = run_world(_train, 2, _argv(tmp_path / "sync", *argv, *pp, steps=4), timeout=300)
+    alone = run_world(_train, 2, _argv(tmp_path / "alone", *argv, *pp, "--pipeline_overlap_steps", "true",
+                                       steps=4), timeout=300)
+    _same(one, alone[0])
+    for a, b in zip(sync, alone):      # the same updates; the sums only rounded otherwise (float32 norm)
+        _same(a, b, rel=1e-6)
+    assert os.listdir(tmp_path / "alone" / "step-2")
+    assert [json.loads(x)["step"] for x in open(tmp_path / "alone" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_stages_stepping_alone_agree_on_sigterm_a_step_late(tmp_path):
+    # rank 1 is signalled during step 2; the flag's all-reduce is read after step 3, so both
+    # ranks save step 3 and leave, its record written
+    from test_reliability import _train_signalled
+    argv = _argv(tmp_path, "--max_grad_norm", "0", "--pipeline_parallel_size", "2", "--pipeline_schedule",
+                 "zbv", "--pipeline_overlap_steps", "true", steps=6)
+    got = run_world(_train_signalled, 2, argv, 1, 1, timeout=300)
+    assert [g[:2] for g in got] == [("preempted", 3)] * 2, got
+    assert os.listdir(tmp_path / "step-3") and [x[0] for x in got[0][2]] == [1, 2, 3]
+
+
+def test_stepping_alone_is_refused_where_it_cannot_apply():
+    from minipar.training.config.check import check
+    from minipar.training.config.train_config import TrainConfig
+    cfg = TrainConfig(pipeline_overlap_steps=True)            # pp 1, and max_grad_norm 1.0 by default
+    both = r"pipeline_parallel_size=1 .* and max_grad_norm=1.0 .*max_grad_norm: 0"
+    with pytest.raises(ValueError, match=both):
+        check(cfg)
 
 
 @pytest.mark.slow

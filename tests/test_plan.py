@@ -352,6 +352,38 @@ def test_long_steps_extend_the_replay_exactly():
                 == _plan_stage(model, lay, pipe, st, batch, opts)
 
 
+def test_pipeline_stage_peak_is_its_largest_phase():
+    """A stage's peak is the largest of its own phases (peak.py, with the activations its schedule
+    keeps in flight), not the sum of every line's maximum: under no_sync the shard gradients only
+    come with the last backward, and the logits, the layers' gradient pieces and the state's
+    gradients never meet. Each phase is held to its formula; the old sum is above all of them."""
+    from minipar.plan.model import _padded
+    from minipar.plan.pipeline import plan_pipeline
+    from minipar.plan.pipeline_stage import stage_units
+    model, lay, batch = _llama("llama-3.1-8b"), Layout(1, 4, 1, 1), Batch(32, 1, 4096)
+    pipe, opts = Pipeline(2, "1f1b"), Options(dtype="bfloat16")
+    p = plan_pipeline(model, lay, pipe, batch, opts, Cluster())
+    first, last = p["stages"]
+    for st in p["stages"]:
+        m, a = st["memory"], st["activations"]
+        assert m["total"] == max(m["phases"].values())
+        assert m["total"] < m["persistent"] + m["gathered"] + m["accumulated_grads"] + a["as_configured"]
+    # the first stage's last forward: two micro-batches in flight, the layers' window gathered, the
+    # unsharded fp32 accumulators of no_sync, no shard gradient yet
+    m, a = first["memory"], first["activations"]
+    assert a["in_flight"] == 2 and m["accumulated_grads"] > 0 and set(m["phases"]) == {
+        "forward", "layer backward", "backward end", "optimizer"}
+    S = m["persistent"] - m["grads"]
+    assert m["phases"]["forward"] == S + m["gathered"] + m["accumulated_grads"] + a["as_configured"]
+    # the last stage's loss forward: the root gathered, one micro-batch in flight, its logits and
+    # z - max beside the fp32 softmax
+    m, a = last["memory"], last["activations"]
+    root = _padded(stage_units(model, lay, stages(model, pipe)[1])[0].numel, 4) * 2
+    logits = 4096 * model.vocab_size
+    assert a["in_flight"] == 1 and m["phases"]["loss forward"] == (
+        m["persistent"] - m["grads"] + root + a["as_configured"] + logits * (2 + 4) + m["accumulated_grads"])
+
+
 def test_cli_json_and_errors(capsys):
     import json
     assert plan_main([os.path.join(ROOT, "configs", "hsdp.yaml"), "--json"]) == 0

@@ -1,5 +1,5 @@
 """The peak memory of a step: the largest of what is alive at each of its phases, counted from the
-code path (model.py has the notation; bytes per rank, plain path, no pipeline).
+code path (model.py has the notation; bytes per rank), for the whole model or one pipeline stage.
 
 A sum of everyone's maximum (the state + the gathered buffers + the activations + every transient)
 overcounts what never meets, and a transient counted too small hides the phase where it does meet:
@@ -16,7 +16,8 @@ planner walks the step and takes the maximum of these phases:
           a what one layer keeps (+ what its recompute brings back)
     H     lm_head's weight gradient, V/T x d in the weights' dtype (the compute dtype under ZeRO-3,
           fp32 without); U the largest decoder unit's flat gradient (its padded elements, same dtype)
-    e     the compute dtype's bytes; M micro-batches (earlier ones leave Gs, Gacc behind: "+ g")
+    e     the compute dtype's bytes; M micro-batches (earlier ones leave Gs behind, or under no_sync
+          Gacc instead, the shard gradients coming with the last backward: "+ g")
 
     loss forward     S + R + A + n V/T (e + 4)                 + g   the logits and z - max beside the
                                                                      softmax (exp), fp32
@@ -44,6 +45,13 @@ planner walks the step and takes the maximum of these phases:
                      the foreach kernels (CUDA's default) over every shard at once, the per-tensor
                      loop (CPU's) two of the largest shard
 
+A pipeline stage (pipeline.py, `Holds`) has the same phases over its own units (the root empty off
+the last stage, the embedding only on the first): the loss's forward and the head's backward on the
+last stage only, a "forward" on the others (S + W + A + g: its last forward's window gathered), and
+A is every micro-batch its schedule keeps in flight at the worst moment (pipeline_stage.py's replay of
+the action list); a backward's end adds what is still in flight after it (earlier micro-batches'
+backwards end with later ones' activations alive).
+
 H' is lm_head's gradient where it is still held: tied, to the end of backward (untied under ZeRO-3
 it is reduce-scattered right after the head's backward). R is freed once the head is done either way:
 the root's post-backward hook, or, tied, once the heads' inputs have their gradients (the embedding's
@@ -55,21 +63,44 @@ rounding and fragmentation (`reserve`).
 """
 from __future__ import annotations
 
-from typing import Dict
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
-from .activation_bytes import kept_per_layer
+from .activation_bytes import kept_per_layer, recompute_peak
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options, param_bytes
-from .model import _padded, shard_size, units
+from .model import Unit, _padded, shard_size, units
+
+
+@dataclass(frozen=True)
+class Holds:
+    """What one rank runs, for `phases`: the whole model (pp 1, `whole`), or one pipeline stage
+    (pipeline.py): its ZeRO-3 units (the root first, empty off the last stage), the activations
+    alive at its schedule's worst moment (A: every micro-batch it keeps in flight, as configured),
+    those still alive when a backward ends (earlier micro-batches' under pp, 0 without), the layer
+    whose backward comes first (its global index: the every-n-th policy's) and whether it computes
+    lm_head and the loss."""
+    units: List[Unit]
+    activations: int
+    after_backward: int
+    first_backward_layer: int
+    head: bool
+
+    @classmethod
+    def whole(cls, model: ModelShape, layout: Layout, act: Dict[str, int]) -> "Holds":
+        return cls(units(model, layout), act["as_configured"], 0, model.num_hidden_layers - 1, True)
 
 
 def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: Dict[str, int],
-           act: Dict[str, int]) -> Dict[str, int]:
-    """Bytes alive at each phase of the step (the module docstring); the peak is their max."""
+           act: Dict[str, int], holds: Optional[Holds] = None) -> Dict[str, int]:
+    """Bytes alive at each phase of the step (the module docstring); the peak is their max. `act` is
+    activation_bytes.activations' per-micro-batch count, `holds` what the rank runs (the whole model
+    by default)."""
+    holds = holds or Holds.whole(model, layout, act)
     e = DTYPE_BYTES[opts.dtype]
     eg = param_bytes(layout, opts)                          # the dtype autograd's weight gradients have
     V, d, T = model.vocab_size, model.hidden_size, layout.tp
     n = batch.micro(layout) * batch.sequence_len // layout.cp
-    us = units(model, layout)
+    us, head_here = holds.units, holds.head
     tied = model.tie_word_embeddings
     trains = not opts.lora_r                                # LoRA's base has no gradient at all
     S = mem["persistent"] - mem["grads"]
@@ -79,13 +110,16 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
     megatron = opts.distributed_optimizer and not layout.sharded and layout.sizes()["dp_cp"] > 1 and trains
     if megatron:
         S, Gs = S + Gs, 0
-    g = Gacc + (Gs if batch.micro_steps(layout) > 1 else 0)
-    A = act["as_configured"]
+    # what earlier micro-batches leave: no_sync's accumulators (the shard gradients come only with
+    # the last backward's reduce-scatter), else the gradients summed into so far
+    g = Gacc or (Gs if batch.micro_steps(layout) > 1 else 0)
+    A = holds.activations
     # what the first layer of backward has freed when it concatenates its gradient: its activations
     # (and what its recompute brought back)
-    done = kept_per_layer(act, opts, model.num_hidden_layers - 1) + A - act["as_configured_kept"]
-    softmax = 4 * n * V // T
-    H = V // T * d * eg if trains else 0
+    done = kept_per_layer(act, opts, holds.first_backward_layer) + recompute_peak(act, opts)
+    softmax = 4 * n * V // T if head_here else 0
+    logits = n * V // T if head_here else 0                 # elements of this rank's logits
+    H = V // T * d * eg if trains and head_here else 0
     all_along = not opts.reshard_after_forward or opts.gather_once_per_step   # every unit gathered
     R = W = first = U = in_flight = emb = root_shard = emb_shard = 0
     largest_shard = max(u.numel for u in us)
@@ -109,11 +143,12 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
     held = H if tied or not layout.sharded else 0
     # untied, the root's gradient is complete after the final norm's: lm_head's and its concatenation
     head = H if tied or not layout.sharded else max(H, 2 * H - softmax)
-    out = {
-        "loss forward": S + R + (W if all_along else 0) + A + n * V // T * (e + 4) + g,
-        "head backward": S + R + first + A + head + (n * V // T * e if e != 4 else 0) + g,
-        "layer backward": S + held + W + A - softmax - done + 2 * U + g,
-    }
+    if head_here:
+        out = {"loss forward": S + R + (W if all_along else 0) + A + logits * (e + 4) + g,
+               "head backward": S + R + first + A + head + (logits * e if e != 4 else 0) + g}
+    else:   # a pipeline stage without the head: its last forward, its layers' window gathered
+        out = {"forward": S + W + A + g}
+    out["layer backward"] = S + held + W + A - softmax - done + 2 * U + g
     if tied and layout.sharded:     # the first layer gathers its window just before the root goes
         out["layer backward"] = max(out["layer backward"], S + R + H + W + A - softmax + g)
     if not trains:
@@ -124,7 +159,7 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
         end = S + Gs + 2 * H
     else:                               # the embedding unit: its dense gradient and their concatenation
         end = S + Gs - emb_shard + 2 * emb + in_flight
-    out["backward end"] = end + Gacc
+    out["backward end"] = end + Gacc + holds.after_backward
     out["optimizer"] = S + Gs + (max(4 * mem["param_elements"], 8 * largest_shard)
                                  if trains and not megatron else 0)
     return out

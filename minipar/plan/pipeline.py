@@ -22,9 +22,11 @@ from typing import Dict, List
 from minipar.pipeline_parallel.schedules import check_schedule
 from minipar.pipeline_parallel.simulate import theory_bubble
 
+from . import activation_bytes as pa
 from . import collective_counts as pc
 from . import inputs as inputs_mod
 from . import model as pm
+from . import peak
 from . import time_model as tm
 from .estimate import crosses_nodes, distributed_optimizer_memory, group_seconds, mfu
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
@@ -67,6 +69,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     tokens = batch.global_batch_size * batch.sequence_len
     fl = pm.flops(model, layout, batch, opts)
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
+    per_micro = pa.activations(model, layout, batch, opts)      # one micro-batch's, per layer
     out = []
     for st in stages(model, pipe):
         p = plan_stage(model, layout, pipe, st, batch, opts)
@@ -86,18 +89,18 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts,
                          [u for u in us if u.kind == "layer"], st.num_layers, 1,
                          [u for u in us if u.kind != "layer"])
-        n = batch.micro(layout) * batch.sequence_len // layout.cp
-        transient = n * model.vocab_size // layout.tp * (e + 4) if st.last else 0
-        if layout.sharded:
-            transient += 2 * 4 * max(u.numel for u in stage_units(model, layout, st))
         mem, acts = distributed_optimizer_memory(p["memory"], layout, opts), p["activations"]
         if opts.gather_once_per_step and layout.sharded:      # every unit of the stage stays gathered
             N = layout.dp_shard * layout.cp
-            mem["gathered"] = max(mem["gathered"], sum(pm._padded(u.numel, N) * e
-                                                       for u in stage_units(model, layout, st)))
-        activation = acts["as_configured"]
-        total = mem["persistent"] + mem["gathered"] + mem["accumulated_grads"] + activation + transient
-        p.update(memory=dict(mem, activations=acts, transient=transient, total=total, budget=budget,
+            mem["gathered"] = max(mem["gathered"], sum(pm._padded(u.numel, N) * e for u in us))
+        # the peak: the largest of the stage's own phases (peak.py), each with the activations its
+        # schedule keeps in flight at their worst
+        first_back = next((c[-1] for c in reversed(st.chunks) if c), 0)     # its first layer of backward
+        holds = peak.Holds(us, acts["as_configured"], acts["after_backward"], first_back, st.last)
+        by_phase = peak.phases(model, layout, batch, opts, mem, per_micro, holds)
+        total = max(by_phase.values())
+        p.update(memory=dict(mem, activations=acts, phases=by_phase,
+                             peak_phase=max(by_phase, key=by_phase.get), total=total, budget=budget,
                              fits=total <= budget),
                  comm=groups, time=dict(parts, **t))
         out.append(p)

@@ -245,18 +245,20 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
 
     split = any(a.kind == "W" for a in order)
 
-    def in_flight(checkpointed, how: Options = full_ac) -> int:
-        live = peak = 0
+    def in_flight(checkpointed, how: Options = full_ac, after_backward: bool = False) -> int:
+        """The peak of live bytes over the step, or (after_backward) the most left as a B ends."""
+        live = peak = after = 0
         for a in order:
             x, dy = w_bytes(a.chunk) if split else (0, 0)
             if a.kind == "F":
                 live += chunk_bytes(a.chunk, checkpointed, how)
             elif a.kind == "B":        # frees what autograd saved but x (or keeps the recomputed x), adds dy
                 live += x + dy - chunk_bytes(a.chunk, checkpointed, how)
+                after = max(after, live)
             else:                      # W frees x and dy
                 live -= x + dy
             peak = max(peak, live)
-        return peak
+        return after if after_backward else peak
 
     per_micro = sum(chunk_bytes(c, False) for c in range(len(st.chunks)))
     acts = dict(per_micro=per_micro,
@@ -264,6 +266,7 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
                 full=in_flight(False), checkpointed=in_flight(True),
                 checkpointed_peak=in_flight(True) + act["per_layer"],
                 as_configured=in_flight(True, opts) + pa.recompute_peak(act, opts),
+                after_backward=in_flight(True, opts, after_backward=True),
                 in_flight=peak_in_flight(order))
 
     # ---- TP / CP inside the stage, per micro-batch

@@ -60,9 +60,8 @@ def describe(p: dict, model: ModelShape) -> str:
             ("activations, checkpointing (kept / peak)", None),
             *([(f"activations, {_ac(o)} (peak)", a["as_configured"])]
               if o["gradient_checkpointing"] == "selective" else []),
-            *([(f"at {k}" + (" (the peak)" if k == m["peak_phase"] else ""), v)
-               for k, v in m["phases"].items()] if "phases" in m else
-              [("transient (logits, gradients in flight)", m["transient"])]),
+            *[(f"at {k}" + (" (the peak)" if k == m["peak_phase"] else ""), v)
+              for k, v in m["phases"].items()],
             ("= total (as chosen)", m["total"])]
     for label, v in rows:
         if v is None:

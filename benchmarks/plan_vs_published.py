@@ -63,6 +63,11 @@ GRAND_TETON_NOTE = ("500 W H100s (HBM2e), whose peak the source puts between the
                     "989 TFLOP/s without knowing it: planned at the midpoint, 912; the power limit's effect "
                     "on sustained GEMM rates is not stated, and not modelled")
 SAC = "torchtitan's per-op SAC (every second matmul recomputed: k, o, up)"
+# torchtitan logs `memory: {max_reserved_gib}` (torchtitan/metrics.py: reserved_bytes.all.peak)
+TITAN_MEMORY = ("the published memory is torchtitan's logged peak of memory RESERVED by the CUDA caching "
+                "allocator (torchtitan/metrics.py, reserved_bytes.all.peak: freed blocks it keeps cached, "
+                "and fragmentation), where the planner counts the peak of live tensors (allocated): the "
+                "planned figure sits below it by the allocator's slack, which the source does not state")
 
 
 def gpt(h: int, heads: int, layers: int, tp: int) -> ModelShape:
@@ -111,7 +116,7 @@ def runs():
                                                              dataclasses.replace(sac, **compiled))):
             out.append(Run(TITAN, f"{table}: Llama 3.1 8B, FSDP {world}, local batch 2, {how}, selective AC",
                            LLAMA["8B"], Layout(1, world), Batch(2 * world, 2, 8192), opts, tps, mem,
-                           cluster=GRAND_TETON, note=f"{SAC}; {GRAND_TETON_NOTE}"))
+                           cluster=GRAND_TETON, note=f"{SAC}; {GRAND_TETON_NOTE}; {TITAN_MEMORY}"))
     out.append(Run(ASYNC_TP, "Llama 3 70B, FSDP 32 x TP 8, local batch 16, compile, full AC, bf16 vanilla TP",
                    LLAMA["70B"], Layout(1, 32, 1, 8, True), Batch(512, 1, 8192),
                    dataclasses.replace(bf16, gradient_checkpointing=True, **compiled), 597.3,

@@ -170,8 +170,10 @@ class TrainLoop:
         record.update(loss=out["loss"], grad_norm=out["grad_norm"])
         done = record["step"]
         if not math.isfinite(out["loss"]):
+            alone = " (and drop pipeline_overlap_steps, which needs it off)" \
+                if cfg.pipeline_overlap_steps else ""
             raise FloatingPointError(f"loss is {out['loss']} at step {done}: lower learning_rate "
-                                     f"or enable max_grad_norm")
+                                     f"or enable max_grad_norm{alone}")
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()

@@ -73,7 +73,8 @@ def planner_prediction(cfg, pconf):
         cluster = Cluster(peak_tflops=peak_tflops)
         if pconf.pp_size > 1:
             pipe = Pipeline(pconf.pp_size, sizes["pipeline_schedule"], sizes["virtual_stages"],
-                            tuple(sizes["pipeline_layers"]) if sizes.get("pipeline_layers") else None)
+                            tuple(sizes["pipeline_layers"]) if sizes.get("pipeline_layers") else None,
+                            sizes["pipeline_overlap_steps"])
             p = plan_pipeline(model, layout, pipe, batch, opts, cluster)
         else:
             p = plan(model, layout, batch, opts, cluster)

@@ -67,7 +67,8 @@ from minipar.pipeline_parallel import (  # noqa: E402
     schedule_order,
     simulate,
 )
-from minipar.pipeline_parallel.simulate import peak_in_flight  # noqa: E402
+from minipar.pipeline_parallel.schedules import Action  # noqa: E402
+from minipar.pipeline_parallel.simulate import back_to_back, peak_in_flight, steady_state  # noqa: E402
 from models.llama import LlamaForCausalLM  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 
@@ -133,11 +134,49 @@ def _rank(args, schedule, p, m, v):
                              live=rec.peak_live,
                              saved=mem.peak, sent=led.total_bytes("send"), peak_theory=peak_in_flight(order),
                              held_w=rec.peak_held_w))
-    return runs
+    chain = []                                   # steps back to back: no barrier, no collective between
+    dist.barrier()
+    for _ in range(args.chain):
+        rec = Recorder()
+        run_schedule(stage, order, pgm, batches, n_items, recorder=rec, arrivals=arrivals)
+        stage.zero_grad(set_to_none=True)        # what a stage's own optimizer step would do: nothing shared
+        chain.append((rec.t0, rec.events))
+    return runs, chain
+
+
+def _steady(chains, schedule, p, m, v):
+    """The steps run back to back: their step time and each stage's bubble (simulate.steady_state),
+    the same for the chain simulated with each stage's mean times, and the idle time of the chain
+    simulated at the mean t_F, t_B, t_W over 1F1B's at the same times (1F1B's backward B + W)."""
+    t0 = min(c[0][0] for c in chains)
+    events = [[(Action(k, c, mi + step * m), s + t - t0, e + t - t0)
+               for step, (t, evs) in enumerate(chain) for k, c, mi, s, e in evs] for chain in chains]
+    period, idle = steady_state(events, m)
+    own = {}
+    for rank, ev in enumerate(events):
+        for a, s, e in ev:
+            own.setdefault((rank, a.kind, a.chunk), []).append(e - s)
+    own = {key: sum(ts) / len(ts) for key, ts in own.items()}
+    orders = back_to_back([schedule_order(schedule, p, m, rank, v) for rank in range(p)], m, len(chains[0]))
+    ideal = simulate(orders, v, name=schedule, duration=lambda rank, a: own[(rank, a.kind, a.chunk)])[0]
+    ideal_period, ideal_idle = steady_state(ideal, m)
+
+    def mean(kind):                              # per whole stage: a chunk's time x v
+        ts = [e - s for ev in events for a, s, e in ev if a.kind == kind]
+        return v * sum(ts) / len(ts) if ts else 0.0
+    t_f, t_b, t_w = mean("F"), mean("B"), mean("W")
+    even = steady_state(simulate(orders, v, t_f=t_f, t_b=t_b, t_w=t_w, name=schedule)[0], m)[1]
+    ones = back_to_back([schedule_order("1f1b", p, m, rank) for rank in range(p)], m, len(chains[0]))
+    one = steady_state(simulate(ones, 1, t_f=t_f, t_b=t_b + t_w)[0], m)[1]
+    rows = [dict(events=[(a.kind, a.chunk, a.micro, s, e) for a, s, e in ev], bubble=i / period)
+            for ev, i in zip(events, idle)]
+    return dict(step=period, ideal=sum(ideal_idle) / p / ideal_period, vs_1f1b=sum(even) / sum(one),
+                t_f=t_f, t_b=t_b, t_w=t_w, rows=rows)
 
 
 def _measure(args, schedule, p, m, v):
-    per_rank = run_world(_rank, p, args, schedule, p, m, v, timeout=1800)
+    got = run_world(_rank, p, args, schedule, p, m, v, timeout=1800)
+    per_rank = [runs for runs, _ in got]
     best = min(range(args.iters), key=lambda i: max(r[i]["step"] for r in per_rank))
     rows = [r[best] for r in per_rank]
     t0 = min(r["t0"] for r in rows)
@@ -179,7 +218,7 @@ def _measure(args, schedule, p, m, v):
         r["replay"] = 1 - sum(e - s for _, s, e in replay_events[rank]) / replay_step
         r["even_idle"] = even_step - sum(e - s for _, s, e in even_events[rank])
     return dict(schedule=schedule, p=p, m=m, v=v, step=step, rows=rows, ideal_step=ideal_step,
-                one_f_one_b_idle=same, **times)
+                one_f_one_b_idle=same, steady=_steady([c for _, c in got], schedule, p, m, v), **times)
 
 
 def main(argv=None):
@@ -191,6 +230,9 @@ def main(argv=None):
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--layers-per-chunk", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--chain", type=int, default=4,
+                    help="steps then run back to back, with no collective between them (at least 3: the "
+                         "first and the last are the chain's fill and drain)")
     ap.add_argument("--schedules", nargs="+", default=[s for s, _ in SCHEDULE_V],
                     choices=[s for s, _ in SCHEDULE_V])
     ap.add_argument("--quick", action="store_true",
@@ -198,12 +240,15 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_pp.md"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.cells, args.hidden, args.seq, args.iters = ["2:4"], 64, 32, 1
+        args.cells, args.hidden, args.seq, args.iters, args.chain = ["2:4"], 64, 32, 1, 3
     try:
         cells = [tuple(int(x) for x in c.split(":")) for c in args.cells]
         assert all(len(c) == 2 and c[0] >= 2 and c[1] >= 1 for c in cells)
     except (ValueError, AssertionError):
         ap.error(f"--cells takes P:M pairs with P >= 2 stages and M >= 1 micro-batches, got {args.cells}")
+    if args.chain < 3:
+        ap.error(f"--chain must be at least 3 steps (the first and the last are the chain's fill and drain), "
+                 f"got {args.chain}")
     if args.hidden < 64 or args.hidden % 64:       # head_dim 64: hidden / 64 query heads
         ap.error(f"--hidden must be a positive multiple of 64 (heads of 64), got {args.hidden}")
     load_start, cores = os.getloadavg()[0], os.cpu_count()
@@ -231,8 +276,11 @@ def main(argv=None):
     png = os.path.splitext(args.out)[0] + ".png"
     if drawn:
         pp_report.draw(drawn, png)
-        shown = os.path.relpath(png, ROOT) if published else os.path.basename(png)
-        lines += ["", f"Timeline of p={big_p}, m={big_m} as recorded: `{shown}`."]
+        chained = os.path.splitext(args.out)[0] + "_back_to_back.png"
+        pp_report.draw([dict(r, **r["steady"], back_to_back=True) for r in drawn], chained)
+        shown = [os.path.relpath(x, ROOT) if published else os.path.basename(x) for x in (png, chained)]
+        lines += ["", f"Timeline of p={big_p}, m={big_m} as recorded: `{shown[0]}` (one step), "
+                  f"`{shown[1]}` ({args.chain} steps back to back)."]
     lines += ["", f"Regenerate: `{' '.join(['python benchmarks/bench_pp.py', *(argv or sys.argv[1:])])}` "
               f"({time.time() - t_start:.0f} s)."]
     text = "\n".join(lines) + "\n"

@@ -37,6 +37,7 @@ def tables(args, results, cores, load_start, load_end):
         f"`live` is the peak count of micro-batch chunks held for backward (theory in brackets); `saved` "
         f"the peak bytes autograd held for them; `W` what the split backward kept for W.", "",
         "## Side by side (mean over stages)", "", *summary(results), "", *targets(results),
+        *back_to_back(args, results),
         "## Per stage", "",
         "| schedule | p | m | v | stage | step ms | bubble | waiting | ideal | theory | live (theory) "
         "| saved MiB | W MiB | sent MiB |",
@@ -118,6 +119,32 @@ def targets(results):
     return out + [""]
 
 
+def back_to_back(args, results):
+    """The same schedules, --chain steps run back to back with no collective between them: the
+    step time then (one step's is the best isolated one), the bubble measured over the chain
+    (simulate.steady_state), the chain simulated with each stage's mean times, the formula, and
+    the ideal idle time over 1F1B's back to back at the same mean t_F, t_B, t_W."""
+    out = ["## Steps back to back", "",
+           f"{args.chain} steps run one after the other with no barrier or collective between them, as a "
+           "trainer whose stages step their own optimizers runs (minipar's trainer does not: it sums the "
+           "loss and the gradient norm over all stages every step, so each of its steps is the one-step "
+           "figure above). The fill of a step then overlaps the drain of the one before; only zbv, "
+           "whose V ends on rank 0 while the others finish on W's, gains from it "
+           "(pipeline_parallel/simulate.py).", "",
+           "| p | m | schedule | one step ms | back to back ms | bubble | ideal | theory | bubble / ideal "
+           "| ideal idle / 1F1B's at the same times (zb_h1 <= 0.40, zbv <= 0.15) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (r["p"], r["m"])):
+        st, n, name = r["steady"], r["p"], r["schedule"]
+        bubble = sum(x["bubble"] for x in st["rows"]) / n
+        bar = {"zb_h1": 0.40, "zbv": 0.15}.get(name)
+        vs = "" if bar is None else f"{st['vs_1f1b']:.2f} {'met' if st['vs_1f1b'] <= bar else 'MISSED'}"
+        out.append(f"| {n} | {r['m']} | {name} | {r['step'] * 1e3:.0f} | {st['step'] * 1e3:.0f} | "
+                   f"{bubble:.3f} | {st['ideal']:.3f} | {theory_bubble(name, n, r['m'], r['v'], True):.3f} | "
+                   f"{bubble / st['ideal'] if st['ideal'] > 0 else float('nan'):.2f} | {vs} |")
+    return out + [""]
+
+
 def draw(results, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -130,15 +157,16 @@ def draw(results, path):
                 color = COLOURS[kind][chunk % 2]
                 ax.barh(rank, (e - s) * 1e3, left=s * 1e3, color=color, edgecolor="black", linewidth=0.4)
                 if (e - s) / res["step"] > 0.012:
-                    label = f"{kind}{micro}" + ("ab"[chunk] if res["v"] > 1 else "")
+                    label = f"{kind}{micro % res['m']}" + ("ab"[chunk] if res["v"] > 1 else "")
                     ax.text((s + e) / 2 * 1e3, rank, label, ha="center", va="center", fontsize=6)
         ax.set_yticks(range(res["p"]), [f"stage {r}" for r in range(res["p"])])
         ax.invert_yaxis()
-        bubble = sum(r["bubble"] for r in res["rows"]) / res["p"]
+        bubble, chained = sum(r["bubble"] for r in res["rows"]) / res["p"], res.get("back_to_back", False)
         ax.set_title(f"{res['schedule']}  p={res['p']} m={res['m']}"
                      + (f" v={res['v']}" if res["v"] > 1 else "")
-                     + f": step {res['step'] * 1e3:.0f} ms, mean bubble {bubble:.2f} (theory "
-                     f"{theory_bubble(res['schedule'], res['p'], res['m'], res['v']):.2f}); "
+                     + (" back to back: a step every" if chained else ": step")
+                     + f" {res['step'] * 1e3:.0f} ms, mean bubble {bubble:.2f} (theory "
+                     f"{theory_bubble(res['schedule'], res['p'], res['m'], res['v'], chained):.2f}); "
                      f"F blue, B green, W orange"
                      + (", lighter = chunk b" if res["v"] > 1 else ""), fontsize=8)
         ax.set_xlabel("ms")

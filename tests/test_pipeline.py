@@ -13,6 +13,7 @@ Slow (make test-slow): 20 steps of every schedule on pp 2 and pp 4 (the zero-bub
 and m = 2p), and pp 2 composed with tp (with and without sp), cp, dp_shard, DDP, and all of them on
 16 ranks (configs/5d.yaml; and under zbv).
 """
+import json
 import os
 
 import pytest
@@ -35,7 +36,7 @@ from minipar.pipeline_parallel import (
     theory_bubble,
 )
 from minipar.pipeline_parallel.schedules import chunk_stages
-from minipar.pipeline_parallel.simulate import peak_in_flight
+from minipar.pipeline_parallel.simulate import back_to_back, peak_in_flight, steady_state
 from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.training.config.train_config import load_config
 from minipar.training.pipeline_step import check_pipeline
@@ -180,6 +181,69 @@ def test_zero_bubble_bubbles_against_1f1b():
                 return total - 3 * m
             assert idle("zb_h1") == pytest.approx(idle("1f1b") / 3)
             assert idle("zbv", 2) == pytest.approx(idle("1f1b") / 6)
+
+
+def test_steps_back_to_back_hide_only_zbvs_fill():
+    # with no collective between steps the next step's fill overlaps this one's drain: the V of
+    # zbv then idles max(0, 4p - 2 - 2m) half-slots a step (none once the V is full, m >= 2p - 1),
+    # while every other schedule keeps its one-step bubble exactly
+    for p in (2, 3, 4, 5):
+        for m in range(p, 3 * p + 1):
+            for name in SCHEDULES:
+                if name == "interleaved_1f1b" and m % p:
+                    continue
+                v = 2 if name in ("interleaved_1f1b", "zbv") else 1
+                split = name in ("zb_h1", "zbv")
+                times = dict(t_f=1.0, t_b=1.0, t_w=1.0) if split else dict(t_f=1.0, t_b=2.0)
+                orders = [schedule_order(name, p, m, r, v) for r in range(p)]
+                one = simulate(orders, v, name=name, **times)[1] - 3 * m
+                period, idle = steady_state(simulate(back_to_back(orders, m, 3), v, name=name, **times)[0], m)
+                assert period == pytest.approx(3 * m + max(idle)) and min(idle) == pytest.approx(max(idle))
+                if name == "zbv":
+                    assert 2 * idle[0] == pytest.approx(max(0, 4 * p - 2 - 2 * m))
+                    assert idle[0] < one - 0.25 if m >= 2 * p - 1 else idle[0] <= one
+                else:
+                    assert idle[0] == pytest.approx(one)
+                assert idle[0] / period == pytest.approx(theory_bubble(name, p, m, v, steady=True))
+    with pytest.raises(ValueError, match="at least 3 steps"):
+        orders = back_to_back([schedule_order("1f1b", 2, 2, r) for r in range(2)], 2, 2)
+        steady_state(simulate(orders, 1)[0], 2)
+
+
+def _back_to_back_grads(schedule, p, m):
+    """Losses and gradients of a step on batches a, one on batches b, then of a and b run back to
+    back with nothing between them (b's sends reach a rank still in a's W's), in float64."""
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    pgm = minipar.init(ParallelismConfig(pp_size=p, dp_shard_size=1))
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2 * p,
+                      num_attention_heads=4, num_key_value_heads=2)
+    gen = torch.Generator().manual_seed(0)
+    data = [[dict(input_ids=torch.randint(0, 64, (2, 8), generator=gen),
+                  labels=torch.randint(0, 64, (2, 8), generator=gen),
+                  position_ids=torch.arange(8).expand(2, -1)) for _ in range(m)] for _ in "ab"]
+    v = _chunks(schedule, 1)
+    stage = build_stage(LlamaForCausalLM(cfg, pgm, seed=0), pgm, v, None, schedule)
+    order = schedule_order(schedule, p, m, pgm.pp.rank, v)
+    arrivals = arrival_order(schedule, p, m, v, pgm.pp.rank)
+    out = []
+    for steps in ([0], [1], [0, 1]):
+        stage.zero_grad(set_to_none=True)
+        losses = [float(run_schedule(stage, order, pgm, data[k], m * 16, act_dtype=torch.float64,
+                                     arrivals=arrivals)) for k in steps]
+        out.append((losses, {n: q.grad.clone() for n, q in stage.named_parameters()}))
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "1f1b"])
+def test_steps_run_back_to_back_pair_their_messages(schedule):
+    # the tags repeat every step; a message of step b taken for one of step a would mix the two
+    got = run_world(_back_to_back_grads, 2, schedule, 2, 4, timeout=300)
+    assert sum(r[0][0][0] for r in got) != sum(r[1][0][0] for r in got)      # a and b differ
+    for (a, ga), (b, gb), (both, gboth) in got:
+        assert both == a + b
+        for name in ga:
+            torch.testing.assert_close(gboth[name], ga[name] + gb[name], rtol=1e-10, atol=1e-15)  # fp64 order
 
 
 def test_simulate_with_each_stage_its_own_times():
@@ -420,6 +484,43 @@ def test_pp_layouts_match_single_process_fast(tmp_path_factory, tmp_path, world,
     ref = _reference(tmp_path_factory)
     for g in run_world(_train, world, _argv(tmp_path, *extra, steps=2), timeout=300):
         _same(ref[:2], g)
+
+
+def test_stages_stepping_alone_train_as_the_synchronous_run(tmp_path):
+    # pipeline_overlap_steps (no clipping): each stage updates at once and goes on; the loss and
+    # grad norm of a step come a step late, the updates are the synchronous run's, so is the
+    # curve (one process within 1e-4), with a save at step 2 settled before it is written
+    argv = ["--max_grad_norm", "0", "--save_steps", "2"]
+    pp = ["--pipeline_parallel_size", "2", "--pipeline_schedule", "zbv"]
+    one = run_world(_train, 1, _argv(tmp_path / "one", *argv, steps=4), timeout=300)[0]
+    sync = run_world(_train, 2, _argv(tmp_path / "sync", *argv, *pp, steps=4), timeout=300)
+    alone = run_world(_train, 2, _argv(tmp_path / "alone", *argv, *pp, "--pipeline_overlap_steps", "true",
+                                       steps=4), timeout=300)
+    _same(one, alone[0])
+    for a, b in zip(sync, alone):      # the same updates; the sums only rounded otherwise (float32 norm)
+        _same(a, b, rel=1e-6)
+    assert os.listdir(tmp_path / "alone" / "step-2")
+    assert [json.loads(x)["step"] for x in open(tmp_path / "alone" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_stages_stepping_alone_agree_on_sigterm_a_step_late(tmp_path):
+    # rank 1 is signalled during step 2; the flag's all-reduce is read after step 3, so both
+    # ranks save step 3 and leave, its record written
+    from test_reliability import _train_signalled
+    argv = _argv(tmp_path, "--max_grad_norm", "0", "--pipeline_parallel_size", "2", "--pipeline_schedule",
+                 "zbv", "--pipeline_overlap_steps", "true", steps=6)
+    got = run_world(_train_signalled, 2, argv, 1, 1, timeout=300)
+    assert [g[:2] for g in got] == [("preempted", 3)] * 2, got
+    assert os.listdir(tmp_path / "step-3") and [x[0] for x in got[0][2]] == [1, 2, 3]
+
+
+def test_stepping_alone_is_refused_where_it_cannot_apply():
+    from minipar.training.config.check import check
+    from minipar.training.config.train_config import TrainConfig
+    cfg = TrainConfig(pipeline_overlap_steps=True)            # pp 1, and max_grad_norm 1.0 by default
+    both = r"pipeline_parallel_size=1 .* and max_grad_norm=1.0 .*max_grad_norm: 0"
+    with pytest.raises(ValueError, match=both):
+        check(cfg)
 
 
 @pytest.mark.slow

@@ -429,6 +429,27 @@ def test_every_config_is_planned_or_refused(capsys, tmp_path, monkeypatch):
             assert "dp_shard 2 x cp 2 x tp 2 on 8 GPUs" in capsys.readouterr().out
 
 
+def test_cli_pipeline_overlap_steps_hides_zbvs_fill(capsys):
+    """--pipeline-overlap-steps (the trainer's pipeline_overlap_steps): zbv's bubble is the one of
+    steps run back to back, none once m >= 2p - 1, and the step shorter; 1F1B's is unchanged; pp 1
+    and --search are refused."""
+    import json
+    pp = [os.path.join(ROOT, "configs", "pp.yaml"), "--pp", "2", "--world", "2", "--json"]
+    got = {}
+    for schedule in ("1f1b", "zbv"):
+        for extra in ([], ["--pipeline-overlap-steps"]):
+            assert plan_main(pp + ["--pipeline-schedule", schedule] + extra) == 0
+            got[schedule, bool(extra)] = json.loads(capsys.readouterr().out)["time"]
+    m = 8                                          # 16 sequences in micro-batches of 2, dp 1
+    assert got["zbv", False]["bubble"] == pytest.approx(1 / (6 * m + 1)) and got["zbv", True]["bubble"] == 0
+    assert got["zbv", True]["step_s"] < got["zbv", False]["step_s"]
+    assert got["1f1b", True]["bubble"] == got["1f1b", False]["bubble"] == pytest.approx(1 / (m + 1))
+    assert plan_main([os.path.join(ROOT, "configs", "fsdp.yaml"), "--pipeline-overlap-steps"]) == 2
+    assert "give --pp 2 or more" in capsys.readouterr().err
+    assert plan_main([os.path.join(ROOT, "configs", "pp.yaml"), "--search", "--pipeline-overlap-steps"]) == 2
+    assert "--search ranks every pipeline size itself" in capsys.readouterr().err
+
+
 def test_cli_pipeline_json_bubble_and_errors(capsys):
     """A pipeline config prints every stage; the time carries the bubble of its schedule; bad
     pipeline settings are refused with the trainer's own messages, and --search tries every pp itself."""

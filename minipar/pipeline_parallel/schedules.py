@@ -29,7 +29,9 @@ bubbles. With t_F = t_B = t_W = t (the split backward: B + W = the old backward)
     ZB-H1     (p - 1) t                        bubble (p - 1) / (3 m + p - 1)       a third of 1F1B's
     ZB-V      (p - 1) t / 2 for m >= 2p - 1    bubble (p - 1) / (6 m + p - 1)       a sixth
               (the V's two chunks per rank halve the fill; the first forward must still cross
-              p - 1 half-stages before the last rank starts, so not quite zero)
+              p - 1 half-stages before the last rank starts, so not quite zero in one step; with
+              steps run back to back, no collective between them, the next step's fill hides
+              in this one's drain and the V's bubble is zero: simulate.py)
 
 and memory counted as chunks whose F ran and whose W has not (the linears' inputs live until W):
 ZB-H1 p on every rank (1F1B: p - rank, so the same peak as 1F1B's first stage), ZB-V min(2p,

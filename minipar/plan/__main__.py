@@ -79,7 +79,8 @@ def _pipeline(args, base: dict) -> Pipeline:
         or (base.get("virtual_stages") if schedule == base.get("pipeline_schedule") else None) \
         or (2 if schedule in ("interleaved_1f1b", "zbv") else 1)
     layers = base.get("pipeline_layers")
-    return Pipeline(pp, schedule, v, tuple(layers) if layers else None)
+    overlap = bool(args.pipeline_overlap_steps or base.get("pipeline_overlap_steps"))
+    return Pipeline(pp, schedule, v, tuple(layers) if layers else None, overlap)
 
 
 def _layout(args, base: dict, world: int) -> Layout:
@@ -124,7 +125,8 @@ def from_train_config(cfg):
                  cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size, ep=cfg.expert_parallel_size)
     if (getattr(cfg, "pipeline_parallel_size", 1) or 1) > 1:          # minipar/plan/pipeline.py
         sizes.update(pp=cfg.pipeline_parallel_size, pipeline_schedule=cfg.pipeline_schedule,
-                     virtual_stages=virtual_stages(cfg), pipeline_layers=cfg.pipeline_layers)
+                     virtual_stages=virtual_stages(cfg), pipeline_layers=cfg.pipeline_layers,
+                     pipeline_overlap_steps=cfg.pipeline_overlap_steps)
     batch = Batch(cfg.global_batch_size, cfg.micro_batch_size, cfg.sequence_len)
     opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch,
                    reshard_after_forward=cfg.fsdp.reshard_after_forward,
@@ -221,6 +223,9 @@ def main(argv=None):
     ap.add_argument("--cp-ulysses", type=int, help="USP's Ulysses group size (divides --cp)")
     ap.add_argument("--pp", type=int, help="pipeline stages (default: the config's; --search tries every pp)")
     ap.add_argument("--pipeline-schedule", choices=("afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"))
+    ap.add_argument("--pipeline-overlap-steps", action="store_const", const=True,
+                    help="the stages update and start the next step without meeting (the trainer's "
+                         "pipeline_overlap_steps: no clipping, so none is planned)")
     ap.add_argument("--virtual-stages", type=int, help="model chunks per rank (interleaved_1f1b; default 2; "
                     "zbv: 2)")
     ap.add_argument("--sp", "--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)
@@ -269,11 +274,17 @@ def main(argv=None):
                           hbm_gbps=args.hbm_bandwidth, attention_efficiency=args.attention_efficiency,
                           intra_latency_us=args.intra_latency_us, inter_latency_us=args.inter_latency_us)
         pipe = _pipeline(args, base)
-        if args.search and (args.pp or args.pipeline_schedule or args.virtual_stages):
+        if args.search and (args.pp or args.pipeline_schedule or args.virtual_stages
+                            or args.pipeline_overlap_steps):
             raise ValueError("--search ranks every pipeline size itself "
                              "(pp 1 and each pp that divides the world, 1F1B); "
-                             "drop --pp/--pipeline-schedule/--virtual-stages, or drop --search to plan one "
-                             "pipeline layout")
+                             "drop --pp/--pipeline-schedule/--virtual-stages/--pipeline-overlap-steps, or "
+                             "drop --search to plan one pipeline layout")
+        if pipe.overlap_steps:              # the trainer's rule: stages that step alone do not clip
+            if pipe.pp < 2:
+                raise ValueError("--pipeline-overlap-steps overlaps the steps of pipeline stages: give "
+                                 "--pp 2 or more")
+            opts = dataclasses.replace(opts, max_grad_norm=False)
         if model.is_moe and (args.search or pipe.pp > 1):
             raise ValueError(f"a mixture of experts ({model.num_local_experts} experts) is planned on one "
                              f"4D layout (with --ep): drop {'--search' if args.search else 'pp'} "

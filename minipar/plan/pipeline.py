@@ -10,7 +10,9 @@ Time: the stage with the most work sets the pace, and the schedule adds the bubb
     step = (compute + tp + all-to-all + exposed cp/dp of the slowest stage) / (1 - bubble) + sends
     bubble = (p - 1) / (m + p - 1)  (afab, 1f1b)     (p - 1) / (v m + p - 1)  (interleaved)
              (p - 1) / (3 m + p - 1)  (zb_h1)        (p - 1) / (6 m + p - 1)  (zbv, m >= 2p - 1)
-             (simulate.theory_bubble: t_F = t_B (= t_W), the split backward's B and W even)
+             (simulate.theory_bubble: t_F = t_B (= t_W), the split backward's B and W even;
+             with pipeline_overlap_steps the next step's fill overlaps this one's drain, which
+             leaves zbv max(0, 4p - 2 - 2m) / (6m + ...): none once m >= 2p - 1)
     sends  = 2 (m v + p - 1) x bytes(h) / bandwidth of pp: the messages on the critical path
              (the fill and drain's p - 1 hops, and each micro-batch chunk's hop in and out)
 """
@@ -45,7 +47,7 @@ def check(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batch) -> Li
 
 
 def bubble(pipe: Pipeline, m: int) -> float:
-    return theory_bubble(pipe.schedule, pipe.pp, m, pipe.virtual_stages)
+    return theory_bubble(pipe.schedule, pipe.pp, m, pipe.virtual_stages, steady=pipe.overlap_steps)
 
 
 def critical_sends(pipe: Pipeline, m: int) -> int:

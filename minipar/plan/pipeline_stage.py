@@ -58,10 +58,12 @@ class Pipeline:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     layers: Optional[Tuple[int, ...]] = None       # pipeline_layers: an explicit split
+    overlap_steps: bool = False                    # pipeline_overlap_steps: stages never meet at a step end
 
     def __str__(self) -> str:
         v = f", v {self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"pp {self.pp} ({self.schedule}{v})"
+        alone = ", steps overlapped" if self.overlap_steps else ""
+        return f"pp {self.pp} ({self.schedule}{v}{alone})"
 
 
 @dataclass

@@ -158,6 +158,18 @@ class StopFlag:
         comm.all_reduce(flag, pgm.world, op="max")
         return int(flag.item())
 
+    def agree_later(self, pgm, device):
+        """agreed() without waiting: the all-reduce runs in the background (so that pipeline stages
+        need not meet at every step's end, pipeline_step.py), and the returned function gives its
+        answer, the signal number or 0, when it is called."""
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
+        work = comm.all_reduce(flag, pgm.world, op="max", async_op=True)
+
+        def answer() -> int:
+            work.wait()
+            return int(flag.item())
+        return answer
+
 
 # ------------------------------------------------------------------------------------- the end
 def teardown(pgm=None, clean: bool = True) -> None:

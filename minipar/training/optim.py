@@ -203,9 +203,10 @@ def _sq(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, 2.0, dtype=torch.float32).double() ** 2
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], pgm) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient, each distinct element counted once; a 0-d
-    float32 tensor, the same on every rank. Every rank must call it (it all-reduces)."""
+def stage_grad_sq(params: Iterable[torch.Tensor], pgm) -> torch.Tensor:
+    """The squared L2 norm of this pipeline stage's gradient (the whole model's without pp), each
+    distinct element counted once; a 0-d float64 tensor, the same on every rank of the stage.
+    Every rank of the stage must call it (it all-reduces over tp and dp_shard x cp)."""
     params = list({id(p): p for p in params if p.grad is not None}.values())
     if params:
         device = params[0].grad.device
@@ -231,7 +232,13 @@ def global_grad_norm(params: Iterable[torch.Tensor], pgm) -> torch.Tensor:
     comm.all_reduce(split, pgm.tp)
     shard = shard_repl + split[1]
     comm.all_reduce(shard, pgm.dp_shard_cp)
-    total = plain_repl + split[0] + shard
+    return plain_repl + split[0] + shard
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], pgm) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, each distinct element counted once; a 0-d
+    float32 tensor, the same on every rank. Every rank must call it (it all-reduces)."""
+    total = stage_grad_sq(params, pgm)
     pp = getattr(pgm, "pp", None)
     if pp is not None:                  # pipeline stages hold disjoint layers: their squares add up
         comm.all_reduce(total, pp)
@@ -267,8 +274,13 @@ class OptimizerStep:
 
     def __call__(self) -> dict:
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_grad_norm, self.pgm)
+        return dict(grad_norm=float(grad_norm), lr=self.update())
+
+    def update(self) -> float:
+        """AdamW, the schedule, zero_grad, on the gradients as they are (no norm, no clipping: what a
+        pipeline stage that steps alone runs, pipeline_step.py); returns the lr the update used."""
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return dict(grad_norm=float(grad_norm), lr=lr)
+        return lr

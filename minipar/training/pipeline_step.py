@@ -16,6 +16,17 @@ optimizer step is a pipeline schedule over the step's micro-batches.
     optim.OptimizerStep                      the plain step's tail: clip by the global norm
                                              (optim.py sums the squares over pp too), AdamW, schedule
 
+Stages that step alone (pipeline_overlap_steps). The loss and the norm summed over pp make every
+stage wait, at each step's end, for the slowest: each step starts from an empty pipeline and pays
+its fill. Without clipping (max_grad_norm 0) a stage needs nothing of the others to update its
+own layers, so it steps at once and runs the next step's schedule: its sends wait for the
+neighbour's receives, and the next step's fill overlaps this one's drain (zbv's whole bubble at
+t_F = t_B = t_W; pipeline_parallel/simulate.py). The loss and the squared gradient norm go into one
+all-reduce over the world (each rank's value divided by the ranks of its stage, which all hold
+it; the world's group, not pp's, so that on NCCL it queues behind no send), started without
+waiting and read by the train loop a step later, as is the stop flag (lifecycle.StopFlag.agree_later).
+The updates are the same as the synchronous run's; only the log comes a step late.
+
 PipelineStep is handed what it uses (the stage, batch_source.Batches, the OptimizerStep, the
 autocast context, the reducers) by the trainer, and reads nothing else of it: the batches, the
 optimizer tail and the evaluation loop (batch_source.eval_loss) are the plain step's own.
@@ -40,6 +51,7 @@ from minipar.pipeline_parallel import (
 )
 from minipar.training.batch_source import eval_loss
 from minipar.training.data import batches as mdata
+from minipar.training.optim import stage_grad_sq
 
 
 def virtual_stages(cfg) -> int:
@@ -93,6 +105,7 @@ class PipelineStep:
         self.arrivals = arrival_order(cfg.pipeline_schedule, pgm.pp.size, num_micro, virtual_stages(cfg),
                                       pgm.pp.rank, side=model.pipeline_aux is not None)
         self.act_dtype = act_dtype
+        self.alone = cfg.pipeline_overlap_steps   # step without waiting for the other stages
 
     def train_step(self, step: int) -> dict:
         pgm, M = self.pgm, self.num_micro
@@ -111,10 +124,26 @@ class PipelineStep:
                                 before_backward=before_backward, autocast=self.autocast,
                                 arrivals=self.arrivals)
         comm.all_reduce(loss, pgm.dp_cp)
+        if self.alone:
+            return self._step_alone(loss)
         comm.all_reduce(loss, pgm.pp)
         aux = self.model.pipeline_aux             # an MoE's figures (models/moe_aux.py), or none
         moe = aux.step_metrics(loss.device, M) if aux is not None else {}
         return dict(loss=loss.item(), **self.optimizer_step(), moe=moe)
+
+    def _step_alone(self, loss: torch.Tensor) -> dict:
+        """pipeline_overlap_steps (the module docstring): update now, sum the loss and the squared
+        norm over the world in the background; `pending()` waits for them and gives both."""
+        pgm = self.pgm
+        sq = stage_grad_sq(self.model.parameters(), pgm)
+        lr = self.optimizer_step.update()
+        shares = torch.stack([loss.to(sq.device, sq.dtype), sq]) / (pgm.world.size // pgm.pp.size)
+        work = comm.all_reduce(shares, pgm.world, async_op=True)
+
+        def pending() -> dict:
+            work.wait()
+            return dict(loss=shares[0].item(), grad_norm=shares[1].sqrt().float().item())   # as optim.py
+        return dict(lr=lr, moe={}, pending=pending)
 
     def evaluate(self) -> float:
         # only the last stage's forward_only returns a loss (the others zero): summed over pp too

@@ -19,14 +19,17 @@ The loop owns the history (one record per step, the earlier ones of metrics.json
         save(done)                         every save_steps (save_total_limit kept)
         stop.agreed(pgm)                   SIGTERM on any rank: every rank saves step `done` and
                                            leaves with lifecycle.Preempted, at the same step
+    (pipeline_overlap_steps: the record and the stop flag of a step are settled after the next
+    one, whose stages did not wait for each other; pipeline_step.py)
     save(max_steps), export_hf, summary    the peak memory of every rank, the loss curve, the
                                            throughput and MFU beside the planner's prediction for
                                            this layout (trainer.predict: train.py passes the
                                            planner in, since training/ may not import it)
 
 Communication beyond the step's: one all-reduce of one int over the world per step (the stop
-flag; nothing on one process), a checkpoint's barriers when saving, and one all-gather of one
-float per rank in the summary.
+flag; nothing on one process; under pipeline_overlap_steps started without waiting and read a
+step later), a checkpoint's barriers when saving, and one all-gather of one float per rank in
+the summary.
 """
 from __future__ import annotations
 
@@ -97,39 +100,48 @@ class TrainLoop:
                    disable=not (self.is_main and cfg.progress_bar))
         start, last_val = time.time(), None
         stop = lifecycle.StopFlag().install()     # SIGTERM: finish the step, save it, leave (lifecycle.py)
+        # pipeline_overlap_steps: the stages do not meet at a step's end; the last step's record and
+        # stop flag wait for their sums, in flight, until the next step is done
+        alone, held, asked = cfg.pipeline_overlap_steps, None, None
         for step in range(t.start_step, cfg.max_steps):
             with self.profiler.around(step + 1):
                 t0 = time.time()
                 out = t.train_step(step)
                 dt = time.time() - t0
-            record = dict(step=step + 1, loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"],
+            done = step + 1
+            record = dict(step=done, loss=None, lr=out["lr"], grad_norm=None,
                           tokens_per_s=tokens_per_step / dt, **self.throughput.of_step(dt),
                           elapsed_s=time.time() - start)
             record.update(out.get("moe") or {})   # an MoE's aux loss, imbalance, drops (moe_metrics.py)
-            done = step + 1
             has_val = self.run.datasets is None or self.run.datasets.val is not None
             if cfg.eval_steps and has_val and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
                 last_val = record["val_loss"] = t.evaluate()
-            if not math.isfinite(out["loss"]):
-                raise FloatingPointError(f"loss is {out['loss']} at step {done}: lower learning_rate "
-                                         f"or enable max_grad_norm")
-            if metrics:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-            for logger in self.loggers:
-                logger.log(record)
-            self.history.append(record)
-            bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            bar.update(1)
-            if done % cfg.logging_steps == 0 or done == cfg.max_steps:
-                val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-                self.log(f"step {done:>5}/{cfg.max_steps}  loss {out['loss']:.4f}{val}  lr {out['lr']:.2e}  "
-                         f"grad_norm {out['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
+            if alone:                             # its loss and norm arrive a step late (pipeline_step.py)
+                if held is not None:
+                    self._report(*held, bar, metrics)
+                held = (record, out["pending"])
+            else:
+                self._report(record, lambda: out, bar, metrics)
             if cfg.save_steps and done % cfg.save_steps == 0 and done != cfg.max_steps:
+                if held is not None:              # a checkpoint only of a step whose loss is known finite
+                    self._report(*held, bar, metrics)
+                    held = None
                 t.save(done)
-            signum = stop.agreed(pgm, self.device)   # the same answer on every rank
+            if alone:                             # the stop flag agreed a step late too: no wait here
+                signum = asked() if asked is not None else 0
+                asked = stop.agree_later(pgm, self.device)
+            else:
+                signum = stop.agreed(pgm, self.device)   # the same answer on every rank
             if signum and done != cfg.max_steps:
+                if held is not None:
+                    self._report(*held, bar, metrics)
+                if asked is not None:
+                    asked()                       # joined by every rank: each started it this step
                 self._stop_early(done, signum, stop, bar, metrics)
+        if held is not None:
+            self._report(*held, bar, metrics)
+        if asked is not None:
+            asked()
         stop.restore()
         bar.close()
         self._close(metrics)
@@ -149,6 +161,29 @@ class TrainLoop:
             self.log(f"exported Hugging Face model to {hf_dir}")
         self.summary(time.time() - start, last_val)
         return self.history
+
+    def _report(self, record: dict, sums, bar, metrics):
+        """A step's record, once its loss and grad norm are known (`sums()`: the step's own
+        output, or the sums a stage stepping alone waits for): the finite-loss check, the
+        metrics file, the loggers, the history, the bar and the log line."""
+        cfg, out = self.cfg, sums()
+        record.update(loss=out["loss"], grad_norm=out["grad_norm"])
+        done = record["step"]
+        if not math.isfinite(out["loss"]):
+            raise FloatingPointError(f"loss is {out['loss']} at step {done}: lower learning_rate "
+                                     f"or enable max_grad_norm")
+        if metrics:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        for logger in self.loggers:
+            logger.log(record)
+        self.history.append(record)
+        bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        bar.update(1)
+        if done % cfg.logging_steps == 0 or done == cfg.max_steps:
+            val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+            self.log(f"step {done:>5}/{cfg.max_steps}  loss {out['loss']:.4f}{val}  lr {record['lr']:.2e}  "
+                     f"grad_norm {out['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
 
     def _close(self, metrics):
         """The metrics file, the loggers, and a trace still open (a run that ended inside profile_steps)."""

@@ -107,6 +107,16 @@ def check(cfg) -> None:
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         bad(f"pipeline_virtual_stages must be >= 1 or null, got {cfg.pipeline_virtual_stages}")
     moe = cfg.model.num_local_experts > 0
+    if cfg.pipeline_overlap_steps:
+        why = ([f"pipeline_parallel_size={cfg.pipeline_parallel_size} (there are no stages to overlap; "
+                f"set pipeline_parallel_size >= 2)"] if cfg.pipeline_parallel_size < 2 else []) + \
+              ([f"max_grad_norm={cfg.max_grad_norm} (clipping scales each update by the whole model's "
+                f"gradient norm, which a stage cannot know before the others finish; set max_grad_norm: 0, "
+                f"or drop pipeline_overlap_steps)"] if cfg.max_grad_norm else []) + \
+              (["a mixture-of-experts model (its routing metrics are summed over the stages every step; "
+                "drop pipeline_overlap_steps)"] if moe else [])
+        if why:
+            bad("pipeline_overlap_steps: true does not apply with " + " and ".join(why))
     if cfg.moe_capacity_factor is not None and not (moe and cfg.moe_capacity_factor > 0):
         bad(f"moe_capacity_factor={cfg.moe_capacity_factor}: a capacity factor is > 0 and applies to a "
             f"mixture of experts (model_type mixtral or qwen3_moe); null is dropless")

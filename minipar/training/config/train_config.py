@@ -98,6 +98,11 @@ class TrainConfig:
     pipeline_schedule: str = "1f1b"       # afab | 1f1b | interleaved_1f1b | zb_h1 | zbv
     pipeline_virtual_stages: Optional[int] = None   # model chunks per rank; None: 2 if interleaved, else 1
     pipeline_layers: Optional[List[int]] = None     # layers per (virtual) stage; None: the even split
+    # true: each stage steps its own optimizer and starts the next step at once (no collective over
+    # the stages at a step's end; the loss, grad norm and stop flag are summed in the background and
+    # logged a step late), so zbv's fill hides in the last step's drain; needs max_grad_norm 0
+    # (clipping needs the whole model's norm before an update); minipar/training/pipeline_step.py
+    pipeline_overlap_steps: bool = False
     ddp_timeout: int = 1800               # seconds a collective waits for a stuck peer (Axolotl's name)
     # the ladder's rungs (docs/ladder.md): naive | bucketed gradient all-reduce when nothing is
     # sharded; TP's async input-gradient overlap; CP's sequence split (zigzag | contiguous)

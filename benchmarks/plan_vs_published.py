@@ -40,8 +40,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from minipar.plan import activation_bytes as pa  # noqa: E402
 from minipar.plan.estimate import Cluster, plan  # noqa: E402
-from minipar.plan.inputs import Batch, Layout, ModelShape, Options  # noqa: E402
+from minipar.plan.inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options  # noqa: E402
 from minipar.plan.pipeline import plan_pipeline  # noqa: E402
 from minipar.plan.pipeline_stage import Pipeline  # noqa: E402
 
@@ -101,6 +102,7 @@ class Run:
     cluster: dict = dataclasses.field(default_factory=dict)
     derived: str = ""                  # how tokens_per_gpu came from the published figure
     note: str = ""                     # what the planner does not model about this run
+    explain_memory: bool = False       # the row says what its planned memory counts (memory_counted)
 
 
 def runs():
@@ -162,8 +164,7 @@ def runs():
                             "step (gather_once_per_step)" + ("; CP by all-gathered K/V, exposed "
                                                              "(cp_all_gather_kv)" if cp > 1 else "")
                             + "; no AC (the paper trains 8K sequences without it; at 131K each rank holds "
-                            "8K tokens too); virtual stages not stated (2 assumed); memory is minipar's "
-                            "eager activations in flight, more than the 80 GB the run had"))
+                            "8K tokens too); virtual stages not stated (2 assumed)", explain_memory=True))
     return out
 
 
@@ -181,6 +182,35 @@ def predict(run: Run) -> dict:
     return plan_pipeline(run.model, run.layout, run.pipe, run.batch, run.opts, cluster)
 
 
+def memory_counted(run: Run, p: dict) -> str:
+    """What a row's planned memory is made of, from the plan itself: the worst stage's activations in
+    flight, a decoder layer's share by part (activation_bytes.py's count of minipar's eager code), and
+    the s x s attention scores that count leaves out (SDPA's flash kernel keeps none)."""
+    m, act = p["memory"], pa.activations(run.model, run.layout, run.batch, run.opts)
+    kept = m["activations"]["as_configured"]
+    stage = p["stages"][p["worst_stage"]]
+    layers = sum(len(c) for c in stage["layers"])
+    parts = {k: v / GiB for k, v in act["per_layer_parts"].items()}
+    lay, b = run.layout, run.batch.micro(run.layout)
+    scores = b * run.model.num_attention_heads // lay.tp * run.batch.sequence_len // lay.cp \
+        * run.batch.sequence_len * DTYPE_BYTES[run.opts.dtype] / GiB
+    kv = ("q, the K/V heads, the output and its copy (CP)" if lay.cp > 1 else
+          "q, k and v repeated to the query heads, the output")
+    return (f"memory counts minipar's eager activations, the run's is not published (it had 80 GB): stage "
+            f"{stage['rank']} keeps {kept / GiB:.0f} GiB in flight at its peak ({m['peak_phase']}), "
+            f"{kept / m['activations']['per_micro']:.1f} micro-batches of its {layers} layers at "
+            f"{act['per_layer'] / GiB:.2f} GiB a layer: the two RMSNorms {parts['norms']:.2f} (mostly the "
+            f"all-gathered input of the column-parallel matmuls, which minipar's SP keeps whole; each also "
+            f"an fp32 copy of its input and its normalised x), SwiGLU {parts['mlp']:.2f} (gate, silu(gate), "
+            f"up, their product), attention {parts['attention']:.2f} ({kv}, the fp32 log-sum-exp: flash "
+            f"SDPA keeps no s x s scores, which would be {scores:.1f} GiB a layer more); the rest, "
+            f"{(m['total'] - kept) / GiB:.0f} GiB, is the "
+            f"state, the stage's gathered layers and no_sync's fp32 accumulators. Megatron-LM-style SP "
+            f"keeps the sharded input and all-gathers it again in backward (Korthikanti et al. 2022) and "
+            f"fused norm and SwiGLU kernels keep less; the planner does not model that, nor the paper's "
+            f"pipeline memory changes")
+
+
 def row(run: Run) -> tuple:
     p = predict(run)
     tps = p["time"]["tokens_per_s"] / p["world"]
@@ -192,7 +222,8 @@ def row(run: Run) -> tuple:
         (not run.memory_gib or abs(mem / run.memory_gib - 1) <= MEMORY_WITHIN)
     return ok, (f"| {run.what} | {p['world']} | {tps:,.0f} / {run.tokens_per_gpu:,.0f} ({ratio:.2f}x) | "
                 f"{mem_cell} | {100 * p['time']['mfu_full_attention']:.1f} % | {'yes' if ok else 'no'} | "
-                f"{run.source}{'; ' + run.derived if run.derived else ''} | {run.note} |")
+                f"{run.source}{'; ' + run.derived if run.derived else ''} | {run.note}"
+                f"{'; ' + memory_counted(run, p) if run.explain_memory else ''} |")
 
 
 def compile_saving(rows) -> list:

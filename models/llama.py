@@ -130,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
                                                     async_overlap=self.pgm.config.tp_async_overlap)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight   # same (V/tp, d) rows on every layout
+            self.lm_head.tied = True           # the two gradients summed in place (tensor_parallel/layers.py)
         self.gradient_checkpointing = False
         self.moe_metrics = None
         # what a pipeline carries between stages for the load-balancing loss (None: nothing)

@@ -137,3 +137,25 @@ def test_logits_loss_and_every_gradient_equal_transformers(tmp_path, extra):
     for name, g in grads.items():
         want = theirs[name].grad
         assert want.norm() > 0 and (g - want).norm() <= 1e-6 * want.norm(), name     # measured: < 5e-7
+
+
+def test_tied_gradients_are_summed_in_place_bit_for_bit():
+    """lm_head tied to the embedding: autograd adds the embedding's gradient INTO lm_head's (one
+    aten::add_ of (V, d), no third vocabulary-sized buffer, tensor_parallel/layers.py's
+    _SummableGrad) where a plain F.linear weight gradient, a view, made it allocate the sum (aten::add);
+    the gradients are the same bits."""
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for summable in (False, True):
+        model = LlamaForCausalLM(cfg, seed=0)
+        model.lm_head.tied = summable
+        loss = model(ids, labels=ids)
+        with torch.profiler.profile(record_shapes=True) as prof:
+            loss.backward()
+        sums = [e.name for e in prof.events()
+                if e.name in ("aten::add", "aten::add_") and e.input_shapes[:1] == [[256, 64]]]
+        assert sums == (["aten::add_"] if summable else ["aten::add"]), sums
+        grads[summable] = {n: p.grad for n, p in model.named_parameters()}
+    assert all(torch.equal(grads[False][n], g) for n, g in grads[True].items())

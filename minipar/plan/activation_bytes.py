@@ -79,7 +79,10 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     L = m.num_hidden_layers
     out = dict(per_layer=layer, root=root, full=L * layer + root, layer_input=layer_input,
                selective_layer=selective, checkpointed=L * layer_input + root,
-               checkpointed_peak=L * layer_input + root + layer)
+               checkpointed_peak=L * layer_input + root + layer,
+               # per_layer by part: what a reader of the plan can hold against another trainer's
+               per_layer_parts=dict(norms=layer - attention - mlp - weights, attention=attention,
+                                    mlp=mlp, weight_casts=weights))
     kept = sum(kept_per_layer(out, opts, i) for i in range(L))
     out.update(as_configured_kept=kept + root, as_configured=kept + root + recompute_peak(out, opts))
     return out

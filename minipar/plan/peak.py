@@ -3,9 +3,10 @@ code path (model.py has the notation; bytes per rank), for the whole model or on
 
 A sum of everyone's maximum (the state + the gathered buffers + the activations + every transient)
 overcounts what never meets, and a transient counted too small hides the phase where it does meet:
-at SmolLM-135M's shape (benchmarks/bench_memory.py) the tied embedding's three full-vocabulary
-gradients at the end of backward, not the activations, set the peak of a 1-layer model. So the
-planner walks the step and takes the maximum of these phases:
+at SmolLM-135M's shape (benchmarks/bench_memory.py) the tied embedding's full-vocabulary gradients
+at the end of backward, not the activations, set the peak of a 1-layer model (until their sum, a
+third such buffer, was made in place). So the planner walks the step and takes the maximum of these
+phases:
 
     S     params + AdamW states (the persistent state less its gradients: zero_grad sets them to None)
     Gs    the shard (or, without ZeRO-3, the whole) fp32 gradients, Gacc the no_sync accumulators
@@ -34,13 +35,18 @@ planner walks the step and takes the maximum of these phases:
                                                                      starts (it gathers its window
                                                                      before the root is freed)
     backward end     the embedding's backward: its dense gradient (V/T x d, torch's embedding
-                     backward), with, tied, lm_head's gradient held since the head backward and
-                     their sum, out of place (lm_head's gradient is a transposed view, so autograd
-                     cannot add into it), which the root's split then concatenates; untied, that
+                     backward), with, tied, lm_head's gradient held since the head backward,
+                     which takes it in place (tensor_parallel/layers.py's _SummableGrad hands it
+                     on as a tensor of its own, not F.linear's transposed view, which autograd
+                     cannot add into: it made a third buffer for the sum), and which the root's
+                     split then concatenates; untied, that
                      concatenation of the embedding unit's flat gradient E. ZeRO-3 tied:
-                     S + Gs - its root shard + 3 H + U4, untied: S + Gs - its shard + 2 E + U4
-                     (U4: the last layer's fp32 reduce-scatter source, still in flight); without
-                     ZeRO-3, tied S + Gs + 2 H (the sum becomes the weight's .grad), untied S + Gs
+                     S + Gs - its root shard + H + Rg + U4 (the sum in place, then the root's
+                     flat gradient Rg), untied: S + Gs - its shard + 2 E + U4 (U4: the last
+                     layer's fp32 reduce-scatter source, still in flight; under bf16 the
+                     reduce-scatter's fp32 copy of Rg or E beside it, if more); without ZeRO-3,
+                     tied S + Gs + H (the sum becomes the weight's .grad; + H with M > 1, added
+                     into it), untied S + Gs
     optimizer        S + Gs + max(4 P_rank, 8 x the largest shard)   AdamW's sqrt / div temporaries:
                      the foreach kernels (CUDA's default) over every shard at once, the per-tensor
                      loop (CPU's) two of the largest shard
@@ -121,7 +127,9 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
     logits = n * V // T if head_here else 0                 # elements of this rank's logits
     H = V // T * d * eg if trains and head_here else 0
     all_along = not opts.reshard_after_forward or opts.gather_once_per_step   # every unit gathered
-    R = W = first = U = in_flight = emb = root_shard = emb_shard = 0
+    R = W = first = U = in_flight = emb = root_shard = emb_shard = root_grad = 0
+    # a bf16 flat gradient is copied to fp32 for its reduce-scatter (grad_reduce.py), beside it
+    fp32_copy = (lambda nbytes: nbytes * 4 // eg) if eg != 4 else (lambda nbytes: 0)
     largest_shard = max(u.numel for u in us)
     if layout.sharded:
         padded = [_padded(u.numel, shard_size(u, layout)) for u in us]
@@ -133,7 +141,7 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
         # (the last layers'); the window of the layers' backward is W
         first = W if all_along else sum(layers[::-1][:opts.prefetch]) * e
         if trains:
-            U, in_flight, root_shard = layer * eg, layer * 4, 4 * shards[0]
+            U, in_flight, root_shard, root_grad = layer * eg, layer * 4, 4 * shards[0], padded[0] * eg
             for u, p, sh in zip(us, padded, shards):
                 if u.kind == "embedding":
                     emb, emb_shard = p * eg, 4 * sh
@@ -153,12 +161,17 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
         out["layer backward"] = max(out["layer backward"], S + R + H + W + A - softmax + g)
     if not trains:
         end = S + Gs
-    elif tied and layout.sharded:       # the root's shard gradient is not there yet; the last layer's is
-        end = S + Gs - root_shard + 3 * H + in_flight
-    elif tied:                          # the sum becomes the weight's .grad, one of Gs
-        end = S + Gs + 2 * H
-    else:                               # the embedding unit: its dense gradient and their concatenation
-        end = S + Gs - emb_shard + 2 * emb + in_flight
+    elif tied and layout.sharded:
+        # the root's shard gradient is not there yet; the last layer's is. lm_head's gradient, held
+        # since the head's backward, takes the embedding's dense one in place (2 H, layers.py's
+        # _SummableGrad); the root's split concatenates the sum into its flat gradient (H + root_grad),
+        # which bf16 then copies to fp32 for the reduce-scatter
+        end = S + Gs - root_shard + max(H + root_grad, root_grad + fp32_copy(root_grad)) + in_flight
+    elif tied:      # the sum, in lm_head's gradient, becomes the weight's .grad (one of Gs), beside it
+        # the embedding's dense gradient (and with an earlier .grad to add into, the sum too)
+        end = S + Gs + (2 * H if batch.micro_steps(layout) > 1 else H)
+    else:           # the embedding unit: its dense gradient and their concatenation (and bf16's copy)
+        end = S + Gs - emb_shard + emb + max(emb, fp32_copy(emb)) + in_flight
     out["backward end"] = end + Gacc + holds.after_backward
     out["optimizer"] = S + Gs + (max(4 * mem["param_elements"], 8 * largest_shard)
                                  if trains and not megatron else 0)

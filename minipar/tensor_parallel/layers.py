@@ -92,16 +92,39 @@ def _param(shape, split_dim, full_shape):
     return p
 
 
+class _SummableGrad(torch.autograd.Function):
+    """Identity on a weight; its backward hands the weight's gradient on as a tensor of its own.
+
+    F.linear's weight gradient is a view (autograd computes it transposed and transposes it back),
+    and a view shares its storage with its base. When the weight is also used elsewhere (lm_head
+    tied to the embedding) autograd must sum the two gradients, and it adds in place only into a
+    tensor that holds its storage alone, so it allocated a third (V/tp, d) buffer for the sum.
+    detach() lets go of the view's base: the embedding's gradient is then added into lm_head's, the
+    same additions in the same order (bitwise equal), one vocabulary-sized buffer less."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.detach()
+
+
 class _TPLinear(nn.Module):
     # where the weight gradient goes: None computes it in backward, as F.linear does; a pipeline
     # running a zero-bubble schedule sets a WeightGradStore (minipar/pipeline_parallel/
     # split_backward.py) whose linear() defers dW from the backward (B) to a later W action
     weight_grad_store = None
+    # True when the weight is shared with another module (lm_head tied to the embedding): its
+    # gradient is handed on so that the two are summed in place (_SummableGrad)
+    tied = False
 
     def _linear(self, x, bias):
+        weight = _SummableGrad.apply(self.weight) if self.tied else self.weight
         if self.weight_grad_store is None:
-            return F.linear(x, self.weight, bias)
-        return self.weight_grad_store.linear(x, self.weight, bias)
+            return F.linear(x, weight, bias)
+        return self.weight_grad_store.linear(x, weight, bias)
 
     def reset_parameters(self, std: float = 0.02, generator=None):
         """Draw the full weight (same on every rank for the same generator state), keep the slice."""

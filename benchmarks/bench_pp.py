@@ -160,6 +160,9 @@ def _steady(chains, schedule, p, m, v):
     orders = back_to_back([schedule_order(schedule, p, m, rank, v) for rank in range(p)], m, len(chains[0]))
     ideal = simulate(orders, v, name=schedule, duration=lambda rank, a: own[(rank, a.kind, a.chunk)])[0]
     ideal_period, ideal_idle = steady_state(ideal, m)
+    took = {(rank, a.kind, a.chunk, a.micro): e - s for rank, ev in enumerate(events) for a, s, e in ev}
+    replay = simulate(orders, v, name=schedule, duration=lambda rank, a: took[(rank, *a)])[0]
+    replay_period, replay_idle = steady_state(replay, m)
 
     def mean(kind):                              # per whole stage: a chunk's time x v
         ts = [e - s for ev in events for a, s, e in ev if a.kind == kind]
@@ -171,6 +174,7 @@ def _steady(chains, schedule, p, m, v):
     rows = [dict(events=[(a.kind, a.chunk, a.micro, s, e) for a, s, e in ev], bubble=i / period)
             for ev, i in zip(events, idle)]
     return dict(step=period, ideal=sum(ideal_idle) / p / ideal_period, vs_1f1b=sum(even) / sum(one),
+                replay=sum(replay_idle) / p / replay_period,
                 t_f=t_f, t_b=t_b, t_w=t_w, rows=rows)
 
 

@@ -122,8 +122,9 @@ def targets(results):
 def back_to_back(args, results):
     """The same schedules, --chain steps run back to back with no collective between them: the
     step time then (one step's is the best isolated one), the bubble measured over the chain
-    (simulate.steady_state), the chain simulated with each stage's mean times, the formula, and
-    the ideal idle time over 1F1B's back to back at the same mean t_F, t_B, t_W."""
+    (simulate.steady_state), the chain simulated with each stage's mean times (ideal) and with
+    every action's measured time (replay), the formula, and the ideal idle time over 1F1B's back
+    to back at the same mean t_F, t_B, t_W."""
     out = ["## Steps back to back", "",
            f"{args.chain} steps run one after the other with no barrier or collective between them, as a "
            "trainer whose stages step their own optimizers runs (minipar's trainer does not: it sums the "
@@ -131,17 +132,19 @@ def back_to_back(args, results):
            "figure above). The fill of a step then overlaps the drain of the one before; only zbv, "
            "whose V ends on rank 0 while the others finish on W's, gains from it "
            "(pipeline_parallel/simulate.py).", "",
-           "| p | m | schedule | one step ms | back to back ms | bubble | ideal | theory | bubble / ideal "
+           "| p | m | schedule | one step ms | back to back ms | bubble | ideal | replay | theory "
+           "| bubble / ideal | bubble / replay "
            "| ideal idle / 1F1B's at the same times (zb_h1 <= 0.40, zbv <= 0.15) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["p"], r["m"])):
         st, n, name = r["steady"], r["p"], r["schedule"]
         bubble = sum(x["bubble"] for x in st["rows"]) / n
         bar = {"zb_h1": 0.40, "zbv": 0.15}.get(name)
         vs = "" if bar is None else f"{st['vs_1f1b']:.2f} {'met' if st['vs_1f1b'] <= bar else 'MISSED'}"
+        ratio = [f"{bubble / x:.2f}" if x > 0 else "" for x in (st["ideal"], st["replay"])]
         out.append(f"| {n} | {r['m']} | {name} | {r['step'] * 1e3:.0f} | {st['step'] * 1e3:.0f} | "
-                   f"{bubble:.3f} | {st['ideal']:.3f} | {theory_bubble(name, n, r['m'], r['v'], True):.3f} | "
-                   f"{bubble / st['ideal'] if st['ideal'] > 0 else float('nan'):.2f} | {vs} |")
+                   f"{bubble:.3f} | {st['ideal']:.3f} | {st['replay']:.3f} | "
+                   f"{theory_bubble(name, n, r['m'], r['v'], True):.3f} | {ratio[0]} | {ratio[1]} | {vs} |")
     return out + [""]
 
 

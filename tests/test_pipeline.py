@@ -489,14 +489,13 @@ def test_pp_layouts_match_single_process_fast(tmp_path_factory, tmp_path, world,
 def test_stages_stepping_alone_train_as_the_synchronous_run(tmp_path):
     # pipeline_overlap_steps (no clipping): each stage updates at once and goes on; the loss and
     # grad norm of a step come a step late, the updates are the synchronous run's, so is the
-    # curve (one process within 1e-4), with a save at step 2 settled before it is written
+    # curve (which the zbv runs above hold against one process), with a save at step 2 settled
+    # before it is written
     argv = ["--max_grad_norm", "0", "--save_steps", "2"]
     pp = ["--pipeline_parallel_size", "2", "--pipeline_schedule", "zbv"]
-    one = run_world(_train, 1, _argv(tmp_path / "one", *argv, steps=4), timeout=300)[0]
     sync = run_world(_train, 2, _argv(tmp_path / "sync", *argv, *pp, steps=4), timeout=300)
     alone = run_world(_train, 2, _argv(tmp_path / "alone", *argv, *pp, "--pipeline_overlap_steps", "true",
                                        steps=4), timeout=300)
-    _same(one, alone[0])
     for a, b in zip(sync, alone):      # the same updates; the sums only rounded otherwise (float32 norm)
         _same(a, b, rel=1e-6)
     assert os.listdir(tmp_path / "alone" / "step-2")

@@ -31,7 +31,8 @@ from minipar.plan.__main__ import from_train_config
 from minipar.plan.__main__ import main as plan_main
 from minipar.plan.estimate import Cluster, crosses_nodes
 from minipar.plan.inputs import Batch, ModelShape, Options
-from minipar.plan.pipeline_stage import Pipeline, plan_stage, stages
+from minipar.plan.long_step import plan_stage
+from minipar.plan.pipeline_stage import Pipeline, stages
 from minipar.training.data import batches as mdata
 from minipar.training.run_setup import setup_run
 from minipar.training.trainer import Trainer
@@ -148,7 +149,7 @@ def _check(r0, results):
     if sizes.get("pp", 1) > 1:
         layers = sizes["pipeline_layers"]
         pipe = Pipeline(sizes["pp"], sizes["pipeline_schedule"], sizes["virtual_stages"],
-                        tuple(layers) if layers else None)
+                        tuple(layers) if layers else None, sizes["pipeline_overlap_steps"])
     for rank, r in enumerate(results):
         mem, coll, act = _plan_rank(model, layout, pipe, batch, opts, rank)
         want = {k: [c, b] for k, (c, b) in coll.items()}
@@ -227,6 +228,11 @@ PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size"
                             "zbv", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
                             "--sequence_parallel", "true", "--pipeline_schedule", "zb_h1"]),
+               # stages stepping alone: the loss and norm in one background sum over the world,
+               # the norm measured (for the log) though nothing is clipped
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
+                            "zbv", "--micro_batch_size", "1", "--model.num_hidden_layers", "4",
+                            "--max_grad_norm", "0", "--pipeline_overlap_steps", "true"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--dtype",
                             "bfloat16", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"])]
 
@@ -330,7 +336,7 @@ def test_long_steps_extend_the_replay_exactly():
     answer is the full replay's, under AFAB, 1F1B, interleaved, ZB-H1 and ZB-V, ZeRO-3 and DDP,
     prefetch 1 and 2."""
     from minipar.plan import Pipeline, plan_stage
-    from minipar.plan.pipeline_stage import _plan_stage, stages
+    from minipar.plan.pipeline_stage import replay_stage, stages
     m8, m70 = _llama("llama-3.1-8b"), _llama("llama-3.1-70b")
     cases = [(m8, Layout(1, 2, 1, 2, True), Pipeline(4, "1f1b"), Batch(64, 1, 4096),
               Options(dtype="bfloat16")),
@@ -349,7 +355,7 @@ def test_long_steps_extend_the_replay_exactly():
         assert batch.micro_steps(lay) > 4 * pipe.pp
         for st in stages(model, pipe):
             assert plan_stage(model, lay, pipe, st, batch, opts) \
-                == _plan_stage(model, lay, pipe, st, batch, opts)
+                == replay_stage(model, lay, pipe, st, batch, opts)
 
 
 def test_pipeline_stage_peak_is_its_largest_phase():

@@ -132,7 +132,7 @@ def from_train_config(cfg):
                    reshard_after_forward=cfg.fsdp.reshard_after_forward,
                    sync_each_batch=cfg.fsdp.sync_each_batch,
                    gradient_checkpointing=cfg.gradient_checkpointing,
-                   selective_ac_option=cfg.selective_ac_option, max_grad_norm=bool(cfg.max_grad_norm),
+                   selective_ac_option=cfg.selective_ac_option,
                    **_lora(cfg))
     return model, sizes, batch, opts
 
@@ -225,7 +225,7 @@ def main(argv=None):
     ap.add_argument("--pipeline-schedule", choices=("afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"))
     ap.add_argument("--pipeline-overlap-steps", action="store_const", const=True,
                     help="the stages update and start the next step without meeting (the trainer's "
-                         "pipeline_overlap_steps: no clipping, so none is planned)")
+                         "pipeline_overlap_steps, which runs without clipping)")
     ap.add_argument("--virtual-stages", type=int, help="model chunks per rank (interleaved_1f1b; default 2; "
                     "zbv: 2)")
     ap.add_argument("--sp", "--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)
@@ -280,11 +280,9 @@ def main(argv=None):
                              "(pp 1 and each pp that divides the world, 1F1B); "
                              "drop --pp/--pipeline-schedule/--virtual-stages/--pipeline-overlap-steps, or "
                              "drop --search to plan one pipeline layout")
-        if pipe.overlap_steps:              # the trainer's rule: stages that step alone do not clip
-            if pipe.pp < 2:
-                raise ValueError("--pipeline-overlap-steps overlaps the steps of pipeline stages: give "
-                                 "--pp 2 or more")
-            opts = dataclasses.replace(opts, max_grad_norm=False)
+        if pipe.overlap_steps and pipe.pp < 2:
+            raise ValueError("--pipeline-overlap-steps overlaps the steps of pipeline stages: "
+                             "give --pp 2 or more")
         if model.is_moe and (args.search or pipe.pp > 1):
             raise ValueError(f"a mixture of experts ({model.num_local_experts} experts) is planned on one "
                              f"4D layout (with --ep): drop {'--search' if args.search else 'pp'} "

@@ -103,9 +103,8 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
             add("all_reduce", "dp_cp", 1, nbytes)
     add("all_reduce", "dp_cp", 1, 8)                      # the logged loss (fp64)
     step_collectives(add, m, layout)                      # an MoE's metrics
-    if opts.max_grad_norm:
-        add("all_reduce", "tp", 1, 16)                    # the global norm: 2 fp64 sums over tp
-        add("all_reduce", "dp_shard_cp", 1, 8)            # and 1 over the shard group
+    add("all_reduce", "tp", 1, 16)                        # the global norm (clipped by, or only logged):
+    add("all_reduce", "dp_shard_cp", 1, 8)                # 2 fp64 sums over tp, 1 over the shard group
     return out
 
 

@@ -188,7 +188,6 @@ class Options:
     # models/activation_checkpoint.py, counted by activation_bytes.py's activations and recompute_shares
     gradient_checkpointing: Union[bool, str] = False
     selective_ac_option: Union[str, int] = "op"
-    max_grad_norm: bool = True     # clipping measures the global norm (two tiny all-reduces)
     # adapter: lora (minipar/lora/): rank r > 0 on these projections; the base frozen (no gradient,
     # no optimizer state), the adapters whole over dp. 0: every weight trained
     lora_r: int = 0

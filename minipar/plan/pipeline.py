@@ -32,8 +32,9 @@ from . import peak
 from . import time_model as tm
 from .estimate import crosses_nodes, distributed_optimizer_memory, group_seconds, mfu
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+from .long_step import plan_stage
 from .overlap import step_seconds
-from .pipeline_stage import Pipeline, message_bytes, plan_stage, stage_units, stages
+from .pipeline_stage import Pipeline, message_bytes, stage_units, stages
 
 
 def check(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batch) -> List[str]:
@@ -67,7 +68,8 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     world, M = W * pipe.pp, batch.micro_steps(layout)
     cross = crosses_nodes(layout, g)
     cross["pp"] = any(len({(w + k * W) // g for k in range(pipe.pp)}) > 1 for w in range(W))
-    sizes = dict(layout.sizes(), pp=pipe.pp)
+    cross["world"] = world > g                            # pipeline_overlap_steps' background sums
+    sizes = dict(layout.sizes(), pp=pipe.pp, world=world)
     tokens = batch.global_batch_size * batch.sequence_len
     fl = pm.flops(model, layout, batch, opts)
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)

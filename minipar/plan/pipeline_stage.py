@@ -3,7 +3,8 @@
 With pp > 1 every rank holds one stage (pipeline_parallel/stage.py's split_layers rule, imported,
 not re-derived): a contiguous run of layers per model chunk (v chunks per rank under
 interleaving), the embedding on the first stage, the final norm + lm_head + loss on the last.
-Inside a stage the layout is the 4D one of model.py; plan_stage answers, per stage:
+Inside a stage the layout is the 4D one of model.py; replay_stage answers, per stage (long_step.py
+the same for a step of many micro-batches, from three short ones):
 
     persistent   16 B x the stage's parameters (+ 4 B per tensor / unit): as model.py, over the
                  stage's tensors; under ZeRO-3 its units: <root> = norm + lm_head on the last stage
@@ -27,7 +28,8 @@ non-last virtual stage (h forward) and per B on a non-first one (dL/dh backward)
 neighbouring virtual stage is on another rank (zbv's turn at rank p - 1 is not), each
 b x s/cp (/tp under SP) x d in the dtype of the residual stream (bf16 only when ZeRO-3 casts the
 weights to bf16, else fp32: trainer.py's act_dtype, which p2p.py sends); ("all_reduce", "pp") 8 B
-for the loss and 8 B for the global grad norm; TP/CP per layer of the stage, the embedding's
+for the loss and 8 B for the global grad norm (pipeline_overlap_steps: both in one 16 B all-reduce
+over the world); TP/CP per layer of the stage, the embedding's
 collective on the first stage, lm_head's and the loss's on the last, each in the dtype
 collective_counts.py gives it (under autocast the stream's f / g fp32, o_proj's and down_proj's g bf16).
 
@@ -129,57 +131,17 @@ def _replay_step(replay: Zero3Replay, order, us: List[Unit], st: Stage):
         replay.backward([seq[0]] + back if head else back[:1] + [seq[0]] + back[1:], head)
 
 
-def plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, batch: Batch,
-               opts: Options) -> dict:
-    """Memory, activations and ledger of one stage (one rank of it: all its ranks are alike).
-
-    A long step is not replayed action by action. Under AFAB, 1F1B, ZB-H1 and ZB-V every
-    micro-batch past the warm-up (under interleaving every group of p) repeats the same actions from
-    the same state (a backward ends
-    with nothing gathered, the learned orders do not change), so each count grows by the same
-    amount per micro-batch and each peak stops growing. With m > 4p the stage is replayed at
-    m1 = 2p, 2p + 1 and 2p + 2 micro-batches; when the three agree (every number constant, or
-    growing by the same step) the answer at m is m1's plus (m - m1) steps, exactly what the full
-    replay gives (tests/test_plan.py compares both); if they do not, the full replay runs."""
-    M = batch.micro_steps(layout)
-    # the interleaved schedule repeats per group of p micro-batches, the others per micro-batch
-    period = pipe.pp if pipe.schedule == "interleaved_1f1b" else 1
-    m1 = 2 * pipe.pp
-    if M <= 4 * pipe.pp or batch.global_batch_size % M or (M - m1) % period:
-        return _plan_stage(model, layout, pipe, st, batch, opts)
-    per = batch.global_batch_size // M                   # samples of one micro-step, over dp
-    r1, r2, r3 = (_plan_stage(model, layout, pipe, st, dataclasses.replace(batch, global_batch_size=per * m),
-                              opts) for m in (m1, m1 + period, m1 + 2 * period))
-    out = _extend(r1, r2, r3, (M - m1) // period)
-    return out if out is not None else _plan_stage(model, layout, pipe, st, batch, opts)
-
-
-def _extend(a, b, c, k):
-    """a + k (b - a) leaf by leaf, where c - b == b - a everywhere; None where they disagree."""
-    if isinstance(a, dict):
-        if not (isinstance(b, dict) and isinstance(c, dict) and a.keys() == b.keys() == c.keys()):
-            return None
-        out = {key: _extend(a[key], b[key], c[key], k) for key in a}
-        return None if any(v is None for v in out.values()) else out
-    if isinstance(a, (list, tuple)):
-        if not (len(a) == len(b) == len(c)):
-            return None
-        out = [_extend(x, y, z, k) for x, y, z in zip(a, b, c)]
-        return None if any(v is None for v in out) else type(a)(out)
-    if isinstance(a, bool) or not isinstance(a, (int, float)):
-        return a if a == b == c else None
-    return a + k * (b - a) if c - b == b - a else None
-
-
-def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, batch: Batch,
-                opts: Options) -> dict:
-    """plan_stage by the full replay of the step's action list."""
+def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, batch: Batch,
+                 opts: Options) -> dict:
+    """Memory, activations and ledger of one stage (one rank of it: all its ranks are alike), by
+    the full replay of the step's action list (long_step.plan_stage: the same for a long step
+    from three short ones)."""
     T, C, e = layout.tp, layout.cp, DTYPE_BYTES[opts.dtype]
     pe = param_bytes(layout, opts)               # the residual stream's dtype: fp32 under autocast
     M, b = batch.micro_steps(layout), batch.micro(layout)
     order = schedule_order(pipe.schedule, pipe.pp, M, st.rank, pipe.virtual_stages)
     coll: Dict[Tuple[str, str], List[int]] = {}
-    sizes = dict(layout.sizes(), pp=pipe.pp)
+    sizes = dict(layout.sizes(), pp=pipe.pp, world=layout.world * pipe.pp)
 
     def add(op, group, calls, nbytes):
         if calls and sizes[group] > 1:
@@ -300,11 +262,12 @@ def _plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, ba
                 or (a.kind == "B" and mine[a.chunk] > 0 and owner[mine[a.chunk] - 1] != st.rank))
     add("send", "pp", sends, msg)
     add("all_reduce", "dp_cp", 1, 8)                       # the loss over dp_cp, then over pp
-    add("all_reduce", "pp", 1, 8)
-    if opts.max_grad_norm:
-        add("all_reduce", "tp", 1, 16)
-        add("all_reduce", "dp_shard_cp", 1, 8)
-        add("all_reduce", "pp", 1, 8)
+    add("all_reduce", "tp", 1, 16)                         # the global norm (clipped by, or only logged)
+    add("all_reduce", "dp_shard_cp", 1, 8)
+    if pipe.overlap_steps:                                 # loss and squared norm: one sum over the world
+        add("all_reduce", "world", 1, 16)                  # in the background (training/pipeline_step.py)
+    else:
+        add("all_reduce", "pp", 2, 8)
     return dict(rank=st.rank, layers=[list(c) for c in st.chunks], first=st.first, last=st.last,
                 memory=mem, activations=acts, collectives=coll)
 

@@ -33,7 +33,7 @@ import sys
 
 from minipar.comm_calls import CollectiveError
 from minipar.plan import Cluster, Layout, Pipeline, plan, plan_pipeline
-from minipar.plan.__main__ import from_train_config
+from minipar.plan.inputs import from_train_config
 from minipar.training import lifecycle
 from minipar.training.checkpoint.atomic import CheckpointWriteError
 from minipar.training.config.train_config import TrainConfig

@@ -19,10 +19,9 @@ from minipar.config import ParallelismConfig
 from minipar.context_parallel import check_ulysses
 from minipar.mesh import all_groups
 from minipar.plan import Layout, Pipeline, collectives, plan, search
-from minipar.plan.__main__ import from_train_config
 from minipar.plan.__main__ import main as plan_main
 from minipar.plan.estimate import AXES, Cluster, crosses_nodes
-from minipar.plan.inputs import Batch, ModelShape, Options, check
+from minipar.plan.inputs import Batch, ModelShape, Options, check, from_train_config
 from minipar.plan.layout_search import candidates
 
 CP_VARIANTS = [("cp_tp.yaml", ["--cp_impl", "ulysses"]),

@@ -15,10 +15,9 @@ from harness import run_world
 from test_plan import _argv, _measure_all
 
 from minipar.plan import activations, collectives, memory
-from minipar.plan.__main__ import from_train_config
 from minipar.plan.__main__ import main as plan_main
 from minipar.plan.estimate import Cluster, plan
-from minipar.plan.inputs import Batch, Layout, ModelShape, Options, check
+from minipar.plan.inputs import Batch, Layout, ModelShape, Options, check, from_train_config
 from minipar.plan.moe import crosses_nodes
 
 MIXTRAL_8X7B = dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,

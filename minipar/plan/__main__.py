@@ -24,16 +24,13 @@ import json
 import sys
 
 from minipar.cli import fail, memory_bytes, positive_ints, within
-from minipar.lora import check_targets
 from minipar.training.config.train_config import load_config
-from minipar.training.pipeline_step import virtual_stages
 from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
-from models.llama import LlamaForCausalLM
 from models.llama_config import FAMILIES
 
 from .estimate import Cluster, plan
-from .inputs import OTHER_TRAINER_FIELDS, Batch, Layout, ModelShape, Options
+from .inputs import OTHER_TRAINER_FIELDS, Batch, Layout, ModelShape, Options, from_train_config
 from .layout_search import search, smallest_world
 from .pipeline import plan_pipeline
 from .pipeline_stage import Pipeline
@@ -115,35 +112,6 @@ def _layout(args, base: dict, world: int) -> Layout:
                          f"change a size "
                          f"or --world, or leave --dp-shard unset to take the remainder")
     return lay
-
-
-def from_train_config(cfg):
-    """(model, layout sizes, batch, options) of a TrainConfig (what train.py would run)."""
-    model = ModelShape.from_dict(dataclasses.asdict(cfg.model))
-    sizes = dict(dp_replicate=cfg.dp_replicate_size, dp_shard=cfg.dp_shard_size, cp=cfg.context_parallel_size,
-                 tp=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel,
-                 cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size, ep=cfg.expert_parallel_size)
-    if (getattr(cfg, "pipeline_parallel_size", 1) or 1) > 1:          # minipar/plan/pipeline.py
-        sizes.update(pp=cfg.pipeline_parallel_size, pipeline_schedule=cfg.pipeline_schedule,
-                     virtual_stages=virtual_stages(cfg), pipeline_layers=cfg.pipeline_layers,
-                     pipeline_overlap_steps=cfg.pipeline_overlap_steps)
-    batch = Batch(cfg.global_batch_size, cfg.micro_batch_size, cfg.sequence_len)
-    opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch,
-                   reshard_after_forward=cfg.fsdp.reshard_after_forward,
-                   sync_each_batch=cfg.fsdp.sync_each_batch,
-                   gradient_checkpointing=cfg.gradient_checkpointing,
-                   selective_ac_option=cfg.selective_ac_option,
-                   **_lora(cfg))
-    return model, sizes, batch, opts
-
-
-def _lora(cfg) -> dict:
-    """adapter: lora's rank and targets (the trainer's check_targets: the model's declared order)."""
-    if cfg.adapter != "lora":
-        return {}
-    targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
-                            LlamaForCausalLM.lora_target_modules)
-    return dict(lora_r=cfg.lora_r, lora_targets=tuple(targets))
 
 
 def load(args):

@@ -65,7 +65,9 @@ lookup never reads the weights: shard_manager.py). Megatron-LM's distributed
 optimizer (time and memory as that trainer runs them) keeps its fp32 main gradients all along (in S)
 and steps with a fused Adam (no temporaries). Not counted: the collectives' own buffers (NCCL needs
 none; gloo's all-gather and reduce-scatter copy one unit at a time), DDP's buckets, the allocator's
-rounding and fragmentation (`reserve`).
+rounding and fragmentation (`reserve`); except, with Options.reduce_scatter_copies_input (gloo), the
+copy where it sets a phase's peak: at the end of backward the root's (tied) or the embedding's flat
+gradient G reduce-scatters from a copy into its new shard, S + Gs - shard + 2 G + shard.
 """
 from __future__ import annotations
 
@@ -172,6 +174,8 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
         end = S + Gs + (2 * H if batch.micro_steps(layout) > 1 else H)
     else:           # the embedding unit: its dense gradient and their concatenation (and bf16's copy)
         end = S + Gs - emb_shard + emb + max(emb, fp32_copy(emb)) + in_flight
+    if opts.reduce_scatter_copies_input and trains and layout.sharded:   # gloo: G, its copy, the shard
+        end = max(end, S + Gs + 2 * (root_grad if tied else emb) + in_flight)
     out["backward end"] = end + Gacc + holds.after_backward
     out["optimizer"] = S + Gs + (max(4 * mem["param_elements"], 8 * largest_shard)
                                  if trains and not megatron else 0)

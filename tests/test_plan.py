@@ -508,12 +508,13 @@ def test_the_fewest_gpus_hint_counts_pipelines():
 
 @pytest.mark.slow
 def test_the_fewest_gpus_hint_is_a_world_where_the_search_finds_a_fit():
-    """The hint counts pipelines too, and the world it names has a recommendation (70B: 16 GPUs)."""
+    """The hint counts pipelines too, and the world it names has a recommendation (70B: 24 GPUs;
+    at 16, pp 2 x tp 8, the optimizer phase's foreach AdamW temporary needs 88 GB of an 80 GB card)."""
     from minipar.plan.layout_search import smallest_world
     model, batch, cluster = _llama("llama-3.1-70b"), Batch(64, 1, 8192), Cluster()
     assert search(model, batch, Options(), cluster, 8)["recommended"] is None
     need = smallest_world(model, batch, Options(), cluster, 8)
-    assert need == 16 and search(model, batch, Options(), cluster, need)["recommended"] is not None
+    assert need == 24 and search(model, batch, Options(), cluster, need)["recommended"] is not None
 
 
 def test_plan_vs_published_is_current(tmp_path):

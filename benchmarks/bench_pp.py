@@ -174,8 +174,7 @@ def _steady(chains, schedule, p, m, v):
     rows = [dict(events=[(a.kind, a.chunk, a.micro, s, e) for a, s, e in ev], bubble=i / period)
             for ev, i in zip(events, idle)]
     return dict(step=period, ideal=sum(ideal_idle) / p / ideal_period, vs_1f1b=sum(even) / sum(one),
-                replay=sum(replay_idle) / p / replay_period,
-                t_f=t_f, t_b=t_b, t_w=t_w, rows=rows)
+                replay=sum(replay_idle) / p / replay_period, rows=rows)
 
 
 def _measure(args, schedule, p, m, v):

@@ -144,35 +144,41 @@ def _rank(args, schedule, p, m, v):
     return runs, chain
 
 
+def _durations(events, v):
+    """From each rank's recorded (kind, chunk, micro, start, end): the mean t_F, t_B, t_W of a whole
+    stage (a chunk's time x v), each stage's own mean per (rank, kind, chunk), and each action's
+    measured time per (rank, kind, chunk, micro): what the ideal, the replay and the even-time
+    simulations take."""
+    def mean(kind):
+        ts = [e - s for ev in events for k, _, _, s, e in ev if k == kind]
+        return v * sum(ts) / len(ts) if ts else 0.0
+    own, took = {}, {}
+    for rank, ev in enumerate(events):
+        for k, c, mi, s, e in ev:
+            own.setdefault((rank, k, c), []).append(e - s)
+            took[(rank, k, c, mi)] = e - s
+    own = {key: sum(ts) / len(ts) for key, ts in own.items()}
+    return dict(t_f=mean("F"), t_b=mean("B"), t_w=mean("W")), own, took
+
+
 def _steady(chains, schedule, p, m, v):
     """The steps run back to back: their step time and each stage's bubble (simulate.steady_state),
     the same for the chain simulated with each stage's mean times, and the idle time of the chain
     simulated at the mean t_F, t_B, t_W over 1F1B's at the same times (1F1B's backward B + W)."""
     t0 = min(c[0][0] for c in chains)
-    events = [[(Action(k, c, mi + step * m), s + t - t0, e + t - t0)
-               for step, (t, evs) in enumerate(chain) for k, c, mi, s, e in evs] for chain in chains]
-    period, idle = steady_state(events, m)
-    own = {}
-    for rank, ev in enumerate(events):
-        for a, s, e in ev:
-            own.setdefault((rank, a.kind, a.chunk), []).append(e - s)
-    own = {key: sum(ts) / len(ts) for key, ts in own.items()}
+    recorded = [[(k, c, mi + step * m, s + t - t0, e + t - t0)
+                 for step, (t, evs) in enumerate(chain) for k, c, mi, s, e in evs] for chain in chains]
+    period, idle = steady_state([[(Action(*x[:3]), *x[3:]) for x in ev] for ev in recorded], m)
+    times, own, took = _durations(recorded, v)
     orders = back_to_back([schedule_order(schedule, p, m, rank, v) for rank in range(p)], m, len(chains[0]))
     ideal = simulate(orders, v, name=schedule, duration=lambda rank, a: own[(rank, a.kind, a.chunk)])[0]
     ideal_period, ideal_idle = steady_state(ideal, m)
-    took = {(rank, a.kind, a.chunk, a.micro): e - s for rank, ev in enumerate(events) for a, s, e in ev}
     replay = simulate(orders, v, name=schedule, duration=lambda rank, a: took[(rank, *a)])[0]
     replay_period, replay_idle = steady_state(replay, m)
-
-    def mean(kind):                              # per whole stage: a chunk's time x v
-        ts = [e - s for ev in events for a, s, e in ev if a.kind == kind]
-        return v * sum(ts) / len(ts) if ts else 0.0
-    t_f, t_b, t_w = mean("F"), mean("B"), mean("W")
-    even = steady_state(simulate(orders, v, t_f=t_f, t_b=t_b, t_w=t_w, name=schedule)[0], m)[1]
+    even = steady_state(simulate(orders, v, name=schedule, **times)[0], m)[1]
     ones = back_to_back([schedule_order("1f1b", p, m, rank) for rank in range(p)], m, len(chains[0]))
-    one = steady_state(simulate(ones, 1, t_f=t_f, t_b=t_b + t_w)[0], m)[1]
-    rows = [dict(events=[(a.kind, a.chunk, a.micro, s, e) for a, s, e in ev], bubble=i / period)
-            for ev, i in zip(events, idle)]
+    one = steady_state(simulate(ones, 1, t_f=times["t_f"], t_b=times["t_b"] + times["t_w"])[0], m)[1]
+    rows = [dict(events=ev, bubble=i / period) for ev, i in zip(recorded, idle)]
     return dict(step=period, ideal=sum(ideal_idle) / p / ideal_period, vs_1f1b=sum(even) / sum(one),
                 replay=sum(replay_idle) / p / replay_period, rows=rows)
 
@@ -187,17 +193,7 @@ def _measure(args, schedule, p, m, v):
         r["events"] = [(k, c, mi, s + r["t0"] - t0, e + r["t0"] - t0) for k, c, mi, s, e in r["events"]]
         r["waits"] = [(s + r["t0"] - t0, e + r["t0"] - t0) for s, e in r["waits"]]
     step = max(r["events"][-1][4] for r in rows)
-    def mean(kind):                              # per whole stage: a chunk's time x v
-        ts = [e - s for r in rows for k, _, _, s, e in r["events"] if k == kind]
-        return v * sum(ts) / len(ts) if ts else 0.0
-    times = dict(t_f=mean("F"), t_b=mean("B"), t_w=mean("W"))
-    own = {}                                     # (rank, kind, chunk) -> that stage's mean time
-    took = {}                                    # (rank, kind, chunk, micro) -> the measured time
-    for rank, r in enumerate(rows):
-        for k, c, mi, s, e in r["events"]:
-            own.setdefault((rank, k, c), []).append(e - s)
-            took[(rank, k, c, mi)] = e - s
-    own = {key: sum(ts) / len(ts) for key, ts in own.items()}
+    times, own, took = _durations([r["events"] for r in rows], v)
     orders = [schedule_order(schedule, p, m, rank, v) for rank in range(p)]
     ideal_events, ideal_step = simulate(orders, v, name=schedule,
                                         duration=lambda rank, a: own[(rank, a.kind, a.chunk)])

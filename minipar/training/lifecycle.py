@@ -154,9 +154,7 @@ class StopFlag:
     def agreed(self, pgm, device) -> int:
         """The signal number if any rank was signalled, else 0: the same answer on every rank.
         One all-reduce (MAX) of one int over the world; on one process no communication."""
-        flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
-        comm.all_reduce(flag, pgm.world, op="max")
-        return int(flag.item())
+        return self.agree_later(pgm, device)()
 
     def agree_later(self, pgm, device):
         """agreed() without waiting: the all-reduce runs in the background (so that pipeline stages

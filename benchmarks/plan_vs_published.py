@@ -14,22 +14,13 @@ Megatron's Transformer Engine), torchtitan's per-op selective AC, Megatron's dis
 and --tp-comm-overlap, FSDP gathering once per step under pp and the Llama 3 paper's all-gather CP.
 Where a source is silent (AC, micro-batch, schedule), the row says what was assumed.
 
-Published throughput is tokens/s per GPU. Where a source gives TFLOP/s per GPU instead, it is turned
-into tokens/s with the source's own FLOP count per token (named in the row): Megatron-LM's is
-Narayanan et al. 2021 (arXiv 2104.04473, eq. 3), 72 L h^2 (1 + s / (6 h) + V / (12 h L)) per token,
-attention counted whole; the Llama 3 paper defines its MFU by Chowdhery et al. 2023 (PaLM, appendix
-B): 6 x (non-embedding params) + 12 L H D s per token, attention counted whole, as torchtitan does.
+A row that misses, and whose source leaves one constant of the time model unknown (the sustained GEMM
+rate of torchtitan's 500 W GPUs; the Llama 3 paper's attention kernel), says which value of that
+constant its published tokens/s would take (`implied`, by bisection); `one_value` then re-plans every
+row on the same hardware at the mean of those values, to show whether one value explains them all.
+Both are checks printed beside the table: the planner's constants stay what they are for every row.
 
-Sources (each row names its own):
-    torchtitan  https://github.com/pytorch/torchtitan/blob/b5bcd76/benchmarks/llama3_h100_202412_torchtitan.md
-                https://github.com/pytorch/torchtitan/blob/b5bcd76/benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md
-                (sequence 8192 and the AC mode: torchtitan's train_configs/llama3_{8b,70b}.toml at the
-                commits those files name, 9dec370 and 820504e)
-    Megatron    the README of github.com/NVIDIA/Megatron-LM, "Performance Benchmarking",
-                images/model_table.png
-                (GPT models, vocabulary 131,072, sequence 4,096)
-    Llama 3     Grattafiori et al. 2024, "The Llama 3 Herd of Models" (arXiv 2407.21783), Table 4
-    picotron    the README of github.com/huggingface/picotron
+The rows themselves, with their sources, are benchmarks/published_runs.py.
 """
 from __future__ import annotations
 
@@ -38,141 +29,18 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+from published_runs import GRAND_TETON, NOT_COMPARABLE, Run, runs  # noqa: E402
 
 from minipar.plan import activation_bytes as pa  # noqa: E402
 from minipar.plan.estimate import Cluster, plan  # noqa: E402
-from minipar.plan.inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options  # noqa: E402
+from minipar.plan.inputs import DTYPE_BYTES  # noqa: E402
 from minipar.plan.pipeline import plan_pipeline  # noqa: E402
-from minipar.plan.pipeline_stage import Pipeline  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "plan_vs_published.md")
 TOKENS_WITHIN, MEMORY_WITHIN = 0.25, 0.20
 GiB = 2 ** 30
-
-# Llama 3.1 shapes: the Llama 3 paper's Table 3 (and configs/models/*.json for 8B and 70B)
-LLAMA = {"8B": ModelShape(128256, 4096, 14336, 32, 32, 8, 128),
-         "70B": ModelShape(128256, 8192, 28672, 80, 64, 8, 128),
-         "405B": ModelShape(128256, 16384, 53248, 126, 128, 8, 128)}
-# torchtitan's Grand Teton H100s: 96 GB HBM2e at 2.4 TB/s, 500 W (the benchmark file's "Hardware")
-GRAND_TETON = dict(gpu_memory_bytes=96e9, hbm_gbps=2400.0, peak_tflops=(835 + 989) / 2)
-TITAN = "https://github.com/pytorch/torchtitan/blob/b5bcd76/benchmarks/llama3_h100_202412_torchtitan.md"
-ASYNC_TP = "https://github.com/pytorch/torchtitan/blob/b5bcd76/benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
-MEGATRON = "https://github.com/NVIDIA/Megatron-LM/blob/d98e8a6/images/model_table.png (README)"
-LLAMA3 = "https://arxiv.org/abs/2407.21783 (The Llama 3 Herd of Models), Table 4"
-GRAND_TETON_NOTE = ("500 W H100s (HBM2e), whose peak the source puts between the NVL's 835 and the SXM's "
-                    "989 TFLOP/s without knowing it: planned at the midpoint, 912; the power limit's effect "
-                    "on sustained GEMM rates is not stated, and not modelled")
-SAC = "torchtitan's per-op SAC (every second matmul recomputed: k, o, up)"
-# torchtitan logs `memory: {max_reserved_gib}` (torchtitan/metrics.py: reserved_bytes.all.peak)
-TITAN_MEMORY = ("the published memory is torchtitan's logged peak of memory RESERVED by the CUDA caching "
-                "allocator (torchtitan/metrics.py, reserved_bytes.all.peak: freed blocks it keeps cached, "
-                "and fragmentation), where the planner counts the peak of live tensors (allocated): the "
-                "planned figure sits below it by the allocator's slack, which the source does not state")
-
-
-def gpt(h: int, heads: int, layers: int, tp: int) -> ModelShape:
-    """Megatron's GPT (4h GELU MLP, multi-head attention, vocabulary 131,072) as the planner's Llama
-    shape: a SwiGLU of intermediate 8h/3 (rounded to a multiple of tp) has the GELU MLP's 8 h^2
-    parameters and FLOPs (within 0.01 %)."""
-    f = round(8 * h / 3 / tp) * tp
-    return ModelShape(131072, h, f, layers, heads, heads, h // heads)
-
-
-def megatron_flops_per_token(h: int, layers: int, s: int = 4096, vocab: int = 131072) -> float:
-    return 72 * layers * h * h * (1 + s / (6 * h) + vocab / (12 * h * layers))
-
-
-def llama_flops_per_token(m: ModelShape, s: int) -> float:
-    return 6 * (m.num_params() - m.vocab_size * m.hidden_size) \
-        + 12 * m.num_hidden_layers * m.num_attention_heads * m.head_dim * s
-
-
-@dataclasses.dataclass
-class Run:
-    source: str
-    what: str                          # the row's name, as the source labels it
-    model: ModelShape
-    layout: Layout
-    batch: Batch
-    opts: Options
-    tokens_per_gpu: float              # published, or derived from published TFLOP/s (see `derived`)
-    memory_gib: float = None           # published peak memory per GPU, where stated
-    pipe: Pipeline = None
-    cluster: dict = dataclasses.field(default_factory=dict)
-    derived: str = ""                  # how tokens_per_gpu came from the published figure
-    note: str = ""                     # what the planner does not model about this run
-    explain_memory: bool = False       # the row says what its planned memory counts (memory_counted)
-
-
-def runs():
-    """The published rows, as data (the module docstring names the sources)."""
-    out = []
-    bf16 = Options(dtype="bfloat16")
-    sac = dataclasses.replace(bf16, gradient_checkpointing="selective", selective_ac_option="op",
-                              sac_every_other_matmul=True)
-    compiled = dict(fused_kernels=True)
-    for world, table, eager, compile_ in ((8, "Table 1", (5762, 82.4), (6667, 77.0)),
-                                          (128, "Table 3", (5605, 67.0), (6514, 62.0))):
-        for how, (tps, mem), opts in (("eager", eager, sac), ("torch.compile", compile_,
-                                                             dataclasses.replace(sac, **compiled))):
-            out.append(Run(TITAN, f"{table}: Llama 3.1 8B, FSDP {world}, local batch 2, {how}, selective AC",
-                           LLAMA["8B"], Layout(1, world), Batch(2 * world, 2, 8192), opts, tps, mem,
-                           cluster=GRAND_TETON, note=f"{SAC}; {GRAND_TETON_NOTE}; {TITAN_MEMORY}"))
-    out.append(Run(ASYNC_TP, "Llama 3 70B, FSDP 32 x TP 8, local batch 16, compile, full AC, bf16 vanilla TP",
-                   LLAMA["70B"], Layout(1, 32, 1, 8, True), Batch(512, 1, 8192),
-                   dataclasses.replace(bf16, gradient_checkpointing=True, **compiled), 597.3,
-                   cluster=GRAND_TETON, note=GRAND_TETON_NOTE))
-    out.append(Run(ASYNC_TP, "Llama 3 8B, FSDP 8 x TP 8, local batch 12, compile, per-op SAC, "
-                             "bf16 vanilla TP",
-                   LLAMA["8B"], Layout(1, 8, 1, 8, True), Batch(96, 1, 8192),
-                   dataclasses.replace(sac, **compiled), 4378,
-                   cluster=GRAND_TETON, note=f"{SAC}; {GRAND_TETON_NOTE}"))
-    megatron = lambda tp: dataclasses.replace(bf16, fused_kernels=True, distributed_optimizer=True,
-                                              tp_comm_overlap=tp > 1)
-    for size, heads, h, L, tp, pp, gpus, gbs, tflops in (
-            ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
-            ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
-            ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7), ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
-            ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
-            ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
-            ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9)):
-        fpt = megatron_flops_per_token(h, L)
-        out.append(Run(MEGATRON, f"GPT {size}, TP {tp} x PP {pp} x DP 48, batch {gbs}", gpt(h, heads, L, tp),
-                       Layout(48, 1, 1, tp, tp > 1), Batch(gbs, 1, 4096), megatron(tp), tflops * 1e12 / fpt,
-                       pipe=Pipeline(pp, "1f1b") if pp > 1 else None,
-                       derived=f"{tflops} TFLOP/s / {fpt / 1e9:.1f} GFLOP per token",
-                       note="the README's --overlap-grad-reduce / --overlap-param-gather (the "
-                            "distributed optimizer), --tp-comm-overlap and Megatron's default Transformer "
-                            "Engine kernels: planned with distributed_optimizer, tp_comm_overlap and "
-                            "fused_kernels; AC, micro-batch and schedule not stated (none, 1 and 1F1B "
-                            "assumed); the GELU MLP as a SwiGLU of the same parameters; without AC the "
-                            "314B and 462B stages need more than the 80 GB they ran on, so those runs "
-                            "recomputed something the README does not say"))
-    m405 = LLAMA["405B"]
-    for gpus, cp, seq, tflops in ((8192, 1, 8192, 430), (16384, 1, 8192, 400), (16384, 16, 131072, 380)):
-        dp = gpus // (8 * cp * 16)
-        fpt = llama_flops_per_token(m405, seq)
-        out.append(Run(LLAMA3, f"Llama 3 405B, TP 8 x CP {cp} x PP 16 x DP {dp}, seq {seq}, 16M tokens",
-                       m405, Layout(1, dp, cp, 8, True), Batch(2 ** 24 // seq, 1, seq),
-                       dataclasses.replace(bf16, reshard_after_forward=False, gather_once_per_step=True,
-                                           cp_all_gather_kv=cp > 1),
-                       tflops * 1e12 / fpt,
-                       pipe=Pipeline(16, "interleaved_1f1b", 2),
-                       derived=f"{tflops} TFLOP/s / {fpt / 1e12:.2f} TFLOP per token",
-                       note="FSDP without resharding after the forward, so each layer gathered once per "
-                            "step (gather_once_per_step)" + ("; CP by all-gathered K/V, exposed "
-                                                             "(cp_all_gather_kv)" if cp > 1 else "")
-                            + "; no AC (the paper trains 8K sequences without it; at 131K each rank holds "
-                            "8K tokens too); virtual stages not stated (2 assumed)", explain_memory=True))
-    return out
-
-
-PICOTRON = "https://github.com/huggingface/picotron/blob/59714b1/README.md"
-NOT_COMPARABLE = [(PICOTRON, "LLaMA-2-7B on 64 H100s, 38 % MFU",
-                   "the README states no layout, batch, sequence or checkpointing"),
-                  (PICOTRON, "SmolLM-1.7B on 8 H100s, nearly 50 % MFU",
-                   "the README states no layout, batch, sequence or checkpointing")]
 
 
 def predict(run: Run) -> dict:
@@ -180,6 +48,65 @@ def predict(run: Run) -> dict:
     if run.pipe is None:
         return plan(run.model, run.layout, run.batch, run.opts, cluster)
     return plan_pipeline(run.model, run.layout, run.pipe, run.batch, run.opts, cluster)
+
+
+WHAT = {"efficiency": "GEMMs at {x:.2f} of peak (the planner: {now})",
+        "attention_efficiency": "attention at {x:.2f} of peak (the planner: {now})"}
+
+
+def implied(run: Run) -> str:
+    """The value of the one constant the row's source leaves unknown (run.unstated: the sustained GEMM
+    rate of a power-capped GPU, an unnamed attention kernel) at which the planner's tokens/s per GPU
+    equals the published figure, found by bisection (tokens/s rises with it); None when even 1.0 is
+    too slow. It is what the row's miss would take, not a fit: the planner keeps its constant."""
+    field = run.unstated
+
+    def tokens(x):
+        r = dataclasses.replace(run, cluster=dict(run.cluster, **{field: x}))
+        p = predict(r)
+        return p["time"]["tokens_per_s"] / p["world"]
+    lo, hi = 0.01, 1.0
+    if tokens(hi) < run.tokens_per_gpu:
+        return None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tokens(mid) < run.tokens_per_gpu else (lo, mid)
+    return hi
+
+
+def implied_text(run: Run) -> str:
+    x = implied(run)
+    if x is None:
+        return f"no {run.unstated} up to 1.0 reaches the published tokens/s"
+    now = getattr(dataclasses.replace(Cluster(), **run.cluster), run.unstated)
+    return "the published tokens/s would take " + WHAT[run.unstated].format(x=x, now=now)
+
+
+def one_value(rows) -> list:
+    """The rows that leave the same constant unknown, re-planned at the mean of the values their
+    misses imply: whether one value explains them all (a check, not the planner's setting)."""
+    out = []
+    for field in sorted({r.unstated for r in rows if r.unstated}):
+        group = [r for r in rows if r.unstated == field and r.cluster == next(
+            q.cluster for q in rows if q.unstated == field)]
+        missed = [r for r in group if abs(ratio(r) - 1) > TOKENS_WITHIN]
+        values = [v for v in (implied(r) for r in missed) if v is not None]
+        if len(group) < 2 or not values:
+            continue
+        x = sum(values) / len(values)
+        at = [ratio(dataclasses.replace(r, cluster=dict(r.cluster, **{field: x}))) for r in group]
+        which = ("what the one row out of bounds among them implies" if len(values) == 1 else
+                 f"the mean of the {min(values):.2f}-{max(values):.2f} that the {len(values)} rows out of "
+                 f"bounds among them imply")
+        out.append(f"The {len(group)} rows on the same hardware that leave `{field}` unknown, planned at "
+                   f"{x:.2f} ({which}; a check, not the planner's setting): {min(at):.2f}x-{max(at):.2f}x "
+                   f"the published tokens/s.")
+    return out
+
+
+def ratio(run: Run) -> float:
+    p = predict(run)
+    return p["time"]["tokens_per_s"] / p["world"] / run.tokens_per_gpu
 
 
 def memory_counted(run: Run, p: dict) -> str:
@@ -220,9 +147,11 @@ def row(run: Run) -> tuple:
         f"{mem:.1f} / not published"
     ok = abs(ratio - 1) <= TOKENS_WITHIN and \
         (not run.memory_gib or abs(mem / run.memory_gib - 1) <= MEMORY_WITHIN)
+    missed = abs(ratio - 1) > TOKENS_WITHIN and run.unstated
     return ok, (f"| {run.what} | {p['world']} | {tps:,.0f} / {run.tokens_per_gpu:,.0f} ({ratio:.2f}x) | "
                 f"{mem_cell} | {100 * p['time']['mfu_full_attention']:.1f} % | {'yes' if ok else 'no'} | "
                 f"{run.source}{'; ' + run.derived if run.derived else ''} | {run.note}"
+                f"{'; ' + implied_text(run) if missed else ''}"
                 f"{'; ' + memory_counted(run, p) if run.explain_memory else ''} |")
 
 
@@ -266,7 +195,8 @@ def main(out: str = OUT):
         lines.append(text)
     for source, what, why in NOT_COMPARABLE:
         lines.append(f"| {what} | | cannot be compared | | | n/a | {source} | {why} |")
-    lines += ["", f"{passed} of {len(rows)} comparable rows within the bounds.", ""] + compile_saving(rows)
+    lines += ["", f"{passed} of {len(rows)} comparable rows within the bounds.", ""] + compile_saving(rows) \
+        + [""] + one_value(rows)
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -136,6 +136,8 @@ def test_metrics_tensorboard_and_wandb_offline(tmp_path):
     assert f"MFU {100 * mean_mfu:.1f} % (full attention" in summary
     assert "planner (python -m minipar.plan, at this peak" in summary
     assert f"{predicted['tokens_per_s']:.0f} tokens/s, MFU {100 * predicted['mfu']:.1f} %" in summary
+    if not fake:                             # wandb itself: its offline run, for `wandb sync`
+        assert list(out.glob("wandb/offline-run-*/run-*.wandb")), "no offline wandb run under output_dir"
     if fake:
         logged = json.load(open(out / "fake_wandb.json"))
         assert logged["init"]["mode"] == "offline" and logged["init"]["project"] == "minipar-test"

@@ -143,7 +143,7 @@ def row(run: Run) -> tuple:
     tps = p["time"]["tokens_per_s"] / p["world"]
     ratio = tps / run.tokens_per_gpu
     mem = p["memory"]["total"] / GiB
-    mem_cell = f"{mem:.1f} / {run.memory_gib} ({mem / run.memory_gib:.2f}x)" if run.memory_gib else \
+    mem_cell = f"{mem:.1f} / {run.memory_gib} ({mem / run.memory_gib:.3f}x)" if run.memory_gib else \
         f"{mem:.1f} / not published"
     ok = abs(ratio - 1) <= TOKENS_WITHIN and \
         (not run.memory_gib or abs(mem / run.memory_gib - 1) <= MEMORY_WITHIN)

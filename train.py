@@ -32,6 +32,7 @@ import os
 import sys
 
 from minipar.comm_calls import CollectiveError
+from minipar.gpus import PRESETS, preset_for_device
 from minipar.plan import Cluster, Layout, Pipeline, plan, plan_pipeline
 from minipar.plan.inputs import from_train_config
 from minipar.training import lifecycle
@@ -69,8 +70,10 @@ def planner_prediction(cfg, pconf):
     layout = Layout(pconf.dp_replicate_size, pconf.dp_shard_size, pconf.cp_size, pconf.tp_size,
                     pconf.sequence_parallel, pconf.cp_impl, pconf.cp_ulysses_size)
 
-    def predict(peak_tflops: float) -> dict:
-        cluster = Cluster(peak_tflops=peak_tflops)
+    def predict(peak_tflops: float, device_name: str = None) -> dict:
+        # a GPU with a preset (minipar/gpus.py) is planned with its HBM, memory and NVLink
+        gpu = preset_for_device(device_name) if device_name else None
+        cluster = Cluster(**dict(PRESETS[gpu] if gpu else {}, peak_tflops=peak_tflops))
         if pconf.pp_size > 1:
             pipe = Pipeline(pconf.pp_size, sizes["pipeline_schedule"], sizes["virtual_stages"],
                             tuple(sizes["pipeline_layers"]) if sizes.get("pipeline_layers") else None,
@@ -79,7 +82,7 @@ def planner_prediction(cfg, pconf):
         else:
             p = plan(model, layout, batch, opts, cluster)
         return dict(tokens_per_s=p["time"]["tokens_per_s"], mfu=p["time"]["mfu"],
-                    memory_bytes=p["memory"]["total"])
+                    memory_bytes=p["memory"]["total"], gpu=gpu)
     return predict
 
 

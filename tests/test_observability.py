@@ -10,11 +10,12 @@ import torch
 from harness import run_world
 
 from minipar import comm_ledger
+from minipar.gpus import gpu_peak_tflops, preset_for_device
 from minipar.plan import Batch, Layout, ModelShape, Options
 from minipar.plan import model as plan_model
 from minipar.training.config.train_config import load_config
 from minipar.training.run_setup import setup_run
-from minipar.training.throughput import Throughput, gpu_peak_tflops
+from minipar.training.throughput import Throughput
 from minipar.training.trainer import Trainer
 from models.flops import step_flops
 from models.llama_config import LlamaConfig
@@ -43,12 +44,31 @@ def test_trainer_and_planner_count_the_same_flops():
     assert step.attention_full == 2 * step.attention_causal == 12 * L * HD * 2048 * tokens
 
 
+def test_the_summary_plans_a_preset_gpu_on_its_data_sheet():
+    """train.py's prediction for the closing summary: on a GPU with a preset (minipar/gpus.py) the
+    planner gets its HBM, memory and NVLink as well as the peak; elsewhere only the peak."""
+    from minipar.config import ParallelismConfig
+    cfg = load_config(TINY[0], TINY[1:])
+    sizes = ParallelismConfig(dp_replicate_size=1, dp_shard_size=4, cp_size=1, tp_size=1, pp_size=1)
+    predict = planner_prediction(cfg, sizes)
+    h200, plain = predict(989.0, "NVIDIA H200"), predict(989.0, None)
+    assert h200["gpu"] == "h200" and plain["gpu"] is None
+    assert predict(756.0, "NVIDIA H100 PCIe")["gpu"] is None
+    assert h200["tokens_per_s"] > plain["tokens_per_s"]       # the same peak, 4.8 TB/s of HBM, not 3.35
+
+
 def test_peak_of_known_gpus_and_a_set_one():
     assert gpu_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert gpu_peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert gpu_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
     assert gpu_peak_tflops("NVIDIA L40S") == 362.0 and gpu_peak_tflops("NVIDIA L4") == 121.0
     assert gpu_peak_tflops("Some Future GPU") is None
+    assert gpu_peak_tflops("NVIDIA GH200 480GB") == 989.0
+    # the planner's presets: the SXM boards they describe, not the PCIe / NVL / 40GB variants
+    assert [preset_for_device(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
+                                           "NVIDIA B200", "NVIDIA H100 PCIe", "NVIDIA H100 NVL",
+                                           "NVIDIA A100-SXM4-40GB", "NVIDIA GH200 480GB", "NVIDIA L40S")] \
+        == ["h100", "h200", "a100", "b200", None, None, None, None, None]
     cfg = load_config(TINY[0], TINY[1:] + ["--peak_tflops", "2.5"])
     t = Throughput(cfg, 4, torch.device("cpu"), torch.float32)
     flops = step_flops(cfg.model, 4, 32)

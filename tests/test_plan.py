@@ -405,6 +405,28 @@ def test_cli_json_and_errors(capsys):
     assert "multiply to 16" in capsys.readouterr().err
 
 
+def test_cli_gpu_presets_and_the_flags_that_replace_them(capsys):
+    """--gpu plans on a data sheet's peak, HBM, memory and NVLink (minipar/gpus.py); a flag given
+    replaces its figure; Cluster's own defaults are the h100 preset; the text names the GPU."""
+    import json
+
+    from minipar.gpus import PRESETS
+    assert {k: getattr(Cluster(), k) for k in PRESETS["h100"]} == PRESETS["h100"]
+    base = ["--model", os.path.join(LLAMA, "llama-3.1-8b.json"), "--world", "8", "--dp-shard", "8"]
+    budget, step = {}, {}
+    for gpu in ("h100", "h200", "a100", "b200"):
+        assert plan_main(base + ["--gpu", gpu, "--json"]) == 0
+        p = json.loads(capsys.readouterr().out)
+        budget[gpu], step[gpu] = p["memory"]["budget"], p["time"]["step_s"]
+    assert budget["h200"] == pytest.approx(budget["h100"] * 141 / 80)
+    assert step["b200"] < step["h200"] < step["h100"] < step["a100"]   # h200: H100's peak, faster HBM
+    assert plan_main(base + ["--gpu", "h200", "--gpu-memory", "80GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["budget"] == pytest.approx(budget["h100"])
+    assert plan_main(base + ["--gpu", "a100", "--peak-tflops", "300"]) == 0
+    assert capsys.readouterr().out.startswith("GPU: a100 (minipar/gpus.py, flags replace its figures): "
+                                              "300 TFLOP/s dense bf16, HBM 2039 GB/s, 80 GiB")
+
+
 def test_results_file_is_current():
     """benchmarks/results/plan.md holds what the planner says now (one cell, regenerated)."""
     with open(os.path.join(ROOT, "benchmarks", "results", "plan.md")) as f:

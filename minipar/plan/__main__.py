@@ -24,6 +24,7 @@ import json
 import sys
 
 from minipar.cli import fail, memory_bytes, positive_ints, within
+from minipar.gpus import PRESETS
 from minipar.training.config.train_config import load_config
 from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
@@ -162,6 +163,16 @@ def load(args):
     return model, base, batch, dataclasses.replace(opts, **changes), world
 
 
+def _cluster(args) -> Cluster:
+    """--gpu's data sheet (minipar/gpus.py), each of its fields replaced by its flag where given."""
+    given = dict(peak_tflops=args.peak_tflops, hbm_gbps=args.hbm_bandwidth, intra_gbps=args.intra_bw,
+                 gpu_memory_bytes=memory_bytes(args.gpu_memory) if args.gpu_memory is not None else None)
+    hardware = {k: v if given[k] is None else given[k] for k, v in PRESETS[args.gpu].items()}
+    return Cluster(gpus_per_node=args.gpus_per_node, inter_gbps=args.inter_bw, efficiency=args.efficiency,
+                   reserve=args.reserve, attention_efficiency=args.attention_efficiency,
+                   intra_latency_us=args.intra_latency_us, inter_latency_us=args.inter_latency_us, **hardware)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m minipar.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -169,17 +180,21 @@ def main(argv=None):
     ap.add_argument("--model", help="a Hugging Face config.json (replaces the config's model)")
     ap.add_argument("--world", type=int, help="number of GPUs (default: the layout's product)")
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--gpu-memory", default="80GiB",
+    ap.add_argument("--gpu", choices=sorted(PRESETS), default="h100",
+                    help="the GPU's data sheet (minipar/gpus.py): its peak, HBM bandwidth, memory and "
+                         "NVLink; the four flags below override it (default h100, the SXM 80GB)")
+    ap.add_argument("--gpu-memory",
                     help="memory per GPU with its unit: 80GiB, 80GB (10^9), 141GB; a bare number is GiB, "
-                         "as torch reports (default 80GiB, H100 80GB)")
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 SXM: 989)")
-    ap.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU inside a node (NVLink)")
+                         "as torch reports (default: --gpu's, H100 80GiB)")
+    ap.add_argument("--peak-tflops", type=float, help="dense bf16 peak (default: --gpu's, H100 SXM 989)")
+    ap.add_argument("--intra-bw", type=float,
+                    help="GB/s per GPU inside a node, one way (NVLink; default: --gpu's, H100 450)")
     ap.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU between nodes (IB 400 Gb/s)")
     ap.add_argument("--efficiency", type=float, default=0.7, help="achieved fraction of peak on large GEMMs")
     ap.add_argument("--attention-efficiency", type=float, default=0.5,
                     help="achieved fraction of peak in attention (FlashAttention on H100: 0.5-0.75 forward)")
-    ap.add_argument("--hbm-bandwidth", type=float, default=3350.0,
-                    help="GB/s of GPU memory, for memory-bound work (H100 SXM HBM3: 3350)")
+    ap.add_argument("--hbm-bandwidth", type=float,
+                    help="GB/s of GPU memory, for memory-bound work (default: --gpu's, H100 SXM HBM3 3350)")
     ap.add_argument("--intra-latency-us", type=float, default=1.0, help="us per hop inside a node")
     ap.add_argument("--inter-latency-us", type=float, default=5.0, help="us per hop between nodes")
     ap.add_argument("--reserve", type=float, default=0.1, help="fraction of GPU memory kept free")
@@ -229,7 +244,8 @@ def main(argv=None):
     try:
         problems = []
         for check in (lambda: positive_ints(args, SIZE_FLAGS),   # --world 0 refused, not read as "not given"
-                      lambda: within(args, FLOAT_FLAGS), lambda: memory_bytes(args.gpu_memory)):
+                      lambda: within(args, FLOAT_FLAGS),
+                      lambda: args.gpu_memory is None or memory_bytes(args.gpu_memory)):
             try:
                 check()
             except ValueError as err:                            # every wrong flag in one line
@@ -237,10 +253,7 @@ def main(argv=None):
         if problems:
             raise ValueError("; ".join(problems))
         model, base, batch, opts, world = load(args)
-        cluster = Cluster(args.gpus_per_node, memory_bytes(args.gpu_memory), args.peak_tflops,
-                          args.intra_bw, args.inter_bw, args.efficiency, args.reserve,
-                          hbm_gbps=args.hbm_bandwidth, attention_efficiency=args.attention_efficiency,
-                          intra_latency_us=args.intra_latency_us, inter_latency_us=args.inter_latency_us)
+        cluster = _cluster(args)
         pipe = _pipeline(args, base)
         if args.search and (args.pp or args.pipeline_schedule or args.virtual_stages
                             or args.pipeline_overlap_steps):
@@ -268,7 +281,10 @@ def main(argv=None):
             text = describe(result, model)
     except (ValueError, FileNotFoundError) as err:
         return fail(err)                     # one line, exit 2 (minipar/cli.py)
-    print(json.dumps(result, indent=1) if args.json else text)
+    print(json.dumps(result, indent=1) if args.json else
+          f"GPU: {args.gpu} (minipar/gpus.py, flags replace its figures): {cluster.peak_tflops:g} TFLOP/s "
+          f"dense bf16, HBM {cluster.hbm_gbps:g} GB/s, {cluster.gpu_memory_bytes / 2 ** 30:.4g} GiB, NVLink "
+          f"{cluster.intra_gbps:g} GB/s one way\n" + text)
     return 0
 
 

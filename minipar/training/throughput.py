@@ -11,8 +11,8 @@ checkpointing's recompute is not model FLOPs: it lowers MFU, as it should.
 
 The peak (TFLOP/s of one device), in this order:
     peak_tflops          the config's, when set (a GPU missing from the table, or another dtype)
-    a GPU                the table below, by the name torch reports: dense (not sparse) bf16
-                         tensor-core TFLOP/s from the vendors' datasheets; a float32 run is held
+    a GPU                minipar/gpus.py's table, by the name torch reports: dense (not sparse)
+                         bf16 tensor-core TFLOP/s from the vendors' datasheets; a float32 run is held
                          against it too (set peak_tflops for TF32's). An unknown GPU has no MFU
                          until peak_tflops is set (said once in the log): a guess would mislead.
     a CPU                measured at start: the best of a few (1024 x 1024) matmuls in the run's
@@ -27,25 +27,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from minipar.gpus import gpu_peak_tflops
 from models.flops import step_flops
-
-# (words that must all appear in torch.cuda.get_device_name(), dense bf16 TFLOP/s), first match wins:
-# the specific variants before the family
-GPU_PEAK_TFLOPS = (
-    (("H100", "PCIe"), 756.0), (("H100", "NVL"), 835.0), (("H100",), 989.0), (("H800",), 989.0),
-    (("H200",), 989.0), (("GH200",), 989.0), (("B200",), 2250.0), (("B100",), 1750.0),
-    (("A100",), 312.0), (("A800",), 312.0), (("L40S",), 362.0), (("L40",), 181.0), (("L4",), 121.0),
-    (("A10",), 125.0), (("MI300X",), 1307.0), (("MI325X",), 1307.0), (("MI250X",), 383.0),
-)
-
-
-def gpu_peak_tflops(name: str) -> Optional[float]:
-    """The table's peak for a device name ("NVIDIA H100 80GB HBM3" -> 989.0), or None."""
-    words = name.upper()
-    for keys, peak in GPU_PEAK_TFLOPS:
-        if all(k.upper() in words for k in keys):
-            return peak
-    return None
 
 
 def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 3) -> float:
@@ -69,7 +52,7 @@ def find_peak(configured: Optional[float], device: torch.device,
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak_tflops(name)
         if peak is None:
-            return None, f"{name} is not in minipar/training/throughput.py's table: set peak_tflops for MFU"
+            return None, f"{name} is not in minipar/gpus.py's table: set peak_tflops for MFU"
         return peak, f"{name}, dense bf16"
     return measure_cpu_tflops(dtype), f"CPU, measured at start ({str(dtype).replace('torch.', '')} matmul)"
 
@@ -81,6 +64,7 @@ class Throughput:
         self.flops = step_flops(cfg.model, cfg.global_batch_size, cfg.sequence_len)
         self.world = world
         self.peak, self.peak_source = find_peak(cfg.peak_tflops, device, dtype)
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
     def of_step(self, seconds: float) -> dict:
         """{tflops_per_s, mfu, mfu_full_attention} of a step that took `seconds` (no mfu without a peak)."""

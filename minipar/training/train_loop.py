@@ -247,11 +247,12 @@ class TrainLoop:
         predict = getattr(self.trainer, "predict", None)
         if predict is not None and tp.peak:
             try:
-                p = predict(tp.peak)
+                p = predict(tp.peak, tp.device_name)
             except ValueError as err:             # a run the planner cannot model: said, not fatal
                 return lines + [f"planner: no prediction for this run ({err})"]
-            lines.append(f"planner (python -m minipar.plan, at this peak; its links and efficiency are "
-                         f"its defaults): {p['tokens_per_s']:.0f} tokens/s, MFU {100 * p['mfu']:.1f} %, "
+            hw = f"{p['gpu']}'s memory and links" if p.get("gpu") else "its default links"
+            lines.append(f"planner (python -m minipar.plan, at this peak, {hw} and its efficiencies): "
+                         f"{p['tokens_per_s']:.0f} tokens/s, MFU {100 * p['mfu']:.1f} %, "
                          f"{p['memory_bytes'] / 2 ** 20:.0f} MiB of tensors per rank (the measured "
                          f"peak above: {peak_mib:.0f} MiB)")
         return lines

@@ -58,8 +58,9 @@ class Trainer:
     train_loop.TrainLoop (train(), the summary)."""
 
     def __init__(self, run: Run, predict=None):
-        """predict: peak TFLOP/s -> the planner's {tokens_per_s, mfu, memory_bytes} for this run, which
-        the summary prints beside the measured ones (train.py's; training/ may not import the planner)."""
+        """predict: (peak TFLOP/s, the GPU's name or None) -> the planner's {tokens_per_s, mfu,
+        memory_bytes, gpu} for this run, which the summary prints beside the measured ones (train.py's;
+        training/ may not import the planner)."""
         self.run, self.cfg, self.pgm, self.predict = run, run.cfg, run.pgm, predict
         cfg, pgm = self.cfg, self.pgm
         self.is_main = pgm.global_rank == 0

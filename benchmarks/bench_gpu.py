@@ -12,7 +12,8 @@ CPU kernel on the CPU) on one causal square block of the model's attention shape
 an fp32 SDPA and timed forward + backward.
 
     tokens/s   micro_batch x seq / step time
-    MFU        model FLOPs per second / peak FLOP/s (--peak-tflops, default 989: H100/H200 bf16 dense)
+    MFU        model FLOPs per second / peak FLOP/s (--peak-tflops; default the device's dense bf16
+               peak from minipar/gpus.py, 989 where it has none and on the CPU)
     model FLOPs per step = (6 N + 12 L d T) x tokens            (PaLM, Chowdhery et al. 2022, app. B)
                N = parameters that multiply activations (all but the input embedding's lookup; a tied
                lm_head counted once), L layers, d = heads x head_dim, T sequence length; 12 L d T
@@ -20,9 +21,10 @@ an fp32 SDPA and timed forward + backward.
                twice that) over the full T x T square, as PaLM does (a causal kernel skips half)
     peak memory torch.cuda.max_memory_allocated (CPU: peak resident set over the start)
 
-Next to the measured peak it prints the planner's estimate (`python -m minipar.plan --model
-config.json --world 1 --gpus-per-node 1 --json`, issue 14 item 5) when minipar.plan is in the
-checkout, else the measured value only, with a note. Results: --out (default
+Next to the measured peak it prints the planner's estimate for the same run (`python -m minipar.plan
+--model config.json --world 1 --gpus-per-node 1` with this micro-batch, sequence, bf16, checkpointing,
+and `--gpu` where the device has a preset in minipar/gpus.py), else the measured value only, with a
+note. Results: --out (default
 benchmarks/results/bench_gpu.json on CUDA; a CPU run writes only where --out says).
 """
 from __future__ import annotations
@@ -55,24 +57,31 @@ def model_flops_per_token(cfg, n_params: int, seq: int) -> float:
     return 6 * (n_params - embed) + 12 * cfg.num_hidden_layers * d * seq
 
 
-def planner_estimate(cfg):
-    """(the planner's JSON, or None; a note)."""
+def planner_estimate(cfg, mb: int, seq: int, checkpointing: bool, device_name: str = None):
+    """(the planner's JSON for this very run, or None; the command, or why not): the same shape,
+    micro-batch, sequence, dtype and checkpointing, on the device's data sheet (minipar/gpus.py)
+    where it has a preset."""
     import importlib.util
     if importlib.util.find_spec("minipar.plan") is None:
         return None, "minipar.plan is not in this checkout (issue 14 item 5): measured memory only"
+    from minipar.gpus import preset_for_device
+    gpu = preset_for_device(device_name) if device_name else None
+    flags = ["--world", "1", "--gpus-per-node", "1", "--seq-len", str(seq), "--global-batch-size", str(mb),
+             "--micro-batch-size", str(mb), "--dtype", "bfloat16"] \
+        + (["--gradient-checkpointing"] if checkpointing else []) + (["--gpu", gpu] if gpu else []) \
+        + ["--json"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "config.json")
         with open(path, "w") as f:
             json.dump(cfg.to_hf_dict(), f)
-        cmd = [sys.executable, "-m", "minipar.plan", "--model", path, "--world", "1", "--gpus-per-node", "1",
-               "--json"]
+        cmd = [sys.executable, "-m", "minipar.plan", "--model", path] + flags
         res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                              env=dict(os.environ, PYTHONPATH=ROOT))
+    shown = "python -m minipar.plan --model config.json " + " ".join(flags)
     if res.returncode != 0:
-        return None, f"minipar.plan failed ({' '.join(cmd[1:])}): {res.stderr.strip()[-300:]}"
+        return None, f"minipar.plan failed ({shown}): {res.stderr.strip()[-300:]}"
     try:
-        return json.loads(res.stdout), ("python -m minipar.plan --model config.json --world 1 "
-                                        "--gpus-per-node 1 --json")
+        return json.loads(res.stdout), shown
     except json.JSONDecodeError:
         return None, f"minipar.plan printed no JSON: {res.stdout[:200]!r}"
 
@@ -124,7 +133,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; tiny 2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="peak bf16 dense TFLOP/s of the device")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak bf16 dense TFLOP/s of the device (default: its data sheet's, minipar/gpus.py; "
+                        "989 where it is not there, and on the CPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     tiny = args.tiny or args.size == "tiny"
@@ -174,6 +185,10 @@ def main(argv=None):
     tokens = mb * seq
     flops = model_flops_per_token(cfg, n_params, seq) * tokens
     peak = _peak_memory(device, rss0)
+    if args.peak_tflops is None:
+        from minipar.gpus import gpu_peak_tflops
+        args.peak_tflops = (gpu_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda"
+                            else None) or 989.0
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   backend=backend, torch=torch.__version__, shape="tiny" if tiny else args.size,
                   n_params=n_params, micro_batch=mb, seq=seq, dtype="bf16 autocast, fp32 master weights",
@@ -182,7 +197,8 @@ def main(argv=None):
                   mfu=flops / step_s / (args.peak_tflops * 1e12), peak_tflops=args.peak_tflops,
                   peak_memory_bytes=peak, losses=losses,
                   attention=attention_check(cfg, mb, seq, device, torch.bfloat16))
-    result["planner"], result["planner_note"] = planner_estimate(cfg)
+    result["planner"], result["planner_note"] = planner_estimate(
+        cfg, mb, seq, args.gradient_checkpointing, result["device"] if device.type == "cuda" else None)
     print(f"{result['device']} ({backend}), {n_params / 1e9:.3f} B parameters, {mb} x {seq} tokens, bf16: "
           f"{result['step_ms']:.0f} ms/step, {result['tokens_per_s']:.0f} tokens/s, "
           f"MFU {100 * result['mfu']:.1f} % "

@@ -513,12 +513,43 @@ def test_stages_stepping_alone_agree_on_sigterm_a_step_late(tmp_path):
     assert os.listdir(tmp_path / "step-3") and [x[0] for x in got[0][2]] == [1, 2, 3]
 
 
+def _train_validated(argv):
+    """The curve, and the post-validator's counts (updates checked, redone clipped)."""
+    torch.set_num_threads(1)
+    trainer = Trainer(setup_run(argv))
+    curve = _curve(trainer.train())
+    v = trainer.pipeline.validator
+    return curve, (v.checked, v.redone) if v is not None else None
+
+
+def test_stages_stepping_alone_with_clipping_redo_each_update_clipping_changes(tmp_path):
+    # pipeline_overlap_steps with max_grad_norm (post_validate.py): each stage updates as if no
+    # clipping were due and checks a step later; where the norm says clipping was due it redoes
+    # the update clipped and runs the next step's schedule again. The curve is the synchronous
+    # run's at every threshold: 1.0, where every step clips (the references above show it), and
+    # one between the synchronous run's norms, where some do and some do not; the updates redone
+    # are exactly the steps whose norm exceeded it (step 2 checked before its save, the last one at
+    # the end of the run, before the evaluation)
+    pp = ["--pipeline_parallel_size", "2", "--pipeline_schedule", "zbv"]
+    for clip in ("1.0", "2.58"):
+        sync = run_world(_train, 2, _argv(tmp_path / f"sync{clip}", *pp, "--max_grad_norm", clip, steps=4),
+                         timeout=300)
+        alone = run_world(_train_validated, 2, _argv(tmp_path / f"alone{clip}", *pp, "--max_grad_norm", clip,
+                                                     "--pipeline_overlap_steps", "true", "--save_steps", "2",
+                                                     steps=4), timeout=300)
+        due = sum(g + 1e-6 > float(clip) for *_, g in sync[0])
+        assert due == 4 if clip == "1.0" else 0 < due < 4, [g for *_, g in sync[0]]
+        for a, (b, counts) in zip(sync, alone):
+            _same(a, b, rel=1e-6)
+            assert counts == (4, due)
+        assert os.listdir(tmp_path / f"alone{clip}" / "step-2")     # saved once step 2 was checked
+
+
 def test_stepping_alone_is_refused_where_it_cannot_apply():
     from minipar.training.config.check import check
     from minipar.training.config.train_config import TrainConfig
-    cfg = TrainConfig(pipeline_overlap_steps=True)            # pp 1, and max_grad_norm 1.0 by default
-    both = r"pipeline_parallel_size=1 .* and max_grad_norm=1.0 .*max_grad_norm: 0"
-    with pytest.raises(ValueError, match=both):
+    cfg = TrainConfig(pipeline_overlap_steps=True)            # pp 1
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=1 .*set pipeline_parallel_size >= 2"):
         check(cfg)
 
 

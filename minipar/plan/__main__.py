@@ -208,7 +208,7 @@ def main(argv=None):
     ap.add_argument("--pipeline-schedule", choices=("afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"))
     ap.add_argument("--pipeline-overlap-steps", action="store_const", const=True,
                     help="the stages update and start the next step without meeting (the trainer's "
-                         "pipeline_overlap_steps, which runs without clipping)")
+                         "pipeline_overlap_steps)")
     ap.add_argument("--virtual-stages", type=int, help="model chunks per rank (interleaved_1f1b; default 2; "
                     "zbv: 2)")
     ap.add_argument("--sp", "--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)

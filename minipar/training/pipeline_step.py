@@ -25,7 +25,10 @@ t_F = t_B = t_W; pipeline_parallel/simulate.py). The loss and the squared gradie
 all-reduce over the world (each rank's value divided by the ranks of its stage, which all hold
 it; the world's group, not pp's, so that on NCCL it queues behind no send), started without
 waiting and read by the train loop a step later, as is the stop flag (lifecycle.StopFlag.agree_later).
-The updates are the same as the synchronous run's; only the log comes a step late.
+The updates are the same as the synchronous run's; only the log comes a step late. With clipping
+(max_grad_norm > 0) a stage updates optimistically and checks the update once the norm has arrived,
+after the next step's schedule, redoing both when clipping was due (post_validate.py; `settle()`
+checks the last step before a save, an evaluation or the end).
 
 PipelineStep is handed what it uses (the stage, batch_source.Batches, the OptimizerStep, the
 autocast context, the reducers) by the trainer, and reads nothing else of it: the batches, the
@@ -52,6 +55,7 @@ from minipar.pipeline_parallel import (
 from minipar.training.batch_source import eval_loss
 from minipar.training.data import batches as mdata
 from minipar.training.optim import stage_grad_sq
+from minipar.training.post_validate import PostValidator
 
 
 def virtual_stages(cfg) -> int:
@@ -106,8 +110,25 @@ class PipelineStep:
                                       pgm.pp.rank, side=model.pipeline_aux is not None)
         self.act_dtype = act_dtype
         self.alone = cfg.pipeline_overlap_steps   # step without waiting for the other stages
+        opt = optimizer_step
+        self.validator = PostValidator(opt.optimizer, opt.scheduler, opt.max_grad_norm, opt.update) \
+            if self.alone and opt.max_grad_norm else None
+        self.in_flight = None                     # (work, sums) of the last optimistic update, unchecked
 
     def train_step(self, step: int) -> dict:
+        loss = self._schedule(step)
+        if self.alone:
+            if self.in_flight is not None and self._check():
+                loss = self._schedule(step)       # its gradients came from weights now redone
+            return self._step_alone(loss)
+        comm.all_reduce(loss, self.pgm.pp)
+        aux = self.model.pipeline_aux             # an MoE's figures (models/moe_aux.py), or none
+        moe = aux.step_metrics(loss.device, self.num_micro) if aux is not None else {}
+        return dict(loss=loss.item(), **self.optimizer_step(), moe=moe)
+
+    def _schedule(self, step: int) -> torch.Tensor:
+        """Step `step`'s micro-batches through this rank's stage: its gradients reduced, its loss
+        summed over dp_cp (the last stage's; the others hold zero)."""
         pgm, M = self.pgm, self.num_micro
         gb = self.batches.global_batch(step)      # byte corpus or packed datasets rows
         n_items = mdata.count_label_tokens(gb["labels"])
@@ -124,21 +145,32 @@ class PipelineStep:
                                 before_backward=before_backward, autocast=self.autocast,
                                 arrivals=self.arrivals)
         comm.all_reduce(loss, pgm.dp_cp)
-        if self.alone:
-            return self._step_alone(loss)
-        comm.all_reduce(loss, pgm.pp)
-        aux = self.model.pipeline_aux             # an MoE's figures (models/moe_aux.py), or none
-        moe = aux.step_metrics(loss.device, M) if aux is not None else {}
-        return dict(loss=loss.item(), **self.optimizer_step(), moe=moe)
+        return loss
+
+    def _check(self) -> bool:
+        """Post-validation of the last optimistic update: wait for its norm (started a step ago),
+        redo it clipped if clipping was due; True when it was redone."""
+        (work, sums), self.in_flight = self.in_flight, None
+        work.wait()
+        return self.validator.check(sums[1].sqrt().float())
+
+    def settle(self) -> None:
+        """Check the last update now (before a save, an evaluation, the end): nothing ran on it yet."""
+        if self.in_flight is not None:
+            self._check()
 
     def _step_alone(self, loss: torch.Tensor) -> dict:
         """pipeline_overlap_steps (the module docstring): update now, sum the loss and the squared
         norm over the world in the background; `pending()` waits for them and gives both."""
         pgm = self.pgm
         sq = stage_grad_sq(self.model.parameters(), pgm)
+        if self.validator is not None:            # what the optimistic update changes, to undo it
+            self.validator.keep()
         lr = self.optimizer_step.update()
         shares = torch.stack([loss.to(sq.device, sq.dtype), sq]) / (pgm.world.size // pgm.pp.size)
         work = comm.all_reduce(shares, pgm.world, async_op=True)
+        if self.validator is not None:
+            self.in_flight = (work, shares)
 
         def pending() -> dict:
             work.wait()

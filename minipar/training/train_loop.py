@@ -115,6 +115,7 @@ class TrainLoop:
             record.update(out.get("moe") or {})   # an MoE's aux loss, imbalance, drops (moe_metrics.py)
             has_val = self.run.datasets is None or self.run.datasets.val is not None
             if cfg.eval_steps and has_val and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
+                t.settle()                        # evaluate checked weights (post_validate.py)
                 last_val = record["val_loss"] = t.evaluate()
             if alone:                             # its loss and norm arrive a step late (pipeline_step.py)
                 if held is not None:
@@ -126,6 +127,7 @@ class TrainLoop:
                 if held is not None:              # a checkpoint only of a step whose loss is known finite
                     self._report(*held, bar, metrics)
                     held = None
+                t.settle()
                 t.save(done)
             if alone:                             # the stop flag agreed a step late too: no wait here
                 signum = asked() if asked is not None else 0
@@ -137,11 +139,13 @@ class TrainLoop:
                     self._report(*held, bar, metrics)
                 if asked is not None:
                     asked()                       # joined by every rank: each started it this step
+                t.settle()
                 self._stop_early(done, signum, stop, bar, metrics)
         if held is not None:
             self._report(*held, bar, metrics)
         if asked is not None:
             asked()
+        t.settle()                                # the last update checked before it is saved
         stop.restore()
         bar.close()
         self._close(metrics)
@@ -170,10 +174,8 @@ class TrainLoop:
         record.update(loss=out["loss"], grad_norm=out["grad_norm"])
         done = record["step"]
         if not math.isfinite(out["loss"]):
-            alone = " (and drop pipeline_overlap_steps, which needs it off)" \
-                if cfg.pipeline_overlap_steps else ""
             raise FloatingPointError(f"loss is {out['loss']} at step {done}: lower learning_rate "
-                                     f"or enable max_grad_norm{alone}")
+                                     f"or enable max_grad_norm")
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -229,6 +231,9 @@ class TrainLoop:
                  + (f", val_loss {last_val:.4f}" if last_val is not None else ""),
                  f"metrics: {self.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),
                  f"{what} per rank (MiB): " + " ".join(f"r{i}={p:.0f}" for i, p in enumerate(peaks.tolist()))]
+        validator = getattr(self.trainer.pipeline, "validator", None)
+        if validator is not None:
+            lines.append(validator.describe())
         self.log("\n".join(lines + self._speed_lines(ran, max(peaks.tolist()))))
 
     def _speed_lines(self, ran, peak_mib: float):

@@ -197,6 +197,12 @@ class Trainer:
         comm.all_reduce(loss_sum, self.pgm.dp_cp)
         return dict(loss=loss_sum.item(), **self.optimizer_step(), moe=moe.reduce())
 
+    def settle(self) -> None:
+        """Check an update a pipeline stage made before the whole model's norm was known
+        (pipeline_overlap_steps with clipping: post_validate.py); nothing otherwise."""
+        if self.pipeline is not None:
+            self.pipeline.settle()
+
     def evaluate(self) -> float:
         if self.pipeline is not None:
             return self.pipeline.evaluate()

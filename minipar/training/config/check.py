@@ -110,9 +110,6 @@ def check(cfg) -> None:
     if cfg.pipeline_overlap_steps:
         why = ([f"pipeline_parallel_size={cfg.pipeline_parallel_size} (there are no stages to overlap; "
                 f"set pipeline_parallel_size >= 2)"] if cfg.pipeline_parallel_size < 2 else []) + \
-              ([f"max_grad_norm={cfg.max_grad_norm} (clipping scales each update by the whole model's "
-                f"gradient norm, which a stage cannot know before the others finish; set max_grad_norm: 0, "
-                f"or drop pipeline_overlap_steps)"] if cfg.max_grad_norm else []) + \
               (["a mixture-of-experts model (its routing metrics are summed over the stages every step; "
                 "drop pipeline_overlap_steps)"] if moe else [])
         if why:

@@ -100,8 +100,8 @@ class TrainConfig:
     pipeline_layers: Optional[List[int]] = None     # layers per (virtual) stage; None: the even split
     # true: each stage steps its own optimizer and starts the next step at once (no collective over
     # the stages at a step's end; the loss, grad norm and stop flag are summed in the background and
-    # logged a step late), so zbv's fill hides in the last step's drain; needs max_grad_norm 0
-    # (clipping needs the whole model's norm before an update); minipar/training/pipeline_step.py
+    # logged a step late), so zbv's fill hides in the last step's drain; with max_grad_norm each
+    # update is checked a step late and redone clipped where clipping was due (post_validate.py)
     pipeline_overlap_steps: bool = False
     ddp_timeout: int = 1800               # seconds a collective waits for a stuck peer (Axolotl's name)
     # the ladder's rungs (docs/ladder.md): naive | bucketed gradient all-reduce when nothing is

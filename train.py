@@ -77,7 +77,8 @@ def planner_prediction(cfg, pconf):
         if pconf.pp_size > 1:
             pipe = Pipeline(pconf.pp_size, sizes["pipeline_schedule"], sizes["virtual_stages"],
                             tuple(sizes["pipeline_layers"]) if sizes.get("pipeline_layers") else None,
-                            sizes["pipeline_overlap_steps"])
+                            sizes["pipeline_overlap_steps"],
+                            bool(sizes["pipeline_overlap_steps"] and sizes["max_grad_norm"]))
             p = plan_pipeline(model, layout, pipe, batch, opts, cluster)
         else:
             p = plan(model, layout, batch, opts, cluster)

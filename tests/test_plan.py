@@ -98,6 +98,10 @@ def _measure(argv):
         tr.train_step(0)
     ledger = {k: list(v) for k, v in led.summary().items()}
     tr.train_step(1)                            # the second step prefetches in the learned order
+    kept = tr.pipeline.validator.kept if tr.pipeline is not None and tr.pipeline.validator else None
+    if kept is not None:                        # post-validation's copy of step 2's update, unchecked
+        opt = [v for st in kept["optimizer"]["state"].values() for v in st.values()]
+        state["kept"] = _tensor_bytes(kept["params"]) + _tensor_bytes(kept["grads"]) + _tensor_bytes(opt)
     zero3 = getattr(tr.model, "zero3", None)
     state["gathered"] = zero3.peak_gathered_bytes if zero3 is not None else 0
     M, pgm, acts = tr.run.num_micro_steps, tr.pgm, {}
@@ -148,14 +152,15 @@ def _check(r0, results):
     if sizes.get("pp", 1) > 1:
         layers = sizes["pipeline_layers"]
         pipe = Pipeline(sizes["pp"], sizes["pipeline_schedule"], sizes["virtual_stages"],
-                        tuple(layers) if layers else None, sizes["pipeline_overlap_steps"])
+                        tuple(layers) if layers else None, sizes["pipeline_overlap_steps"],
+                        bool(sizes["pipeline_overlap_steps"] and sizes["max_grad_norm"]))
     for rank, r in enumerate(results):
         mem, coll, act = _plan_rank(model, layout, pipe, batch, opts, rank)
         want = {k: [c, b] for k, (c, b) in coll.items()}
         got = r["state"]
         where = f"{pipe or ''} {layout}, rank {rank}"
-        assert (got["params"], got["grads"], got["optimizer"], got["gathered"]) == \
-            (mem["params"], mem["grads"], mem["optimizer"], mem["gathered"]), \
+        assert (got["params"], got["grads"], got["optimizer"], got["gathered"], got.get("kept", 0)) == \
+            (mem["params"], mem["grads"], mem["optimizer"], mem["gathered"], mem.get("kept", 0)), \
             f"{where}: measured state {got}, planned {mem}"
         assert r["ledger"] == want, f"{where}: ledger {sorted(r['ledger'].items())}\n" \
                                     f"planned {sorted(want.items())}"
@@ -232,6 +237,10 @@ PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size"
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
                             "zbv", "--micro_batch_size", "1", "--model.num_hidden_layers", "4",
                             "--max_grad_norm", "0", "--pipeline_overlap_steps", "true"]),
+               # ... with clipping: post-validation keeps a copy of the stage's whole state
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
+                            "zbv", "--micro_batch_size", "1", "--model.num_hidden_layers", "4",
+                            "--pipeline_overlap_steps", "true"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--dtype",
                             "bfloat16", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"])]
 
@@ -461,12 +470,20 @@ def test_cli_pipeline_overlap_steps_hides_zbvs_fill(capsys):
     steps run back to back, none once m >= 2p - 1, and the step shorter; 1F1B's is unchanged; pp 1
     and --search are refused."""
     import json
-    pp = [os.path.join(ROOT, "configs", "pp.yaml"), "--pp", "2", "--world", "2", "--json"]
+    pp = [os.path.join(ROOT, "configs", "pp.yaml"), "--pp", "2", "--world", "2", "--json",
+          "--max-grad-norm", "0"]
     got = {}
     for schedule in ("1f1b", "zbv"):
         for extra in ([], ["--pipeline-overlap-steps"]):
             assert plan_main(pp + ["--pipeline-schedule", schedule] + extra) == 0
             got[schedule, bool(extra)] = json.loads(capsys.readouterr().out)["time"]
+    # with clipping (pp.yaml's max_grad_norm 1.0) each stage post-validates: it keeps a copy of its
+    # persistent state through the next step, and copies it every step (training/post_validate.py)
+    assert plan_main(pp[:-2] + ["--pipeline-schedule", "zbv", "--pipeline-overlap-steps"]) == 0
+    clipped = json.loads(capsys.readouterr().out)
+    for st in clipped["stages"]:
+        assert st["memory"]["kept"] == st["memory"]["persistent"] > 0
+    assert clipped["time"]["step_s"] > got["zbv", True]["step_s"]
     m = 8                                          # 16 sequences in micro-batches of 2, dp 1
     assert got["zbv", False]["bubble"] == pytest.approx(1 / (6 * m + 1)) and got["zbv", True]["bubble"] == 0
     assert got["zbv", True]["step_s"] < got["zbv", False]["step_s"]

@@ -66,7 +66,8 @@ FLOAT_FLAGS = dict(peak_tflops=(lambda v: v > 0, "more than 0 (dense bf16 TFLOP/
                    hbm_bandwidth=(lambda v: v > 0, "more than 0 (GB/s of GPU memory)"),
                    intra_latency_us=(lambda v: v >= 0, "at least 0 (microseconds per hop)"),
                    inter_latency_us=(lambda v: v >= 0, "at least 0 (microseconds per hop)"),
-                   reserve=(lambda v: 0 <= v < 1, "in [0, 1) (a fraction of GPU memory kept free)"))
+                   reserve=(lambda v: 0 <= v < 1, "in [0, 1) (a fraction of GPU memory kept free)"),
+                   max_grad_norm=(lambda v: v >= 0, "at least 0 (0: no clipping)"))
 
 
 def _pipeline(args, base: dict) -> Pipeline:
@@ -78,7 +79,8 @@ def _pipeline(args, base: dict) -> Pipeline:
         or (2 if schedule in ("interleaved_1f1b", "zbv") else 1)
     layers = base.get("pipeline_layers")
     overlap = bool(args.pipeline_overlap_steps or base.get("pipeline_overlap_steps"))
-    return Pipeline(pp, schedule, v, tuple(layers) if layers else None, overlap)
+    clipping = args.max_grad_norm if args.max_grad_norm is not None else base.get("max_grad_norm", 1.0)
+    return Pipeline(pp, schedule, v, tuple(layers) if layers else None, overlap, bool(overlap and clipping))
 
 
 def _layout(args, base: dict, world: int) -> Layout:
@@ -208,7 +210,10 @@ def main(argv=None):
     ap.add_argument("--pipeline-schedule", choices=("afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"))
     ap.add_argument("--pipeline-overlap-steps", action="store_const", const=True,
                     help="the stages update and start the next step without meeting (the trainer's "
-                         "pipeline_overlap_steps)")
+                         "pipeline_overlap_steps); with clipping each stage keeps a copy of its state")
+    ap.add_argument("--max-grad-norm", type=float,
+                    help="clipping, 0 for none (default: the config's, else the trainer's 1.0): under "
+                         "--pipeline-overlap-steps it makes the stages post-validate their updates")
     ap.add_argument("--virtual-stages", type=int, help="model chunks per rank (interleaved_1f1b; default 2; "
                     "zbv: 2)")
     ap.add_argument("--sp", "--sequence-parallel", dest="sequence_parallel", action="store_const", const=True)

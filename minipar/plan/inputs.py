@@ -273,7 +273,7 @@ def from_train_config(cfg):
     if (getattr(cfg, "pipeline_parallel_size", 1) or 1) > 1:          # minipar/plan/pipeline.py
         sizes.update(pp=cfg.pipeline_parallel_size, pipeline_schedule=cfg.pipeline_schedule,
                      virtual_stages=virtual_stages(cfg), pipeline_layers=cfg.pipeline_layers,
-                     pipeline_overlap_steps=cfg.pipeline_overlap_steps)
+                     pipeline_overlap_steps=cfg.pipeline_overlap_steps, max_grad_norm=cfg.max_grad_norm)
     batch = Batch(cfg.global_batch_size, cfg.micro_batch_size, cfg.sequence_len)
     opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch,
                    reshard_after_forward=cfg.fsdp.reshard_after_forward,

@@ -111,7 +111,7 @@ def phases(model: ModelShape, layout: Layout, batch: Batch, opts: Options, mem: 
     us, head_here = holds.units, holds.head
     tied = model.tie_word_embeddings
     trains = not opts.lora_r                                # LoRA's base has no gradient at all
-    S = mem["persistent"] - mem["grads"]
+    S = mem["persistent"] - mem["grads"] + mem.get("kept", 0)   # + post-validation's copy (pipeline)
     Gs, Gacc = mem["grads"], mem["accumulated_grads"]
     # Megatron-LM's distributed optimizer (estimate.py's distributed_optimizer_memory) keeps its
     # fp32 main gradients in buffers that live all along, and steps with a fused Adam (no temporaries)

@@ -87,6 +87,10 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         group_seconds(groups, cluster)
         parts = tm.compute_seconds(model, layout, batch, opts, cluster, st.num_layers, st.last,
                                    p["memory"]["param_elements"])
+        if p["memory"]["kept"]:            # post-validation copies the state each step (read + write);
+            extra = 2 * p["memory"]["kept"] / (cluster.hbm_gbps * 1e9)    # its redone steps are not counted
+            parts["optimizer_s"] += extra
+            parts["compute_s"] += extra
         # pipeline_step.py reduces once per step (no_sync until the rank's last backward), and every
         # micro-batch regathers the stage's layers: overlap.py's per-layer sum over the stage
         us = stage_units(model, layout, st)

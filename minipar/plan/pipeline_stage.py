@@ -6,6 +6,8 @@ interleaving), the embedding on the first stage, the final norm + lm_head + loss
 Inside a stage the layout is the 4D one of model.py; replay_stage answers, per stage (long_step.py
 the same for a step of many micro-batches, from three short ones):
 
+    kept         pipeline_overlap_steps with clipping: post-validation's copy of the persistent state
+                 (parameters, gradients, AdamW's m, v, step), alive through the whole next step
     persistent   16 B x the stage's parameters (+ 4 B per tensor / unit): as model.py, over the
                  stage's tensors; under ZeRO-3 its units: <root> = norm + lm_head on the last stage
                  (EMPTY elsewhere: an empty unit never gathers), the embedding on the first, then
@@ -61,10 +63,12 @@ class Pipeline:
     virtual_stages: int = 1
     layers: Optional[Tuple[int, ...]] = None       # pipeline_layers: an explicit split
     overlap_steps: bool = False                    # pipeline_overlap_steps: stages never meet at a step end
+    post_validation: bool = False                  # ... with clipping: each update kept, checked a step late
 
     def __str__(self) -> str:
         v = f", v {self.virtual_stages}" if self.virtual_stages > 1 else ""
-        alone = ", steps overlapped" if self.overlap_steps else ""
+        alone = (", steps overlapped" + (", post-validated" if self.post_validation else "")) \
+            if self.overlap_steps else ""
         return f"pp {self.pp} ({self.schedule}{v}{alone})"
 
 
@@ -178,6 +182,9 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
     mem = dict(params=4 * elems, grads=4 * elems, optimizer=8 * elems + 4 * tensors,
                persistent=16 * elems + 4 * tensors, gathered=gathered, accumulated_grads=accumulated,
                param_elements=elems)
+    # post-validation (training/post_validate.py) keeps a copy of all of it, parameters, gradients
+    # and AdamW's state, from one update until it is checked in the next step
+    mem["kept"] = mem["persistent"] if pipe.overlap_steps and pipe.post_validation else 0
 
     # ---- activations: per (chunk, micro-batch), weighted by what the schedule keeps alive
     act = pa.activations(model, layout, batch, opts)

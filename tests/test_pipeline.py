@@ -502,11 +502,12 @@ def test_stages_stepping_alone_train_as_the_synchronous_run(tmp_path):
     assert [json.loads(x)["step"] for x in open(tmp_path / "alone" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
-def test_stages_stepping_alone_agree_on_sigterm_a_step_late(tmp_path):
+@pytest.mark.parametrize("clip", ["0", "1.0"], ids=["no-clipping", "post-validated"])
+def test_stages_stepping_alone_agree_on_sigterm_a_step_late(tmp_path, clip):
     # rank 1 is signalled during step 2; the flag's all-reduce is read after step 3, so both
-    # ranks save step 3 and leave, its record written
+    # ranks save step 3 and leave, its record written (with clipping, step 3's update checked first)
     from test_reliability import _train_signalled
-    argv = _argv(tmp_path, "--max_grad_norm", "0", "--pipeline_parallel_size", "2", "--pipeline_schedule",
+    argv = _argv(tmp_path, "--max_grad_norm", clip, "--pipeline_parallel_size", "2", "--pipeline_schedule",
                  "zbv", "--pipeline_overlap_steps", "true", steps=6)
     got = run_world(_train_signalled, 2, argv, 1, 1, timeout=300)
     assert [g[:2] for g in got] == [("preempted", 3)] * 2, got

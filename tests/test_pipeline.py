@@ -544,6 +544,12 @@ def test_stages_stepping_alone_with_clipping_redo_each_update_clipping_changes(t
             _same(a, b, rel=1e-6)
             assert counts == (4, due)
         assert os.listdir(tmp_path / f"alone{clip}" / "step-2")     # saved once step 2 was checked
+    # ... so a run resumed from it goes on as the uninterrupted one did
+    resumed = run_world(_train, 2, _argv(tmp_path / "resumed", *pp, "--max_grad_norm", clip,
+                                         "--pipeline_overlap_steps", "true", "--resume_from_checkpoint",
+                                         str(tmp_path / f"alone{clip}" / "step-2"), steps=4), timeout=300)
+    for (b, _), r in zip(alone, resumed):
+        _same(b[2:], r, rel=1e-6)
 
 
 def test_stepping_alone_is_refused_where_it_cannot_apply():

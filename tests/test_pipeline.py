@@ -523,31 +523,29 @@ def _train_validated(argv):
     return curve, (v.checked, v.redone) if v is not None else None
 
 
-def test_stages_stepping_alone_with_clipping_redo_each_update_clipping_changes(tmp_path):
+@pytest.mark.parametrize("clip", [pytest.param("1.0", marks=pytest.mark.slow), "2.58"],
+                         ids=["every-step-clips", "some-steps-clip"])
+def test_stages_stepping_alone_with_clipping_redo_each_update_clipping_changes(tmp_path, clip):
     # pipeline_overlap_steps with max_grad_norm (post_validate.py): each stage updates as if no
     # clipping were due and checks a step later; where the norm says clipping was due it redoes
     # the update clipped and runs the next step's schedule again. The curve is the synchronous
-    # run's at every threshold: 1.0, where every step clips (the references above show it), and
-    # one between the synchronous run's norms, where some do and some do not; the updates redone
-    # are exactly the steps whose norm exceeded it (step 2 checked before its save, the last one at
-    # the end of the run, before the evaluation)
-    pp = ["--pipeline_parallel_size", "2", "--pipeline_schedule", "zbv"]
-    for clip in ("1.0", "2.58"):
-        sync = run_world(_train, 2, _argv(tmp_path / f"sync{clip}", *pp, "--max_grad_norm", clip, steps=4),
-                         timeout=300)
-        alone = run_world(_train_validated, 2, _argv(tmp_path / f"alone{clip}", *pp, "--max_grad_norm", clip,
-                                                     "--pipeline_overlap_steps", "true", "--save_steps", "2",
-                                                     steps=4), timeout=300)
-        due = sum(g + 1e-6 > float(clip) for *_, g in sync[0])
-        assert due == 4 if clip == "1.0" else 0 < due < 4, [g for *_, g in sync[0]]
-        for a, (b, counts) in zip(sync, alone):
-            _same(a, b, rel=1e-6)
-            assert counts == (4, due)
-        assert os.listdir(tmp_path / f"alone{clip}" / "step-2")     # saved once step 2 was checked
-    # ... so a run resumed from it goes on as the uninterrupted one did
-    resumed = run_world(_train, 2, _argv(tmp_path / "resumed", *pp, "--max_grad_norm", clip,
-                                         "--pipeline_overlap_steps", "true", "--resume_from_checkpoint",
-                                         str(tmp_path / f"alone{clip}" / "step-2"), steps=4), timeout=300)
+    # run's at every threshold: 1.0, where every step clips (the references above show it; slow),
+    # and one between the synchronous run's norms, where some do and some do not (the fast twin:
+    # both branches); the updates redone are exactly the steps whose norm exceeded it (step 2
+    # checked before its save, the last one at the end of the run, before the evaluation), and a
+    # run resumed from step 2 goes on as the uninterrupted one did
+    pp = ["--pipeline_parallel_size", "2", "--pipeline_schedule", "zbv", "--max_grad_norm", clip]
+    sync = run_world(_train, 2, _argv(tmp_path / "sync", *pp, steps=4), timeout=300)
+    alone = run_world(_train_validated, 2, _argv(tmp_path / "alone", *pp, "--pipeline_overlap_steps", "true",
+                                                 "--save_steps", "2", steps=4), timeout=300)
+    due = sum(g + 1e-6 > float(clip) for *_, g in sync[0])
+    assert due == 4 if clip == "1.0" else 0 < due < 4, [g for *_, g in sync[0]]
+    for a, (b, counts) in zip(sync, alone):
+        _same(a, b, rel=1e-6)
+        assert counts == (4, due)
+    resumed = run_world(_train, 2, _argv(tmp_path / "resumed", *pp, "--pipeline_overlap_steps", "true",
+                                         "--resume_from_checkpoint", str(tmp_path / "alone" / "step-2"),
+                                         steps=4), timeout=300)
     for (b, _), r in zip(alone, resumed):
         _same(b[2:], r, rel=1e-6)
 

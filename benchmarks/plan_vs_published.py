@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
@@ -54,23 +55,22 @@ WHAT = {"efficiency": "GEMMs at {x:.2f} of peak (the planner: {now})",
         "attention_efficiency": "attention at {x:.2f} of peak (the planner: {now})"}
 
 
-def implied(run: Run) -> str:
+def _at(run: Run, field: str, x: float) -> Run:
+    """The run planned with one Cluster constant set to x."""
+    return dataclasses.replace(run, cluster=dict(run.cluster, **{field: x}))
+
+
+def implied(run: Run) -> Optional[float]:
     """The value of the one constant the row's source leaves unknown (run.unstated: the sustained GEMM
     rate of a power-capped GPU, an unnamed attention kernel) at which the planner's tokens/s per GPU
     equals the published figure, found by bisection (tokens/s rises with it); None when even 1.0 is
     too slow. It is what the row's miss would take, not a fit: the planner keeps its constant."""
-    field = run.unstated
-
-    def tokens(x):
-        r = dataclasses.replace(run, cluster=dict(run.cluster, **{field: x}))
-        p = predict(r)
-        return p["time"]["tokens_per_s"] / p["world"]
     lo, hi = 0.01, 1.0
-    if tokens(hi) < run.tokens_per_gpu:
+    if ratio(_at(run, run.unstated, hi)) < 1:
         return None
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if tokens(mid) < run.tokens_per_gpu else (lo, mid)
+        lo, hi = (mid, hi) if ratio(_at(run, run.unstated, mid)) < 1 else (lo, mid)
     return hi
 
 
@@ -94,7 +94,7 @@ def one_value(rows) -> list:
         if len(group) < 2 or not values:
             continue
         x = sum(values) / len(values)
-        at = [ratio(dataclasses.replace(r, cluster=dict(r.cluster, **{field: x}))) for r in group]
+        at = [ratio(_at(r, field, x)) for r in group]
         which = ("what the one row out of bounds among them implies" if len(values) == 1 else
                  f"the mean of the {min(values):.2f}-{max(values):.2f} that the {len(values)} rows out of "
                  f"bounds among them imply")

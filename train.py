@@ -75,11 +75,7 @@ def planner_prediction(cfg, pconf):
         gpu = preset_for_device(device_name) if device_name else None
         cluster = Cluster(**dict(PRESETS[gpu] if gpu else {}, peak_tflops=peak_tflops))
         if pconf.pp_size > 1:
-            pipe = Pipeline(pconf.pp_size, sizes["pipeline_schedule"], sizes["virtual_stages"],
-                            tuple(sizes["pipeline_layers"]) if sizes.get("pipeline_layers") else None,
-                            sizes["pipeline_overlap_steps"],
-                            bool(sizes["pipeline_overlap_steps"] and sizes["max_grad_norm"]))
-            p = plan_pipeline(model, layout, pipe, batch, opts, cluster)
+            p = plan_pipeline(model, layout, Pipeline.from_sizes(sizes), batch, opts, cluster)
         else:
             p = plan(model, layout, batch, opts, cluster)
         return dict(tokens_per_s=p["time"]["tokens_per_s"], mfu=p["time"]["mfu"],

@@ -148,12 +148,7 @@ def _check(r0, results):
     lc = r0["layout"]
     layout = Layout(lc.dp_replicate_size, lc.dp_shard_size, lc.cp_size, lc.tp_size, lc.sequence_parallel,
                     lc.cp_impl, lc.cp_ulysses_size)
-    pipe = None
-    if sizes.get("pp", 1) > 1:
-        layers = sizes["pipeline_layers"]
-        pipe = Pipeline(sizes["pp"], sizes["pipeline_schedule"], sizes["virtual_stages"],
-                        tuple(layers) if layers else None, sizes["pipeline_overlap_steps"],
-                        bool(sizes["pipeline_overlap_steps"] and sizes["max_grad_norm"]))
+    pipe = Pipeline.from_sizes(sizes) if sizes.get("pp", 1) > 1 else None
     for rank, r in enumerate(results):
         mem, coll, act = _plan_rank(model, layout, pipe, batch, opts, rank)
         want = {k: [c, b] for k, (c, b) in coll.items()}

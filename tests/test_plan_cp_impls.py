@@ -53,8 +53,7 @@ def test_plan_matches_ulysses_and_usp_runs_on_4_ranks(tmp_path):
         lc = r0["layout"]
         lay = Layout(lc.dp_replicate_size, lc.dp_shard_size, lc.cp_size, lc.tp_size, lc.sequence_parallel,
                      impl, u)
-        pipe = Pipeline(sizes["pp"], sizes["pipeline_schedule"], sizes["virtual_stages"]) \
-            if sizes.get("pp", 1) > 1 else None
+        pipe = Pipeline.from_sizes(sizes) if sizes.get("pp", 1) > 1 else None
         act = _plan_rank(model, lay, pipe, batch, opts, 0)[2]
         for (checkpointing, seq), measured in r0["acts"].items():
             assert act(dataclasses.replace(batch, sequence_len=seq), checkpointing) == measured, \

@@ -65,6 +65,14 @@ class Pipeline:
     overlap_steps: bool = False                    # pipeline_overlap_steps: stages never meet at a step end
     post_validation: bool = False                  # ... with clipping: each update kept, checked a step late
 
+    @classmethod
+    def from_sizes(cls, sizes: dict) -> "Pipeline":
+        """The pipeline of inputs.from_train_config's sizes (a config with pp > 1): post-validation
+        where its stages step alone with clipping on."""
+        layers, overlap = sizes.get("pipeline_layers"), bool(sizes["pipeline_overlap_steps"])
+        return cls(sizes["pp"], sizes["pipeline_schedule"], sizes["virtual_stages"],
+                   tuple(layers) if layers else None, overlap, bool(overlap and sizes["max_grad_norm"]))
+
     def __str__(self) -> str:
         v = f", v {self.virtual_stages}" if self.virtual_stages > 1 else ""
         alone = (", steps overlapped" + (", post-validated" if self.post_validation else "")) \

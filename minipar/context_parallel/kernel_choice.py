@@ -34,7 +34,8 @@ from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
-BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+from ..config import ATTENTION_BACKENDS as BACKENDS
+
 IMPLS = BACKENDS + ("fused", "torch")
 CPU_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 

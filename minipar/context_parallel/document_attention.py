@@ -104,11 +104,16 @@ def _unpacked(y, index, shape, fill, dtype):
     return full.reshape(b, t, h, d).transpose(1, 2)
 
 
+def _varlen_ops():
+    """The varlen flash-attention forward and backward (a seam the tests replace on CPU)."""
+    return torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
+
+
 def _varlen_forward(q, k, v, causal, scale, layout):
     qi, ki, cu_q, cu_k, max_q, max_k = layout
-    aten = torch.ops.aten
-    res = aten._flash_attention_forward(_packed(q, qi), _packed(k, ki), _packed(v, ki), cu_q, cu_k, max_q, max_k,
-                                        0.0, causal, False, scale=scale)
+    forward, _ = _varlen_ops()
+    res = forward(_packed(q, qi), _packed(k, ki), _packed(v, ki), cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                  scale=scale)
     out, lse = res[0], res[1]
     n, hq = qi.numel(), q.shape[1]
     if tuple(lse.shape) != (hq, n):
@@ -124,16 +129,15 @@ def _varlen_forward(q, k, v, causal, scale, layout):
 
 def _varlen_backward(rng, dout, q, k, v, out, lse, causal, scale, layout):
     qi, ki, cu_q, cu_k, max_q, max_k = layout
-    hq, hkv = q.shape[1], k.shape[1]
+    hq = q.shape[1]             # GQA: the kernel reads K/V's Hkv heads and returns dk, dv with them
     b, _, t, _ = q.shape
-    lse_packed = lse.transpose(0, 1).reshape(hq, b * t).index_select(1, qi).float().contiguous()
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+    lse_packed = lse.transpose(0, 1).reshape(hq, b * t).index_select(1, qi)
+    lse_packed = lse_packed.to(torch.promote_types(q.dtype, torch.float32)).contiguous()   # fp32 for the kernel
+    _, backward = _varlen_ops()
+    dq, dk, dv = backward(
         _packed(dout.to(q.dtype), qi), _packed(q, qi), _packed(k, ki), _packed(v, ki),
         _packed(out.to(q.dtype), qi), lse_packed, cu_q, cu_k, max_q, max_k, 0.0, causal, rng[0], rng[1],
         scale=scale)
-    if dk.shape[1] != hkv:               # a kernel that handed back the G query heads' copies: sum them
-        dk = dk.reshape(dk.shape[0], hkv, -1, dk.shape[-1]).sum(2)
-        dv = dv.reshape(dv.shape[0], hkv, -1, dv.shape[-1]).sum(2)
     acc = acc_dtype(q)
     return (_unpacked(dq, qi, q.shape, 0.0, acc), _unpacked(dk, ki, k.shape, 0.0, acc),
             _unpacked(dv, ki, v.shape, 0.0, acc))

@@ -151,7 +151,7 @@ def _ring_fp64(cp_size, cp_impl):
     return failures
 
 
-@pytest.mark.parametrize("cp_size,cp_impl", [(2, "ring"), (4, "usp")])
+@pytest.mark.parametrize("cp_size,cp_impl", [(4, "ring"), (4, "usp")])
 def test_ring_and_usp_with_documents_equal_the_dense_path_fp64(cp_size, cp_impl):
     failures = [f for r in run_world(_ring_fp64, cp_size, cp_size, cp_impl, timeout=180) for f in r]
     assert not failures, "\n".join(failures[:4])

@@ -65,9 +65,10 @@ def _cell(variant: str, t: int, steps: int):
 
 def table(rows, quick: bool, load: float) -> str:
     lines = [f"# Packed documents: attention's peak memory and time against T ({DOC}-token documents)", "",
-             f"One causal forward + backward, (1, {HQ} heads, T, {D}) over {HKV} KV heads, fp32, one CPU thread; "
-             f"peak = resident-set growth of a fresh process; {os.cpu_count()} cores, load average {load:.1f} "
-             f"at the start{' (--quick)' if quick else ''}. benchmarks/bench_attention_docs.py.", "",
+             f"One causal forward + backward, (1, {HQ} heads, T, {D}) over {HKV} KV heads, fp32, one CPU "
+             f"thread; peak = resident-set growth of a fresh process; {os.cpu_count()} cores, load average "
+             f"{load:.1f} at the start{' (--quick)' if quick else ''}. "
+             f"benchmarks/bench_attention_docs.py.", "",
              "| T | way | peak MiB | peak / previous T | ms | ms / previous T |",
              "|---:|---|---:|---:|---:|---:|"]
     prev = {}
@@ -97,7 +98,8 @@ def main(argv=None) -> int:
         for variant in VARIANTS:
             r = run_variant(_cell, 1, variant, t, steps, timeout=600)
             rows.append((t, variant, r))
-            print(f"T {t} {variant}: peak {r['peak_rss'] / MB:.1f} MiB, {1e3 * r['step_s']:.1f} ms", flush=True)
+            print(f"T {t} {variant}: peak {r['peak_rss'] / MB:.1f} MiB, {1e3 * r['step_s']:.1f} ms",
+                  flush=True)
     md = table(rows, args.quick, load)
     print(md)
     if args.quick:

@@ -74,7 +74,7 @@ def causal_attention(q, k, v, document_ids=None, backend: str = "auto", log=None
             log.note("cp 1", kind, reason)
         if backend == "auto":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        from torch.nn.attention import SDPBackend, sdpa_kernel      # torch >= 2.3
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # torch >= 2.3
         with sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[backend])):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     s = q.shape[2]
@@ -125,7 +125,8 @@ class LlamaAttention(nn.Module):
             # packed documents at cp 1: the whole sequence as the one causal block of a ring of one
             # rank, which runs per document (or one varlen call): no (s, s) mask
             alone = MeshDim("cp_alone", [pgm.global_rank], pgm.global_rank, None)
-            out = ring_attention(q, k, v, alone, causal=True, document_ids=document_ids, impl=backend, log=log)
+            out = ring_attention(q, k, v, alone, causal=True, document_ids=document_ids, impl=backend,
+                                 log=log)
         else:
             out = causal_attention(q, k, v, document_ids, backend, log)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))

@@ -182,7 +182,8 @@ def _emulated_varlen():
                 return x[s:e].transpose(0, 1)[None]
             gq, gk, gv = reference_backward(h(dout, qs, qe), h(q, qs, qe), h(k, ks, ke), h(v, ks, ke),
                                             h(out, qs, qe), lse[:, qs:qe][None], scale, mask(qe - qs, causal))
-            dq[qs:qe], dk[ks:ke], dv[ks:ke] = gq[0].transpose(0, 1), gk[0].transpose(0, 1), gv[0].transpose(0, 1)
+            dq[qs:qe], dk[ks:ke] = gq[0].transpose(0, 1), gk[0].transpose(0, 1)
+            dv[ks:ke] = gv[0].transpose(0, 1)
         return dq, dk, dv
     return fwd, bwd
 
@@ -231,7 +232,8 @@ def test_cuda_calls_match_the_aten_schemas_on_meta():
     cls = classify_block(torch.tensor([[0] * 5 + [1] * 11]), torch.tensor([[0] * 5 + [1] * 11]), True)
     q, k = torch.empty(1, 4, 16, 64, **meta), torch.empty(1, 2, 16, 64, **meta)
     out, lse, ctx = da.block_forward(q, k, k, True, 0.125, "flash", docs=cls, kind="cuda_flash")
-    assert ctx[0] == "segments" and ctx[1][0] == "varlen" and lse.shape == (1, 4, 16) and lse.dtype == torch.float32
+    assert ctx[0] == "segments" and ctx[1][0] == "varlen"
+    assert lse.shape == (1, 4, 16) and lse.dtype == torch.float32
     dq, dk, dv = da.block_backward(out, q, k, k, out, lse, True, 0.125, ctx, docs=cls)
     assert dq.shape == q.shape and dk.shape == k.shape
 
@@ -247,7 +249,8 @@ def test_choose_kernel_table():
     assert choose_kernel("math", "cuda", bf, 64).kind == "torch"
     assert choose_kernel("cudnn", "cuda", bf, 64, path="sdpa").kind == "sdpa"
     for backend, device, dtype, hd, path, match in (
-            ("flash", "cuda", f32, 64, "ring", "flash: fp16/bf16"), ("efficient", "cpu", f32, 64, "ring", "cpu"),
+            ("flash", "cuda", f32, 64, "ring", "flash: fp16/bf16"),
+            ("efficient", "cpu", f32, 64, "ring", "cpu"),
             ("cudnn", "cuda", bf, 64, "ring", "cp 1 without sample_packing"),
             ("flash", "cuda", bf, 512, "ring", "head_dim"), ("cudnn", "cpu", f32, 64, "sdpa", "needs CUDA"),
             ("bogus", "cpu", f32, 64, "ring", "attention_backend must be one of")):
@@ -286,13 +289,15 @@ def test_the_model_says_its_kernels(capsys):
     """A packed forward at cp 1 notes the CPU flash kernel per document; unpacked, SDPA."""
     from models.llama import LlamaForCausalLM
     from models.llama_config import LlamaConfig
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2), ProcessGroupManager.local())
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg, ProcessGroupManager.local())
     ids = torch.randint(0, 64, (1, 16))
     model(ids, document_ids=_docs("3 docs", 16))
     model(ids)
     entries = model.model.attention_log.entries
-    assert [e[:2] for e in entries] == [("ring", "cpu"), ("packed documents", "cpu"), ("cp 1", "sdpa")], entries
+    want = [("ring", "cpu"), ("packed documents", "cpu"), ("cp 1", "sdpa")]
+    assert [e[:2] for e in entries] == want, entries
     assert capsys.readouterr().out.count("[minipar] attention") == 3
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         ParallelismConfig(attention_backend="fast")

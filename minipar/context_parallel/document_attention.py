@@ -33,7 +33,7 @@ import torch
 
 from .block_attention import acc_dtype, allowed, reference_forward
 from .documents import BlockDocuments
-from .fused_attention import dense_backward, dense_forward, _choose, signature_ok
+from .fused_attention import _choose, dense_backward, dense_forward, signature_ok
 from .kernel_choice import may_fall_back, note
 
 __all__ = ["block_forward", "block_backward", "document_mask", "segments_forward", "segments_backward",
@@ -61,7 +61,8 @@ def _per_document_backward(ran, dout, q, k, v, out, lse, causal, scale, segments
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for (b, qs, qe, ks, ke), r in zip(segments, ran):
-        rows, cols = (slice(b, b + 1), slice(None), slice(qs, qe)), (slice(b, b + 1), slice(None), slice(ks, ke))
+        rows = (slice(b, b + 1), slice(None), slice(qs, qe))
+        cols = (slice(b, b + 1), slice(None), slice(ks, ke))
         g = dense_backward(r, dout[rows], q[rows], k[cols], v[cols], out[rows], lse[rows], causal, scale,
                            impl, log)
         dq[rows], dk[cols], dv[cols] = g[0], g[1], g[2]
@@ -112,8 +113,8 @@ def _varlen_ops():
 def _varlen_forward(q, k, v, causal, scale, layout):
     qi, ki, cu_q, cu_k, max_q, max_k = layout
     forward, _ = _varlen_ops()
-    res = forward(_packed(q, qi), _packed(k, ki), _packed(v, ki), cu_q, cu_k, max_q, max_k, 0.0, causal, False,
-                  scale=scale)
+    res = forward(_packed(q, qi), _packed(k, ki), _packed(v, ki), cu_q, cu_k, max_q, max_k, 0.0, causal,
+                  False, scale=scale)
     out, lse = res[0], res[1]
     n, hq = qi.numel(), q.shape[1]
     if tuple(lse.shape) != (hq, n):
@@ -132,7 +133,7 @@ def _varlen_backward(rng, dout, q, k, v, out, lse, causal, scale, layout):
     hq = q.shape[1]             # GQA: the kernel reads K/V's Hkv heads and returns dk, dv with them
     b, _, t, _ = q.shape
     lse_packed = lse.transpose(0, 1).reshape(hq, b * t).index_select(1, qi)
-    lse_packed = lse_packed.to(torch.promote_types(q.dtype, torch.float32)).contiguous()   # fp32 for the kernel
+    lse_packed = lse_packed.to(torch.promote_types(q.dtype, torch.float32)).contiguous()   # fp32 (kernel)
     _, backward = _varlen_ops()
     dq, dk, dv = backward(
         _packed(dout.to(q.dtype), qi), _packed(q, qi), _packed(k, ki), _packed(v, ki),
@@ -158,7 +159,8 @@ def segments_forward(kind, q, k, v, causal, scale, docs: BlockDocuments, impl, l
     if kind == "cuda_flash" and signature_ok("cuda_varlen"):
         try:
             out, lse, rng = _varlen_forward(q, k, v, causal, scale, _layout_on(docs, q, k))
-            note(log, "packed documents", "cuda_varlen", "flash varlen: one call per block, cumulative lengths")
+            note(log, "packed documents", "cuda_varlen", "flash varlen: one call per block, cumulative "
+                                                         "lengths")
             return out, lse, ("varlen", rng)
         except RuntimeError as err:
             if not isinstance(err, VarlenUnsupported) and not may_fall_back(err, q.device, impl):

@@ -152,7 +152,8 @@ class Documents:
         """The host ids (B, T/size) of rank `rank`'s share of the sequence cut over `size` ranks."""
         key = (rank, size)
         if key not in self._shares:
-            self._shares[key] = shard_sequence(self.full, 1, SimpleNamespace(rank=rank, size=size), self.layout)
+            cut = SimpleNamespace(rank=rank, size=size)
+            self._shares[key] = shard_sequence(self.full, 1, cut, self.layout)
         return self._shares[key]
 
     def device_share(self, rank: int, size: int, device) -> torch.Tensor:

@@ -31,7 +31,7 @@ key/value gradients of a group back.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -82,9 +82,11 @@ def _choose(impl: str, q: torch.Tensor, log=None, path: str = "ring") -> str:
     kind, reason = choose_kernel(impl, q.device, q.dtype, q.shape[-1])
     if kind != "torch" and not signature_ok(kind):
         if impl != "auto":
-            raise ValueError(f"attention_backend {impl}: torch {torch.__version__} lacks the {kind} attention "
-                             f"kernel, or its signature differs from the one minipar calls; use auto or math")
-        kind, reason = "torch", f"torch {torch.__version__}: the {kind} op's signature differs, the reference math"
+            raise ValueError(f"attention_backend {impl}: torch {torch.__version__} lacks the {kind} "
+                             f"attention kernel, or its signature differs from the one minipar calls; use "
+                             f"auto or math")
+        kind, reason = "torch", (f"torch {torch.__version__}: the {kind} op's signature differs; the "
+                                 f"reference math")
     note(log, path, kind, reason)
     return kind
 

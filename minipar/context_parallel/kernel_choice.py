@@ -40,7 +40,8 @@ IMPLS = BACKENDS + ("fused", "torch")
 CPU_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 _UNSUPPORTED = re.compile(r"only supports?|not supported|does not support|unsupported|no available kernel|"
-                          r"not implemented|head dimension|head_dim|compute capability|sm8|sm9", re.IGNORECASE)
+                          r"not implemented|head dimension|head_dim|compute capability|sm8|sm9",
+                          re.IGNORECASE)
 _REAL_FAILURE = re.compile(r"CUDA error|illegal memory|device-side assert|out of memory|CUBLAS_STATUS|"
                            r"cuDNN error|unspecified launch failure|misaligned address", re.IGNORECASE)
 
@@ -56,7 +57,8 @@ def _cuda_shape_ok(head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= 256
 
 
-def choose_kernel(backend: str, device, dtype: torch.dtype, head_dim: int, path: str = "ring") -> KernelChoice:
+def choose_kernel(backend: str, device, dtype: torch.dtype, head_dim: int,
+                  path: str = "ring") -> KernelChoice:
     """The kernel attention blocks of this device, dtype and head_dim run, for `backend` (BACKENDS,
     or the legacy "fused" / "torch"). path "ring" covers ring attention, Ulysses, USP and packed
     documents at cp 1; path "sdpa" is plain causal attention at cp 1 (torch's SDPA). ValueError
@@ -72,13 +74,13 @@ def choose_kernel(backend: str, device, dtype: torch.dtype, head_dim: int, path:
         if backend == "auto":
             return KernelChoice("sdpa", "cp 1, no packed documents: torch's SDPA picks its kernel")
         if dev != "cuda" and backend in ("cudnn", "efficient"):
-            raise ValueError(f"attention_backend {backend} needs CUDA; this run attends on {where}: use auto, "
-                             f"flash or math")
+            raise ValueError(f"attention_backend {backend} needs CUDA; this run attends on {where}: use "
+                             f"auto, flash or math")
         return KernelChoice("sdpa", f"cp 1, no packed documents: SDPA forced to its {backend} backend")
     if backend == "cudnn":
-        raise ValueError(f"attention_backend cudnn runs only through SDPA at cp 1 without sample_packing; ring "
-                         f"attention, Ulysses and packed documents need a kernel that returns the log-sum-exp "
-                         f"to merge: use auto, flash, efficient or math")
+        raise ValueError("attention_backend cudnn runs only through SDPA at cp 1 without sample_packing; "
+                         "ring attention, Ulysses and packed documents need a kernel that returns the "
+                         "log-sum-exp to merge: use auto, flash, efficient or math")
     if dev == "cpu":
         if dtype in CPU_FUSED_DTYPES and backend in ("auto", "fused", "flash"):
             return KernelChoice("cpu", f"{where}: the CPU flash kernel")
@@ -96,8 +98,8 @@ def choose_kernel(backend: str, device, dtype: torch.dtype, head_dim: int, path:
         if backend == "flash" and flash_ok:
             return KernelChoice("cuda_flash", f"{where}: flash forced")
         if backend == "auto":
-            return KernelChoice("torch", f"{where}: no fused kernel (head_dim must be a multiple of 8, at most "
-                                         f"256; dtype fp16/bf16/fp32), the reference math")
+            return KernelChoice("torch", f"{where}: no fused kernel (head_dim must be a multiple of 8, at "
+                                         f"most 256; dtype fp16/bf16/fp32), the reference math")
         raise ValueError(f"attention_backend {backend} cannot run on {where} (flash: fp16/bf16; efficient: "
                          f"also fp32; head_dim a multiple of 8 up to 256): use auto or math")
     if backend == "auto":

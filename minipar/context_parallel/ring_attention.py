@@ -281,8 +281,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal
     if isinstance(document_ids, Documents):
         host, document_ids = document_ids, None
         if tuple(host.shape) != (b, n * cp.size):
-            raise ValueError(f"ring_attention: Documents of shape {tuple(host.shape)} do not cover the sequence "
-                             f"(B, L * cp) = {(b, n * cp.size)}")
+            raise ValueError(f"ring_attention: Documents of shape {tuple(host.shape)} do not cover the "
+                             f"sequence (B, L * cp) = {(b, n * cp.size)}")
         if cp.size > 1 and host.layout != layout:
             raise ValueError(f"ring_attention: Documents cut in the {host.layout} layout, the ring runs "
                              f"{layout}: build them with the layout the data was sharded in")

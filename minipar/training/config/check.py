@@ -85,11 +85,12 @@ def check(cfg) -> None:
     if cfg.cp_layout not in CP_LAYOUTS:
         bad(f"cp_layout must be zigzag or contiguous, got {cfg.cp_layout!r}")
     if cfg.attention_backend not in ATTENTION_BACKENDS:
-        bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {cfg.attention_backend!r}")
+        bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+            f"got {cfg.attention_backend!r}")
     elif cfg.attention_backend == "cudnn" and (cfg.context_parallel_size > 1 or cfg.sample_packing):
-        bad("attention_backend cudnn runs only through SDPA at context_parallel_size 1 without sample_packing "
-            "(ring attention, Ulysses and packed documents merge blocks by their log-sum-exp): use auto, flash, "
-            "efficient or math")
+        bad("attention_backend cudnn runs only through SDPA at context_parallel_size 1 without "
+            "sample_packing (ring attention, Ulysses and packed documents merge blocks by their "
+            "log-sum-exp): use auto, flash, efficient or math")
     if cfg.cp_impl not in CP_IMPLS:
         bad(f"cp_impl must be one of {', '.join(CP_IMPLS)}, got {cfg.cp_impl!r}")
     if cfg.cp_ulysses_size is not None and cfg.cp_ulysses_size < 1:

@@ -22,7 +22,8 @@ Where the parallelisms plug in (all through `pgm`, passed explicitly; pgm=None i
       sequence arrives in the zigzag layout (or contiguous, pgm.config.cp_layout) and
       position_ids carry the true positions, so RoPE is right on every chunk.
   packing  document_ids (b, s), one id per token, keep attention inside each packed example (a
-      block-diagonal causal mask; under cp the ids travel with K/V round the ring), and
+      block-diagonal causal mask, run per document from the ids' boundaries on the host:
+      context_parallel/documents.py), and
       position_ids restart at each example, so a packed row computes what its examples alone do.
   dp / ZeRO-3 act on the parameters from outside (minipar.data_parallel, minipar.zero3).
 

@@ -129,8 +129,8 @@ class AttentionLog:
     `entries` for programs (benchmarks/device_check.sh). One per model (LlamaModel makes it); `echo`
     False records without printing (rank > 0 prints fallbacks only)."""
 
-    def __init__(self, echo: bool = True, printer: Callable[[str], None] = print):
-        self.echo, self.printer = echo, printer
+    def __init__(self, echo: bool = True, printer: Optional[Callable[[str], None]] = None):
+        self.echo, self.printer = echo, printer or _print
         self.entries: List[Tuple[str, str, str]] = []
 
     def note(self, path: str, kind: str, reason: str, fallback: bool = False) -> None:
@@ -144,6 +144,10 @@ class AttentionLog:
     def kernels(self, path: Optional[str] = None) -> List[str]:
         """The kernels noted (for `path` only, if given), in order."""
         return [k for p, k, _ in self.entries if path is None or p == path]
+
+
+def _print(msg: str) -> None:
+    print(msg, flush=True)
 
 
 def note(log: Optional[AttentionLog], path: str, kind: str, reason: str, fallback: bool = False) -> None:

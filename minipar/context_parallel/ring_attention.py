@@ -45,11 +45,14 @@ Cost per step of one layer, per rank, bytes on the wire (L = T/cp local tokens, 
     compute   per step B * Hq * L * L/2 scores (the diagonal step L * L), overlapped with the hop
 
 Packed sequences (document_ids). When one row holds several examples, attention must also stay
-inside an example: a query sees a key only if both carry the same document id. The ids (B, L),
-zigzag-sharded like the tokens, travel round the ring with their K/V (one more small message per
-hop, B * L ids), so every block knows the documents of its rows and columns and masks by them;
-a block in which no pair shares a document is skipped. The causal schedule is unchanged: it works
-on sequence order, and the document mask only removes pairs from it.
+inside an example: a query sees a key only if both carry the same document id. Given `Documents`
+(documents.py: the whole sequence's ids on the host, made once per micro-batch), every block of the
+schedule is classified on the host, without communication: skipped, run whole, or cut into
+per-document sub-blocks (document_attention.py: one varlen flash call on CUDA, one dense call per
+document elsewhere); no (L, L) mask. Given device ids (B, L) instead, they travel round the ring with
+their K/V (one more small message per hop, B * L ids) and each block is masked densely: the
+reference the first way is tested against. The causal schedule is unchanged: it works on sequence
+order, and the documents only remove pairs from it.
 
 GQA: K/V travel with their Hkv heads; the Hq/Hkv query heads of a group are folded or broadcast
 per block (fused_attention.py, block_attention.py), so repeated K/V never cross the ring.

@@ -6,7 +6,7 @@
 What runs: minipar.init() (NCCL when CUDA is there: a real world of one, checked with one
 all-reduce), the reference decoder (models/llama.py) with fp32 master weights under bf16 autocast
 (the trainer's single-device path), minipar's AdamW, `--steps` timed steps after `--warmup`.
-Then the fused path of ring attention's block kernel (minipar/context_parallel/fused_attention.py,
+Then the fused path of ring attention's block kernel (minipar/context_parallel/document_attention.py,
 which block_attention.py's reference math checks: flash or efficient attention on CUDA, the flash
 CPU kernel on the CPU) on one causal square block of the model's attention shape, checked against
 an fp32 SDPA and timed forward + backward.
@@ -100,7 +100,8 @@ def _peak_memory(device, rss0):
 
 def attention_check(cfg, batch, seq, device, dtype, iters=3):
     """The fused block kernel on one causal square block against fp32 SDPA: error and time."""
-    from minipar.context_parallel.fused_attention import block_backward, block_forward, default_scale
+    from minipar.context_parallel.document_attention import block_backward, block_forward
+    from minipar.context_parallel.fused_attention import default_scale
     g = torch.Generator(device="cpu").manual_seed(0)
     hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q, k, v, dout = (torch.randn(batch, h, seq, hd, generator=g).to(device, dtype)

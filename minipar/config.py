@@ -40,6 +40,8 @@ CP_LAYOUTS = ("zigzag", "contiguous")
 # that trade the sequence split for a head split (Ulysses), or Ulysses inside groups of
 # cp_ulysses_size ranks and the ring across them (USP)
 CP_IMPLS = ("ring", "ulysses", "usp")
+# the attention kernels a run may force (context_parallel/kernel_choice.py BACKENDS)
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
 @dataclass
@@ -64,6 +66,9 @@ class ParallelismConfig:
     # ulysses; the ring then runs over cp / u
     cp_impl: str = "ring"
     cp_ulysses_size: Optional[int] = None
+    # the attention kernel (context_parallel/kernel_choice.py): auto, or a forced flash | cudnn |
+    # efficient | math, refused (ValueError) where it cannot run
+    attention_backend: str = "auto"
     # expert parallelism: the experts of each MoE layer split over ep ranks borrowed from
     # dp_shard x cp (not a factor of the world size); None = 1
     ep_size: Optional[int] = None
@@ -79,6 +84,9 @@ class ParallelismConfig:
         if self.cp_layout not in CP_LAYOUTS:
             raise ValueError(f"ParallelismConfig.cp_layout must be one of {CP_LAYOUTS}, "
                              f"got {self.cp_layout!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"ParallelismConfig.attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
         if self.cp_impl not in CP_IMPLS:
             raise ValueError(f"ParallelismConfig.cp_impl must be one of {CP_IMPLS}, got {self.cp_impl!r}")
         for name in ("cp_ulysses_size", "ep_size"):

@@ -22,7 +22,8 @@ Where the parallelisms plug in (all through `pgm`, passed explicitly; pgm=None i
       sequence arrives in the zigzag layout (or contiguous, pgm.config.cp_layout) and
       position_ids carry the true positions, so RoPE is right on every chunk.
   packing  document_ids (b, s), one id per token, keep attention inside each packed example (a
-      block-diagonal causal mask; under cp the ids travel with K/V round the ring), and
+      block-diagonal causal mask, run per document from the ids' boundaries on the host:
+      context_parallel/documents.py), and
       position_ids restart at each example, so a packed row computes what its examples alone do.
   dp / ZeRO-3 act on the parameters from outside (minipar.data_parallel, minipar.zero3).
 
@@ -44,7 +45,7 @@ import torch.nn as nn
 
 from minipar import comm
 from minipar import tensor_parallel as tpl
-from minipar.context_parallel import sequence_positions
+from minipar.context_parallel import AttentionLog, Documents, sequence_positions
 from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.mesh import ProcessGroupManager
 
@@ -75,6 +76,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, pgm, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
+        # which attention kernel each path ran, printed once per run (rank 0; other ranks their fallbacks)
+        self.attention_log = AttentionLog(echo=pgm.global_rank == 0)
+        for layer in self.layers:
+            layer.self_attn.attention_log = self.attention_log
 
     def embed(self, input_ids):
         return self.embed_tokens(input_ids)
@@ -89,6 +94,10 @@ class LlamaModel(nn.Module):
         input and runs its forward again in backward; selective keeps the matmul and attention
         outputs, or checkpoints every n-th layer), True for full, or False."""
         policy = ActivationCheckpointing() if checkpointing is True else checkpointing
+        if torch.is_tensor(document_ids):
+            # packed documents: their boundaries to the host once per micro-batch (one all-gather
+            # over cp, one copy), so no attention block of any layer syncs (documents.py)
+            document_ids = Documents.gather(document_ids, self.pgm.cp, self.pgm.config.cp_layout)
         for layer in layers:
             if policy and policy.applies(layer.layer_idx) and self.training and torch.is_grad_enabled():
                 h = policy(layer, h, cos, sin, document_ids)

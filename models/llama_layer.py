@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minipar import tensor_parallel as tpl
-from minipar.context_parallel import ring_attention, ulysses_attention
-from minipar.mesh import ProcessGroupManager
+from minipar.context_parallel import Documents, choose_kernel, ring_attention, ulysses_attention
+from minipar.mesh import MeshDim, ProcessGroupManager
 
 from .llama_config import LlamaConfig
 from .moe import MoEFeedForward
@@ -53,16 +53,30 @@ class RMSNorm(nn.Module):
         return tpl.sequence_parallel_weight(self.weight, self.tp, self.sequence_parallel) * x.to(dtype)
 
 
-def causal_attention(q, k, v, document_ids=None):
+_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                  "math": "MATH"}
+
+
+def causal_attention(q, k, v, document_ids=None, backend: str = "auto", log=None):
     """Plain causal attention of one full (local) sequence, grouped-query: q (b, H, s, d), k/v
-    (b, Hkv, s, d). K/V are repeated to the query heads (enable_gqa needs torch >= 2.5). With
-    document_ids (b, s) the mask is block-diagonal causal: a token sees the earlier tokens of its
-    own document only (every row still sees itself, so no row is empty)."""
+    (b, Hkv, s, d). K/V are repeated to the query heads (enable_gqa needs torch >= 2.5). backend
+    (attention_backend) other than auto forces SDPA's kernel (torch.nn.attention.sdpa_kernel); the
+    choice is noted in `log`. With document_ids (b, s) the mask is block-diagonal causal: a token
+    sees the earlier tokens of its own document only (every row still sees itself, so no row is
+    empty). That dense (b, 1, s, s) mask is the reference the packed path (LlamaAttention with
+    `Documents`) is tested against; the model never builds it."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if document_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        kind, reason = choose_kernel(backend, q.device, q.dtype, q.shape[-1], path="sdpa")
+        if log is not None:
+            log.note("cp 1", kind, reason)
+        if backend == "auto":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # torch >= 2.3
+        with sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[backend])):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     s = q.shape[2]
     mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_() & \
         (document_ids[:, :, None] == document_ids[:, None, :])
@@ -88,6 +102,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(hd, config.rms_norm_eps, tp, sequence_parallel=True)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, tp, sequence_parallel=True)
         self.qk_norm = config.qk_norm
+        self.attention_log = None          # LlamaModel's AttentionLog, shared by the layers
 
     def forward(self, x, cos, sin, document_ids=None):
         q, k, v = tpl.column_parallel_group(x, (self.q_proj, self.k_proj, self.v_proj))   # one collective
@@ -98,14 +113,22 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.pgm.cp.size > 1 and self.pgm.config.cp_impl == "ring":
-            out = ring_attention(q, k, v, self.pgm.cp, causal=True, layout=self.pgm.config.cp_layout,
-                                 document_ids=document_ids)
-        elif self.pgm.cp.size > 1:                # Ulysses over cp_ulysses, the ring over cp_ring (USP)
-            out = ulysses_attention(q, k, v, self.pgm.cp_ulysses, self.pgm.cp_ring,
-                                    layout=self.pgm.config.cp_layout, document_ids=document_ids)
+        pgm, log = self.pgm, self.attention_log
+        backend = getattr(pgm.config, "attention_backend", "auto")
+        if pgm.cp.size > 1 and pgm.config.cp_impl == "ring":
+            out = ring_attention(q, k, v, pgm.cp, causal=True, layout=pgm.config.cp_layout,
+                                 document_ids=document_ids, impl=backend, log=log)
+        elif pgm.cp.size > 1:                # Ulysses over cp_ulysses, the ring over cp_ring (USP)
+            out = ulysses_attention(q, k, v, pgm.cp_ulysses, pgm.cp_ring, layout=pgm.config.cp_layout,
+                                    document_ids=document_ids, impl=backend, log=log)
+        elif isinstance(document_ids, Documents):
+            # packed documents at cp 1: the whole sequence as the one causal block of a ring of one
+            # rank, which runs per document (or one varlen call): no (s, s) mask
+            alone = MeshDim("cp_alone", [pgm.global_rank], pgm.global_rank, None)
+            out = ring_attention(q, k, v, alone, causal=True, document_ids=document_ids, impl=backend,
+                                 log=log)
         else:
-            out = causal_attention(q, k, v, document_ids)
+            out = causal_attention(q, k, v, document_ids, backend, log)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 

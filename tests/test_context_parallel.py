@@ -169,7 +169,7 @@ def test_ring_attention_masks_by_document(cp_size, tp_size):
 
 def test_block_document_mask_classification():
     """A block with no same-document pair is skipped, one the documents do not cut runs unmasked."""
-    from minipar.context_parallel.fused_attention import document_mask
+    from minipar.context_parallel.document_attention import document_mask
     a, b = torch.tensor([[0, 0, 1, 1]]), torch.tensor([[2, 2, 2, 2]])
     assert document_mask(4, 4, False, a, b)[0] == "empty"
     assert document_mask(4, 4, True, b, b)[0] == "plain"

@@ -7,19 +7,28 @@
                         (ulysses_attention, check_ulysses: the head counts that split)
     layouts.py          zigzag or contiguous: the sequence split the data, RoPE and the ring share
                         (zigzag_shard, zigzag_unshard, zigzag_positions)
+    documents.py        packed documents as boundaries on the host: each block classified once per
+                        micro-batch (empty, plain, cut into per-document segments) (Documents)
+    document_attention.py  a block by its class: skipped, whole, one dense call per document, or
+                        one varlen flash call on CUDA (block_forward, block_backward)
+    kernel_choice.py    which kernel runs and why (choose_kernel, attention_backend), which failures
+                        may fall back, the once-per-run report (AttentionLog)
     block_attention.py  the reference math of one query block against one key/value block: out,
                         log-sum-exp, and the six-step flash-attention backward (the unit of work
                         the ring repeats), with causal and document masks
-    fused_attention.py  which kernel attends a block: torch's fused kernels (their aten schemas
-                        checked before use) or the reference math; document masks classified
+    fused_attention.py  a dense block on torch's fused kernels (their aten schemas checked before
+                        use) or the reference math
 
     from minipar.context_parallel import ring_attention, ulysses_attention, zigzag_shard
 """
+from .documents import Documents
+from .kernel_choice import AttentionLog, KernelChoice, choose_kernel
 from .layouts import sequence_positions, shard_sequence, zigzag_positions, zigzag_shard, zigzag_unshard
 from .ring_attention import ring_attention, ring_schedule, schedule_score_elements
 from .ulysses import check_ulysses, heads_to_sequence, ring_order, sequence_to_heads, ulysses_attention
 
-__all__ = ["ring_attention", "ring_schedule", "schedule_score_elements", "sequence_positions",
+__all__ = ["Documents", "AttentionLog", "KernelChoice", "choose_kernel",
+           "ring_attention", "ring_schedule", "schedule_score_elements", "sequence_positions",
            "shard_sequence", "zigzag_positions",
            "zigzag_shard", "zigzag_unshard",
            "ulysses_attention", "check_ulysses", "sequence_to_heads", "heads_to_sequence", "ring_order"]

@@ -30,8 +30,9 @@ causal mask only on square blocks, so the diagonal is never ambiguous.
 
 This file is plain torch in fp32 (or fp64), materialising the block's scores: the math to read
 and to check against. fused_attention.py sends a block to torch's fused kernels instead, where
-they exist and no document mask cuts the block. GQA here broadcasts over the G query heads of a
-group, (B, Hkv, G, Tq, Tk), and never copies K/V.
+they exist; document_attention.py cuts a block by packed documents into per-document
+sub-blocks. GQA here broadcasts over the G query heads of a group, (B, Hkv, G, Tq, Tk), and never
+copies K/V.
 """
 from __future__ import annotations
 

@@ -1,25 +1,24 @@
-"""Which kernel attends a block: torch's fused attention kernels, or the reference math.
+"""Which kernel attends a dense block: torch's fused attention kernels, or the reference math.
 
 block_attention.py holds the math of one block (out, lse, and the six-step backward) in plain
-torch. This file sends a block to torch's own kernels that also return the log-sum-exp, where the
-device and dtype have one, and keeps the two calls the ring makes:
+torch. This file sends a block without documents to torch's own kernels that also return the
+log-sum-exp, where the device and dtype have one (kernel_choice.py picks and reports it):
 
-    block_forward(q, k, v, causal, scale, impl, q_doc, k_doc)  -> out, lse, ctx   (out None: empty)
-    block_backward(dout, q, k, v, out, lse, causal, scale, ctx, q_doc, k_doc) -> dq, dk, dv
+    dense_forward(kind, q, k, v, causal, scale, impl, log)  -> out, lse, ran
+    dense_backward(ran, dout, q, k, v, out, lse, causal, scale, impl, log) -> dq, dk, dv
 
-Implementations (`impl`):
-    "fused"  on CPU aten._scaled_dot_product_flash_attention_for_cpu (+ _backward); on CUDA
-             aten._scaled_dot_product_flash_attention (fp16/bf16) or _efficient_attention (fp32).
-    "torch"  the reference math of block_attention.py (fp32, materialises the block's scores).
-    "auto"   fused where the device and dtype have a kernel, torch otherwise.
+Kernels (`kind`):
+    "cpu"             aten._scaled_dot_product_flash_attention_for_cpu (+ _backward)
+    "cuda_flash"      aten._scaled_dot_product_flash_attention (fp16/bf16)
+    "cuda_efficient"  aten._scaled_dot_product_efficient_attention (fp32, or forced)
+    "torch"           the reference math of block_attention.py (materialises the block's scores)
 
-Document masks (packed sequences). With document ids, each block is first classified: no pair
-allowed -> the block is skipped (nothing computed, nothing merged); every pair the causal rule
-allows is also same-document -> the kernel runs as without documents; otherwise the block runs
-the reference math with its mask (the fused kernels here take no such mask).
+A kernel that refuses a call falls back to the reference math only where kernel_choice's
+may_fall_back allows it (auto; on CUDA only "not supported" refusals), and the log says so.
+document_attention.py runs blocks with packed documents on top of these two calls.
 
 The private aten ops are checked against the argument layout minipar passes before the first call
-(`_signature_ok`), so a torch release that changes one falls back to the reference ("auto")
+(`signature_ok`), so a torch release that changes one falls back to the reference ("auto")
 instead of calling it with shifted arguments. A fused kernel's `is_causal` on a non-square block
 means different things in different kernels (upper-left vs lower-right), so the ring schedule
 never asks for one.
@@ -32,14 +31,15 @@ key/value gradients of a group back.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 from .block_attention import acc_dtype, allowed, reference_backward, reference_forward
+from .kernel_choice import IMPLS, choose_kernel, may_fall_back, note
 
-IMPLS = ("auto", "fused", "torch")
-_CPU_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+__all__ = ["IMPLS", "dense_forward", "dense_backward", "default_scale"]
+
 
 
 # The private aten ops each kernel calls, with the number of positional arguments we pass and of
@@ -53,10 +53,17 @@ _FUSED_OPS = {
                    ("_scaled_dot_product_flash_attention_backward", 14, 3)),
     "cuda_efficient": (("_scaled_dot_product_efficient_attention", 7, 4),
                        ("_scaled_dot_product_efficient_attention_backward", 12, 4)),
+    # the varlen flash-attention ops under torch.nn.attention.varlen.varlen_attn (document_attention.py);
+    # their results: (out, lse, philox_seed, philox_offset, debug) before 2.7, (out, lse, rng_state,
+    # unused, debug) since: passed on positionally
+    "cuda_varlen": (("_flash_attention_forward", 10, 5),
+                    ("_flash_attention_backward", 14, 3)),
 }
 
 
-def _signature_ok(kind: str) -> bool:
+def signature_ok(kind: str) -> bool:
+    """Whether torch's ops for `kind` take the arguments minipar passes (positional count, results,
+    keyword `scale`)."""
     for name, n_args, n_returns in _FUSED_OPS[kind]:
         op = getattr(torch.ops.aten, name, None)
         if op is None:
@@ -69,28 +76,19 @@ def _signature_ok(kind: str) -> bool:
     return True
 
 
-def _choose(impl: str, q: torch.Tensor) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "torch":
-        return "torch"
-    kind = None
-    if q.device.type == "cpu" and q.dtype in _CPU_FUSED_DTYPES:
-        kind = "cpu"
-    elif q.device.type == "cuda" and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
-        if q.dtype in (torch.float16, torch.bfloat16):
-            kind = "cuda_flash"
-        elif q.dtype == torch.float32:
-            kind = "cuda_efficient"
-    if kind is not None and not _signature_ok(kind):
-        if impl == "fused":
-            raise ValueError(f"impl='fused': torch {torch.__version__} lacks the {kind} attention kernel, or "
-                             f"its signature differs from the one minipar calls; use impl='auto' or 'torch'")
-        return "torch"
-    if kind is None and impl == "fused":
-        raise ValueError(f"no fused attention kernel for device {q.device.type}, dtype {q.dtype}, head_dim "
-                         f"{q.shape[-1]}: use impl='torch' or impl='auto'")
-    return kind or "torch"
+def _choose(impl: str, q: torch.Tensor, log=None, path: str = "ring") -> str:
+    """The kernel kind for this call (kernel_choice.choose_kernel), "torch" when the aten op's layout
+    is not the one minipar calls (a forced kernel is then refused)."""
+    kind, reason = choose_kernel(impl, q.device, q.dtype, q.shape[-1])
+    if kind != "torch" and not signature_ok(kind):
+        if impl != "auto":
+            raise ValueError(f"attention_backend {impl}: torch {torch.__version__} lacks the {kind} "
+                             f"attention kernel, or its signature differs from the one minipar calls; use "
+                             f"auto or math")
+        kind, reason = "torch", (f"torch {torch.__version__}: the {kind} op's signature differs; the "
+                                 f"reference math")
+    note(log, path, kind, reason)
+    return kind
 
 
 def _fold(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -170,64 +168,39 @@ def _fused_block_backward(kind, extra, dout, q, k, v, out, lse, causal, scale):
     return _unfold(dq, hq), dk, dv
 
 
-# ------------------------------------------------------------------------------- the two calls
-def document_mask(tq: int, tk: int, causal: bool, q_doc, k_doc, device=None):
-    """-> ("empty", None): no pair may attend; ("plain", None): the documents cut nothing the causal
-    rule allows (a kernel may run as without them); ("masked", mask (B, Tq, Tk) bool)."""
-    if q_doc is None:
-        return "plain", None
-    mask = allowed(tq, tk, causal, q_doc, k_doc, device)
-    if not bool(mask.any()):
-        return "empty", None
-    if bool(mask.all()) or (causal and torch.equal(mask,
-                                                   allowed(tq, tk, True, device=device).expand_as(mask))):
-        return "plain", None
-    return "masked", mask
-
-
-def block_forward(q, k, v, causal: bool, scale: float, impl: str = "auto",
-                  q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None):
-    """-> (out (B, Hq, Tq, D), lse (B, Hq, Tq) in fp32 (fp64 for fp64 q), ctx), or (None, None, ctx)
-    when the documents leave no pair in the block. out is fp32 on the reference path, q.dtype on the
-    fused one; ctx is what block_backward needs besides the tensors (which path ran, its rng state)."""
-    if causal and q.shape[2] != k.shape[2]:
-        raise ValueError(f"block attention: a causal block must be square, got {q.shape[2]} queries and "
-                         f"{k.shape[2]} keys")
-    kind = _choose(impl, q)
-    docs, mask = document_mask(q.shape[2], k.shape[2], causal, q_doc, k_doc, q.device)
-    if docs == "empty":
-        return None, None, ("empty", None, impl)
-    if docs == "plain" and kind != "torch":
+# ------------------------------------------------------------------------------- one dense block
+def dense_forward(kind, q, k, v, causal: bool, scale: float, impl: str, log=None, path: str = "ring"):
+    """One block without documents on `kind`'s kernel, or the reference math (kind "torch", or a
+    fallback kernel_choice.may_fall_back allows, noted in `log`). -> out, lse, (kind ran, extra)."""
+    if kind != "torch":
         try:
             out, lse, extra = _fused_block_forward(kind, q, k, v, causal, scale)
-            return out, lse, (kind, extra, impl)
+            return out, lse, (kind, extra)
         except RuntimeError as err:
-            if impl == "fused" or isinstance(err, torch.cuda.OutOfMemoryError):
+            if not may_fall_back(err, q.device, impl):
                 raise
-            # "auto": a kernel that exists but refuses this shape or GPU falls back to the reference
-    if mask is None:
-        mask = allowed(q.shape[2], k.shape[2], causal, device=q.device)
+            note(log, path, "torch", f"{kind} refused a ({q.shape[2]} x {k.shape[2]}) block: "
+                                     f"{str(err).splitlines()[0][:120]}", fallback=True)
+    mask = allowed(q.shape[2], k.shape[2], True, device=q.device) if causal else None
     out, lse = reference_forward(q, k, v, scale, mask)
-    return out, lse.to(acc_dtype(q)), ("torch", None, impl)
+    return out, lse.to(acc_dtype(q)), ("torch", None)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, ctx,
-                   q_doc: Optional[torch.Tensor] = None, k_doc: Optional[torch.Tensor] = None
-                   ) -> Optional[Tuple[torch.Tensor, ...]]:
-    """Gradients of this block for the FINAL out and lse of its query rows: (dq, dk, dv), dk and dv
-    with Hkv heads (a group's G query heads summed); None for an empty block. `ctx` is what
-    block_forward returned, and q_doc / k_doc the same document ids."""
-    kind, extra, impl = ctx
-    if kind == "empty":
-        return None
+def dense_backward(ran, dout, q, k, v, out, lse, causal: bool, scale: float, impl: str, log=None,
+                   path: str = "ring", mask=None):
+    """The gradients of one dense block (dense_forward's `ran` says which kernel made it)."""
+    kind, extra = ran
     if kind != "torch":
         try:
             return _fused_block_backward(kind, extra, dout, q, k, v, out, lse, causal, scale)
         except RuntimeError as err:
-            if impl == "fused" or isinstance(err, torch.cuda.OutOfMemoryError):
+            if not may_fall_back(err, q.device, impl):
                 raise
-            # "auto": the reference backward needs nothing from the forward kernel but the final lse
-    mask = allowed(q.shape[2], k.shape[2], causal, q_doc, k_doc, q.device)
+            # the reference backward needs nothing from the forward kernel but the final lse
+            note(log, path, "torch", f"{kind} backward refused a ({q.shape[2]} x {k.shape[2]}) block: "
+                                     f"{str(err).splitlines()[0][:120]}", fallback=True)
+    if mask is None and causal:
+        mask = allowed(q.shape[2], k.shape[2], True, device=q.device)
     return reference_backward(dout, q, k, v, out, lse, scale, mask)
 
 

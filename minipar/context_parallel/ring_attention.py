@@ -45,11 +45,14 @@ Cost per step of one layer, per rank, bytes on the wire (L = T/cp local tokens, 
     compute   per step B * Hq * L * L/2 scores (the diagonal step L * L), overlapped with the hop
 
 Packed sequences (document_ids). When one row holds several examples, attention must also stay
-inside an example: a query sees a key only if both carry the same document id. The ids (B, L),
-zigzag-sharded like the tokens, travel round the ring with their K/V (one more small message per
-hop, B * L ids), so every block knows the documents of its rows and columns and masks by them;
-a block in which no pair shares a document is skipped. The causal schedule is unchanged: it works
-on sequence order, and the document mask only removes pairs from it.
+inside an example: a query sees a key only if both carry the same document id. Given `Documents`
+(documents.py: the whole sequence's ids on the host, made once per micro-batch), every block of the
+schedule is classified on the host, without communication: skipped, run whole, or cut into
+per-document sub-blocks (document_attention.py: one varlen flash call on CUDA, one dense call per
+document elsewhere); no (L, L) mask. Given device ids (B, L) instead, they travel round the ring with
+their K/V (one more small message per hop, B * L ids) and each block is masked densely: the
+reference the first way is tested against. The causal schedule is unchanged: it works on sequence
+order, and the documents only remove pairs from it.
 
 GQA: K/V travel with their Hkv heads; the Hq/Hkv query heads of a group are folded or broadcast
 per block (fused_attention.py, block_attention.py), so repeated K/V never cross the ring.
@@ -65,7 +68,10 @@ import torch
 
 from .. import comm
 from ..config import CP_LAYOUTS
-from .fused_attention import IMPLS, block_backward, block_forward, default_scale
+from .document_attention import block_backward, block_forward
+from .documents import Documents
+from .fused_attention import _choose, default_scale
+from .kernel_choice import IMPLS, AttentionLog
 
 __all__ = ["ring_attention", "ring_schedule", "schedule_score_elements", "Block"]
 
@@ -143,19 +149,32 @@ def _hop(kv, docs, cp, overlap):
     return nxt, nxt_docs, works
 
 
-def _cols(docs, b):
-    return None if docs is None else docs[:, b.k0:b.k1]
+def _documents(docs, host, kv_docs, cp, src, b):
+    """The documents of block b (the K/V of rank src) as block_forward takes them: (q_doc, k_doc,
+    classification). Host `Documents`: the block's classification, made once per micro-batch (and
+    the device ids only for a "dense" one); device ids: this rank's rows and the travelling columns."""
+    if host is not None:
+        cls = host.block(cp.rank, src, cp.size, b.q0, b.q1, b.k0, b.k1, b.causal)
+        if cls.kind != "dense":
+            return None, None, cls
+        device = host.local.device if host.local is not None else "cpu"
+        return (host.device_share(cp.rank, cp.size, device)[:, b.q0:b.q1],
+                host.device_share(src, cp.size, device)[:, b.k0:b.k1], None)
+    if docs is None:
+        return None, None, None
+    return docs[:, b.q0:b.q1], kv_docs[:, b.k0:b.k1], None
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, docs, cp, causal, scale, layout, overlap, impl, stats):
+    def forward(ctx, q, k, v, docs, cp, causal, scale, layout, overlap, impl, stats, host, log):
         n = cp.size
         steps = ring_schedule(q.shape[2], n, cp.rank, causal, layout)
+        kind = _choose(impl, q, log)                            # once per call: every block the same
         acc = torch.promote_types(q.dtype, torch.float32)      # fp32, or fp64 for fp64 inputs
         out = q.new_zeros(q.shape, dtype=acc)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
-        kv, kv_docs = torch.stack([k, v]), docs      # one message per hop (and the ids beside it)
+        kv, kv_docs = torch.stack([k, v]), docs      # one message per hop (and device ids beside it)
         kernel_ctx = []
         for i, blocks in enumerate(steps):
             works, nxt, nxt_docs = [], None, None
@@ -163,10 +182,10 @@ class _RingAttention(torch.autograd.Function):
                 nxt, nxt_docs, works = _hop(kv, kv_docs, cp, overlap)
             step_ctx = []
             for b in blocks:
-                rows = None if docs is None else docs[:, b.q0:b.q1]
+                q_doc, k_doc, cls = _documents(docs, host, kv_docs, cp, (cp.rank - i) % n, b)
                 o_b, l_b, kc = block_forward(q[:, :, b.q0:b.q1], kv[0, :, :, b.k0:b.k1],
                                              kv[1, :, :, b.k0:b.k1], b.causal, scale, impl,
-                                             rows, _cols(kv_docs, b))
+                                             q_doc, k_doc, docs=cls, kind=kind, log=log)
                 if o_b is not None:              # None: no pair of this block shares a document
                     _merge(out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], o_b, l_b)
                 step_ctx.append(kc)
@@ -178,13 +197,14 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, docs)
         ctx.cp, ctx.steps, ctx.scale, ctx.overlap, ctx.kernel_ctx, ctx.stats = cp, steps, scale, overlap, \
             kernel_ctx, stats
+        ctx.host, ctx.log = host, log
         _count(stats, "score_elements", steps)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, docs = ctx.saved_tensors
-        cp, n, steps, scale = ctx.cp, ctx.cp.size, ctx.steps, ctx.scale
+        cp, n, steps, scale, host = ctx.cp, ctx.cp.size, ctx.steps, ctx.scale, ctx.host
         dout = dout.contiguous()
         acc = lse.dtype
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -197,10 +217,11 @@ class _RingAttention(torch.autograd.Function):
                 nxt, nxt_docs, works = _hop(kv, kv_docs, cp, ctx.overlap)
             part = home if i == 0 else torch.zeros_like(home)
             for b, kc in zip(blocks, ctx.kernel_ctx[i]):
-                rows = None if docs is None else docs[:, b.q0:b.q1]
+                q_doc, k_doc, cls = _documents(docs, host, kv_docs, cp, (cp.rank - i) % n, b)
                 grads = block_backward(
                     dout[:, :, b.q0:b.q1], q[:, :, b.q0:b.q1], kv[0, :, :, b.k0:b.k1], kv[1, :, :, b.k0:b.k1],
-                    out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], b.causal, scale, kc, rows, _cols(kv_docs, b))
+                    out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], b.causal, scale, kc, q_doc, k_doc,
+                    docs=cls, log=ctx.log)
                 if grads is None:                # an empty block: no gradient
                     continue
                 dq[:, :, b.q0:b.q1] += grads[0]
@@ -222,13 +243,13 @@ class _RingAttention(torch.autograd.Function):
             _finish(in_works)
             home.add_(incoming)
         _count(ctx.stats, "backward_score_elements", steps)
-        return (dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)) + (None,) * 8
+        return (dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)) + (None,) * 10
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal: bool = True,
                    scale: Optional[float] = None, *, layout: str = "zigzag", overlap: bool = True,
                    impl: str = "auto", stats: Optional[dict] = None,
-                   document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   document_ids=None, log: Optional[AttentionLog] = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, which is split over `cp` (pgm.cp).
 
     q (B, Hq, L, D), k and v (B, Hkv, L, D) with Hkv dividing Hq, L = T / cp.size tokens in the
@@ -237,7 +258,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal
     benchmark); impl picks the block kernel ("auto", "fused", "torch"); a dict passed as `stats`
     gets "score_elements" (and "backward_score_elements") added, per batch row and head (the
     schedule's blocks, counted whether or not a document mask empties them). document_ids (B, L),
-    in the same layout as q, restricts attention to pairs of the same document (packed examples).
+    in the same layout as q, restricts attention to pairs of the same document (packed examples):
+    a `Documents` (documents.py, the host's boundaries: skipped, whole, per-document or varlen
+    blocks, no (L, L) mask) or a device tensor (the dense mask per block, the ids travelling with
+    K/V: the reference the Documents path is tested against). impl: kernel_choice.IMPLS; the kernel
+    used is noted in `log` (kernel_choice.AttentionLog).
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"ring_attention: q must be (B, Hq, L, D) and k, v (B, Hkv, L, D) of one shape; got "
@@ -255,10 +280,20 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal
         raise ValueError(f"ring_attention: the local length {q.shape[2]} is odd, but a zigzag share is two "
                          f"equal chunks: shard a sequence of length divisible by 2 * cp_size = {2 * cp.size} "
                          f"with zigzag_shard")
+    host = None
+    if isinstance(document_ids, Documents):
+        host, document_ids = document_ids, None
+        if tuple(host.shape) != (b, n * cp.size):
+            raise ValueError(f"ring_attention: Documents of shape {tuple(host.shape)} do not cover the "
+                             f"sequence (B, L * cp) = {(b, n * cp.size)}")
+        if cp.size > 1 and host.layout != layout:
+            raise ValueError(f"ring_attention: Documents cut in the {host.layout} layout, the ring runs "
+                             f"{layout}: build them with the layout the data was sharded in")
     if document_ids is not None:
         if tuple(document_ids.shape) != (b, n) or document_ids.dtype.is_floating_point:
             raise ValueError(f"ring_attention: document_ids must be integer ids of shape (B, L) = {(b, n)}, "
                              f"got {document_ids.dtype} {tuple(document_ids.shape)}")
         document_ids = document_ids.to(q.device).contiguous()
     scale = default_scale(q.shape[-1], scale)
-    return _RingAttention.apply(q, k, v, document_ids, cp, causal, scale, layout, overlap, impl, stats)
+    return _RingAttention.apply(q, k, v, document_ids, cp, causal, scale, layout, overlap, impl, stats, host,
+                                log)

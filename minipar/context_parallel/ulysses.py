@@ -202,14 +202,17 @@ def check_ulysses(num_heads: int, num_kv_heads: int, tp: int, cp: int, u: int) -
 # ------------------------------------------------------------------------------- attention
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grp, ring=None, *,
                       layout: str = "zigzag", causal: bool = True,
-                      document_ids: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                      impl: str = "auto", stats: Optional[dict] = None) -> torch.Tensor:
+                      document_ids=None, scale: Optional[float] = None,
+                      impl: str = "auto", stats: Optional[dict] = None, log=None) -> torch.Tensor:
     """Attention of this rank's tokens over the whole sequence, Ulysses over `grp`, ring over `ring`.
 
     q (B, Hq, L, D), k and v (B, Hkv, L, D), document_ids (B, L): this cp rank's share in `layout`
     over the whole cp group, cp rank c = ring.rank * u + grp.rank (u = grp.size). ring None or of
-    size 1: pure Ulysses. Returns (B, Hq, L, D) in q's dtype. impl and stats go to ring_attention
-    (the block kernel; score counts of the heads and tokens this rank attends).
+    size 1: pure Ulysses. Returns (B, Hq, L, D) in q's dtype. impl, stats and log go to ring_attention
+    (the block kernel; score counts of the heads and tokens this rank attends; the kernel noted).
+    document_ids: a `Documents` (the host's boundaries of the whole sequence: the inner ring asks it
+    for its ring rank's share, no exchange of ids) or this rank's (B, L) device ids (all-gathered
+    over the group and reordered, then masked densely).
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"ulysses_attention: q must be (B, Hq, L, D) and k, v (B, Hkv, L, D) of one shape; "
@@ -221,7 +224,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grp, ri
         ring = MeshDim("cp_ring", [grp.global_rank], grp.global_rank, None)
     if u == 1:
         return ring_attention(q, k, v, ring, causal, scale, layout=layout, impl=impl, stats=stats,
-                              document_ids=document_ids)
+                              document_ids=document_ids, log=log)
     f = kv_repeats(hq, hkv, u)
     if (q.shape[0], n, q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
         raise ValueError(f"ulysses_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, "
@@ -229,18 +232,18 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grp, ri
     if causal and layout == "zigzag" and n % 2:
         raise ValueError(f"ulysses_attention: the local length {n} is odd, but a zigzag share is two equal "
                          f"chunks: shard a sequence divisible by 2 * cp_size = {2 * u * ring.size}")
-    if document_ids is not None and (tuple(document_ids.shape) != (q.shape[0], n)
-                                     or document_ids.dtype.is_floating_point):
+    if torch.is_tensor(document_ids) and (tuple(document_ids.shape) != (q.shape[0], n)
+                                          or document_ids.dtype.is_floating_point):
         raise ValueError(f"ulysses_attention: document_ids must be integer ids of shape (B, L) = "
                          f"{(q.shape[0], n)}, got {document_ids.dtype} {tuple(document_ids.shape)}")
     if f > 1:                                  # kv head i -> copies f*i .. f*i+f-1, next to each other
         k, v = k.repeat_interleave(f, dim=1), v.repeat_interleave(f, dim=1)
     order = ring_order(n, u, ring.size, ring.rank, layout, q.device)
     qh, kh, vh = (sequence_to_heads(x, grp, order) for x in (q, k, v))
-    docs = None
-    if document_ids is not None:
+    docs = document_ids                      # Documents: the ring reads its share from the host ids
+    if torch.is_tensor(document_ids):
         docs = comm.all_gather(document_ids.to(q.device).contiguous(), grp, gather_dim=1)
         docs = docs if order is None else docs.index_select(1, order)
     out = ring_attention(qh, kh, vh, ring, causal, default_scale(q.shape[-1], scale), layout=layout,
-                         impl=impl, stats=stats, document_ids=docs)
+                         impl=impl, stats=stats, document_ids=docs, log=log)
     return heads_to_sequence(out, grp, order)

@@ -134,6 +134,7 @@ def setup_run(argv: List[str]) -> Run:
     pconf = ParallelismConfig(**sizes, sequence_parallel=cfg.sequence_parallel,
                               tp_async_overlap=cfg.tp_async_overlap, cp_layout=cfg.cp_layout,
                               cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size,
+                              attention_backend=cfg.attention_backend,
                               ep_size=ep)
     try:
         pconf = pconf.resolve(world)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib.util
 from typing import List
 
-from minipar.config import CP_IMPLS, CP_LAYOUTS
+from minipar.config import ATTENTION_BACKENDS, CP_IMPLS, CP_LAYOUTS
 from minipar.lora import adapter_shapes, add_lora, check_adapter, check_targets
 from minipar.training.data.batches import DATASET_IS, check_data_file
 from minipar.training.data.datasets import check_entries
@@ -84,6 +84,13 @@ def check(cfg) -> None:
         bad(f"ddp must be naive or bucketed, got {cfg.ddp!r}")
     if cfg.cp_layout not in CP_LAYOUTS:
         bad(f"cp_layout must be zigzag or contiguous, got {cfg.cp_layout!r}")
+    if cfg.attention_backend not in ATTENTION_BACKENDS:
+        bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+            f"got {cfg.attention_backend!r}")
+    elif cfg.attention_backend == "cudnn" and (cfg.context_parallel_size > 1 or cfg.sample_packing):
+        bad("attention_backend cudnn runs only through SDPA at context_parallel_size 1 without "
+            "sample_packing (ring attention, Ulysses and packed documents merge blocks by their "
+            "log-sum-exp): use auto, flash, efficient or math")
     if cfg.cp_impl not in CP_IMPLS:
         bad(f"cp_impl must be one of {', '.join(CP_IMPLS)}, got {cfg.cp_impl!r}")
     if cfg.cp_ulysses_size is not None and cfg.cp_ulysses_size < 1:

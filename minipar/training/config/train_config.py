@@ -113,6 +113,9 @@ class TrainConfig:
     # cp_ulysses_size consecutive cp ranks, the ring across them); context_parallel/ulysses.py
     cp_impl: str = "ring"
     cp_ulysses_size: Optional[int] = None
+    # the attention kernel: auto | flash | cudnn | efficient | math (context_parallel/kernel_choice.py;
+    # a forced one is refused where it cannot run; each run prints which kernel each path used)
+    attention_backend: str = "auto"
     # expert parallelism [ParallelismConfig.ep_size]: each MoE layer's experts split over this many
     # ranks borrowed from dp_shard x cp (no extra ranks); expert_parallel/dispatch.py
     expert_parallel_size: int = 1

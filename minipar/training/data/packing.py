@@ -11,8 +11,9 @@ Packing without Cross-contamination", 2021):
     document_ids    0  0  0  0       1  1  1  1  1  1     2  2   3  3    attention stays inside one
     labels          a1 a2 a3 -100    b1 .. b5 -100        c1 -100 -100    the last label of each is -100
 
-The model masks attention by document id: off CP a block-diagonal causal mask, under CP each
-ring-attention block by the ids that travel with K/V. The zigzag split (data.local_batch) cuts ids,
+The model keeps attention inside each document by the ids' boundaries, taken to the host once per
+micro-batch (context_parallel/documents.py): every attention block is skipped, run whole, or cut
+into per-document pieces, with no (T, T) mask. The zigzag split (data.local_batch) cuts ids,
 labels, positions and document ids alike, so every rank holds the same tokens with their own ids.
 
 The packing plan is first-fit: the examples in an order drawn from the seed, each put in the first

@@ -76,7 +76,8 @@ CAPACITY = ("--moe_capacity_factor", "1.0")
 @pytest.mark.parametrize("world,steps,capacity,extra", [
     # the fast twin: 3 steps, with a capacity factor (the dropped copies are one process's)
     (2, 3, CAPACITY, ["--dp_shard_size", "2", "--expert_parallel_size", "2"]),
-    # the issue's layouts, 20 steps, dropless (under cp the caps are a rank's own tokens': models/moe.py)
+    # 20 steps, dropless (under cp the caps are a rank's own tokens': models/moe.py); their fast
+    # twins, in fp64 and on the model, are tests/test_moe_layouts.py's
     pytest.param(4, 20, (), ["--dp_shard_size", "4", "--expert_parallel_size", "4"], marks=pytest.mark.slow),
     pytest.param(4, 20, CAPACITY, ["--dp_shard_size", "4", "--expert_parallel_size", "2"],
                  marks=pytest.mark.slow),
@@ -187,7 +188,8 @@ def _train_loss(argv):
 @pytest.mark.slow
 def test_pp2_shard2_ep2_equals_one_process(tmp_path):
     """pp 2 x dp_shard 2 x ep 2 on 4 ranks, 20 steps, equal to one process, the aux loss in the
-    objective (the stages pass its counts along: models/moe_aux.py's PipelineAux)."""
+    objective (the stages pass its counts along: models/moe_aux.py's PipelineAux). The fast twin,
+    in fp64 on the model: tests/test_moe_layouts.py's pp2-shard2-ep2."""
     ref = run_world(_train_loss, 1, _curve_argv(tmp_path / "one", 20), timeout=300)[0][1]
     assert ref[-1][0] < ref[0][0]
     layout = ("--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--expert_parallel_size", "2")

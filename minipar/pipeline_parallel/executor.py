@@ -131,10 +131,10 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
             if aux is not None:                 # the side vector: received, this chunk's part added
                 side = torch.zeros(aux.size, device=device) if stage.is_first_virtual(a.chunk) \
                     else recv(link.recv_side_forward, vs, a.micro)
-                side, sums, tokens = aux.forward_side(stage.chunk_layers(a.chunk), side)
+                side, sums = aux.forward_side(stage.chunk_layers(a.chunk), side)
                 back = None
                 if stage.is_last_virtual(a.chunk):
-                    term, back = aux.last(side, sums, tokens, aux_weight)
+                    term, back = aux.last(side, sums, aux_weight)
                     out = out + term
                 sides[(a.chunk, a.micro)] = (sums, back)
             if recorder is not None:

@@ -142,9 +142,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tied = True           # the two gradients summed in place (tensor_parallel/layers.py)
         self.gradient_checkpointing = False
         self.moe_metrics = None
-        # what a pipeline carries between stages for the load-balancing loss (None: nothing)
+        # what a pipeline carries between stages for the load-balancing loss (None: nothing; also when
+        # every layer keeps the dense MLP, so that no stage divides by a count of zero MoE layers)
+        any_moe = any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
         self.pipeline_aux = PipelineAux(config, self.pgm) \
-            if config.num_local_experts and config.router_aux_loss_coef > 0 else None
+            if config.num_local_experts and config.router_aux_loss_coef > 0 and any_moe else None
         if str(device) != "meta":
             self.init_weights(seed)
 

@@ -291,3 +291,12 @@ def test_gradients_and_steps_equal_one_process_fp64(name):
             assert r["exchanges"] == (n, 4 * n), (where, r["exchanges"])
     if case["top_k"] == 1:                      # experts 2 and 3 saw nothing in the first step
         assert ref["counts"][0][:, 2:].sum() == 0 and ref["counts"][0][:, :2].all()
+
+
+def test_an_moe_config_without_an_moe_layer_sends_no_side_vector():
+    # every layer in mlp_only_layers: no stage has routing counts to pool, and a side vector whose
+    # loss divides by the number of MoE layers (zero) would make the pipeline's loss NaN
+    dense = _config("qwen3-middle", 4)
+    dense.mlp_only_layers = [0, 1, 2, 3]
+    assert LlamaForCausalLM(dense, None, seed=0).pipeline_aux is None
+    assert LlamaForCausalLM(_config("qwen3-middle", 4), None, seed=0).pipeline_aux is not None

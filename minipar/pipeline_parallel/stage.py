@@ -179,11 +179,12 @@ class PipelineStage(nn.Module):
 
 
 def gather_over_stages(mine: dict, pgm) -> dict:
-    """Merge the {name: CPU tensor} dicts of all stages of pgm.pp (each stage holds other names);
-    every rank gets the union, in the whole model's order. Tensor by tensor (stream_over_stages)."""
+    """Merge the {name: CPU tensor or JSON value} dicts of all stages of pgm.pp (each stage holds
+    other names); every rank gets the union, in the whole model's order. Item by item
+    (stream_over_stages)."""
     if pgm.pp.size == 1:
         return mine
-    out = {n: t.cpu() for n, t in stream_over_stages(iter(mine.items()), pgm)}
+    out = {n: t.cpu() if torch.is_tensor(t) else t for n, t in stream_over_stages(iter(mine.items()), pgm)}
     return {n: out[n] for n in _hf_order(out)}
 
 
@@ -191,7 +192,8 @@ def stream_over_stages(mine, pgm, meter=None):
     """Every stage's (name, tensor) items on every rank of pgm.pp, one tensor at a time: the stages
     take turns (stage 0's items first); a stage broadcasts each of its items over pgm.pp as it is
     taken from `mine`, its name, shape and dtype first (a JSON header in a uint8 tensor, after its
-    length), then the tensor itself; an empty header ends the stage's turn. Nothing is pickled and
+    length), then the tensor itself; an empty header ends the stage's turn. A value that is not a
+    tensor (a dict of optimizer scalars) travels in its header, as JSON. Nothing is pickled and
     no rank ever holds more than the tensor in flight (the stage's own gathers aside). Tensors travel
     on minipar.default_device() (CUDA under NCCL) and are yielded there. Collective over pp: every
     rank must take every item. Cost: 3 broadcasts per tensor (its bytes once over the wire)."""
@@ -202,6 +204,10 @@ def stream_over_stages(mine, pgm, meter=None):
     for stage in range(pgm.pp.size):
         if stage == pgm.pp.rank:
             for name, t in mine:
+                if not torch.is_tensor(t):       # plain values (optimizer scalars) ride in the header
+                    _header(pgm, stage, device, dict(name=name, value=t))
+                    yield name, t
+                    continue
                 t = t.detach().to(device).contiguous()
                 _header(pgm, stage, device, dict(name=name, shape=list(t.shape), dtype=str(t.dtype)[6:]))
                 comm.broadcast(t, pgm.pp, stage)
@@ -213,6 +219,9 @@ def stream_over_stages(mine, pgm, meter=None):
             head = _header(pgm, stage, device)
             if head is None:
                 break
+            if "value" in head:
+                yield head["name"], head["value"]
+                continue
             t = torch.empty(head["shape"], dtype=getattr(torch, head["dtype"]), device=device)
             comm.broadcast(t, pgm.pp, stage)
             if meter is not None:

@@ -71,6 +71,9 @@ def describe(p: dict, model: ModelShape) -> str:
             lines.append(f"  {label:<44}{v / size:10.3f}")
     lines.append(f"  {'budget (GPU memory less the reserve)':<44}{m['budget'] / size:10.3f}   "
                  + ("fits" if m["fits"] else "DOES NOT FIT"))
+    lines.append("  (the total predicts torch.cuda.max_memory_allocated, the tensors alive at the peak; "
+                 "max_memory_reserved adds the caching allocator's rounding and fragmentation, which the "
+                 "reserve covers with the CUDA context and NCCL's buffers)")
     unit, size = _unit(max([c["bytes"] for g in p["comm"].values() for c in g["ops"].values()] or [0]))
     lines += ["", "communication per step per rank (buffer: the bytes comm.py's ledger records; "
               "wire: what the rank sends)",

@@ -21,7 +21,8 @@ The loop owns the history (one record per step, the earlier ones of metrics.json
                                            leaves with lifecycle.Preempted, at the same step
     (pipeline_overlap_steps: the record and the stop flag of a step are settled after the next
     one, whose stages did not wait for each other; pipeline_step.py)
-    save(max_steps), export_hf, summary    the peak memory of every rank, the loss curve, the
+    save(max_steps), export_hf, summary    the peak memory of every rank (CUDA: allocated, what the
+                                           planner predicts, and reserved), the loss curve, the
                                            throughput and MFU beside the planner's prediction for
                                            this layout (trainer.predict: train.py passes the
                                            planner in, since training/ may not import it)

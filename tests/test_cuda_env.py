@@ -1,5 +1,7 @@
 """The environment a GPU run needs (minipar/cuda_env.py), its rules tested without a GPU: the
 environment and the facts about CUDA are arguments; and the summary's memory lines."""
+import os
+
 import pytest
 
 from minipar import cuda_env
@@ -62,3 +64,21 @@ def test_summary_reports_reserved_beside_allocated():
         "peak CUDA memory reserved per rank (MiB): r0=1200 r1=1301"]
     assert memory_lines([[300.0], [310.0]], cuda=False) == \
         ["peak resident memory per rank (MiB): r0=300 r1=310"]
+
+
+def test_bf16_auto_sets_max_connections_before_it_asks_the_device(monkeypatch):
+    """bf16: auto asks the device whether it has bfloat16, which starts CUDA: with async TP the
+    variable must already be set then (else minipar.init would have to refuse the run)."""
+    import torch
+
+    from minipar.training.config.train_config import REPO_ROOT, load_config
+    seen = []
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_AVOID_RECORD_STREAMS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda: seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")) or True)
+    argv = ["--bf16", "auto", "--tensor_parallel_size", "2", "--tp_async_overlap", "true"]
+    cfg = load_config(os.path.join(REPO_ROOT, "configs", "default.yaml"), argv)
+    assert cfg.dtype == "bfloat16" and seen == ["1"]

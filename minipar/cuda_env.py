@@ -27,8 +27,10 @@ prepare() first; a CPU run, or a gloo one, is left exactly as it was).
                             does this by default and calls the variable deprecated, so it is left
                             unset there. A value the launch set is kept.
 
-prepare() returns the notes of what it set (train.py prints them); the functions below take the
-environment and the facts about CUDA as arguments, so the rules are tested without a GPU.
+prepare() returns the notes of what it set (minipar.init prints them on rank 0); the functions
+below take the environment and the facts about CUDA as arguments, so the rules are tested without a
+GPU. One thing starts CUDA before minipar.init on a train.py run: `bf16: auto` asks the device
+whether it has bfloat16 (training/config/keys.py), so it calls settle() first.
 """
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ The loop owns the history (one record per step, the earlier ones of metrics.json
                                            leaves with lifecycle.Preempted, at the same step
     (pipeline_overlap_steps: the record and the stop flag of a step are settled after the next
     one, whose stages did not wait for each other; pipeline_step.py)
-    save(max_steps), export_hf, summary    the peak memory of every rank, the loss curve, the
+    save(max_steps), export_hf, summary    the peak memory of every rank (CUDA: allocated, what the
+                                           planner predicts, and reserved), the loss curve, the
                                            throughput and MFU beside the planner's prediction for
                                            this layout (trainer.predict: train.py passes the
                                            planner in, since training/ may not import it)
@@ -211,12 +212,12 @@ class TrainLoop:
         raise err
 
     def summary(self, elapsed: float, last_val: Optional[float]):
-        if self.device.type == "cuda":            # (a gloo run on a GPU machine trains on the CPU)
-            peak = torch.cuda.max_memory_allocated(self.device) / 2 ** 20
-            what = "peak CUDA memory allocated"
+        cuda = self.device.type == "cuda"         # (a gloo run on a GPU machine trains on the CPU)
+        if cuda:   # the tensors alive at the peak, and the caching allocator's pool around them
+            peak = [torch.cuda.max_memory_allocated(self.device) / 2 ** 20,
+                    torch.cuda.max_memory_reserved(self.device) / 2 ** 20]
         else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB -> MiB on Linux
-            what = "peak resident memory"
+            peak = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]   # KiB -> MiB on Linux
         peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=self.device), self.pgm.world)
         if not self.is_main:
             return
@@ -230,13 +231,13 @@ class TrainLoop:
         lines = [f"done: {len(ran)} steps{span} in {elapsed:.1f} s, loss {first:.4f} -> {final:.4f}"
                  + (f", val_loss {last_val:.4f}" if last_val is not None else ""),
                  f"metrics: {self.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),
-                 f"{what} per rank (MiB): " + " ".join(f"r{i}={p:.0f}" for i, p in enumerate(peaks.tolist()))]
+                 *memory_lines(peaks.tolist(), cuda)]
         validator = getattr(self.trainer.pipeline, "validator", None)
         if validator is not None:
             lines.append(validator.describe())
-        self.log("\n".join(lines + self._speed_lines(ran, max(peaks.tolist()))))
+        self.log("\n".join(lines + self._speed_lines(ran, max(p[0] for p in peaks.tolist()), cuda)))
 
-    def _speed_lines(self, ran, peak_mib: float):
+    def _speed_lines(self, ran, peak_mib: float, cuda: bool = False):
         """The run's throughput and MFU (after the first step, which warms up), beside the planner's
         prediction for this layout at the same peak (trainer.predict, when train.py gave one)."""
         steps = ran[1:] if len(ran) > 1 else ran
@@ -256,8 +257,23 @@ class TrainLoop:
             except ValueError as err:             # a run the planner cannot model: said, not fatal
                 return lines + [f"planner: no prediction for this run ({err})"]
             hw = f"{p['gpu']}'s memory and links" if p.get("gpu") else "its default links"
+            measured = (f"its prediction of max_memory_allocated; measured above: {peak_mib:.0f} MiB; "
+                        f"max_memory_reserved adds the allocator's rounding and fragmentation, which its "
+                        f"reserve covers" if cuda else f"the measured peak above: {peak_mib:.0f} MiB")
             lines.append(f"planner (python -m minipar.plan, at this peak, {hw} and its efficiencies): "
                          f"{p['tokens_per_s']:.0f} tokens/s, MFU {100 * p['mfu']:.1f} %, "
-                         f"{p['memory_bytes'] / 2 ** 20:.0f} MiB of tensors per rank (the measured "
-                         f"peak above: {peak_mib:.0f} MiB)")
+                         f"{p['memory_bytes'] / 2 ** 20:.0f} MiB of tensors per rank ({measured})")
         return lines
+
+
+def memory_lines(peaks: list, cuda: bool) -> list:
+    """The summary's memory lines from every rank's [allocated, reserved] peaks in MiB (CUDA:
+    torch.cuda.max_memory_allocated, what the planner predicts, and max_memory_reserved, the caching
+    allocator's pool: the allocated peak plus rounding, fragmentation and the blocks it keeps cached)
+    or [resident] (the CPU: the process's peak resident set)."""
+    def row(k):
+        return " ".join(f"r{i}={p[k]:.0f}" for i, p in enumerate(peaks))
+    if not cuda:
+        return [f"peak resident memory per rank (MiB): {row(0)}"]
+    return [f"peak CUDA memory allocated per rank (MiB): {row(0)}",
+            f"peak CUDA memory reserved per rank (MiB): {row(1)}"]

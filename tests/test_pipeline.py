@@ -300,28 +300,48 @@ def test_every_link_sends_in_the_order_it_receives(name):
     assert _link_messages("zbv", 2, 4, 2)[0] != _link_messages("zbv", 2, 4, 2)[1]
 
 
-def _fp64_grads(schedule, p, m, layers):
-    """Gradients (over the whole model, by name), bytes sent and loss after one step of 1F1B and
-    of `schedule` from the same weights, in float64."""
+def _fp64_model(pgm, layers, variant=None):
+    """A float64 LlamaForCausalLM of `layers` layers, seed 0, the same on every rank. variant "bias":
+    biases on every projection (attention_bias, mlp_bias: q/k/v as Qwen2's, o, gate/up/down), drawn
+    nonzero; "lora": adapters on every projection, the base frozen, lora_B drawn nonzero (so that
+    lora_A's gradient is not zero either)."""
+    from minipar.lora import add_lora
+    bias = variant == "bias"
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, attention_bias=bias, mlp_bias=bias)
+    model = LlamaForCausalLM(cfg, pgm, seed=0)
+    if variant == "lora":
+        add_lora(model, list(model.lora_target_modules), r=4, alpha=8, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, q in model.named_parameters():
+            if n.endswith(".bias") or n.endswith("lora_B"):
+                q.copy_(0.1 * torch.randn(q.shape, generator=gen))
+    return model
+
+
+def _fp64_grads(schedule, p, m, layers, variant=None, schedules=("1f1b",)):
+    """Gradients (over the whole model, by name), bytes sent and loss after one step of each of
+    `schedules` and of `schedule` from the same weights, in float64; also whether every frozen
+    weight (LoRA's base) was left without a gradient."""
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     pgm = minipar.init(ParallelismConfig(pp_size=p, dp_shard_size=1))
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2)
     gen = torch.Generator().manual_seed(0)
     batches = [dict(input_ids=torch.randint(0, 64, (2, 8), generator=gen),
                     labels=torch.randint(0, 64, (2, 8), generator=gen),
                     position_ids=torch.arange(8).expand(2, -1)) for _ in range(m)]
     out = {}
-    for name in ("1f1b", schedule):
+    for name in (*schedules, schedule):
         v = _chunks(name, 1)
-        stage = build_stage(LlamaForCausalLM(cfg, pgm, seed=0), pgm, v, None, name)
+        stage = build_stage(_fp64_model(pgm, layers, variant), pgm, v, None, name)
         with comm_ledger.ledger() as led:
             loss = run_schedule(stage, schedule_order(name, p, m, pgm.pp.rank, v), pgm, batches, m * 16,
                                 act_dtype=torch.float64, arrivals=arrival_order(name, p, m, v, pgm.pp.rank))
         assert stage.weight_grads is None or not stage.weight_grads.pending()
-        grads = gather_over_stages({n: q.grad.clone() for n, q in stage.named_parameters()}, pgm)
-        out[name] = (grads, led.total_bytes("send"), float(loss))
+        trained = {n: q.grad.clone() for n, q in stage.named_parameters() if q.requires_grad}
+        frozen_clean = all(q.grad is None for q in stage.parameters() if not q.requires_grad)
+        out[name] = (gather_over_stages(trained, pgm), led.total_bytes("send"), float(loss), frozen_clean)
     return out
 
 
@@ -337,6 +357,30 @@ def test_zero_bubble_gradients_equal_1f1b_exactly_and_send_its_bytes(schedule, p
     assert sum(r[schedule][2] for r in got) == sum(r["1f1b"][2] for r in got)
     for r in got:                                # ZB-H1: 1F1B's sends; ZB-V: twice (2 (p - 1) boundaries)
         assert r[schedule][1] == (1 if schedule == "zb_h1" else 2) * r["1f1b"][1] > 0
+
+
+@pytest.mark.parametrize("variant", ["bias", "lora"])
+def test_zero_bubble_biases_and_lora_equal_1f1b_in_fp64(variant):
+    # the split backward's other branches: W's db (a biased model: q/k/v/gate/up biases go through
+    # SplitLinear; o/down's are added after the tp reduction, autograd's), and LoRA's frozen base
+    # (nothing deferred, no gradient; the adapters' gradients come in B). zbv and zb_h1 against 1F1B
+    # after one step, pp 2, m 4, every trained parameter; zb_h1 in the same world
+    got = run_world(_fp64_grads, 2, "zbv", 2, 4, 4, variant, ("1f1b", "zb_h1"), timeout=300)
+    ref = got[0]["1f1b"][0]
+    biases = [n for n in ref if n.endswith(".bias")]
+    adapters = [n for n in ref if ".lora.lora_" in n]
+    if variant == "bias":                        # 4 layers x (q, k, v, o, gate, up, down)
+        assert len(biases) == 28 and len(ref) == 3 + 16 * 4
+    else:                                        # the adapters only: the base is frozen
+        assert len(adapters) == len(ref) == 2 * 7 * 4
+    assert all(ref[n].abs().sum() > 0 for n in biases + adapters)
+    for schedule in ("zb_h1", "zbv"):
+        mine = got[0][schedule][0]
+        assert sorted(mine) == sorted(ref), schedule
+        for name in ref:
+            assert torch.equal(mine[name], ref[name]), f"{schedule}: {name}"     # bit for bit, as above
+        assert sum(r[schedule][2] for r in got) == sum(r["1f1b"][2] for r in got)
+        assert all(r[schedule][3] for r in got), f"{schedule}: a frozen weight got a gradient"
 
 
 def test_too_few_micro_batches_and_bad_settings_are_refused():

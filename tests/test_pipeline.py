@@ -1,14 +1,18 @@
 """Pipeline parallelism: the split rule, the schedules, and training runs equal to one process.
 
-Fast (default suite): the split and schedule checks (pure), every schedule on pp 2 for 3 steps,
-pp 2 x dp_shard 2 with activation checkpointing and clipping (ZeRO-3 reduce-scatters once per
-step; its FULL_STATE_DICT checkpoint resumes on one process), a sharded checkpoint saved on pp 2
-and resumed on one process (on pp 4: slow), the export of a pp run, bad settings refused on every rank,
-2 steps on pp 4 and on pp 2 x tp 2 with sp.
-Zero-bubble (zb_h1, zbv): the pure checks above cover them too; gradients after one step equal
-1F1B's bit for bit in fp64 with the ledger's bytes (zbv: twice); 2 steps of pp 2 x dp_shard 2 under
-zbv with activation checkpointing (one reduce-scatter per unit per step, after the last W) and of
-pp 2 x tp 2 with sp and the async linears under zb_h1, fast.
+In the default suite, each schedule on pp 2 against one process: afab and interleaved_1f1b for 3
+steps (`test_each_schedule_on_pp2_matches_single_process`), 1F1B for 3 steps, saved sharded, resumed
+on one process and exported (`test_checkpoint_saved_on_pp2_resumes_on_one_process_and_exports`),
+zbv for 2 steps on pp 2 x dp_shard 2 with activation checkpointing, one reduce-scatter per unit per
+step after the last W (`test_pp2_zero3_zbv_checkpointing_reduces_after_the_last_w`), and zb_h1 for
+2 steps on pp 2 x tp 2 with sp and the async linears
+(`test_pp_layouts_match_single_process_fast[pp2-tp2-sp-async-zb_h1]`).
+Also fast: the split and schedule checks (pure, p up to 4); interleaved_1f1b on pp 2 x dp_shard 2
+with activation checkpointing and clipping (ZeRO-3 reduces once per step, its FULL_STATE_DICT
+checkpoint resumes on one process); bad settings refused on every rank; 2 steps of 1F1B on pp 4 and
+on pp 2 x tp 2 with sp. Zero bubble in float64: the gradients after one step equal 1F1B's bit for
+bit with the ledger's bytes (zbv: twice) on pp 2 and pp 3 (pp 4: slow), and on pp 2 on a model with
+biases on every projection (W's db) and with LoRA (a frozen base: nothing deferred).
 Slow (make test-slow): 20 steps of every schedule on pp 2 and pp 4 (the zero-bubble ones with m = p
 and m = 2p), and pp 2 composed with tp (with and without sp), cp, dp_shard, DDP, and all of them on
 16 ranks (configs/5d.yaml; and under zbv).
@@ -346,7 +350,7 @@ def _fp64_grads(schedule, p, m, layers, variant=None, schedules=("1f1b",)):
 
 
 @pytest.mark.parametrize("schedule,p,m", [
-    ("zb_h1", 2, 2), ("zbv", 2, 4),
+    ("zb_h1", 2, 2), ("zbv", 2, 4), ("zb_h1", 3, 3), ("zbv", 3, 3),     # p 3: a middle stage too
     pytest.param("zb_h1", 4, 8, marks=pytest.mark.slow), pytest.param("zbv", 4, 4, marks=pytest.mark.slow)])
 def test_zero_bubble_gradients_equal_1f1b_exactly_and_send_its_bytes(schedule, p, m):
     got = run_world(_fp64_grads, p, schedule, p, m, 2 * p, timeout=300)

@@ -99,16 +99,17 @@ def test_lora_layouts_match_single_process(tmp_path, world, extra):
     _check_layout(tmp_path, world, extra, 4)
 
 
-# the fast twins of the slow pp, cp and HSDP layouts: 3 steps on 4 ranks. pp 2 x cp 2 under ZB-V (the
-# split backward with a frozen base: nothing deferred, the adapters' gradients in B), and HSDP 2 x 2
-# with checkpointing and accumulation (the adapters all-reduced over dp_cp, outside ZeRO-3's units)
-TWINS = [(4, ["--pipeline_parallel_size", "2", "--context_parallel_size", "2", "--pipeline_schedule", "zbv",
-              "--model.num_hidden_layers", "4", "--micro_batch_size", "2"]),
+# the fast twins of the slow pp, cp and HSDP layouts: 3 steps on 4 ranks. pp 2 x cp 2 under ZB-H1 (the
+# split backward with a frozen base: nothing deferred, the adapters' gradients in B, and the step's
+# last B, not its empty last W, reducing them over cp), and HSDP 2 x 2 with checkpointing and
+# accumulation (the adapters all-reduced over dp_cp, outside ZeRO-3's units)
+TWINS = [(4, ["--pipeline_parallel_size", "2", "--context_parallel_size", "2", "--pipeline_schedule", "zb_h1",
+              "--micro_batch_size", "2"]),
          (4, ["--dp_replicate_size", "2", "--dp_shard_size", "2", "--gradient_checkpointing", "true",
               "--micro_batch_size", "1"])]
 
 
-@pytest.mark.parametrize("world,extra", TWINS, ids=["pp2-cp2-zbv", "hsdp2x2-checkpointing-accumulation"])
+@pytest.mark.parametrize("world,extra", TWINS, ids=["pp2-cp2-zb_h1", "hsdp2x2-checkpointing-accumulation"])
 def test_lora_pp_cp_and_hsdp_match_single_process(tmp_path, world, extra):
     _check_layout(tmp_path, world, extra, 3)
 

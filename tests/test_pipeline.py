@@ -670,6 +670,19 @@ def test_twenty_steps_match_single_process(tmp_path_factory, tmp_path, world, la
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
+def test_biased_model_under_zero_bubble_matches_single_process(tmp_path_factory, tmp_path, schedule):
+    # 20 steps of a model with a bias on every projection (W's db, trained from zero), pp 2; the fast
+    # proof: test_zero_bubble_biases_and_lora_equal_1f1b_in_fp64
+    bias = ["--model.attention_bias", "true", "--model.mlp_bias", "true"]
+    ref = _reference(tmp_path_factory, 4, 20, *bias)
+    got = run_world(_train, 2, _argv(tmp_path, *bias, "--pipeline_parallel_size", "2", "--pipeline_schedule",
+                                     schedule, steps=20), timeout=1800)
+    for g in got:
+        _same(ref, g)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("config,world", [("pp.yaml", 4), ("5d.yaml", 16)])
 def test_pipeline_configs_match_single_process(tmp_path_factory, tmp_path, config, world):
     ref = _reference(tmp_path_factory, 4, 20)

@@ -14,8 +14,8 @@ on pp 2 x tp 2 with sp. Zero bubble in float64: the gradients after one step equ
 bit with the ledger's bytes (zbv: twice) on pp 2 and pp 3 (pp 4: slow), and on pp 2 on a model with
 biases on every projection (W's db) and with LoRA (a frozen base: nothing deferred).
 Slow (make test-slow): 20 steps of every schedule on pp 2 and pp 4 (the zero-bubble ones with m = p
-and m = 2p), and pp 2 composed with tp (with and without sp), cp, dp_shard, DDP, and all of them on
-16 ranks (configs/5d.yaml; and under zbv).
+and m = 2p; on a model with biases too), and pp 2 composed with tp (with and without sp), cp,
+dp_shard, DDP, and all of them on 16 ranks (configs/5d.yaml; and under zbv).
 """
 import json
 import os

@@ -26,9 +26,9 @@ exactly when the data it needs has not been computed yet: the bubble.
 Gradient accumulation over the m micro-batches: parameters used by several micro-batches add up
 their gradients. Data parallelism must reduce once per step, not per micro-batch: the caller's
 `before_backward(action, last)` hook, called before every B and W, learns which is this rank's
-last gradient action of the step (the last W under a zero-bubble schedule: the caller keeps DDP
-and ZeRO-3 in no_sync until then, and that action's gradients trigger their reduction of
-everything, once). The
+last gradient action of the step (the last W under a zero-bubble schedule, the last B where its
+W's have nothing to compute, a frozen base's: the caller keeps DDP and ZeRO-3 in no_sync until
+then, and that action's gradients trigger their reduction of everything, once). The
 loss (sum over micro-batches of sum / num_items_in_batch) is returned on the last stage, zero
 elsewhere: the caller sums it over dp_cp and pp.
 
@@ -104,7 +104,8 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
         raise ValueError("this schedule has W actions, but the stage's backward is not split: build it "
                          "with build_stage(..., schedule=<zb_h1 | zbv>)")
     freed_by = "W" if split else "B"
-    final = max(i for i, a in enumerate(order) if a.kind in "BW")     # this rank's last gradient action
+    # this rank's last gradient action; a W computes none where nothing is deferred (a frozen base)
+    final = max(i for i, a in enumerate(order) if a.kind in ("BW" if split and store.defers() else "B"))
     saved: Dict[tuple, tuple] = {}              # (chunk, micro) -> (input, output) awaiting backward
     loss = torch.zeros((), dtype=torch.float64, device=device)
     if recorder is not None:

@@ -185,6 +185,26 @@ def test_every_exchange_is_its_neighbours_mirror(name):
         (2 * _v(name) - 1 - (name == "zbv"))
 
 
+def _held_receives(name, p, m, v, rank):
+    """The most receive buffers `rank` has posted and not yet taken (each the size of h)."""
+    need, _ = _messages(name, p, m, v, rank)
+    held, peak = set(), 0
+    for slot, exchanges in enumerate(exchange_plan(name, p, m, v, rank)):
+        held |= {t for ex in exchanges for t in ex.recvs}
+        peak = max(peak, len(held))
+        held -= {t for _, t in (need[slot] if slot < len(need) else [])}
+    return peak
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_receives_posted_ahead_hold_a_few_buffers_whatever_m(name):
+    # a receive is posted when its sender makes the tensor (in the unit-time run), not when it is
+    # needed: the buffers that costs stay a few per rank (at most 4 at p 4), the same at m 2p and 4p
+    for p in (2, 4):
+        peaks = [[_held_receives(name, p, m, _v(name), r) for r in range(p)] for m in (2 * p, 4 * p)]
+        assert peaks[0] == peaks[1] and max(peaks[0]) <= 4, peaks
+
+
 # ------------------------------------------------------------------------------ real gloo runs
 MOE = ["--model.model_type", "mixtral", "--model.num_local_experts", "4", "--model.num_experts_per_tok", "2",
        "--model.router_aux_loss_coef", "0.1"]

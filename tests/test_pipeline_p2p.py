@@ -7,10 +7,11 @@ after the works waited on before it, a send done only when its receive runs, sen
 paired by order, not by tag) and fails on a deadlock or on a pair whose tags or sizes differ.
 Fast: every schedule on pp 2 (m = p, and m = 2p for 1F1B and ZB-V, whose steps also run back to
 back), and an MoE (side vectors) under 1F1B. Slow: every schedule on pp 4 at m = p and 2p, the
-rest of pp 2, and the MoE under ZB-V. Pure: the plan replayed for p up to 4 and several m
+rest of pp 2, and the MoE under ZB-V and interleaved. Pure: the plan replayed for p up to 4 and several m
 (interleaved with 2 and 3 chunks, with and without side vectors), every exchange mirrored by its
-neighbour's, and the replay catching the order minipar posted before (each send and receive alone),
-which deadlocks every schedule but AFAB, and a pair with the wrong tag.
+neighbour's, the receive buffers posted ahead a few whatever m, and the replay catching the order
+minipar posted before (each send and receive alone), which deadlocks every schedule but AFAB, and a
+pair with the wrong tag or size.
 """
 import pytest
 import torch

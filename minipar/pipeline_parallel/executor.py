@@ -8,7 +8,7 @@
                   send_forward(h) (posted at the next slot); keep (x, out) for the backward
         B(c, m):  g = recv_backward() (not on the last virtual stage)         blocks until dL/dh arrives
                   autograd.backward(out, g)  -> x.grad
-                  send_backward(x.grad) (posted at the next slot) unless x were the input ids
+                  send_backward(x.grad) (posted at the next slot) unless x were the ids; free (x, out)
                   (zb_h1, zbv: inside stage.weight_grads.inputs_only((c, m)): the Linears compute
                   dL/dx only and queue (x, dy) for W; split_backward.py)
         W(c, m):  stage.weight_grads.weight_grads((c, m)): every queued dW, accumulated through

@@ -62,6 +62,7 @@ move while this rank computes (on gloo too, which moves a message only once its 
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Dict, List, NamedTuple, Tuple
 
 import torch
@@ -118,7 +119,7 @@ def plan_exchanges(orders: List[List[Action]], name: str, v: int, num_micro: int
         for r, q in ((lo, hi), (hi, lo)):
             sends = tuple(tag for s, tags in parts if s == r for tag in tags)
             recvs = tuple(tag for s, tags in parts if s == q for tag in tags)
-            slot = sum(e <= t for e in ends[r])  # after the actions ending by t, before those starting at t
+            slot = bisect_right(ends[r], t)      # after the actions ending by t, before those starting at t
             plan[r][slot].append(Exchange(q, sends, recvs))
     return plan
 

@@ -35,7 +35,7 @@ import minipar
 from minipar import ParallelismConfig, comm, comm_ledger
 from minipar import tensor_parallel as tpl
 from minipar.expert_parallel import ep_gather
-from minipar.pipeline_parallel import arrival_order, build_stage, run_schedule, schedule_order
+from minipar.pipeline_parallel import build_stage, run_schedule, schedule_order
 from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.training.data.batches import local_batch
 from minipar.training.moe_metrics import MoEStepMetrics
@@ -102,7 +102,6 @@ def _pipeline_step(model, pgm, micro, schedule, v):
     """One step's micro-batches through this rank's stage under `schedule`, as
     minipar/training/pipeline_step.py runs them: ZeRO-3 in no_sync until the last B (or W)."""
     order = schedule_order(schedule, pgm.pp.size, len(micro), pgm.pp.rank, v)
-    arrivals = arrival_order(schedule, pgm.pp.size, len(micro), v, pgm.pp.rank, side=True)
     with contextlib.ExitStack() as unsynced:
         if getattr(model, "zero3", None) is not None:
             unsynced.enter_context(model.zero3.no_sync())
@@ -111,7 +110,7 @@ def _pipeline_step(model, pgm, micro, schedule, v):
             if last:
                 unsynced.close()
         loss = run_schedule(model, order, pgm, micro, B * T, act_dtype=torch.float64,
-                            before_backward=before_backward, arrivals=arrivals)
+                            before_backward=before_backward)
     for group in (pgm.dp_cp, pgm.pp):
         comm.all_reduce(loss, group)
     return loss.item(), model.pipeline_aux.step_metrics(loss.device, len(micro))

@@ -29,7 +29,6 @@ from minipar import comm_ledger
 from minipar.config import ParallelismConfig
 from minipar.pipeline_parallel import (
     SCHEDULES,
-    arrival_order,
     build_stage,
     check_schedule,
     run_schedule,
@@ -39,7 +38,6 @@ from minipar.pipeline_parallel import (
     stage_chunks,
     theory_bubble,
 )
-from minipar.pipeline_parallel.schedules import chunk_stages
 from minipar.pipeline_parallel.simulate import back_to_back, peak_in_flight, steady_state
 from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.training.config.train_config import load_config
@@ -229,12 +227,11 @@ def _back_to_back_grads(schedule, p, m):
     v = _chunks(schedule, 1)
     stage = build_stage(LlamaForCausalLM(cfg, pgm, seed=0), pgm, v, None, schedule)
     order = schedule_order(schedule, p, m, pgm.pp.rank, v)
-    arrivals = arrival_order(schedule, p, m, v, pgm.pp.rank)
     out = []
     for steps in ([0], [1], [0, 1]):
         stage.zero_grad(set_to_none=True)
-        losses = [float(run_schedule(stage, order, pgm, data[k], m * 16, act_dtype=torch.float64,
-                                     arrivals=arrivals)) for k in steps]
+        losses = [float(run_schedule(stage, order, pgm, data[k], m * 16, act_dtype=torch.float64))
+                  for k in steps]
         out.append((losses, {n: q.grad.clone() for n, q in stage.named_parameters()}))
     return out
 
@@ -262,46 +259,6 @@ def test_simulate_with_each_stage_its_own_times():
         ("F", 0, 0.0, 1.0), ("F", 1, 1.0, 2.0), ("B", 0, 7.0, 9.0), ("B", 1, 13.0, 15.0)]
     # the same stages evenly timed (the mean) would hide stage 0's waiting on its slow neighbour
     assert simulate(orders, 1, t_f=1.5, t_b=3.0, name="1f1b")[1] < total
-
-
-def _link_messages(name, p, m, v):
-    """{(sender, receiver): [message]} in the order the executor posts the sends, and the same
-    for the receives: (kind, receiving virtual stage, micro-batch). A boundary inside one rank
-    (zbv's turn) is no message."""
-    sends, recvs, last = {}, {}, p * v - 1
-    owner = {k: r for r in range(p) for k in chunk_stages(name, p, r, v)}
-    for r in range(p):
-        for a in schedule_order(name, p, m, r, v):
-            vs = chunk_stages(name, p, r, v)[a.chunk]
-            if a.kind == "F":
-                if vs > 0 and owner[vs - 1] != r:
-                    recvs.setdefault((owner[vs - 1], r), []).append(("h", vs, a.micro))
-                if vs < last and owner[vs + 1] != r:
-                    sends.setdefault((r, owner[vs + 1]), []).append(("h", vs + 1, a.micro))
-            elif a.kind == "B":
-                if vs < last and owner[vs + 1] != r:
-                    recvs.setdefault((owner[vs + 1], r), []).append(("dh", vs, a.micro))
-                if vs > 0 and owner[vs - 1] != r:
-                    sends.setdefault((r, owner[vs - 1]), []).append(("dh", vs - 1, a.micro))
-    return sends, recvs
-
-
-@pytest.mark.parametrize("name", SCHEDULES)
-def test_every_link_sends_in_the_order_it_receives(name):
-    # what a backend that ignores tags (NCCL) needs to pair the messages: each link consumed in
-    # the order its sender posts; zbv's links are not, so its receivers follow arrival_order
-    from minipar.pipeline_parallel.p2p import message_tag
-    for p in (2, 3, 4):
-        for m in (p, 2 * p):
-            v = 3 if name == "interleaved_1f1b" else _chunks(name, 1)
-            sends, recvs = _link_messages(name, p, m, v)
-            assert sorted(sends) == sorted(recvs) and sends
-            if name != "zbv":
-                assert sends == recvs
-            for (src, dst), messages in sends.items():
-                tags = [message_tag(0 if k == "h" else 1, vs, i, m) for k, vs, i in messages]
-                assert arrival_order(name, p, m, v, dst)[src] == tags
-    assert _link_messages("zbv", 2, 4, 2)[0] != _link_messages("zbv", 2, 4, 2)[1]
 
 
 def _fp64_model(pgm, layers, variant=None):
@@ -341,7 +298,7 @@ def _fp64_grads(schedule, p, m, layers, variant=None, schedules=("1f1b",)):
         stage = build_stage(_fp64_model(pgm, layers, variant), pgm, v, None, name)
         with comm_ledger.ledger() as led:
             loss = run_schedule(stage, schedule_order(name, p, m, pgm.pp.rank, v), pgm, batches, m * 16,
-                                act_dtype=torch.float64, arrivals=arrival_order(name, p, m, v, pgm.pp.rank))
+                                act_dtype=torch.float64)
         assert stage.weight_grads is None or not stage.weight_grads.pending()
         trained = {n: q.grad.clone() for n, q in stage.named_parameters() if q.requires_grad}
         frozen_clean = all(q.grad is None for q in stage.parameters() if not q.requires_grad)

@@ -93,6 +93,7 @@ class PipelineStage(nn.Module):
     def __init__(self, model: nn.Module, pgm, chunks: List[List[int]], schedule: str = "1f1b"):
         super().__init__()
         self.config, self.pgm, self.chunks = model.config, pgm, [list(c) for c in chunks]
+        self.schedule = schedule                 # what the chunks are placed for (p2p plans its sends by it)
         self.num_chunks = len(chunks)
         p = pgm.pp.size
         # the virtual stage of each chunk of this rank, and the pp rank holding each virtual stage

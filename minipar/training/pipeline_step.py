@@ -44,9 +44,9 @@ import torch
 
 from minipar import comm
 from minipar.pipeline_parallel import (
-    arrival_order,
     build_stage,
     check_schedule,
+    exchange_plan,
     forward_only,
     run_schedule,
     schedule_order,
@@ -105,9 +105,10 @@ class PipelineStep:
         self.reducers = [r for r in reducers if r is not None]
         self.order = schedule_order(cfg.pipeline_schedule, pgm.pp.size, num_micro, pgm.pp.rank,
                                     virtual_stages(cfg))
-        # receive in the neighbours' posting order: NCCL pairs messages so (zbv needs it)
-        self.arrivals = arrival_order(cfg.pipeline_schedule, pgm.pp.size, num_micro, virtual_stages(cfg),
-                                      pgm.pp.rank, side=model.pipeline_aux is not None)
+        # the p2p exchanges of every slot of the order, paired so that NCCL cannot deadlock (p2p.py)
+        self.plan = exchange_plan(cfg.pipeline_schedule, pgm.pp.size, num_micro, virtual_stages(cfg),
+                                  pgm.pp.rank, side=model.pipeline_aux is not None)
+        self.transport = comm                     # posts and waits the exchanges (a test may record them)
         self.act_dtype = act_dtype
         self.alone = cfg.pipeline_overlap_steps   # step without waiting for the other stages
         opt = optimizer_step
@@ -143,7 +144,7 @@ class PipelineStep:
 
             loss = run_schedule(self.model, self.order, pgm, micro, n_items, act_dtype=self.act_dtype,
                                 before_backward=before_backward, autocast=self.autocast,
-                                arrivals=self.arrivals)
+                                plan=self.plan, transport=self.transport)
         comm.all_reduce(loss, pgm.dp_cp)
         return loss
 
@@ -181,5 +182,5 @@ class PipelineStep:
         # only the last stage's forward_only returns a loss (the others zero): summed over pp too
         def loss_of(batch, n_items):
             return forward_only(self.model, self.pgm, batch, n_items, act_dtype=self.act_dtype,
-                                autocast=self.autocast)
+                                autocast=self.autocast, transport=self.transport)
         return eval_loss(self.model, self.batches, loss_of, (self.pgm.dp_cp, self.pgm.pp))

@@ -274,3 +274,18 @@ def test_clip_on_tp_decoder_equals_single_process():
     want = _decoder_norm(1)
     for norm in run_world(_decoder_norm, 2, 2, timeout=150):
         torch.testing.assert_close(norm, want, atol=0, rtol=1e-5)
+
+
+def test_clip_norm_is_the_fp64_norm_of_long_shards():
+    """A ZeRO-3 shard holds a whole unit's share of the model (millions of elements): its sum of
+    squares must not lose digits to fp32 accumulation (torch's CPU vector_norm in fp32 is 1e-4 off
+    at 4 M elements); the norm is the fp64 norm of the fp32 gradients, rounded to fp32 once."""
+    g = torch.Generator().manual_seed(0)
+    n = 4 * 2 ** 20 + 3                                       # past one chunk of _sq
+    grad = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 8
+    shard, plain = torch.nn.Parameter(torch.zeros(n)), torch.nn.Parameter(torch.zeros(3, 5))
+    shard.grad, plain.grad = grad, torch.randn(3, 5, generator=g)
+    shard.zero3_shard = True
+    want = torch.sqrt(grad.double().square().sum() + plain.grad.double().square().sum())
+    norm = clip_grad_norm_([shard, plain], None, minipar.ProcessGroupManager.local())
+    assert abs(norm.double() - want) <= 6e-8 * want, f"{norm.item()} vs fp64 {want.item()}"

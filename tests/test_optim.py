@@ -1,6 +1,7 @@
 """The LR schedule and its resume, minipar's AdamW weight-decay rule, and global-norm clipping on
 plain, TP-split and ZeRO-3-sharded parameters against torch.nn.utils.clip_grad_norm_ on one process."""
 import math
+import os
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from harness import run_world
 import minipar
 from minipar import ParallelismConfig
 from minipar import tensor_parallel as tpl
+from minipar.training import optim as moptim
 from minipar.training.optim import WarmupCosine, build_optimizer, build_scheduler, clip_grad_norm_, complement
 
 
@@ -289,3 +291,79 @@ def test_clip_norm_is_the_fp64_norm_of_long_shards():
     want = torch.sqrt(grad.double().square().sum() + plain.grad.double().square().sum())
     norm = clip_grad_norm_([shard, plain], None, minipar.ProcessGroupManager.local())
     assert abs(norm.double() - want) <= 6e-8 * want, f"{norm.item()} vs fp64 {want.item()}"
+
+
+# ------------------------------------------------------------- the trainer's norm on every layout
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_hidden_layers", "2",
+        "--model.num_attention_heads", "4", "--model.num_key_value_heads", "2", "--sequence_len", "32",
+        "--global_batch_size", "8", "--max_steps", "1", "--warmup_steps", "1", "--eval_steps", "0",
+        "--logging_steps", "100", "--progress_bar", "false", "--save_final_checkpoint", "false",
+        "--export_hf", "false", "--max_grad_norm", "0.05", "--dataset",
+        os.path.join(ROOT, "data", "shakespeare.txt"), "--dp_replicate_size", "1", "--dp_shard_size", "1"]
+MOE = ["--model.model_type", "mixtral", "--model.num_local_experts", "4", "--model.num_experts_per_tok", "2",
+       "--model.intermediate_size", "64"]
+# 4 ranks each; the fast four hold every kind of tensor the norm sorts: plain, TP-split and
+# replicated over dp (tp2-sp-ddp2), ZeRO-3 shards with TP segments (shard2-tp2-sp), pipeline
+# stages (pp2-ddp2), experts split over ep and sharded over edp (ep2-shard4-moe)
+NORM_LAYOUTS = {
+    "tp2-sp-ddp2": ["--tensor_parallel_size", "2", "--sequence_parallel", "true", "--dp_replicate_size", "2"],
+    "shard2-tp2-sp": ["--dp_shard_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"],
+    "pp2-ddp2": ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2", "--micro_batch_size", "2"],
+    "ep2-shard4-moe": MOE + ["--dp_shard_size", "4", "--expert_parallel_size", "2"],
+}
+SLOW_NORM_LAYOUTS = {
+    "ddp4": ["--dp_replicate_size", "4"],
+    "shard4": ["--dp_shard_size", "4"],
+    "cp2-shard2": ["--context_parallel_size", "2", "--dp_shard_size", "2"],
+    "hsdp2x2": ["--dp_replicate_size", "2", "--dp_shard_size", "2"],
+}
+
+
+def _norms_and_full_grads(argvs):
+    """Per run: the grad_norm the trainer logged for step 1, and the full gradients (by name) it
+    clipped, gathered at that moment as a checkpoint gathers weights (this rank's pipeline stage)."""
+    from minipar.training.checkpoint.layout import _gather_full, layout
+    from minipar.training.run_setup import setup_run
+    from minipar.training.trainer import Trainer
+    torch.set_num_threads(1)
+    caught, original = {}, moptim.OptimizerStep.__call__
+
+    def call(self):
+        held = [p for p, _ in layout(self.model, self.pgm)]
+        local = {p: p.grad if p.grad is not None else torch.zeros_like(p) for p in held}
+        caught["grads"] = _gather_full(self.model, self.pgm, local)
+        return original(self)
+    moptim.OptimizerStep.__call__ = call
+    try:
+        out = []
+        for argv in argvs:
+            history = Trainer(setup_run(argv)).train()
+            out.append((history[0]["grad_norm"], caught.pop("grads")))
+        return out
+    finally:
+        moptim.OptimizerStep.__call__ = original
+
+
+@pytest.mark.parametrize("layouts", [NORM_LAYOUTS, pytest.param(SLOW_NORM_LAYOUTS, marks=pytest.mark.slow)],
+                         ids=["fast", "slow"])
+def test_trainer_norm_is_torchs_fp64_norm_of_the_full_gradients_on_every_layout(tmp_path, layouts):
+    """Every layout that clips: the logged norm is torch.nn.utils.clip_grad_norm_ over the full
+    (gathered) gradients in fp64, to fp32 rounding: an element counted twice (a replicated tensor
+    summed over tp or dp) or missed (padding, a stage, an ep block) is off by far more."""
+    argvs = [[os.path.join(ROOT, "configs", "ddp.yaml"), *STEP, *extra, "--output_dir", str(tmp_path / name)]
+             for name, extra in layouts.items()]
+    per_rank = run_world(_norms_and_full_grads, 4, argvs, timeout=600)
+    for i, name in enumerate(layouts):
+        full = {}                                   # the stages' gradients, by their global names
+        for r in per_rank:
+            full.update(r[i][1])
+        params = []
+        for g in full.values():
+            p = torch.nn.Parameter(torch.zeros_like(g, dtype=torch.float64))
+            p.grad = g.double()
+            params.append(p)
+        want = torch.nn.utils.clip_grad_norm_(params, 1e9)
+        assert want > 0.05                          # the clip engaged
+        for rank, r in enumerate(per_rank):
+            assert abs(r[i][0] - want) <= 6e-8 * want, f"{name}, rank {rank}: norm {r[i][0]} vs fp64 {want}"

@@ -303,13 +303,16 @@ STEP = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--mode
         os.path.join(ROOT, "data", "shakespeare.txt"), "--dp_replicate_size", "1", "--dp_shard_size", "1"]
 MOE = ["--model.model_type", "mixtral", "--model.num_local_experts", "4", "--model.num_experts_per_tok", "2",
        "--model.intermediate_size", "64"]
-# 4 ranks each; the fast four hold every kind of tensor the norm sorts: plain, TP-split and
+# 4 ranks each; the fast five hold every kind of tensor the norm sorts: plain, TP-split and
 # replicated over dp (tp2-sp-ddp2), ZeRO-3 shards with TP segments (shard2-tp2-sp), pipeline
-# stages (pp2-ddp2), experts split over ep and sharded over edp, and padding (ep2-shard4-moe)
+# stages (pp2-ddp2; stepping alone, whose norm is summed over the world: pp2-shard2-alone), experts
+# split over ep and sharded over edp, and padding (ep2-shard4-moe)
 NORM_LAYOUTS = {
     "tp2-sp-ddp2": ["--tensor_parallel_size", "2", "--sequence_parallel", "true", "--dp_replicate_size", "2"],
     "shard2-tp2-sp": ["--dp_shard_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"],
     "pp2-ddp2": ["--pipeline_parallel_size", "2", "--dp_replicate_size", "2", "--micro_batch_size", "2"],
+    "pp2-shard2-alone": ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--micro_batch_size", "2",
+                         "--pipeline_overlap_steps", "true"],
     # hidden 66 (3 heads of 22): the root unit's 66 x 257 elements do not split in 4, so its flat
     # buffer ends in padding, which the norm must see as zeros
     "ep2-shard4-moe": MOE + ["--dp_shard_size", "4", "--expert_parallel_size", "2", "--model.hidden_size",
@@ -325,19 +328,22 @@ SLOW_NORM_LAYOUTS = {
 
 def _norms_and_full_grads(argvs):
     """Per run: the grad_norm the trainer logged for step 1, and the full gradients (by name) it
-    clipped, gathered at that moment as a checkpoint gathers weights (this rank's pipeline stage)."""
+    measured, gathered at that moment as a checkpoint gathers weights (this rank's pipeline stage):
+    before clipping (OptimizerStep.__call__), or before the optimistic update of a stage stepping
+    alone (its first OptimizerStep.update; post-validation redoes it later)."""
     from minipar.training.checkpoint.layout import _gather_full, layout
     from minipar.training.run_setup import setup_run
     from minipar.training.trainer import Trainer
     torch.set_num_threads(1)
-    caught, original = {}, moptim.OptimizerStep.__call__
+    caught, call, update = {}, moptim.OptimizerStep.__call__, moptim.OptimizerStep.update
 
-    def call(self):
-        held = [p for p, _ in layout(self.model, self.pgm)]
-        local = {p: p.grad if p.grad is not None else torch.zeros_like(p) for p in held}
-        caught["grads"] = _gather_full(self.model, self.pgm, local)
-        return original(self)
-    moptim.OptimizerStep.__call__ = call
+    def catch(step):
+        if "grads" not in caught:
+            held = [p for p, _ in layout(step.model, step.pgm)]
+            local = {p: p.grad if p.grad is not None else torch.zeros_like(p) for p in held}
+            caught["grads"] = _gather_full(step.model, step.pgm, local)
+    moptim.OptimizerStep.__call__ = lambda self: catch(self) or call(self)
+    moptim.OptimizerStep.update = lambda self: catch(self) or update(self)
     try:
         out = []
         for argv in argvs:
@@ -345,7 +351,7 @@ def _norms_and_full_grads(argvs):
             out.append((history[0]["grad_norm"], caught.pop("grads")))
         return out
     finally:
-        moptim.OptimizerStep.__call__ = original
+        moptim.OptimizerStep.__call__, moptim.OptimizerStep.update = call, update
 
 
 @pytest.mark.parametrize("layouts", [NORM_LAYOUTS, pytest.param(SLOW_NORM_LAYOUTS, marks=pytest.mark.slow)],

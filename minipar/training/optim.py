@@ -206,7 +206,8 @@ def _sq(x: torch.Tensor) -> torch.Tensor:
     """The sum of squares of x in fp64, chunk by chunk. Not torch's fp32 per-tensor norm: on CPU an
     fp32 vector_norm adds sequentially, and its error grows with the length (up to 2e-5 relative
     at 0.25 M elements, 1e-4 at 4 M), and a ZeRO-3 flat shard is a whole unit's share of the model,
-    not one tensor: fp32 norms of the shards of a small Llama came out 1.5e-5 below FSDP2's."""
+    not one tensor. On a Llama of vocabulary 32000, width 256, over 2 ranks, fp32 norms of the
+    shards came out 7.6e-5 below the fp64 norm (torch FSDP2's per-tensor fp32 norms 6.2e-5 below)."""
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     for chunk in x.detach().reshape(-1).split(_CHUNK):
         c = chunk.to(torch.float64)

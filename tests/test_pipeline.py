@@ -452,10 +452,10 @@ def _save_on_pp2(tmp_path_factory, tmp_path):
 
 
 def _resume(ref, step3, out, world, *extra):
-    got = run_world(_train, world, _argv(out, *extra, "--resume_from_checkpoint", step3, steps=5),
-                    timeout=300)[0]
-    assert [g[0] for g in got] == [4, 5]
-    _same(ref[3:], got)
+    for got in run_world(_train, world, _argv(out, *extra, "--resume_from_checkpoint", step3, steps=5),
+                         timeout=300):         # every stage
+        assert [g[0] for g in got] == [4, 5]
+        _same(ref[3:], got)
 
 
 def test_checkpoint_saved_on_pp2_resumes_on_one_process_and_exports(tmp_path_factory, tmp_path):
@@ -516,7 +516,7 @@ def test_stages_stepping_alone_agree_on_sigterm_a_step_late(tmp_path, clip):
                  "zbv", "--pipeline_overlap_steps", "true", steps=6)
     got = run_world(_train_signalled, 2, argv, 1, 1, timeout=300)
     assert [g[:2] for g in got] == [("preempted", 3)] * 2, got
-    assert os.listdir(tmp_path / "step-3") and [x[0] for x in got[0][2]] == [1, 2, 3]
+    assert os.listdir(tmp_path / "step-3") and [[x[0] for x in g[2]] for g in got] == [[1, 2, 3]] * 2
 
 
 def _train_validated(argv):

@@ -124,7 +124,7 @@ class PipelineStep:
         comm.all_reduce(loss, self.pgm.pp)
         aux = self.model.pipeline_aux             # an MoE's figures (models/moe_aux.py), or none
         moe = aux.step_metrics(loss.device, self.num_micro) if aux is not None else {}
-        return dict(loss=loss.item(), **self.optimizer_step(), moe=moe)
+        return dict(loss=loss, **self.optimizer_step(), moe=moe)   # read where logged (train_loop.py)
 
     def _schedule(self, step: int) -> torch.Tensor:
         """Step `step`'s micro-batches through this rank's stage: its gradients reduced, its loss
@@ -172,9 +172,9 @@ class PipelineStep:
         if self.validator is not None:
             self.in_flight = (work, shares)
 
-        def pending() -> dict:
+        def pending() -> dict:                    # device tensors, read where logged (train_loop.py)
             work.wait()
-            return dict(loss=shares[0].item(), grad_norm=shares[1].sqrt().float().item())   # as optim.py
+            return dict(loss=shares[0], grad_norm=shares[1].sqrt().float())   # as optim.py
         return dict(lr=lr, moe={}, pending=pending)
 
     def evaluate(self) -> float:

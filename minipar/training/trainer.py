@@ -195,7 +195,8 @@ class Trainer:
             loss_sum += loss.detach().double()
             moe.add(self.model.moe_metrics)
         comm.all_reduce(loss_sum, self.pgm.dp_cp)
-        return dict(loss=loss_sum.item(), **self.optimizer_step(), moe=moe.reduce())
+        # the loss stays on the device: the loop reads it where it logs (train_loop.py), not here
+        return dict(loss=loss_sum, **self.optimizer_step(), moe=moe.reduce())
 
     def settle(self) -> None:
         """Check an update a pipeline stage made before the whole model's norm was known

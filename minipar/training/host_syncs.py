@@ -64,6 +64,11 @@ _REPEAT = (_aten.repeat_interleave.Tensor, _aten.repeat_interleave.self_Tensor)
 _INDEX = (_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default)
 _T = torch.Tensor
 _READS = {_T.tolist: "tolist", _T.cpu: "cpu", _T.numpy: "numpy"}
+_TO, _CUDA, _COPY, _TENSOR, _AS_TENSOR = _T.to, _T.cuda, _T.copy_, torch.tensor, torch.as_tensor
+# what the function mode sees, patched in too while counting: autograd runs a backward hook (and its
+# queued callbacks) without the torch-function modes, though with the dispatch modes
+_PATCHED = [(torch.Tensor, name) for name in ("tolist", "cpu", "numpy", "to", "cuda", "copy_")] + \
+    [(torch, "tensor"), (torch, "as_tensor")]
 
 
 def is_host(t) -> bool:
@@ -110,14 +115,16 @@ class _Functions(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         own = self.owner
+        if getattr(func, "_host_syncs_patch", False):       # (torch hands the mode our patch too)
+            return func(*args, **kwargs)
         if func in _READS and _any_device(args[:1], {}):
             own.record(_READS[func])
             out = func(*args, **kwargs)
             _mark(out, True)
             return out
-        if func is _T.to or func is _T.cuda:
+        if func is _TO or func is _CUDA:
             return self._to(func, args, kwargs)
-        if func is _T.copy_ and len(args) >= 2:
+        if func is _COPY and len(args) >= 2:
             dst_host, src_host = is_host(args[0]), is_host(args[1])
             non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
             if dst_host != src_host and not non_blocking:
@@ -126,7 +133,7 @@ class _Functions(TorchFunctionMode):
             _mark(out, dst_host)
             return out
         out = func(*args, **kwargs)
-        if func in (torch.tensor, torch.as_tensor) and _names_device(kwargs.get("device")) \
+        if func in (_TENSOR, _AS_TENSOR) and _names_device(kwargs.get("device")) \
                 and not isinstance(args[0] if args else None, torch.Tensor):
             own.record("tensor(device=) host->device")      # built on the host, copied, waited for
             _mark(out, False)
@@ -138,7 +145,7 @@ class _Functions(TorchFunctionMode):
 
     def _to(self, func, args, kwargs):
         own, src = self.owner, args[0]
-        if func is _T.cuda:
+        if func is _CUDA:
             device, non_blocking = torch.device("cuda"), kwargs.get("non_blocking", False)
             target = device
         else:
@@ -199,6 +206,7 @@ class HostSyncs:
             if isinstance(t, torch.Tensor):
                 _mark(t, True)
         self._modes = (_Functions(self), _Aten(self))
+        self._saved = []
 
     def record(self, what: str) -> None:
         event = (where(), what)
@@ -214,14 +222,63 @@ class HostSyncs:
         """Attribute the events from now on to `step` (a test's label; None before the first)."""
         self.step = step
 
+    def _patch(self) -> None:
+        functions = self._modes[0]
+        for owner, name in _PATCHED:
+            original = getattr(owner, name)
+            self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+
+            def wrapper(*args, _original=original, **kwargs):
+                if torch._C._is_torch_function_mode_enabled():     # the mode sees the call itself
+                    return _original(*args, **kwargs)
+                with torch._C.DisableTorchFunction():
+                    return functions.__torch_function__(_original, (), args, kwargs)
+            wrapper._host_syncs_patch = True
+            setattr(owner, name, wrapper)
+
     def __enter__(self) -> "HostSyncs":
         for mode in self._modes:
             mode.__enter__()
+        self._patch()
         return self
 
     def __exit__(self, *exc) -> None:
+        for owner, name, saved in reversed(self._saved):
+            if saved is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, saved)
+        self._saved = []
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
+
+
+_MISSING = object()
+
+
+def host_tensors(*objects, depth: int = 3) -> list:
+    """The tensors held by `objects` (their attributes, lists, tuples and dicts, `depth` levels down):
+    what a data loader keeps between steps (its corpus, its cached epoch orders) is host data."""
+    out, seen = [], set()
+
+    def walk(x, d):
+        if id(x) in seen or d < 0:
+            return
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v, d - 1)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v, d - 1)
+        elif hasattr(x, "__dict__") and not isinstance(x, (type, torch.nn.Module)):
+            for v in vars(x).values():
+                walk(v, d - 1)
+    for o in objects:
+        walk(o, depth)
+    return out
 
 
 def optimizer_host_state(optimizer: torch.optim.Optimizer) -> list:

@@ -53,7 +53,6 @@ from minipar.pipeline_parallel import (
     split_layers,
 )
 from minipar.training.batch_source import eval_loss
-from minipar.training.data import batches as mdata
 from minipar.training.optim import stage_grad_sq
 from minipar.training.post_validate import PostValidator
 
@@ -130,9 +129,7 @@ class PipelineStep:
         """Step `step`'s micro-batches through this rank's stage: its gradients reduced, its loss
         summed over dp_cp (the last stage's; the others hold zero)."""
         pgm, M = self.pgm, self.num_micro
-        gb = self.batches.global_batch(step)      # byte corpus or packed datasets rows
-        n_items = mdata.count_label_tokens(gb["labels"])
-        micro = [self.batches.local(gb, m, M) for m in range(M)]
+        n_items, micro = self.batches.step(step, M)   # byte corpus or packed rows, prefetched
         with contextlib.ExitStack() as unsynced:
             for reducer in self.reducers:         # DDP / ZeRO-3: accumulate without communicating
                 unsynced.enter_context(reducer.no_sync())
@@ -145,6 +142,7 @@ class PipelineStep:
                                 before_backward=before_backward, autocast=self.autocast,
                                 arrivals=self.arrivals)
         comm.all_reduce(loss, pgm.dp_cp)
+        self.batches.prefetch(step + 1, M)        # the next step's rows, while the GPU works on this one
         return loss
 
     def _check(self) -> bool:

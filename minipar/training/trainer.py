@@ -43,7 +43,6 @@ from minipar.training import optim as moptim
 from minipar.training.batch_source import Batches, eval_loss
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.checkpoint import verify
-from minipar.training.data import batches as mdata
 from minipar.training.moe_metrics import MoEStepMetrics
 from minipar.training.pipeline_step import PipelineStep, build_pipeline_model
 from minipar.training.run_setup import Run
@@ -179,13 +178,11 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         if self.pipeline is not None:
             return self.pipeline.train_step(step)
-        gb = self.batches.global_batch(step)
-        n_items = mdata.count_label_tokens(gb["labels"])
         M = self.run.num_micro_steps
+        n_items, micro = self.batches.step(step, M)   # prepared during the last step (batch_source.py)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         moe = MoEStepMetrics(self.pgm, self.device)
-        for m in range(M):
-            batch = self.batches.local(gb, m, M)
+        for m, batch in enumerate(micro):
             last = m == M - 1
             unsynced = self.no_sync_owner and not last
             no_sync = self.no_sync_owner.no_sync() if unsynced else contextlib.nullcontext()
@@ -195,8 +192,10 @@ class Trainer:
             loss_sum += loss.detach().double()
             moe.add(self.model.moe_metrics)
         comm.all_reduce(loss_sum, self.pgm.dp_cp)
+        out = dict(**self.optimizer_step(), moe=moe.reduce())
+        self.batches.prefetch(step + 1, M)        # the next step's rows, while the GPU works on this one
         # the loss stays on the device: the loop reads it where it logs (train_loop.py), not here
-        return dict(loss=loss_sum, **self.optimizer_step(), moe=moe.reduce())
+        return dict(loss=loss_sum, **out)
 
     def settle(self) -> None:
         """Check an update a pipeline stage made before the whole model's norm was known

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from minipar import comm
 from minipar.mesh import describe_grid
-from minipar.training import lifecycle, metrics_file
+from minipar.training import lifecycle, metrics_file, moe_metrics
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.data.tokenizer import save_tokenizer
 from minipar.training.profiling import StepProfiler
@@ -189,18 +189,29 @@ class TrainLoop:
             return
         unread, self.unread = self.unread, []
         t0 = time.time()
-        values = [v for _, loss, norm, _ in unread for v in (loss, norm)]
-        tensors = [v.detach().double().reshape(()) for v in values if isinstance(v, torch.Tensor)]
-        read = iter(torch.stack(tensors).tolist() if tensors else [])
-        values = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+        # the loss, the norm, then an MoE's figures (tensors in the record), of each record in turn
+        keys = [["loss", "grad_norm"] + [k for k, v in record.items() if isinstance(v, torch.Tensor)]
+                for record, *_ in unread]
+        values = [v for (record, loss, norm, _), ks in zip(unread, keys)
+                  for v in [loss, norm] + [record[k] for k in ks[2:]]]
+        tensors = [v.detach().double().reshape(-1) for v in values if isinstance(v, torch.Tensor)]
+        read = torch.cat(tensors).tolist() if tensors else []
         if self.device.type == "cuda":
             mean = (sum(dt for *_, dt in unread) + time.time() - t0) / len(unread)
             for record, *_ in unread:
                 record.update(tokens_per_s=self.cfg.global_batch_size * self.cfg.sequence_len / mean,
                               **self.throughput.of_step(mean))
-        for i, (record, *_) in enumerate(unread):
-            record.update(loss=values[2 * i], grad_norm=values[2 * i + 1])
-            self._log_record(record, bar, metrics)
+        at = 0
+        for (record, *_), ks in zip(unread, keys):
+            for k, v in zip(ks, values[:len(ks)]):
+                if isinstance(v, torch.Tensor):
+                    n = v.numel()
+                    record[k] = read[at] if v.dim() == 0 else read[at:at + n]
+                    at += n
+                else:
+                    record[k] = v
+            values = values[len(ks):]
+            self._log_record(moe_metrics.finish(record), bar, metrics)
 
     def _log_record(self, record: dict, bar, metrics):
         cfg, loss, done = self.cfg, record["loss"], record["step"]

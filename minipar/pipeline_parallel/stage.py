@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -80,6 +81,13 @@ def stage_chunks(num_layers: int, pp_size: int, pp_rank: int, virtual_stages: in
     V of zbv: rank, then 2 pp - 1 - rank; schedules.chunk_stages)."""
     split = split_layers(num_layers, pp_size * virtual_stages, pipeline_layers)
     return [split[k] for k in chunk_stages(schedule, pp_size, pp_rank, virtual_stages)]
+
+
+def _autocast(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:                                   # torch < 2.4: one flag per device kind
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 
 
 class PipelineStage(nn.Module):
@@ -139,6 +147,8 @@ class PipelineStage(nn.Module):
         # cut at chunk boundaries, not a copy of it
         body = self.model
         h = body.embed(x) if self.is_first_virtual(chunk) else x
+        if not self.is_first_virtual(chunk) and _autocast(h.device.type):
+            h = h.float()       # bf16 on the link; under autocast the stream is fp32, as in one model
         cos, sin = body.rotary(position_ids, h.dtype)
         h = body.run_layers(h, cos, sin, self.chunk_layers(chunk), document_ids, self.gradient_checkpointing)
         if not self.is_last_virtual(chunk):

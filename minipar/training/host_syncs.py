@@ -104,7 +104,7 @@ def where() -> str:
         if path != _HERE and path.startswith(_ROOTS):
             return f"{os.path.relpath(path, _REPO)}:{frame.f_lineno}"
         frame = frame.f_back
-    return "<outside minipar>"
+    return "(outside-minipar)"
 
 
 class _Functions(TorchFunctionMode):

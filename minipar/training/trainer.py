@@ -127,9 +127,10 @@ class Trainer:
         self.start_step = 0
         self.pipeline = None                      # the schedule runs the step (pipeline_step.py)
         if pgm.pp.size > 1:
-            # what crosses stages has the dtype the residual stream has: bf16 only where ZeRO-3
-            # casts the weights themselves (autocast keeps the stream in fp32)
-            act_dtype = torch.bfloat16 if (self.bf16 and self.sharded) else torch.float32
+            # what crosses stages has the compute dtype: bf16 in a bf16 run, half the bytes of fp32
+            # on the link. Under autocast the stream is fp32 inside a stage, so the receiving stage
+            # takes it back to fp32 (stage.py): it is rounded to bf16 once per crossing, no more
+            act_dtype = torch.bfloat16 if self.bf16 else torch.float32
             reducers = (self.grad_sync, getattr(model, "zero3", None))
             self.pipeline = PipelineStep(model, self.batches, self.optimizer_step, self.autocast, pgm, cfg,
                                          run.num_micro_steps, reducers=reducers, act_dtype=act_dtype)

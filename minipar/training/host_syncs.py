@@ -13,10 +13,12 @@ and the communication overlapped with it):
     a pageable host-to-device    torch.tensor(data, device=d), host.to(d) without non_blocking
     copy
 
-On CUDA torch.cuda.set_sync_debug_mode("warn") names them (benchmarks/device_check.py uses it as
-the ground truth). A CPU has no device, so HostSyncs watches the same operations through a
-TorchFunctionMode (the Python calls: .tolist, .cpu, .to, torch.tensor) and a TorchDispatchMode (every
-aten op, those of backward included), and decides for each tensor whether a GPU would hold it:
+On CUDA torch.cuda.set_sync_debug_mode("warn") names them (benchmarks/sync_check.py, in the device
+check, uses it as the ground truth). A CPU has no device, so HostSyncs watches the same operations
+through a TorchFunctionMode (the Python calls: .tolist, .cpu, .to, torch.tensor), a TorchDispatchMode
+(every aten op, those of backward included) and, while it counts, those Python calls patched on
+torch.Tensor and torch (autograd runs backward hooks without the function modes), and decides for
+each tensor whether a GPU would hold it:
 
     device tensors   everything a step computes: by default any tensor (the parameters, their
                      gradients, the optimizer's moments, what the model and the collectives make),
@@ -34,7 +36,7 @@ a C++ kernel other than those named above (none in minipar's step).
 
     with HostSyncs(host=[tokens]) as syncs:
         ... steps ...
-    syncs.counts()        Counter({"minipar/training/train_loop.py:140 item": 1, ...})
+    syncs.counts()        Counter({"minipar/training/train_loop.py:198 tolist": 1, ...})
 
 It is a test's and a benchmark's instrument: a step runs a few times slower inside it.
 """

@@ -17,18 +17,21 @@ The loop owns the history (one record per step, the earlier ones of metrics.json
         metrics.jsonl, tqdm, the log line  rank 0 only (every logging_steps); TensorBoard and
                                            wandb too when asked for (run_loggers.py)
         save(done)                         every save_steps (save_total_limit kept)
-        stop.agreed(pgm)                   SIGTERM on any rank: every rank saves step `done` and
+        stop.agree_later(pgm)              SIGTERM on any rank: the flags are summed while the
+                                           next step runs; every rank then saves that step and
                                            leaves with lifecycle.Preempted, at the same step
-    (pipeline_overlap_steps: the record and the stop flag of a step are settled after the next
-    one, whose stages did not wait for each other; pipeline_step.py)
+    The losses and norms stay device tensors until a logging step, a save, a stop or the end
+    reads all of them in one copy (_read): the step's only host sync on a dense layout
+    (docs/design.md, host syncs), the logged floats the same. (pipeline_overlap_steps: the record
+    of a step is settled after the next one, whose stages did not wait for each other;
+    pipeline_step.py)
     save(max_steps), export_hf, summary    the peak memory of every rank, the loss curve, the
                                            throughput and MFU beside the planner's prediction for
                                            this layout (trainer.predict: train.py passes the
                                            planner in, since training/ may not import it)
 
 Communication beyond the step's: one all-reduce of one int over the world per step (the stop
-flag; nothing on one process; under pipeline_overlap_steps started without waiting and read a
-step later), a checkpoint's barriers when saving, and one all-gather of one float per rank in
+flag; nothing on one process; started without waiting and read a step later), a checkpoint's barriers when saving, and one all-gather of one float per rank in
 the summary.
 """
 from __future__ import annotations

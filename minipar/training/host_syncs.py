@@ -36,7 +36,7 @@ a C++ kernel other than those named above (none in minipar's step).
 
     with HostSyncs(host=[tokens]) as syncs:
         ... steps ...
-    syncs.counts()        Counter({"minipar/training/train_loop.py:198 tolist": 1, ...})
+    syncs.counts()        Counter({"<file>:<line> tolist": 1, ...}), e.g. the train loop's read
 
 It is a test's and a benchmark's instrument: a step runs a few times slower inside it.
 """

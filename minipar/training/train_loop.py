@@ -31,8 +31,8 @@ The loop owns the history (one record per step, the earlier ones of metrics.json
                                            planner in, since training/ may not import it)
 
 Communication beyond the step's: one all-reduce of one int over the world per step (the stop
-flag; nothing on one process; started without waiting and read a step later), a checkpoint's barriers when saving, and one all-gather of one float per rank in
-the summary.
+flag; nothing on one process; started without waiting and read a step later), a checkpoint's
+barriers when saving, and one all-gather of one float per rank in the summary.
 """
 from __future__ import annotations
 

@@ -132,3 +132,39 @@ def test_each_layout_holds_to_its_syncs_per_step(tmp_path, layout, argv, per_ste
             if step % 2 == 0:                  # logging_steps 2: the losses of steps step-1, step
                 want[READ] = want.get(READ, 0) + 1
             assert _files(counts) == want, f"{layout}, rank {rank}, step {step}: {counts}"
+
+
+# ------------------------------------------------------------------- the deferred loss read
+def _nan_at(argv, bad_step):
+    """Train with step `bad_step`'s loss made NaN on the device; (error message, steps in
+    metrics.jsonl, steps in the history)."""
+    import json
+
+    from minipar.training.run_setup import setup_run
+    from minipar.training.trainer import Trainer
+    torch.set_num_threads(1)
+    t = Trainer(setup_run(argv))
+    original = t.train_step
+
+    def train_step(step):
+        out = original(step)
+        if step + 1 == bad_step:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+    t.train_step = train_step
+    try:
+        t.train()
+    except FloatingPointError as err:
+        lines = [json.loads(x)["step"] for x in open(t.cfg.metrics_path)]
+        return str(err), lines, [r["step"] for r in t.history]
+    return None
+
+
+def test_a_non_finite_loss_is_named_at_the_next_read_before_any_later_record(tmp_path):
+    # logging_steps 4: steps 1-4 are read together after step 4; step 3's NaN stops the run there,
+    # naming step 3, with steps 1 and 2 written (as a step-by-step check would have left them)
+    argv = [_config("ddp.yaml"), "--dp_replicate_size", "1", *TINY, "--logging_steps", "4",
+            "--output_dir", str(tmp_path / "nan")]
+    message, lines, history = run_world(_nan_at, 1, argv, 3, timeout=120)[0]
+    assert "loss is nan at step 3" in message, message
+    assert lines == [1, 2] and history == [1, 2]

@@ -32,7 +32,11 @@ each tensor whether a GPU would hold it:
 so a data loader that builds and reads host tensors counts nothing, while the same .item() on a
 loss counts one. A device name given as the string "cpu" means the host; a torch.device (the
 trainer's) means the compute device, whatever its type here. What it cannot see: a sync inside
-a C++ kernel other than those named above (none in minipar's step).
+a C++ kernel other than those named above (none in minipar's step); and inside a backward hook a
+factory's device argument (autograd runs hooks without the function modes), so a tensor a hook
+makes from nothing counts as host until an op mixes it with a device tensor. A stop or a wait
+that is not a read (work.wait(), an event) is not a sync here: on a GPU it waits for a stream or
+an event, not for the queue.
 
     with HostSyncs(host=[tokens]) as syncs:
         ... steps ...

@@ -50,7 +50,7 @@ def load_balancing_loss(stats: List[tuple], num_experts: int, pgm: ProcessGroupM
     L = len(stats)
     counts = torch.stack([c for c, _, _ in stats])                         # (L, E)
     probs = torch.stack([p for _, p, _ in stats])                          # (L, E), with grad
-    tokens = torch.tensor([float(stats[0][2])], device=counts.device)
+    tokens = torch.full((1,), float(stats[0][2]), device=counts.device)   # a fill, not a host copy
     packed = torch.cat([counts.reshape(-1), probs.detach().reshape(-1), tokens])
     E = num_experts
     if sequence_parallel and pgm.tp.size > 1:

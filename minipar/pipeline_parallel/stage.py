@@ -84,6 +84,13 @@ def stage_chunks(num_layers: int, pp_size: int, pp_rank: int, virtual_stages: in
     return [split[k] for k in chunk_stages(schedule, pp_size, pp_rank, virtual_stages)]
 
 
+def _autocast(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:                                   # torch < 2.4: one flag per device kind
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
 class PipelineStage(nn.Module):
     """One rank's stage of a LlamaForCausalLM: forward(x, position_ids, labels, num_items_in_batch,
     chunk) runs model chunk `chunk` on x (input ids on the first virtual stage, the residual stream
@@ -142,6 +149,8 @@ class PipelineStage(nn.Module):
         # cut at chunk boundaries, not a copy of it
         body = self.model
         h = body.embed(x) if self.is_first_virtual(chunk) else x
+        if not self.is_first_virtual(chunk) and _autocast(h.device.type):
+            h = h.float()       # bf16 on the link; under autocast the stream is fp32, as in one model
         cos, sin = body.rotary(position_ids, h.dtype)
         h = body.run_layers(h, cos, sin, self.chunk_layers(chunk), document_ids, self.gradient_checkpointing)
         if not self.is_last_virtual(chunk):

@@ -277,7 +277,9 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: Optional[float], p
 class OptimizerStep:
     """The tail of every training step, plain or pipelined: clip by the global norm, AdamW, the
     schedule, zero_grad. Called once the step's gradients are reduced; returns grad_norm (before
-    clipping) and the lr the update used (read before the schedule moves it on)."""
+    clipping; a 0-d tensor on the device, not read here: the train loop reads it with the loss
+    where it logs, so a step does not wait for the GPU) and the lr the update used (read before
+    the schedule moves it on)."""
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, scheduler, max_grad_norm: Optional[float],
                  pgm):
@@ -286,7 +288,7 @@ class OptimizerStep:
 
     def __call__(self) -> dict:
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_grad_norm, self.pgm)
-        return dict(grad_norm=float(grad_norm), lr=self.update())
+        return dict(grad_norm=grad_norm, lr=self.update())
 
     def update(self) -> float:
         """AdamW, the schedule, zero_grad, on the gradients as they are (no norm, no clipping: what a

@@ -53,7 +53,6 @@ from minipar.pipeline_parallel import (
     split_layers,
 )
 from minipar.training.batch_source import eval_loss
-from minipar.training.data import batches as mdata
 from minipar.training.optim import stage_grad_sq
 from minipar.training.post_validate import PostValidator
 
@@ -125,15 +124,13 @@ class PipelineStep:
         comm.all_reduce(loss, self.pgm.pp)
         aux = self.model.pipeline_aux             # an MoE's figures (models/moe_aux.py), or none
         moe = aux.step_metrics(loss.device, self.num_micro) if aux is not None else {}
-        return dict(loss=loss.item(), **self.optimizer_step(), moe=moe)
+        return dict(loss=loss, **self.optimizer_step(), moe=moe)   # read where logged (train_loop.py)
 
     def _schedule(self, step: int) -> torch.Tensor:
         """Step `step`'s micro-batches through this rank's stage: its gradients reduced, its loss
         summed over dp_cp (the last stage's; the others hold zero)."""
         pgm, M = self.pgm, self.num_micro
-        gb = self.batches.global_batch(step)      # byte corpus or packed datasets rows
-        n_items = mdata.count_label_tokens(gb["labels"])
-        micro = [self.batches.local(gb, m, M) for m in range(M)]
+        n_items, micro = self.batches.step(step, M)   # byte corpus or packed rows, prefetched
         with contextlib.ExitStack() as unsynced:
             for reducer in self.reducers:         # DDP / ZeRO-3: accumulate without communicating
                 unsynced.enter_context(reducer.no_sync())
@@ -146,6 +143,7 @@ class PipelineStep:
                                 before_backward=before_backward, autocast=self.autocast,
                                 plan=self.plan, transport=self.transport)
         comm.all_reduce(loss, pgm.dp_cp)
+        self.batches.prefetch(step + 1, M)        # the next step's rows, while the GPU works on this one
         return loss
 
     def _check(self) -> bool:
@@ -173,9 +171,9 @@ class PipelineStep:
         if self.validator is not None:
             self.in_flight = (work, shares)
 
-        def pending() -> dict:
+        def pending() -> dict:                    # device tensors, read where logged (train_loop.py)
             work.wait()
-            return dict(loss=shares[0].item(), grad_norm=shares[1].sqrt().float().item())   # as optim.py
+            return dict(loss=shares[0], grad_norm=shares[1].sqrt().float())   # as optim.py
         return dict(lr=lr, moe={}, pending=pending)
 
     def evaluate(self) -> float:

@@ -61,8 +61,8 @@ import minipar  # noqa: E402
 from minipar import ParallelismConfig, comm_ledger  # noqa: E402
 from minipar.pipeline_parallel import (  # noqa: E402
     Recorder,
-    arrival_order,
     build_stage,
+    exchange_plan,
     run_schedule,
     schedule_order,
     simulate,
@@ -116,7 +116,7 @@ def _rank(args, schedule, p, m, v):
                       max_position_embeddings=args.seq)
     stage = build_stage(LlamaForCausalLM(cfg, pgm, seed=0), pgm, v, None, schedule)
     order = schedule_order(schedule, p, m, pgm.pp.rank, v)
-    arrivals = arrival_order(schedule, p, m, v, pgm.pp.rank)
+    plan = exchange_plan(schedule, p, m, v, pgm.pp.rank)
     gen = torch.Generator().manual_seed(0)
     batches = [dict(input_ids=torch.randint(0, 256, (args.micro_batch, args.seq), generator=gen),
                     labels=torch.randint(0, 256, (args.micro_batch, args.seq), generator=gen),
@@ -127,7 +127,7 @@ def _rank(args, schedule, p, m, v):
         rec, mem = Recorder(), SavedBytes()
         dist.barrier()
         with comm_ledger.ledger() as led, torch.autograd.graph.saved_tensors_hooks(mem.pack, mem.unpack):
-            run_schedule(stage, order, pgm, batches, n_items, recorder=rec, arrivals=arrivals)
+            run_schedule(stage, order, pgm, batches, n_items, recorder=rec, plan=plan)
         stage.zero_grad(set_to_none=True)
         if it:                                   # the first step warms up allocator and gloo
             runs.append(dict(t0=rec.t0, step=rec.t_end, events=rec.events, waits=rec.waits,
@@ -138,7 +138,7 @@ def _rank(args, schedule, p, m, v):
     dist.barrier()
     for _ in range(args.chain):
         rec = Recorder()
-        run_schedule(stage, order, pgm, batches, n_items, recorder=rec, arrivals=arrivals)
+        run_schedule(stage, order, pgm, batches, n_items, recorder=rec, plan=plan)
         stage.zero_grad(set_to_none=True)        # what a stage's own optimizer step would do: nothing shared
         chain.append((rec.t0, rec.events))
     return runs, chain

@@ -155,14 +155,13 @@ def _wrap(model, pgm, wrap):
 def _pipeline_step(model, pgm, schedule, ids):
     """A step's forwards and backwards through pipeline_parallel's executor: `model` is the stage,
     every sequence of the global batch one micro-batch."""
-    from minipar.pipeline_parallel import arrival_order, run_schedule, schedule_order
+    from minipar.pipeline_parallel import run_schedule, schedule_order
     v = model.num_chunks
     micro = [dict(input_ids=ids[i:i + 1, :-1], labels=ids[i:i + 1, 1:],
                   position_ids=torch.arange(ids.shape[1] - 1).unsqueeze(0)) for i in range(ids.shape[0])]
     m = len(micro)
     run_schedule(model, schedule_order(schedule, pgm.pp.size, m, pgm.pp.rank, v), pgm, micro,
-                 torch.tensor(ids[:, 1:].numel()), arrivals=arrival_order(schedule, pgm.pp.size, m, v,
-                                                                          pgm.pp.rank))
+                 torch.tensor(ids[:, 1:].numel()))
 
 
 def _rung(layout, extras, model_kw, batch, wrap, steps):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 # ("terminate called without an active exception"). See training/lifecycle.py.
 import torch.distributed.nn.functional  # noqa: F401,E402
 
+from . import cuda_env
 from .config import ParallelismConfig
 
 if TYPE_CHECKING:                  # the annotation only; see __getattr__ for why not imported here
@@ -51,8 +52,8 @@ def default_device() -> torch.device:
     the CPU even on a machine with GPUs (the tests fork gloo ranks), since gloo lacks several
     collectives for CUDA tensors."""
     gloo_world = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
-    if torch.cuda.is_available() and not gloo_world:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if torch.cuda.is_available() and not gloo_world:   # LOCAL_RANK among the devices this process sees
+        return torch.device("cuda", cuda_env.device_index(os.environ, torch.cuda.device_count()))
     return torch.device("cpu")
 
 
@@ -63,6 +64,8 @@ def init(config: ParallelismConfig = None, timeout_s: float = 1800) -> "ProcessG
     without it, one process forms a world of one. NCCL when CUDA is there, gloo otherwise. The
     config is resolved (an unset dp_shard_size takes the remainder) and checked against the world
     size on every rank before any group is created, so a bad config raises instead of hanging.
+    With CUDA, cuda_env.py first settles the environment NCCL and the kernels need (and refuses a
+    process that would share a GPU).
     `timeout_s` (the trainer's `ddp_timeout`) bounds every collective, on the default group and on
     every group of the grid: a rank whose peer is stuck fails after it instead of waiting forever.
     """
@@ -72,7 +75,10 @@ def init(config: ParallelismConfig = None, timeout_s: float = 1800) -> "ProcessG
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         config.resolve(world_size)          # fail before any rendezvous
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():      # the environment NCCL and the kernels need, then the device
+            notes = cuda_env.prepare(config.resolve(world_size).tp_async_overlap)
+            if int(os.environ.get("RANK", 0)) == 0:
+                print("".join(f"minipar.init: {note}\n" for note in notes), end="", flush=True)
             torch.cuda.set_device(default_device())
         if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)

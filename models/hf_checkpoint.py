@@ -1,5 +1,6 @@
 """A Hugging Face model directory, read slice by slice (each rank reads only the part it keeps), and
-written back (save_pretrained: the whole model, gathered, on global rank 0).
+written back (save_pretrained: the whole model, gathered tensor by tensor and written by global
+rank 0 into shards as they fill, models/hf_shards.py).
 
     base_model/
       config.json                                  -> LlamaConfig (Llama, Qwen3, Mixtral, Qwen3-MoE;
@@ -46,15 +47,14 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from minipar.config_files import read_json
-from models.hf_names import hub_name, hub_shapes, stacked_expert, to_hub
+from models.hf_names import hub_name, hub_shapes, stacked_expert
+from models.hf_shards import INDEX, MAX_SHARD_BYTES, SINGLE, HeldBytes, ShardWriter, hub_items
 from models.llama_config import FAMILIES, LlamaConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 # files of a tokenizer that an export copies next to the weights (whatever the tokenizer kind)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
@@ -217,21 +217,30 @@ class SlicedReader:
         return t.to(self.device)
 
 
-def save_pretrained(model, directory: str, full: Optional[dict] = None) -> None:
-    """Write `model` as a Hugging Face directory: config.json + model.safetensors (fp32, HF names;
-    lm_head.weight left out when tied, as transformers saves it). Collective: every rank calls it
-    (model.full_state_dict() gathers over tp, the ZeRO-3 shards and the pipeline stages); global
-    rank 0 writes, the weights to a temporary name first, so a cut write leaves no model file.
-    `full`: these {HF name: full tensor} instead of gathering the model's (then nothing is collective)."""
-    full = model.full_state_dict() if full is None else full
-    if model.pgm.global_rank != 0:
-        return
-    os.makedirs(directory, exist_ok=True)
-    if model.config.tie_word_embeddings:
-        full.pop("lm_head.weight", None)
-    full = to_hub(full, model.config.model_type)     # experts one tensor each, as on the Hub
-    tmp = os.path.join(directory, "model.safetensors.tmp")
-    save_file({k: v.contiguous().float() for k, v in full.items()}, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(directory, "model.safetensors"))
+def save_pretrained(model, directory: str, full=None, max_shard_bytes: int = MAX_SHARD_BYTES,
+                    meter: Optional[HeldBytes] = None) -> list:
+    """Write `model` as a Hugging Face directory: config.json + model.safetensors, or shards of at
+    most max_shard_bytes and their index (fp32, HF names; lm_head.weight left out when tied, as
+    transformers saves it); returns the weight files written (on global rank 0; [] elsewhere).
+    Collective: every rank calls it. The model is gathered one full tensor at a time
+    (model.full_state_items: over tp, the ZeRO-3 shards, the pipeline stages in turn) and global
+    rank 0 moves each to the host and into the open shard as it comes (models/hf_shards.py), so
+    neither the device nor the host ever holds the whole model. `full`: these {HF name: full
+    tensor} instead of gathering the model's (then nothing is collective), or an iterable of
+    (name, tensor) items (collective if they are: a merged LoRA model's). `meter`: an accounting
+    hook (hf_shards.HeldBytes) shown every tensor the export makes."""
+    if full is None:
+        items = model.full_state_items(meter)
+    else:
+        items = iter(full.items() if isinstance(full, dict) else full)
+    writer = ShardWriter(directory, max_shard_bytes, meter) if model.pgm.global_rank == 0 else None
+    for name, t in hub_items(items, model.config.model_type, model.config.tie_word_embeddings):
+        if writer is not None:                # the other ranks only take part in the gathers
+            writer.add(name, t)
+        del t                                 # nothing here outlives its turn
+    if writer is None:
+        return []
+    files = writer.close()
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(model.config.to_hf_dict(), f, indent=2)
+    return files

@@ -142,9 +142,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tied = True           # the two gradients summed in place (tensor_parallel/layers.py)
         self.gradient_checkpointing = False
         self.moe_metrics = None
-        # what a pipeline carries between stages for the load-balancing loss (None: nothing)
+        # what a pipeline carries between stages for the load-balancing loss (None: nothing; also when
+        # every layer keeps the dense MLP, so that no stage divides by a count of zero MoE layers)
+        any_moe = any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
         self.pipeline_aux = PipelineAux(config, self.pgm) \
-            if config.num_local_experts and config.router_aux_loss_coef > 0 else None
+            if config.num_local_experts and config.router_aux_loss_coef > 0 and any_moe else None
         if str(device) != "meta":
             self.init_weights(seed)
 
@@ -194,9 +196,18 @@ class LlamaForCausalLM(nn.Module):
         Collective: every rank must call it."""
         if getattr(self, "zero3", None) is not None:
             return self.zero3.full_state_dict()
-        return {n: ep_gather(tpl.gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp),
-                             getattr(p, "ep_split_dim", None), self.pgm.ep).clone()
-                for n, p in self.named_parameters()}
+        return dict(self.full_state_items())
+
+    def full_state_items(self, meter=None):
+        """The full state dict one (HF name, full tensor) at a time, on the model's device, each
+        gathered when asked for (a ZeRO-3 unit at a time, in unit order): what an export streams to
+        the host. Collective: every rank must take every item. `meter`: an accounting hook
+        (models/hf_shards.py HeldBytes) shown every tensor made."""
+        if getattr(self, "zero3", None) is not None:
+            yield from self.zero3.state_dicts.iter_full([s.detach() for s in self.zero3.shards], meter)
+            return
+        for n, p in self.named_parameters():
+            yield n, owned_full(p, self.pgm, meter)
 
     @torch.no_grad()
     def load_full_state_dict(self, full: dict, source: str = "state dict"):
@@ -229,3 +240,14 @@ class LlamaForCausalLM(nn.Module):
     def save_pretrained(self, directory: str):
         """Write config.json + model.safetensors (global rank 0 writes; every rank must call)."""
         save_pretrained(self, directory)
+
+
+def owned_full(p, pgm, meter=None) -> torch.Tensor:
+    """A parameter's full tensor (gathered over tp, and ep for an expert weight), never sharing
+    the parameter's memory (copied when nothing was gathered)."""
+    t = ep_gather(tpl.gather_tensor(p.detach(), p.tp_split_dim, pgm.tp), getattr(p, "ep_split_dim", None),
+                  pgm.ep)
+    t = t.clone() if t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() else t
+    if meter is not None:
+        meter.track(t)
+    return t

@@ -76,7 +76,10 @@ class MoEExperts(nn.Module):
         gate, up, down = (tpl.sequence_parallel_weight(w, tp, sequence_parallel)
                           for w in (self.gate_proj, self.up_proj, self.down_proj))
         outs = []
-        for j, rows in enumerate(torch.split(x, counts.tolist())):   # a host copy of E ints
+        # the runs' lengths on the host: a list dispatch already read, else one read of E ints (a
+        # sync on a GPU: the MoE layer's one, docs/design.md)
+        splits = counts if isinstance(counts, list) else counts.tolist()
+        for j, rows in enumerate(torch.split(x, splits)):
             if rows.shape[0]:
                 outs.append(F.linear(F.silu(F.linear(rows, gate[j])) * F.linear(rows, up[j]), down[j]))
         if not outs:    # no row here (expert parallelism can leave a rank none): still use the
@@ -139,7 +142,8 @@ class MoEFeedForward(nn.Module):
             self.dropped = int(keep.numel() - order.numel())
         token = order // self.top_k                         # the token of each sorted copy
         local, local_counts, handle = dispatch(x[token], counts, self.ep)
-        out = combine(self.experts(local, local_counts, self.tp, self.sp), handle)
+        splits = local_counts if handle.local_splits is None else handle.local_splits
+        out = combine(self.experts(local, splits, self.tp, self.sp), handle)
         w = weights.reshape(-1)[order].to(out.dtype)
         y = torch.zeros_like(x).index_add_(0, token, (out * w[:, None]).to(x.dtype))   # autocast: bf16 out
         return y.view(b, s, d)

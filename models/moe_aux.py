@@ -50,7 +50,7 @@ def load_balancing_loss(stats: List[tuple], num_experts: int, pgm: ProcessGroupM
     L = len(stats)
     counts = torch.stack([c for c, _, _ in stats])                         # (L, E)
     probs = torch.stack([p for _, p, _ in stats])                          # (L, E), with grad
-    tokens = torch.tensor([float(stats[0][2])], device=counts.device)
+    tokens = torch.full((1,), float(stats[0][2]), device=counts.device)   # a fill, not a host copy
     packed = torch.cat([counts.reshape(-1), probs.detach().reshape(-1), tokens])
     E = num_experts
     if sequence_parallel and pgm.tp.size > 1:
@@ -99,22 +99,24 @@ class PipelineAux:
     of the later stages too. Two small vectors travel with the activations and their gradients
     (minipar/pipeline_parallel/executor.py asks the model for this object; it knows no MoE):
 
-        forward   side (2E,)     this rank's counts and (detached) probability sums over the MoE
-                                 layers of the stages so far; each stage adds its own
+        forward   side (2E + 1,) this rank's counts and (detached) probability sums over the MoE
+                                 layers of the stages so far, each stage adding its own, and its
+                                 tokens T (set by any stage with an MoE layer: the last stage may
+                                 have none, and still needs T)
         last      reduce side and T over tp (SP) and cp as above; add coef * weight * aux to the
                   loss, its gradient through the last stage's own sums, its value the cp rank's share
         backward  back (E + 1,)  the micro-batch's C_e and L*T, from the last stage to the first;
                   each earlier stage adds K * sum_e C_e * (its sums) to its backward
 
     so the gradients are the one-process ones. Only the size of two vectors per micro-batch and
-    boundary is sent (2E and E + 1 floats). It also sums a step's figures (step_metrics: the
+    boundary is sent (2E + 1 and E + 1 floats). It also sums a step's figures (step_metrics: the
     moe_* fields of metrics.jsonl, as minipar/training/moe_metrics.py gives them without pp)."""
 
     def __init__(self, config, pgm: ProcessGroupManager):
         self.config, self.pgm = config, pgm
         self.E = config.num_local_experts
         self.L = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        self.size, self.back_size = 2 * self.E, self.E + 1
+        self.size, self.back_size = 2 * self.E + 1, self.E + 1
         moe_ids = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
         self.moe_index = {i: j for j, i in enumerate(moe_ids)}    # decoder layer -> row of `counts`
         self._reset()
@@ -124,10 +126,10 @@ class PipelineAux:
         self.aux_sum, self.counts, self.dropped, self.micro = 0.0, None, 0, 0
 
     def forward_side(self, layers, side_in):
-        """-> (side_out, this chunk's probability sums with grad (or None), its tokens)."""
+        """-> (side_out, this chunk's probability sums with grad, or None without an MoE layer)."""
         moes = moe_layers(layers)
         if not moes:
-            return side_in, None, None
+            return side_in, None
         if self.counts is None:
             self.counts = torch.zeros(self.L, self.E, dtype=torch.float64, device=side_in.device)
         for layer in layers:
@@ -136,13 +138,14 @@ class PipelineAux:
                 self.dropped += layer.mlp.dropped
         counts = torch.stack([m.router_stats[0] for m in moes]).sum(0)
         probs = torch.stack([m.router_stats[1] for m in moes]).sum(0)
-        side_out = side_in + torch.cat([counts, probs.detach()]).to(side_in.dtype)
-        return side_out, probs, moes[0].router_stats[2]
+        tokens = torch.tensor([float(moes[0].router_stats[2])], dtype=side_in.dtype, device=side_in.device)
+        side_out = torch.cat([side_in[:-1] + torch.cat([counts, probs.detach()]).to(side_in.dtype), tokens])
+        return side_out, probs
 
-    def last(self, side, probs, tokens: int, weight: float):
+    def last(self, side, probs, weight: float):
         """The last stage: (the loss term, back). Collective over tp (SP) and cp."""
         pgm, E = self.pgm, self.E
-        packed = torch.cat([side, torch.tensor([float(tokens)], dtype=side.dtype, device=side.device)])
+        packed = side.clone()               # the counts, sums and T, to be reduced
         if pgm.config.sequence_parallel and pgm.tp.size > 1:
             packed = comm.all_reduce(packed, pgm.tp)
         probs_tp = packed[E:2 * E].clone()

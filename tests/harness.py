@@ -24,6 +24,11 @@ import traceback
 import torch
 import torch.distributed as dist
 
+# torch.autograd.backward(outputs, grad_tensors) imports torch.fx's symbolic shapes (and with it
+# sympy: 1-2 s) on its first call, which every pipeline stage but the last makes: imported once
+# here, before any fork, so that the ranks inherit it instead of each paying for it
+import torch.fx.experimental.symbolic_shapes  # noqa: F401
+
 
 def _pytest_timeout() -> float:
     import configparser

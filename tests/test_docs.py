@@ -30,6 +30,10 @@ And every command of the code blocks of README.md and docs/*.md:
                                                         accepts the options shown (minipar.mesh,
                                                         which needs no world, is run)
 
+And every claim that the default suite runs something ("default suite", "default selection", "run
+in `make test`") names, in its clause, a test (`test_name`, `test_name[id]`) that the default
+selection (-m "not slow") collects: the test exists, is not slow-marked, nor is the case named.
+
 A name that the project cites but does not hold (a file of another repository, say) must be
 written with that repository in front (picotron/..., torch/...): EXTERNAL lists the prefixes.
 """
@@ -570,3 +574,124 @@ def test_file_index_check_can_fail():
         "docs/README.md: minipar/plan/model.py is not in the reading order",
         "docs/design.md: the tree has no entry minipar/plan/ (for minipar/plan/model.py)",
         "docs/README.md: minipar/zero3/__init__.py is not in the reading order"]
+
+
+# ------------------------------------------------------------------ what the default suite is said to run
+SUITE_CLAIM_RE = re.compile(r"default (?:suite|selection)|\bruns? in `make test`", re.I)
+TEST_REF_RE = re.compile(r"`(?:(?:tests/)?(test_\w+)\.py::)?(test_\w+)(?:\[([^\]`]+)\])?`")
+
+
+def _clause(text, start, end):
+    """The clause around text[start:end], outside backticks: from the previous ';', '. ', blank line
+    or unclosed '(' to the next ';', '. ', blank line or unopened ')'."""
+    def edge(i, step, opens, closes):
+        depth, code = 0, False
+        while 0 <= i < len(text):
+            c = text[i]
+            if c == "`":
+                code = not code
+            elif not code:
+                if c == opens:
+                    depth += 1
+                elif c == closes:
+                    if depth == 0:
+                        return i
+                    depth -= 1
+                elif c == ";" or text.startswith("\n\n", i) or (
+                        c == "." and (i + 1 == len(text) or text[i + 1].isspace())):
+                    return i
+            i += step
+        return i
+    return text[edge(start - 1, -1, ")", "(") + 1:edge(end, 1, "(", ")")]
+
+
+def _param_ids(mark):
+    """[(id, slow)] of one parametrize mark, as pytest names them: pytest.param's id, the ids list,
+    else the values joined by '-' (str, int, float, bool; anything else: argname + index)."""
+    names, values = mark.args[0], mark.args[1]
+    names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    ids, out = mark.kwargs.get("ids"), []
+    for j, v in enumerate(values):
+        is_set = type(v).__name__ == "ParameterSet"
+        vals = v.values if is_set else (v if len(names) > 1 else (v,))
+        slow = is_set and any(m.name == "slow" for m in v.marks)
+        vid = v.id if is_set else None
+        if vid is None and isinstance(ids, (list, tuple)):
+            vid = ids[j]
+        if vid is None:
+            parts = [ids(x) if callable(ids) else None for x in vals]
+            vid = "-".join(p if p is not None else str(x) if isinstance(x, (str, int, float, bool))
+                           else f"{n}{j}" for p, x, n in zip(parts, vals, names))
+        out.append((vid, slow))
+    return out
+
+
+def _default_ids(module, name):
+    """The ids of `name`'s cases in tests/<module>.py that the default selection (-m "not slow")
+    collects ([""] for a test without parameters); None when the module defines no such test."""
+    mod = importlib.import_module(module)
+    func = getattr(mod, name, None)
+    if func is None or not callable(func):
+        return None
+    marks = list(getattr(func, "pytestmark", [])) + list(getattr(mod, "pytestmark", []))
+    if any(m.name == "slow" for m in marks):
+        return []
+    cases = [("", False)]
+    for mark in reversed([m for m in marks if m.name == "parametrize"]):   # the decorator nearest first
+        cases = [(f"{a}-{b}" if a else b, s or t) for a, s in cases for b, t in _param_ids(mark)]
+    return [i for i, slow in cases if not slow]
+
+
+def _suite_claim_problems(texts):
+    """['where: ...'] for every claim that the default suite runs something ("default suite",
+    "default selection", "run in `make test`") whose clause (_clause) names no test in backticks
+    (`test_x`, `test_x[id]`, `test_file.py::test_x[id]`), or names one the default selection does
+    not collect: absent, slow-marked, or (with [id]) that case absent or slow."""
+    tests = sorted(os.path.basename(f)[:-3] for f in glob.glob(os.path.join(ROOT, "tests", "test_*.py")))
+    bad = []
+    for where, text in texts:
+        for claim in SUITE_CLAIM_RE.finditer(text):
+            clause = _clause(text, claim.start(), claim.end())
+            refs = TEST_REF_RE.findall(clause)
+            said = f"{_rel(where)}: {' '.join(clause.split())[:80]!r}"
+            if not refs:
+                bad.append(f"{said}: names no test (write `test_name` or `test_name[id]` in the clause)")
+            for module, name, case in refs:
+                where_defined = [module] if module else [m for m in tests if re.search(
+                    rf"^def {name}\(", open(os.path.join(ROOT, "tests", m + ".py")).read(), re.M)]
+                found = [ids for ids in (_default_ids(m, name) for m in where_defined) if ids is not None]
+                if not found:
+                    bad.append(f"{said}: no test {name} in tests/{module or 'test_*'}.py")
+                elif not any((case in ids) if case else ids for ids in found):
+                    bad.append(f"{said}: {name}{f'[{case}]' if case else ''} is not in the default "
+                               f"selection (slow-marked, or no such case)")
+    return bad
+
+
+def test_what_the_default_suite_is_said_to_run_it_collects():
+    bad = _suite_claim_problems(_texts())
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_suite_claim_check_can_fail():
+    page = os.path.join(ROOT, "docs", "x.md")
+    text = ("every schedule on pp 2 (default suite: "
+            "`test_each_schedule_on_pp2_matches_single_process[afab]`) and for 20 steps. ZB-V in the "
+            "default suite, twice. The fp64 proof runs in the default suite "
+            "(`test_zero_bubble_gradients_equal_1f1b_exactly_and_send_its_bytes[zbv-4-4]`); "
+            "`test_docs.py::test_suite_claim_check_can_fail` runs in `make test`; the default selection "
+            "runs `test_twenty_steps_match_single_process`, `test_nowhere_at_all`.")
+    bad = [b.split(": ", 2)[2] for b in _suite_claim_problems([(page, text)])]
+    assert bad == ["names no test (write `test_name` or `test_name[id]` in the clause)",
+                   "test_zero_bubble_gradients_equal_1f1b_exactly_and_send_its_bytes[zbv-4-4] is not in the "
+                   "default selection (slow-marked, or no such case)",
+                   "test_twenty_steps_match_single_process is not in the default selection (slow-marked, "
+                   "or no such case)",
+                   "no test test_nowhere_at_all in tests/test_*.py"], bad
+    ids = functools.partial(_default_ids, "test_pipeline")
+    assert ids("test_zero_bubble_biases_and_lora_equal_1f1b_in_fp64") == ["bias", "lora"]
+    assert ids("test_pp_layouts_match_single_process_fast") == ["pp4-1f1b", "pp2-tp2-sp",
+                                                                "pp2-tp2-sp-async-zb_h1"]
+    assert ids("test_zero_bubble_gradients_equal_1f1b_exactly_and_send_its_bytes") == [
+        "zb_h1-2-2", "zbv-2-4", "zb_h1-3-3", "zbv-3-3"]
+    assert ids("test_twenty_steps_match_single_process") == [] and ids("test_no_such_test") is None

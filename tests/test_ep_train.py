@@ -76,7 +76,8 @@ CAPACITY = ("--moe_capacity_factor", "1.0")
 @pytest.mark.parametrize("world,steps,capacity,extra", [
     # the fast twin: 3 steps, with a capacity factor (the dropped copies are one process's)
     (2, 3, CAPACITY, ["--dp_shard_size", "2", "--expert_parallel_size", "2"]),
-    # the issue's layouts, 20 steps, dropless (under cp the caps are a rank's own tokens': models/moe.py)
+    # 20 steps, dropless (under cp the caps are a rank's own tokens': models/moe.py); their fast
+    # twins, in fp64 and on the model, are tests/test_moe_layouts.py's
     pytest.param(4, 20, (), ["--dp_shard_size", "4", "--expert_parallel_size", "4"], marks=pytest.mark.slow),
     pytest.param(4, 20, CAPACITY, ["--dp_shard_size", "4", "--expert_parallel_size", "2"],
                  marks=pytest.mark.slow),
@@ -118,17 +119,19 @@ def test_checkpoint_saved_at_ep2_resumes_on_other_ep(tmp_path, kind, resume_on):
     steps = ["--max_steps", "3", "--save_steps", "2", "--save_total_limit", "3",
              "--fsdp.state_dict_type", kind, *mb]
     full = run_world(_train, 2, _argv(tmp_path / "ep2", "--dp_shard_size", "2",
-                                      "--expert_parallel_size", "2", *steps), timeout=300)[0]
-    assert full[:2] == (2, 2)                 # two experts on each rank
+                                      "--expert_parallel_size", "2", *steps), timeout=300)
+    assert [f[:2] for f in full] == [(2, 2)] * 2      # two experts on each rank
+    assert full[1][2] == full[0][2]                   # every rank logs the one curve
     for world, layout in resume_on:
-        resumed = run_world(_train, world, _argv(tmp_path / f"resumed{world}", *layout, "--max_steps", "3",
-                                                 *mb, "--resume_from_checkpoint",
-                                                 str(tmp_path / "ep2" / "step-2")), timeout=300)[0]
         ep = 1 if world == 1 else int(layout[-1])
-        assert resumed[:2] == (ep, 4 // ep)
-        assert [s for s, _, _ in resumed[2]] == [3]
-        for (s, a, ga), (_, b, gb) in zip(full[2][2:], resumed[2]):
-            assert abs(a - b) <= 1e-5 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), (world, s, a, b, ga, gb)
+        for rank, resumed in enumerate(run_world(_train, world, _argv(
+                tmp_path / f"resumed{world}", *layout, "--max_steps", "3", *mb, "--resume_from_checkpoint",
+                str(tmp_path / "ep2" / "step-2")), timeout=300)):
+            assert resumed[:2] == (ep, 4 // ep)
+            assert [s for s, _, _ in resumed[2]] == [3]
+            for (s, a, ga), (_, b, gb) in zip(full[0][2][2:], resumed[2]):
+                assert abs(a - b) <= 1e-5 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), \
+                    (world, rank, s, a, b, ga, gb)
 
 
 def _finetune(argv):
@@ -150,11 +153,13 @@ def test_finetune_moe_reads_only_its_experts_and_equals_ep1(tmp_path):
             "false", "--eval_steps", "0", "--save_steps", "0", "--save_final_checkpoint", "false",
             "--export_hf", "false", "--dataset_prepared_path", str(tmp_path / "prepared")]
     runs = {ep: run_world(_finetune, 8, argv + ["--output_dir", str(tmp_path / f"ep{ep}"),
-                                                "--expert_parallel_size", str(ep)], timeout=900)[0]
+                                                "--expert_parallel_size", str(ep)], timeout=900)
             for ep in (4, 1)}
-    assert runs[4][0] == 4 and runs[1][0] == 1
-    for (s, a, ga), (_, b, gb) in zip(runs[1][1], runs[4][1]):
-        assert abs(a - b) <= 1e-5 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), (s, a, b, ga, gb)
+    assert [r[0] for r in runs[4]] == [4] * 8 and [r[0] for r in runs[1]] == [1] * 8
+    for rank in range(8):                             # every rank against every rank of ep 1
+        for (s, a, ga), (_, b, gb) in zip(runs[1][0][1], runs[4][rank][1]):
+            assert abs(a - b) <= 1e-5 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), (rank, s, a, b, ga, gb)
+        assert runs[1][rank][1] == runs[1][0][1]
 
 
 def _refusal(argv):
@@ -187,7 +192,8 @@ def _train_loss(argv):
 @pytest.mark.slow
 def test_pp2_shard2_ep2_equals_one_process(tmp_path):
     """pp 2 x dp_shard 2 x ep 2 on 4 ranks, 20 steps, equal to one process, the aux loss in the
-    objective (the stages pass its counts along: models/moe_aux.py's PipelineAux)."""
+    objective (the stages pass its counts along: models/moe_aux.py's PipelineAux). The fast twin,
+    in fp64 on the model: tests/test_moe_layouts.py's pp2-shard2-ep2."""
     ref = run_world(_train_loss, 1, _curve_argv(tmp_path / "one", 20), timeout=300)[0][1]
     assert ref[-1][0] < ref[0][0]
     layout = ("--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--expert_parallel_size", "2")

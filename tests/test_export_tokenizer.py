@@ -5,6 +5,7 @@ The default model reads UTF-8 bytes (ByteTokenizer, 256 ids, byte b -> id b). Be
 on it. Now a hand-written tokenizer.json (tokenizer.py: save_byte_tokenizer) sits beside them, from
 the run's end and from `python -m minipar.training.checkpoint.export`; it must give ByteTokenizer's ids.
 """
+import json
 import os
 
 import pytest
@@ -63,3 +64,15 @@ def test_a_run_and_the_exporter_leave_the_byte_tokenizer(tmp_path):
     for hf in (out / "hf", again):
         assert os.path.isfile(os.path.join(hf, "tokenizer.json")), sorted(os.listdir(hf))
         assert _load(hf)("to be, or not")["input_ids"] == ByteTokenizer().encode("to be, or not")
+    # the exporter's --max-shard-bytes: shards and their index, holding the same tensors
+    from safetensors.torch import load_file
+
+    from minipar.training.checkpoint.export import main
+    main([str(out / "step-2"), str(tmp_path / "sharded"), "--max-shard-bytes", "20000"])
+    index = json.load(open(tmp_path / "sharded" / "model.safetensors.index.json"))
+    whole = load_file(str(out / "hf" / "model.safetensors"))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and sorted(index["weight_map"]) == sorted(whole)
+    for f in files:
+        for k, t in load_file(str(tmp_path / "sharded" / f)).items():
+            assert torch.equal(t, whole[k]) and index["weight_map"][k] == f, k

@@ -263,7 +263,7 @@ PP_RUNGS = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 def _pp_world():
     """pp 2, 4 layers (one per chunk under the 2-chunk schedules), 4 micro-batches of tiny_batch's
     8 rows: each schedule's losses, first gradients (gathered over the stages), weights, bytes."""
-    from minipar.pipeline_parallel import arrival_order, build_stage, run_schedule, schedule_order
+    from minipar.pipeline_parallel import build_stage, run_schedule, schedule_order
     from minipar.pipeline_parallel.stage import gather_over_stages
     pgm, m, out = minipar.init(ParallelismConfig(pp_size=2)), 4, {}
     for schedule in PP_RUNGS:
@@ -277,8 +277,7 @@ def _pp_world():
             for step in range(STEPS):
                 ids, labels = tiny_batch(step)
                 micro = [local_batch(ids, labels, pgm, i, m) for i in range(m)]
-                loss = run_schedule(stage, order, pgm, micro, (labels != -100).sum(), act_dtype=torch.float64,
-                                    arrivals=arrival_order(schedule, 2, m, v, pgm.pp.rank))
+                loss = run_schedule(stage, order, pgm, micro, (labels != -100).sum(), act_dtype=torch.float64)
                 if step == 0:
                     grads = gather_over_stages({n: p.grad.clone() for n, p in stage.named_parameters()}, pgm)
                 opt.step()

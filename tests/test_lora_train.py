@@ -60,15 +60,18 @@ def _same_curve(ref, got, steps, rel=1e-4):
 _REF = {}
 
 
-def _single(tmp_path, steps):
-    if steps not in _REF:
-        _REF[steps] = run_world(_train, 1, _argv(tmp_path / "single", steps), timeout=300)[0]
-    return _REF[steps]
+def _single(tmp_path, steps, layers=2):
+    if (steps, layers) not in _REF:
+        _REF[steps, layers] = run_world(_train, 1, _argv(tmp_path / f"single{layers}", steps,
+                                                         "--model.num_hidden_layers", str(layers)),
+                                        timeout=300)[0]
+    return _REF[steps, layers]
 
 
-FAST = [(2, ["--dp_shard_size", "2"]),
-        (2, ["--dp_shard_size", "1", "--tensor_parallel_size", "2", "--sequence_parallel", "true"])]
-SLOW = [(4, ["--dp_shard_size", "4"]),
+# dp_shard 2 alone: slow, HSDP 2 x 2 below (ZeRO-3's frozen shards, the adapters all-reduced) is its fast twin
+FAST = [(2, ["--dp_shard_size", "1", "--tensor_parallel_size", "2", "--sequence_parallel", "true"])]
+SLOW = [(2, ["--dp_shard_size", "2"]),
+        (4, ["--dp_shard_size", "4"]),
         (4, ["--dp_shard_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
         (8, ["--dp_shard_size", "2", "--context_parallel_size", "2", "--tensor_parallel_size", "2",
              "--sequence_parallel", "true"]),
@@ -79,9 +82,9 @@ SLOW = [(4, ["--dp_shard_size", "4"]),
 
 
 def _check_layout(tmp_path, world, extra, steps):
-    ref = _single(tmp_path, steps) if "--model.num_hidden_layers" not in extra else \
-        run_world(_train, 1, _argv(tmp_path / "single4", steps, "--model.num_hidden_layers", "4"),
-                  timeout=300)[0]
+    key = "--model.num_hidden_layers"
+    layers = int(extra[extra.index(key) + 1]) if key in extra else 2
+    ref = _single(tmp_path, steps, layers)
     assert ref["base_unchanged"] and ref["frozen"] > 0
     assert ref["trained"] and all(".lora.lora_" in n for n in ref["trained"])
     assert ref["optimized"] == len(ref["trained"])          # AdamW holds the adapters only
@@ -91,14 +94,30 @@ def _check_layout(tmp_path, world, extra, steps):
         assert got["optimized"] == len(got["trained"])
 
 
-@pytest.mark.parametrize("world,extra", FAST, ids=["dp_shard2", "tp2-sp"])
+@pytest.mark.parametrize("world,extra", FAST, ids=["tp2-sp"])
 def test_lora_layouts_match_single_process(tmp_path, world, extra):
     _check_layout(tmp_path, world, extra, 4)
 
 
+# the fast twins of the slow pp, cp and HSDP layouts: 3 steps on 4 ranks. pp 2 x cp 2 under ZB-H1 (the
+# split backward with a frozen base: nothing deferred, the adapters' gradients in B, and the step's
+# last B, not its empty last W, reducing them over cp), and HSDP 2 x 2 with checkpointing and
+# accumulation (the adapters all-reduced over dp_cp, outside ZeRO-3's units)
+TWINS = [(4, ["--pipeline_parallel_size", "2", "--context_parallel_size", "2", "--pipeline_schedule", "zb_h1",
+              "--micro_batch_size", "2"]),
+         (4, ["--dp_replicate_size", "2", "--dp_shard_size", "2", "--gradient_checkpointing", "true",
+              "--micro_batch_size", "1"])]
+
+
+@pytest.mark.parametrize("world,extra", TWINS, ids=["pp2-cp2-zb_h1", "hsdp2x2-checkpointing-accumulation"])
+def test_lora_pp_cp_and_hsdp_match_single_process(tmp_path, world, extra):
+    _check_layout(tmp_path, world, extra, 3)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world,extra", SLOW, ids=["dp_shard4", "dp_shard2-tp2-sp", "dp2-cp2-tp2-sp",
-                                                   "pp2-dp_shard2", "hsdp2x2-checkpointing-accumulation"])
+@pytest.mark.parametrize("world,extra", SLOW, ids=["dp_shard2", "dp_shard4", "dp_shard2-tp2-sp",
+                                                   "dp2-cp2-tp2-sp", "pp2-dp_shard2",
+                                                   "hsdp2x2-checkpointing-accumulation"])
 def test_lora_layouts_match_single_process_20_steps(tmp_path, world, extra):
     _check_layout(tmp_path, world, extra, 20)
 

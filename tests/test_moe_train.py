@@ -83,12 +83,14 @@ def test_moe_more_layouts_equal_one_process_for_20_steps(tmp_path, world, extra)
         _same(ref, got)
 
 
-@pytest.mark.parametrize("coef", ["0.1", pytest.param("0", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("coef", ["0.1", "0"])
 def test_pipeline_equals_one_process(tmp_path, coef):
-    """pp 2 (1F1B over 4 micro-batches, one MoE layer per stage): the aux loss pools both stages'
-    counts (models/moe_aux.py's PipelineAux: side vectors forward and back), and the losses and
-    gradient norms are one process's, with it and without it (router_aux_loss_coef 0); so are the
-    step's aux loss, imbalance per layer and drops."""
+    """train.py on pp 2 (1F1B over 4 micro-batches, one MoE layer per stage): the aux loss pools both
+    stages' counts (models/moe_aux.py's PipelineAux: side vectors forward and back), and the losses
+    and gradient norms are one process's, with it and without it (router_aux_loss_coef 0); so are
+    the step's aux loss, imbalance per layer and drops. The fast twin, far tighter, is
+    tests/test_moe_layouts.py: every schedule's first-step gradients in fp64."""
     def losses(history):
         return [(r["loss"], r["grad_norm"]) for r in history]
     extra = ("--model.router_aux_loss_coef", coef)
@@ -183,7 +185,8 @@ def test_hub_moe_checkpoint_first_step_equals_transformers(tmp_path, family):
 def test_moe_pipeline_schedules_equal_one_process(tmp_path, world, extra):
     """Every schedule carries the aux loss's side vectors (forward with the activations, back with
     their gradients), alone and beside ZeRO-3 (with drops past capacity), TP + SP, CP and EP: 6
-    steps as one process's, the step's MoE figures included."""
+    steps of train.py as one process's, the step's MoE figures included. The fast twins, in fp64
+    on the model: tests/test_moe_layouts.py's pp2-* cases."""
     four = ("--model.num_hidden_layers", "4")
     capacity = ("--moe_capacity_factor", "1.0") if "--moe_capacity_factor" in extra else ()
     ref = _single(tmp_path, 6, *four, *capacity)

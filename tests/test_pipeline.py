@@ -1,17 +1,21 @@
 """Pipeline parallelism: the split rule, the schedules, and training runs equal to one process.
 
-Fast (default suite): the split and schedule checks (pure), every schedule on pp 2 for 3 steps,
-pp 2 x dp_shard 2 with activation checkpointing and clipping (ZeRO-3 reduce-scatters once per
-step; its FULL_STATE_DICT checkpoint resumes on one process), a sharded checkpoint saved on pp 2
-and resumed on one process (on pp 4: slow), the export of a pp run, bad settings refused on every rank,
-2 steps on pp 4 and on pp 2 x tp 2 with sp.
-Zero-bubble (zb_h1, zbv): the pure checks above cover them too; gradients after one step equal
-1F1B's bit for bit in fp64 with the ledger's bytes (zbv: twice); 2 steps of pp 2 x dp_shard 2 under
-zbv with activation checkpointing (one reduce-scatter per unit per step, after the last W) and of
-pp 2 x tp 2 with sp and the async linears under zb_h1, fast.
+In the default suite, each schedule on pp 2 against one process: afab and interleaved_1f1b for 3
+steps (`test_each_schedule_on_pp2_matches_single_process`), 1F1B for 3 steps, saved sharded, resumed
+on one process and exported (`test_checkpoint_saved_on_pp2_resumes_on_one_process_and_exports`),
+zbv for 2 steps on pp 2 x dp_shard 2 with activation checkpointing, one reduce-scatter per unit per
+step after the last W (`test_pp2_zero3_zbv_checkpointing_reduces_after_the_last_w`), and zb_h1 for
+2 steps on pp 2 x tp 2 with sp and the async linears
+(`test_pp_layouts_match_single_process_fast[pp2-tp2-sp-async-zb_h1]`).
+Also fast: the split and schedule checks (pure, p up to 4); interleaved_1f1b on pp 2 x dp_shard 2
+with activation checkpointing and clipping (ZeRO-3 reduces once per step, its FULL_STATE_DICT
+checkpoint resumes on one process); bad settings refused on every rank; 2 steps of 1F1B on pp 4 and
+on pp 2 x tp 2 with sp. Zero bubble in float64: the gradients after one step equal 1F1B's bit for
+bit with the ledger's bytes (zbv: twice) on pp 2 and pp 3 (pp 4: slow), and on pp 2 on a model with
+biases on every projection (W's db) and with LoRA (a frozen base: nothing deferred).
 Slow (make test-slow): 20 steps of every schedule on pp 2 and pp 4 (the zero-bubble ones with m = p
-and m = 2p), and pp 2 composed with tp (with and without sp), cp, dp_shard, DDP, and all of them on
-16 ranks (configs/5d.yaml; and under zbv).
+and m = 2p; on a model with biases too), and pp 2 composed with tp (with and without sp), cp,
+dp_shard, DDP, and all of them on 16 ranks (configs/5d.yaml; and under zbv).
 """
 import json
 import os
@@ -25,7 +29,6 @@ from minipar import comm_ledger
 from minipar.config import ParallelismConfig
 from minipar.pipeline_parallel import (
     SCHEDULES,
-    arrival_order,
     build_stage,
     check_schedule,
     run_schedule,
@@ -35,7 +38,6 @@ from minipar.pipeline_parallel import (
     stage_chunks,
     theory_bubble,
 )
-from minipar.pipeline_parallel.schedules import chunk_stages
 from minipar.pipeline_parallel.simulate import back_to_back, peak_in_flight, steady_state
 from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.training.config.train_config import load_config
@@ -225,12 +227,11 @@ def _back_to_back_grads(schedule, p, m):
     v = _chunks(schedule, 1)
     stage = build_stage(LlamaForCausalLM(cfg, pgm, seed=0), pgm, v, None, schedule)
     order = schedule_order(schedule, p, m, pgm.pp.rank, v)
-    arrivals = arrival_order(schedule, p, m, v, pgm.pp.rank)
     out = []
     for steps in ([0], [1], [0, 1]):
         stage.zero_grad(set_to_none=True)
-        losses = [float(run_schedule(stage, order, pgm, data[k], m * 16, act_dtype=torch.float64,
-                                     arrivals=arrivals)) for k in steps]
+        losses = [float(run_schedule(stage, order, pgm, data[k], m * 16, act_dtype=torch.float64))
+                  for k in steps]
         out.append((losses, {n: q.grad.clone() for n, q in stage.named_parameters()}))
     return out
 
@@ -260,73 +261,53 @@ def test_simulate_with_each_stage_its_own_times():
     assert simulate(orders, 1, t_f=1.5, t_b=3.0, name="1f1b")[1] < total
 
 
-def _link_messages(name, p, m, v):
-    """{(sender, receiver): [message]} in the order the executor posts the sends, and the same
-    for the receives: (kind, receiving virtual stage, micro-batch). A boundary inside one rank
-    (zbv's turn) is no message."""
-    sends, recvs, last = {}, {}, p * v - 1
-    owner = {k: r for r in range(p) for k in chunk_stages(name, p, r, v)}
-    for r in range(p):
-        for a in schedule_order(name, p, m, r, v):
-            vs = chunk_stages(name, p, r, v)[a.chunk]
-            if a.kind == "F":
-                if vs > 0 and owner[vs - 1] != r:
-                    recvs.setdefault((owner[vs - 1], r), []).append(("h", vs, a.micro))
-                if vs < last and owner[vs + 1] != r:
-                    sends.setdefault((r, owner[vs + 1]), []).append(("h", vs + 1, a.micro))
-            elif a.kind == "B":
-                if vs < last and owner[vs + 1] != r:
-                    recvs.setdefault((owner[vs + 1], r), []).append(("dh", vs, a.micro))
-                if vs > 0 and owner[vs - 1] != r:
-                    sends.setdefault((r, owner[vs - 1]), []).append(("dh", vs - 1, a.micro))
-    return sends, recvs
+def _fp64_model(pgm, layers, variant=None):
+    """A float64 LlamaForCausalLM of `layers` layers, seed 0, the same on every rank. variant "bias":
+    biases on every projection (attention_bias, mlp_bias: q/k/v as Qwen2's, o, gate/up/down), drawn
+    nonzero; "lora": adapters on every projection, the base frozen, lora_B drawn nonzero (so that
+    lora_A's gradient is not zero either)."""
+    from minipar.lora import add_lora
+    bias = variant == "bias"
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, attention_bias=bias, mlp_bias=bias)
+    model = LlamaForCausalLM(cfg, pgm, seed=0)
+    if variant == "lora":
+        add_lora(model, list(model.lora_target_modules), r=4, alpha=8, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, q in model.named_parameters():
+            if n.endswith(".bias") or n.endswith("lora_B"):
+                q.copy_(0.1 * torch.randn(q.shape, generator=gen))
+    return model
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
-def test_every_link_sends_in_the_order_it_receives(name):
-    # what a backend that ignores tags (NCCL) needs to pair the messages: each link consumed in
-    # the order its sender posts; zbv's links are not, so its receivers follow arrival_order
-    from minipar.pipeline_parallel.p2p import message_tag
-    for p in (2, 3, 4):
-        for m in (p, 2 * p):
-            v = 3 if name == "interleaved_1f1b" else _chunks(name, 1)
-            sends, recvs = _link_messages(name, p, m, v)
-            assert sorted(sends) == sorted(recvs) and sends
-            if name != "zbv":
-                assert sends == recvs
-            for (src, dst), messages in sends.items():
-                tags = [message_tag(0 if k == "h" else 1, vs, i, m) for k, vs, i in messages]
-                assert arrival_order(name, p, m, v, dst)[src] == tags
-    assert _link_messages("zbv", 2, 4, 2)[0] != _link_messages("zbv", 2, 4, 2)[1]
-
-
-def _fp64_grads(schedule, p, m, layers):
-    """Gradients (over the whole model, by name), bytes sent and loss after one step of 1F1B and
-    of `schedule` from the same weights, in float64."""
+def _fp64_grads(schedule, p, m, layers, variant=None, schedules=("1f1b",)):
+    """Gradients (over the whole model, by name), bytes sent and loss after one step of each of
+    `schedules` and of `schedule` from the same weights, in float64; also whether every frozen
+    weight (LoRA's base) was left without a gradient."""
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     pgm = minipar.init(ParallelismConfig(pp_size=p, dp_shard_size=1))
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2)
     gen = torch.Generator().manual_seed(0)
     batches = [dict(input_ids=torch.randint(0, 64, (2, 8), generator=gen),
                     labels=torch.randint(0, 64, (2, 8), generator=gen),
                     position_ids=torch.arange(8).expand(2, -1)) for _ in range(m)]
     out = {}
-    for name in ("1f1b", schedule):
+    for name in (*schedules, schedule):
         v = _chunks(name, 1)
-        stage = build_stage(LlamaForCausalLM(cfg, pgm, seed=0), pgm, v, None, name)
+        stage = build_stage(_fp64_model(pgm, layers, variant), pgm, v, None, name)
         with comm_ledger.ledger() as led:
             loss = run_schedule(stage, schedule_order(name, p, m, pgm.pp.rank, v), pgm, batches, m * 16,
-                                act_dtype=torch.float64, arrivals=arrival_order(name, p, m, v, pgm.pp.rank))
+                                act_dtype=torch.float64)
         assert stage.weight_grads is None or not stage.weight_grads.pending()
-        grads = gather_over_stages({n: q.grad.clone() for n, q in stage.named_parameters()}, pgm)
-        out[name] = (grads, led.total_bytes("send"), float(loss))
+        trained = {n: q.grad.clone() for n, q in stage.named_parameters() if q.requires_grad}
+        frozen_clean = all(q.grad is None for q in stage.parameters() if not q.requires_grad)
+        out[name] = (gather_over_stages(trained, pgm), led.total_bytes("send"), float(loss), frozen_clean)
     return out
 
 
 @pytest.mark.parametrize("schedule,p,m", [
-    ("zb_h1", 2, 2), ("zbv", 2, 4),
+    ("zb_h1", 2, 2), ("zbv", 2, 4), ("zb_h1", 3, 3), ("zbv", 3, 3),     # p 3: a middle stage too
     pytest.param("zb_h1", 4, 8, marks=pytest.mark.slow), pytest.param("zbv", 4, 4, marks=pytest.mark.slow)])
 def test_zero_bubble_gradients_equal_1f1b_exactly_and_send_its_bytes(schedule, p, m):
     got = run_world(_fp64_grads, p, schedule, p, m, 2 * p, timeout=300)
@@ -337,6 +318,30 @@ def test_zero_bubble_gradients_equal_1f1b_exactly_and_send_its_bytes(schedule, p
     assert sum(r[schedule][2] for r in got) == sum(r["1f1b"][2] for r in got)
     for r in got:                                # ZB-H1: 1F1B's sends; ZB-V: twice (2 (p - 1) boundaries)
         assert r[schedule][1] == (1 if schedule == "zb_h1" else 2) * r["1f1b"][1] > 0
+
+
+@pytest.mark.parametrize("variant", ["bias", "lora"])
+def test_zero_bubble_biases_and_lora_equal_1f1b_in_fp64(variant):
+    # the split backward's other branches: W's db (a biased model: q/k/v/gate/up biases go through
+    # SplitLinear; o/down's are added after the tp reduction, autograd's), and LoRA's frozen base
+    # (nothing deferred, no gradient; the adapters' gradients come in B). zbv and zb_h1 against 1F1B
+    # after one step, pp 2, m 4, every trained parameter; zb_h1 in the same world
+    got = run_world(_fp64_grads, 2, "zbv", 2, 4, 4, variant, ("1f1b", "zb_h1"), timeout=300)
+    ref = got[0]["1f1b"][0]
+    biases = [n for n in ref if n.endswith(".bias")]
+    adapters = [n for n in ref if ".lora.lora_" in n]
+    if variant == "bias":                        # 4 layers x (q, k, v, o, gate, up, down)
+        assert len(biases) == 28 and len(ref) == 3 + 16 * 4
+    else:                                        # the adapters only: the base is frozen
+        assert len(adapters) == len(ref) == 2 * 7 * 4
+    assert all(ref[n].abs().sum() > 0 for n in biases + adapters)
+    for schedule in ("zb_h1", "zbv"):
+        mine = got[0][schedule][0]
+        assert sorted(mine) == sorted(ref), schedule
+        for name in ref:
+            assert torch.equal(mine[name], ref[name]), f"{schedule}: {name}"     # bit for bit, as above
+        assert sum(r[schedule][2] for r in got) == sum(r["1f1b"][2] for r in got)
+        assert all(r[schedule][3] for r in got), f"{schedule}: a frozen weight got a gradient"
 
 
 def test_too_few_micro_batches_and_bad_settings_are_refused():
@@ -447,10 +452,10 @@ def _save_on_pp2(tmp_path_factory, tmp_path):
 
 
 def _resume(ref, step3, out, world, *extra):
-    got = run_world(_train, world, _argv(out, *extra, "--resume_from_checkpoint", step3, steps=5),
-                    timeout=300)[0]
-    assert [g[0] for g in got] == [4, 5]
-    _same(ref[3:], got)
+    for got in run_world(_train, world, _argv(out, *extra, "--resume_from_checkpoint", step3, steps=5),
+                         timeout=300):         # every stage
+        assert [g[0] for g in got] == [4, 5]
+        _same(ref[3:], got)
 
 
 def test_checkpoint_saved_on_pp2_resumes_on_one_process_and_exports(tmp_path_factory, tmp_path):
@@ -511,7 +516,7 @@ def test_stages_stepping_alone_agree_on_sigterm_a_step_late(tmp_path, clip):
                  "zbv", "--pipeline_overlap_steps", "true", steps=6)
     got = run_world(_train_signalled, 2, argv, 1, 1, timeout=300)
     assert [g[:2] for g in got] == [("preempted", 3)] * 2, got
-    assert os.listdir(tmp_path / "step-3") and [x[0] for x in got[0][2]] == [1, 2, 3]
+    assert os.listdir(tmp_path / "step-3") and [[x[0] for x in g[2]] for g in got] == [[1, 2, 3]] * 2
 
 
 def _train_validated(argv):
@@ -618,6 +623,19 @@ def test_twenty_steps_match_single_process(tmp_path_factory, tmp_path, world, la
     got = run_world(_train, world, _argv(tmp_path, *extra, layers=layers, steps=20), timeout=1800)
     for g in got:
         assert len(g) == 20
+        _same(ref, g)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
+def test_biased_model_under_zero_bubble_matches_single_process(tmp_path_factory, tmp_path, schedule):
+    # 20 steps of a model with a bias on every projection (W's db, trained from zero), pp 2; the fast
+    # proof: test_zero_bubble_biases_and_lora_equal_1f1b_in_fp64
+    bias = ["--model.attention_bias", "true", "--model.mlp_bias", "true"]
+    ref = _reference(tmp_path_factory, 4, 20, *bias)
+    got = run_world(_train, 2, _argv(tmp_path, *bias, "--pipeline_parallel_size", "2", "--pipeline_schedule",
+                                     schedule, steps=20), timeout=1800)
+    for g in got:
         _same(ref, g)
 
 

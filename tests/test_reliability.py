@@ -209,15 +209,16 @@ def test_sigterm_saves_the_agreed_step_and_resume_is_exact(tmp_path):
     layout = ["--dp_shard_size", "2", "--max_steps", "7"]
     full = run_world(_train, 2, _argv(tmp_path / "full", *layout), timeout=300)[0]
     out = tmp_path / "run"
-    # rank 1 is signalled during step 5 (index 4); rank 0 never is, yet both stop after step 5
+    # rank 1 is signalled during step 5 (index 4); rank 0 never is, yet both stop after step 6:
+    # the flags of step 5 are summed while step 6 runs and read after it (lifecycle.StopFlag)
     got = run_world(_train_signalled, 2, _argv(out, *layout), 1, 4, timeout=300)
-    assert [g[:2] for g in got] == [("preempted", 5)] * 2, got
-    assert got[0][2] == full[:5]
-    assert os.listdir(out / "step-5") and not (out / "step-7").exists()
+    assert [g[:2] for g in got] == [("preempted", 6)] * 2, got
+    assert got[0][2] == full[:6]
+    assert os.listdir(out / "step-6") and not (out / "step-7").exists()
     lines = [json.loads(x) for x in open(out / "metrics.jsonl")]
-    assert [x["step"] for x in lines] == list(range(1, 6))
+    assert [x["step"] for x in lines] == list(range(1, 7))
     resumed = run_world(_train, 2, _argv(out, *layout, "--resume_from_checkpoint", "latest"), timeout=300)[0]
-    _same_after(full, resumed, 5)
+    _same_after(full, resumed, 6)
 
 
 def _wait_for_steps(path, n, proc, deadline):

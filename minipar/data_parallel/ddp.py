@@ -39,6 +39,9 @@ A parameter that NO rank used keeps .grad None, as on one process and under ZeRO
 skips it (a zero gradient would still decay it). To know "no rank", each bucket carries one used
 flag per parameter after its gradients, summed by the same all-reduce (torch DDP's
 local_used_map, without a collective of its own): 4 bytes per parameter, next to its gradient.
+A rank that had a gradient for every parameter of a bucket knows without looking that some rank
+used each; only a bucket with a parameter this rank left unused reads the summed flags back to
+the host (a sync on a GPU), so a step of a model whose every parameter trains reads none.
 
     bucket k = [ grad p0 | grad p1 | ... | used p0, used p1, ... ]   --all-reduce(sum)-->
                p.grad = the summed slice where used > 0, else None
@@ -59,6 +62,7 @@ class Bucket:
         self.params = params
         self.ready: set = set()
         self.work = self.flat = None
+        self.all_used = True                     # every parameter had a gradient on this rank
 
 
 class ReplicaSync:
@@ -157,9 +161,16 @@ class GradSync(ReplicaSync):
             bucket = self.buckets[self._next]
             if not force and len(bucket.ready) < len(bucket.params):
                 return                           # strictly in order, the same on every rank
-            bucket.flat = torch.cat([self._contribution(p).reshape(-1) for p in bucket.params] + [
-                torch.tensor([0.0 if p.grad is None else 1.0 for p in bucket.params],
-                             dtype=bucket.params[0].dtype, device=bucket.params[0].device)])
+            # the used flags are made on the device (a fill, not a copy from the host, which would
+            # stop the autograd thread until the GPU drained): ones, with a zero for each parameter
+            # this rank has no gradient for
+            first = bucket.params[0]
+            used = torch.ones(len(bucket.params), dtype=first.dtype, device=first.device)
+            for i, p in enumerate(bucket.params):
+                if p.grad is None:
+                    used[i] = 0.0
+            bucket.all_used = all(p.grad is not None for p in bucket.params)
+            bucket.flat = torch.cat([self._contribution(p).reshape(-1) for p in bucket.params] + [used])
             bucket.work = comm.all_reduce(bucket.flat, self.dim, async_op=True)
             self._next += 1
 
@@ -175,8 +186,12 @@ class GradSync(ReplicaSync):
         self._launch_ready(force=True)           # buckets holding parameters that got no gradient
         for bucket in self.buckets:
             bucket.work.wait()
-            offset, used = 0, bucket.flat[-len(bucket.params):]
-            for p, u in zip(bucket.params, used.tolist()):
+            # used by this rank -> used by some rank: the flags are read (a device-to-host copy,
+            # a sync on a GPU) only when this rank left a parameter of the bucket without gradient
+            offset, used = 0, [1.0] * len(bucket.params)
+            if not bucket.all_used:
+                used = bucket.flat[-len(bucket.params):].tolist()
+            for p, u in zip(bucket.params, used):
                 if u > 0:                        # some rank used it; else it stays None everywhere
                     p.grad = bucket.flat[offset:offset + p.numel()].view_as(p)
                     self._holds_sum.add(id(p))

@@ -44,8 +44,10 @@ over group "ep"; the counts as "all_to_all"):
 
 so 4 T k d b (n-1)/n with balanced routing, against zero for n = 1, where every function here is
 the identity and nothing is recorded. The splits must be known on the host to size the buffers,
-so step 1 costs a device-to-host copy (a sync on GPU); no token is ever dropped here (capacity,
-if any, is the model's). ep None, or of size 1, is the identity.
+so step 1 costs a device-to-host copy (a sync on GPU): ONE per layer and micro-batch, which also
+brings the rows per local expert (handle.local_splits) that the model's expert loop cuts by, so
+the layer needs no other; no token is ever dropped here (capacity, if any, is the model's). ep
+None, or of size 1, is the identity.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class DispatchHandle:
     recv_splits: List[int]        # rows it received from each
     order: Optional[torch.Tensor]     # local_tokens = received[order]
     num_rows: int                 # N, the rows combine returns
+    local_splits: Optional[List[int]] = None     # rows per local expert, on the host (None: ep of 1)
 
 
 class _Exchange(torch.autograd.Function):
@@ -101,14 +104,17 @@ def dispatch(tokens_sorted: torch.Tensor, counts: torch.Tensor, ep
     send_counts = counts.reshape(n, local)
     recv_counts = torch.empty_like(send_counts)
     all_to_all(recv_counts, send_counts, ep)                     # step 1: (n, L), row i from member i
-    send = send_counts.sum(1).tolist()
-    recv = recv_counts.sum(1).tolist()
+    # the host must know the splits to size the exchange: ONE device-to-host read of them all (the
+    # rows to send and receive per member, the rows per local expert for the expert loop)
+    host = torch.cat([send_counts.sum(1), recv_counts.sum(1), recv_counts.sum(0)]).tolist()
+    send, recv, local_splits = host[:n], host[n:2 * n], host[2 * n:]
     received = _Exchange.apply(tokens_sorted, ep, send, recv)    # step 2: by source, then expert
-    # step 3: each received row's local expert, then a stable sort keeps the sources in order
+    # step 3: each received row's local expert, then a stable sort keeps the sources in order (the
+    # output size given, so that repeat_interleave need not read the counts back again)
     expert_of_row = torch.arange(local, device=counts.device).repeat(n).repeat_interleave(
-        recv_counts.flatten())
+        recv_counts.flatten(), output_size=sum(recv))
     order = torch.sort(expert_of_row, stable=True).indices
-    handle = DispatchHandle(ep, send, recv, order, tokens_sorted.shape[0])
+    handle = DispatchHandle(ep, send, recv, order, tokens_sorted.shape[0], local_splits)
     return received[order], recv_counts.sum(0), handle
 
 

@@ -2,7 +2,7 @@
 through them forward and their gradients flowing back.
 
     stage.py      which layers a stage holds (the split rule, pipeline_layers), the stage module
-    p2p.py        the sends and receives of activations and gradients between neighbours
+    p2p.py        the sends and receives between neighbours, paired in exchanges NCCL cannot deadlock
     schedules.py  AFAB, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V as per-rank action lists, and
                   their minimum micro-batch counts
     simulate.py   the action lists on an ideal machine: bubbles, the closed forms, chunks held
@@ -14,7 +14,7 @@ through them forward and their gradients flowing back.
     loss = run_schedule(stage, schedule_order("1f1b", pgm.pp.size, m, pgm.pp.rank), pgm, batches, n)
 """
 from .executor import Recorder, forward_only, run_schedule
-from .p2p import arrival_order
+from .p2p import Exchange, exchange_plan, forward_plan, plan_exchanges
 from .schedules import (
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -27,7 +27,8 @@ from .simulate import peak_in_flight, simulate, theory_bubble
 from .split_backward import WeightGradStore, split_weight_gradients
 from .stage import PipelineStage, build_stage, split_layers, stage_chunks
 
-__all__ = ["Recorder", "forward_only", "run_schedule", "arrival_order", "SCHEDULES", "SPLIT_BACKWARD",
+__all__ = ["Recorder", "forward_only", "run_schedule", "Exchange", "exchange_plan", "forward_plan",
+           "plan_exchanges", "SCHEDULES", "SPLIT_BACKWARD",
            "Action", "check_schedule", "chunk_stages", "schedule_order", "peak_in_flight", "simulate",
            "theory_bubble",
            "WeightGradStore", "split_weight_gradients", "PipelineStage", "build_stage", "split_layers",

@@ -1,12 +1,14 @@
 """Run a schedule: walk this rank's action list, compute, and move tensors between stages.
 
     for action in schedule_order(...):                      schedules.py: F / B, chunk, micro-batch
+        post the exchanges due before it                     p2p.py: the sends made so far, paired
+                                                             with the receives due, one batch each
         F(c, m):  x = input ids (first virtual stage) or recv_forward()       blocks until h arrives
                   out = stage(x, chunk=c)  -> h, or the loss on the last virtual stage
-                  send_forward(h) (async); keep (x, out) for the backward
+                  send_forward(h) (posted at the next slot); keep (x, out) for the backward
         B(c, m):  g = recv_backward() (not on the last virtual stage)         blocks until dL/dh arrives
                   autograd.backward(out, g)  -> x.grad
-                  send_backward(x.grad) (async) unless x were the input ids; free (x, out)
+                  send_backward(x.grad) (posted at the next slot) unless x were the ids; free (x, out)
                   (zb_h1, zbv: inside stage.weight_grads.inputs_only((c, m)): the Linears compute
                   dL/dx only and queue (x, dy) for W; split_backward.py)
         W(c, m):  stage.weight_grads.weight_grads((c, m)): every queued dW, accumulated through
@@ -26,9 +28,9 @@ exactly when the data it needs has not been computed yet: the bubble.
 Gradient accumulation over the m micro-batches: parameters used by several micro-batches add up
 their gradients. Data parallelism must reduce once per step, not per micro-batch: the caller's
 `before_backward(action, last)` hook, called before every B and W, learns which is this rank's
-last gradient action of the step (the last W under a zero-bubble schedule: the caller keeps DDP
-and ZeRO-3 in no_sync until then, and that action's gradients trigger their reduction of
-everything, once). The
+last gradient action of the step (the last W under a zero-bubble schedule, the last B where its
+W's have nothing to compute, a frozen base's: the caller keeps DDP and ZeRO-3 in no_sync until
+then, and that action's gradients trigger their reduction of everything, once). The
 loss (sum over micro-batches of sum / num_items_in_batch) is returned on the last stage, zero
 elsewhere: the caller sums it over dp_cp and pp.
 
@@ -45,8 +47,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .p2p import StageLink, activation_shape
-from .schedules import Action
+from .. import comm
+from .p2p import StageLink, activation_shape, exchange_plan, forward_plan
+from .schedules import Action, schedule_order
 
 
 class Recorder:
@@ -85,18 +88,24 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
                  num_items_in_batch, *, act_dtype: torch.dtype = torch.float32,
                  before_backward: Optional[Callable[[Action, bool], None]] = None,
                  autocast=contextlib.nullcontext, recorder: Optional[Recorder] = None,
-                 arrivals: Optional[Dict[int, List[int]]] = None) -> torch.Tensor:
+                 plan: Optional[list] = None, transport=comm) -> torch.Tensor:
     """One training step's forwards and backwards of `stage` in the order `order`; returns this
-    rank's share of the loss (a float64 0-d tensor; zero off the last stage). arrivals: the order
-    of the neighbours' sends (p2p.arrival_order), which a backend that ignores tags (NCCL) needs
-    under zbv; None receives in the order this rank consumes."""
+    rank's share of the loss (a float64 0-d tensor; zero off the last stage). plan: this rank's
+    exchanges (p2p.exchange_plan; None: computed here for the stage's schedule, whose order `order`
+    must then be); transport: what posts and waits (comm; a test may record through it)."""
     m = len(micro_batches)
     device = micro_batches[0]["input_ids"].device
     aux = stage.pipeline_aux                    # the model's side vectors, or None
     aux_weight = 1.0 / (pgm.dp.size * m)        # each micro-batch's share of the step's objective
+    if plan is None:
+        p, v = pgm.pp.size, stage.num_chunks
+        if list(order) != schedule_order(stage.schedule, p, m, pgm.pp.rank, v):
+            raise ValueError(f"run_schedule: this order is not {stage.schedule}'s for pp {p}, m {m}: pass "
+                             f"plan=p2p.plan_exchanges(<every rank's order>, ...)[rank]")
+        plan = exchange_plan(stage.schedule, p, m, v, pgm.pp.rank, side=aux is not None)
     link = StageLink(pgm, activation_shape(micro_batches[0], pgm, stage.config.hidden_size), act_dtype,
-                     device, m, stage.owner, arrivals,
-                     side_sizes=(aux.size, aux.back_size) if aux is not None else (0, 0))
+                     device, m, stage.owner, plan,
+                     side_sizes=(aux.size, aux.back_size) if aux is not None else (0, 0), transport=transport)
     sides: Dict[tuple, tuple] = {}              # (chunk, micro) -> (this chunk's sums, back or None)
     store = stage.weight_grads                  # a WeightGradStore when the backward is split
     split = any(a.kind == "W" for a in order)
@@ -104,13 +113,15 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
         raise ValueError("this schedule has W actions, but the stage's backward is not split: build it "
                          "with build_stage(..., schedule=<zb_h1 | zbv>)")
     freed_by = "W" if split else "B"
-    final = max(i for i, a in enumerate(order) if a.kind in "BW")     # this rank's last gradient action
+    # this rank's last gradient action; a W computes none where nothing is deferred (a frozen base)
+    final = max(i for i, a in enumerate(order) if a.kind in ("BW" if split and store.defers() else "B"))
     saved: Dict[tuple, tuple] = {}              # (chunk, micro) -> (input, output) awaiting backward
     loss = torch.zeros((), dtype=torch.float64, device=device)
     if recorder is not None:
         recorder.start()
     recv = recorder.waited if recorder is not None else (lambda receive, *args: receive(*args))
     for i, a in enumerate(order):
+        link.post(i)                            # the exchanges due before this action (p2p.py)
         vs, mb = stage.virtual[a.chunk], micro_batches[a.micro]
         if a.kind == "W":
             if before_backward is not None:
@@ -131,10 +142,10 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
             if aux is not None:                 # the side vector: received, this chunk's part added
                 side = torch.zeros(aux.size, device=device) if stage.is_first_virtual(a.chunk) \
                     else recv(link.recv_side_forward, vs, a.micro)
-                side, sums, tokens = aux.forward_side(stage.chunk_layers(a.chunk), side)
+                side, sums = aux.forward_side(stage.chunk_layers(a.chunk), side)
                 back = None
                 if stage.is_last_virtual(a.chunk):
-                    term, back = aux.last(side, sums, tokens, aux_weight)
+                    term, back = aux.last(side, sums, aux_weight)
                     out = out + term
                 sides[(a.chunk, a.micro)] = (sums, back)
             if recorder is not None:
@@ -172,6 +183,7 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
                 if aux is not None:
                     link.send_side_backward(back, vs - 1, a.micro)
             del x, out, outs
+    link.post(len(order))
     link.finish()
     if recorder is not None:
         recorder.stop()
@@ -184,13 +196,16 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
 
 @torch.no_grad()
 def forward_only(stage, pgm, micro_batch: Dict[str, torch.Tensor], num_items_in_batch, *,
-                 act_dtype: torch.dtype = torch.float32, autocast=contextlib.nullcontext) -> torch.Tensor:
+                 act_dtype: torch.dtype = torch.float32, autocast=contextlib.nullcontext,
+                 transport=comm) -> torch.Tensor:
     """Evaluation: one micro-batch through every virtual stage, no backward; returns this rank's
     loss share (float64; zero off the last stage)."""
+    plan = forward_plan(stage.schedule, pgm.pp.size, stage.num_chunks, pgm.pp.rank)
     link = StageLink(pgm, activation_shape(micro_batch, pgm, stage.config.hidden_size), act_dtype,
-                     micro_batch["input_ids"].device, 1, stage.owner)
+                     micro_batch["input_ids"].device, 1, stage.owner, plan, transport=transport)
     loss = torch.zeros((), dtype=torch.float64, device=micro_batch["input_ids"].device)
     for chunk in range(stage.num_chunks):     # in order of virtual stage on every placement
+        link.post(chunk)
         vs = stage.virtual[chunk]
         x = micro_batch["input_ids"] if stage.is_first_virtual(chunk) else link.recv_forward(vs, 0)
         with autocast():
@@ -201,5 +216,6 @@ def forward_only(stage, pgm, micro_batch: Dict[str, torch.Tensor], num_items_in_
             loss += out.double()
         else:
             link.send_forward(out, vs + 1, 0)
+    link.post(stage.num_chunks)
     link.finish()
     return loss

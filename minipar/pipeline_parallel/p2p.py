@@ -1,4 +1,5 @@
-"""The point-to-point traffic of a pipeline: activations forward, their gradients backward.
+"""The point-to-point traffic of a pipeline: activations forward, their gradients backward, posted
+in paired exchanges that a backend which ignores tags (NCCL) cannot deadlock.
 
 Between neighbouring stages of pgm.pp (the tp, cp and dp coordinates are the same on both ends,
 so tp rank t of stage p talks to tp rank t of stage p + 1 only):
@@ -10,51 +11,68 @@ so tp rank t of stage p talks to tp rank t of stage p + 1 only):
     already split along the sequence there, so each tp rank sends only its part, as Megatron does)
 
 A model whose loss needs more than h across stages (an MoE's load-balancing loss, which pools
-the routing counts of every layer) declares a side vector: a few fp32 numbers sent right after each
-activation (SIDE_FORWARD) and each gradient (SIDE_BACKWARD), with their own tags (executor.py).
+the routing counts of every layer) declares a side vector: a few fp32 numbers that ride right
+after each activation (SIDE_FORWARD) and each gradient (SIDE_BACKWARD), in the same exchange.
 
 Bytes per step: each of the p - 1 boundaries carries one activation forward and one gradient
 backward per micro-batch, so 2 (p - 1) m x bytes(h) over the whole pipeline (interleaving: v p - 1
 boundaries, a ring: the last rank feeds the first one's next chunk; the V of zbv: 2 p - 1
 boundaries of which 2 (p - 1) cross ranks, the turn at rank p - 1 staying local, so 2 x 2 (p - 1) m
-x bytes(h): twice 1F1B's, the price of two chunks per rank).
+x bytes(h): twice 1F1B's, the price of two chunks per rank). `owner[k]` is the pp rank of virtual
+stage k (schedules.chunk_stages); a boundary whose two ends are on one rank (zbv's turn) moves no
+bytes: the tensor is handed over in memory, detached, as a receive would give it.
 
-Which rank holds the other end of a boundary is the placement's: `owner[k]` is the pp rank of
-virtual stage k (schedules.chunk_stages). A boundary whose two ends are on this rank (zbv's turn)
-moves no bytes: the tensor is handed over in memory, detached, as a receive would give it.
+What NCCL does. batch_isend_irecv opens an NCCL group (ncclGroupStart/End): its sends and receives
+run as one kernel and do not block each other, so a send and a receive with the same peer in one
+batch cannot wait on each other. Across batches NCCL keeps the order they were posted in: torch
+runs every batch of a group on one stream per device (the communicator of the whole pp group), so
+batch j + 1 of a rank starts only once batch j has finished, and once the works its rank waited
+on before posting it have (a wait makes the compute stream, which every later launch follows,
+wait for them). NCCL ignores tags: the k-th send from a to b pairs with the k-th receive on b from
+a. And a send of a real activation (tens of MiB, past NCCL's buffers) finishes only when its
+receive runs. Post each send and each receive as a batch of its own and 1F1B at pp 2 deadlocks:
+rank 0 posts send A0, send A1, recv G0; rank 1 recv A0, send G0, recv A1; send A1 waits for recv
+A1, queued behind send G0, which waits for recv G0, queued behind send A1. (Tiny test models fit
+in the buffers and pass; a real model hangs.)
 
-The receiver knows the shape in advance (every stage sees the same micro-batch shape), so no
-shape message travels. Each message has a tag naming (kind, receiving virtual stage, micro-batch):
-a backend that matches by tag (gloo) pairs every send with its receive whatever the posting order.
-A backend that ignores tags (NCCL) matches a link's messages in posting order: the executor posts
-sends in the order it produces them; for AFAB, 1F1B, interleaved 1F1B and ZB-H1 every link
-consumes them in that same order (tests/test_pipeline.py checks it). ZB-V does not: the link from
-rank r to r + 1 carries chunk 0's activations and chunk 1's gradients, and rank r + 1 may need a
-gradient that rank r sent after an activation. So a link can be given `arrivals`, the order in
-which each neighbour posts its sends to this rank (arrival_order: a pure function of the
-schedule, like everything the neighbours do); it then receives in that order, and a message that
-comes before it is needed waits in `early` (its sender posted it earlier, so receiving it first
-never waits longer than for the wanted one). Sends are
-asynchronous: a stage never waits for its neighbour to take a tensor before going on with its next
-micro-batch; only a receive blocks, when its data is needed. On gloo each neighbour's next receive
-is kept posted (`_post_next`): gloo moves a message only once its receiver has posted the receive,
-so a receive posted at the moment of need pays a handshake and the sender's I/O thread must win a
-core from the sender's compute; posted ahead, the bytes arrive while this rank computes. Not on
-NCCL, which runs a pair's sends and receives on one stream: a receive posted ahead would hold back
-this rank's own sends behind it, and two neighbours doing so would wait on each other.
+The posting order. plan_exchanges() runs every rank's action list on the ideal machine of
+simulate.py with every action one time unit long. Each message then has a time t: the end of
+the action that produced it. All messages between two neighbours at one time t (at most one each
+way: a rank ends one action at a time) form one EXCHANGE, one batch on both ends: its sends, then
+its receives, the side vectors right after their tensor. Each rank posts its exchanges in the
+order (t, edge) between its actions: after every action that ends by t, before every action that
+starts at t or later (the sender has just made its tensor; the receiver needs it no earlier).
+1F1B's steady state comes out as Megatron's pairs, [send A(i) -> s + 1, recv G(j) <- s + 1] then
+[send G(j) -> s - 1, recv A(i + 1) <- s - 1]; the fill and the drain send or receive alone.
+Why that cannot deadlock, under NCCL's rules above: number the exchanges by (t, edge) with edges
+(low rank, high rank) in one global order. Both ends of an exchange post it; before posting it a
+rank waited only on exchanges of earlier times (a receive waited on before an action starting at
+s comes from an exchange at t <= s, and an exchange posted after that action has t > s); its stream
+runs only exchanges numbered lower before it. So, by induction on the number, every exchange
+starts and finishes. The k-th exchange of rank r with q is the mirror of the k-th of q with r (one
+sorted list of both), so every send meets its receive, tags and sizes equal, whatever order the
+ranks consume in (zbv's receiver takes some messages later than they come: they wait, received, in
+`arrived`). Steps run back to back (pipeline_overlap_steps) repeat the list, numbered after the
+last step's. tests/test_pipeline_p2p.py records a real run's posts and waits and replays them
+under these rules.
+
+Sends never block the schedule: a rank waits on an exchange only when the next action needs one
+of its receives (or at the step's end, finish()). The bytes of a receive posted in an earlier slot
+move while this rank computes (on gloo too, which moves a message only once its receive is posted).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from bisect import bisect_right
+from typing import Dict, List, NamedTuple, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .. import comm
-from .schedules import chunk_stages, schedule_order
+from .schedules import Action, chunk_stages, schedule_order
+from .simulate import simulate
 
 # the kinds of message; a model whose loss needs more than h between stages (an MoE's aux loss:
-# the model's pipeline_aux) sends a small side vector after each activation and each gradient
+# the model's pipeline_aux) sends a small side vector with each activation and each gradient
 ACTIVATION, GRADIENT, SIDE_FORWARD, SIDE_BACKWARD = 0, 1, 2, 3
 
 
@@ -63,92 +81,118 @@ def message_tag(kind: int, virtual: int, micro: int, num_micro: int) -> int:
     return 4 * (virtual * num_micro + micro) + kind
 
 
-def arrival_order(name: str, p: int, m: int, v: int, rank: int, side: bool = False) -> Dict[int, List[int]]:
-    """{pp rank of a neighbour: the tags of its sends to `rank`, in the order it posts them};
-    side: each activation and gradient is followed by its side vector."""
-    owner = {k: r for r in range(p) for k in chunk_stages(name, p, r, v)}
-    last, out = p * v - 1, {}
+class Exchange(NamedTuple):
+    """One batch_isend_irecv with one neighbour: the tags this rank sends it, then receives from it."""
+    peer: int                    # pp rank of the neighbour
+    sends: Tuple[int, ...]
+    recvs: Tuple[int, ...]
+
+
+def plan_exchanges(orders: List[List[Action]], name: str, v: int, num_micro: int,
+                   side: bool = False) -> List[List[List[Exchange]]]:
+    """The exchanges of every rank of a pipeline running the action lists `orders` (one per pp rank),
+    as plan[rank][slot]: the exchanges to post before action `slot` (slot len(order): after the
+    last). The module docstring says why this order is safe. Pure: every rank computes all of it."""
+    p = len(orders)
+    stages = [chunk_stages(name, p, r, v) for r in range(p)]
+    owner = {k: r for r in range(p) for k in stages[r]}
+    last = p * v - 1
+    events, _ = simulate(orders, v, name=name, duration=lambda rank, a: 1.0)
+    messages: Dict[tuple, list] = {}            # (time, low rank, high rank) -> [(sender, tags)]
     for r in range(p):
-        for a in schedule_order(name, p, m, r, v):
-            vs = chunk_stages(name, p, r, v)[a.chunk]
-            if a.kind == "F" and vs < last and owner[vs + 1] == rank != r:
-                out.setdefault(r, []).append(message_tag(ACTIVATION, vs + 1, a.micro, m))
-                if side:
-                    out[r].append(message_tag(SIDE_FORWARD, vs + 1, a.micro, m))
-            if a.kind == "B" and vs > 0 and owner[vs - 1] == rank != r:
-                out.setdefault(r, []).append(message_tag(GRADIENT, vs - 1, a.micro, m))
-                if side:
-                    out[r].append(message_tag(SIDE_BACKWARD, vs - 1, a.micro, m))
-    return out
+        for a, _, end in events[r]:
+            vs = stages[r][a.chunk]
+            if a.kind == "F" and vs < last and owner[vs + 1] != r:
+                kind, to = ACTIVATION, vs + 1
+            elif a.kind == "B" and vs > 0 and owner[vs - 1] != r:
+                kind, to = GRADIENT, vs - 1
+            else:
+                continue
+            tags = [message_tag(kind, to, a.micro, num_micro)]
+            if side:
+                tags.append(message_tag(kind + SIDE_FORWARD, to, a.micro, num_micro))
+            q = owner[to]
+            messages.setdefault((end, min(r, q), max(r, q)), []).append((r, tags))
+    plan = [[[] for _ in range(len(order) + 1)] for order in orders]
+    ends = [[e for _, _, e in ev] for ev in events]
+    for (t, lo, hi), parts in sorted(messages.items()):
+        for r, q in ((lo, hi), (hi, lo)):
+            sends = tuple(tag for s, tags in parts if s == r for tag in tags)
+            recvs = tuple(tag for s, tags in parts if s == q for tag in tags)
+            slot = bisect_right(ends[r], t)      # after the actions ending by t, before those starting at t
+            plan[r][slot].append(Exchange(q, sends, recvs))
+    return plan
+
+
+def exchange_plan(name: str, p: int, m: int, v: int, rank: int, side: bool = False) -> List[List[Exchange]]:
+    """This rank's slots of plan_exchanges for schedule `name` (p stages, m micro-batches, v chunks)."""
+    orders = [schedule_order(name, p, m, r, v) for r in range(p)]
+    return plan_exchanges(orders, name, v, m, side)[rank]
+
+
+def forward_plan(name: str, p: int, v: int, rank: int) -> List[List[Exchange]]:
+    """The slots of one micro-batch's forward through every chunk (an evaluation: no backward)."""
+    orders = [[Action("F", c, 0) for c in range(v)] for _ in range(p)]
+    return plan_exchanges(orders, name, v, 1)[rank]
 
 
 class StageLink:
     """The sends and receives of one rank of pgm.pp for one step: m micro-batches, shape and dtype
-    of h known in advance. `virtual` is the receiving virtual stage (chunk * pp + rank)."""
+    of h known in advance (no shape message travels). The executor hands each tensor it makes to
+    send_*(), calls post(slot) before every action and once after the last, and takes what it
+    needs with recv_*(); `virtual` is always the RECEIVING virtual stage. `transport` posts and
+    waits (comm's send_recv and wait_all; a test may pass a recording wrapper)."""
 
     def __init__(self, pgm, shape: Tuple[int, ...], dtype: torch.dtype, device, num_micro: int,
-                 owner: Optional[List[int]] = None, arrivals: Optional[Dict[int, List[int]]] = None,
-                 side_sizes: Tuple[int, int] = (0, 0)):
+                 owner: List[int], plan: List[List[Exchange]], side_sizes: Tuple[int, int] = (0, 0),
+                 transport=comm):
         self.pp, self.shape, self.dtype = pgm.pp, tuple(shape), dtype
         self.side_sizes = side_sizes              # the side vectors' lengths (fp32), forward and back
-        self.device, self.num_micro = device, num_micro
-        # the pp rank holding each virtual stage; default: the loop, k -> k % pp
-        self.owner = owner
-        self.pending: List[Tuple[object, torch.Tensor]] = []      # sends in flight (work, tensor)
-        self.local: Dict[int, torch.Tensor] = {}                  # tag -> tensor handed over in memory
-        # receive in each neighbour's posting order (keyed by global rank), or as consumed (None)
-        self.arrivals = None if arrivals is None else {pgm.pp.ranks[k]: list(t) for k, t in arrivals.items()}
-        self.early: Dict[int, torch.Tensor] = {}                  # tag -> received before it was needed
-        self.bytes_sent = 0
-        # gloo: each neighbour's next receive kept posted (the module docstring says why not NCCL)
-        self.posted: Dict[int, tuple] = {}                        # peer -> (tag, tensor, works)
-        self.prepost = self.arrivals is not None and "gloo" in str(dist.get_backend(pgm.pp.group))
-        if self.prepost:
-            for peer in self.arrivals:
-                self._post_next(peer)
+        self.device, self.num_micro, self.owner = device, num_micro, owner
+        self.plan, self.transport = plan, transport
+        self.outbox: Dict[int, torch.Tensor] = {}     # tag -> made, not yet posted
+        self.local: Dict[int, torch.Tensor] = {}      # tag -> handed over in memory (zbv's turn)
+        self.arrived: Dict[int, torch.Tensor] = {}    # tag -> received, not yet taken
+        # posted batches: [works, {tag: receive buffer}, the sent tensors (alive until done)]
+        self.posted: List[list] = []
 
     def _tag(self, kind: int, virtual: int, micro: int) -> int:
         return message_tag(kind, virtual, micro, self.num_micro)
 
-    def _peer(self, virtual: int) -> int:
-        """The global rank holding virtual stage `virtual` (None: this rank itself)."""
-        k = virtual % self.pp.size if self.owner is None else self.owner[virtual]
-        return None if k == self.pp.rank else self.pp.ranks[k]
+    def _local(self, virtual: int) -> bool:
+        return self.owner[virtual] == self.pp.rank
 
-    def _send(self, t: torch.Tensor, peer: int, tag: int):
-        t = t.detach().to(self.dtype if tag % 4 < SIDE_FORWARD else torch.float32).contiguous()
-        if peer is None:                         # both ends here: no bytes move
-            self.local[tag] = t
-            return
-        self.bytes_sent += t.numel() * t.element_size()
-        self.pending += [(w, t) for w in comm.send_recv([(t, peer, tag)], [], self.pp)]
-        self._reap()
+    def _put(self, t: torch.Tensor, kind: int, virtual: int, micro: int):
+        t = t.detach().to(self.dtype if kind < SIDE_FORWARD else torch.float32).contiguous()
+        (self.local if self._local(virtual) else self.outbox)[self._tag(kind, virtual, micro)] = t
 
-    def _recv(self, peer: int, tag: int) -> torch.Tensor:
-        if peer is None:
+    def _take(self, kind: int, virtual: int, micro: int, sender: int) -> torch.Tensor:
+        tag = self._tag(kind, virtual, micro)
+        if self._local(sender):
             return self.local.pop(tag)
-        if self.arrivals is None:
-            return self._recv_now(peer, tag)
-        while tag not in self.early:             # what the neighbour posted first comes first
-            if peer not in self.posted:          # not posted ahead (NCCL): posted now, when needed
-                self._post_next(peer)
-            first, t, works = self.posted.pop(peer)
-            comm.wait_all(works)
-            self.early[first] = t
-            if self.prepost:
-                self._post_next(peer)
-        return self.early.pop(tag)
+        if tag not in self.arrived:
+            batch = next((b for b in self.posted if tag in b[1]), None)
+            if batch is None:
+                raise RuntimeError(f"pipeline p2p: message tag {tag} is needed but no exchange posted its "
+                                   f"receive: the plan does not match the action list")
+            self.transport.wait_all(batch[0])     # the whole batch: on NCCL one work for all its ops
+            self.arrived.update(batch[1])
+            self.posted.remove(batch)
+        return self.arrived.pop(tag)
 
-    def _post_next(self, peer: int):
-        """Post the receive of the next message `peer` sends us, into a fresh buffer. gloo moves a
-        message only once its receive is posted (the receiver tells the sender it is ready); a
-        receive posted when the data is needed costs that handshake, and the sender's I/O thread
-        must then win a core from its own compute. Posted ahead, the bytes move while this rank
-        computes and the wait finds them there."""
-        if self.arrivals[peer]:
-            tag = self.arrivals[peer].pop(0)
-            t = self._buffer(tag)
-            self.posted[peer] = (tag, t, comm.send_recv([], [(t, peer, tag)], self.pp))
+    def post(self, slot: int):
+        """Post the exchanges of `slot` (before action `slot`), one batch_isend_irecv each."""
+        for ex in self.plan[slot]:
+            peer = self.pp.ranks[ex.peer]
+            missing = [t for t in ex.sends if t not in self.outbox]
+            if missing:
+                raise RuntimeError(f"pipeline p2p: slot {slot} sends tags {missing} to pp rank {ex.peer} "
+                                   f"before they were made: the plan does not match the action list")
+            sends = [(self.outbox.pop(t), peer, t) for t in ex.sends]
+            recvs = [(self._buffer(t), peer, t) for t in ex.recvs]
+            works = self.transport.send_recv(sends, recvs, self.pp)
+            self.posted.append([works, {t: b for b, _, t in recvs}, [s for s, _, _ in sends]])
+        self._reap()
 
     def _buffer(self, tag: int) -> torch.Tensor:
         kind = tag % 4
@@ -156,49 +200,44 @@ class StageLink:
             return torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return torch.empty(self.side_sizes[kind - SIDE_FORWARD], dtype=torch.float32, device=self.device)
 
-    def _recv_now(self, peer: int, tag: int) -> torch.Tensor:
-        t = self._buffer(tag)
-        comm.wait_all(comm.send_recv([], [(t, peer, tag)], self.pp))
-        return t
-
     def _reap(self):
-        """Drop sends the neighbour has taken (their tensors may then be freed)."""
-        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+        """Drop send-only batches the neighbour has taken (their tensors may then be freed)."""
+        self.posted = [b for b in self.posted if b[1] or not all(w.is_completed() for w in b[0])]
 
-    # the four moves; `virtual` is always the virtual stage that RECEIVES
+    # the four moves, and the side vectors that ride with them
     def send_forward(self, h: torch.Tensor, virtual: int, micro: int):
-        self._send(h, self._peer(virtual), self._tag(ACTIVATION, virtual, micro))
+        self._put(h, ACTIVATION, virtual, micro)
 
     def recv_forward(self, virtual: int, micro: int) -> torch.Tensor:
-        return self._recv(self._peer(virtual - 1), self._tag(ACTIVATION, virtual, micro))
+        return self._take(ACTIVATION, virtual, micro, virtual - 1)
 
     def send_backward(self, grad: torch.Tensor, virtual: int, micro: int):
-        self._send(grad, self._peer(virtual), self._tag(GRADIENT, virtual, micro))
+        self._put(grad, GRADIENT, virtual, micro)
 
     def recv_backward(self, virtual: int, micro: int) -> torch.Tensor:
-        return self._recv(self._peer(virtual + 1), self._tag(GRADIENT, virtual, micro))
+        return self._take(GRADIENT, virtual, micro, virtual + 1)
 
-    # the side vectors, sent right after their activation / gradient (arrival_order's side=True)
     def send_side_forward(self, side: torch.Tensor, virtual: int, micro: int):
-        self._send(side, self._peer(virtual), self._tag(SIDE_FORWARD, virtual, micro))
+        self._put(side, SIDE_FORWARD, virtual, micro)
 
     def recv_side_forward(self, virtual: int, micro: int) -> torch.Tensor:
-        return self._recv(self._peer(virtual - 1), self._tag(SIDE_FORWARD, virtual, micro))
+        return self._take(SIDE_FORWARD, virtual, micro, virtual - 1)
 
     def send_side_backward(self, side: torch.Tensor, virtual: int, micro: int):
-        self._send(side, self._peer(virtual), self._tag(SIDE_BACKWARD, virtual, micro))
+        self._put(side, SIDE_BACKWARD, virtual, micro)
 
     def recv_side_backward(self, virtual: int, micro: int) -> torch.Tensor:
-        return self._recv(self._peer(virtual + 1), self._tag(SIDE_BACKWARD, virtual, micro))
+        return self._take(SIDE_BACKWARD, virtual, micro, virtual + 1)
 
     def finish(self):
-        """Wait for every send still in flight (end of the step: the buffers must stay valid)."""
-        for w, _ in self.pending:
-            w.wait()
-        self.pending = []
-        if self.posted:                          # every arrival is consumed by a schedule's end
-            tags = [t for t, _, _ in self.posted.values()]
-            raise RuntimeError(f"receives posted but never consumed: tags {tags}")
+        """Wait for every batch still in flight (end of the step: the buffers must stay valid)."""
+        posted, self.posted = self.posted, []
+        for works, recvs, _ in posted:
+            self.transport.wait_all(works)
+            self.arrived.update(recvs)
+        left = sorted(self.outbox) + sorted(self.arrived) + sorted(self.local)
+        if left:
+            raise RuntimeError(f"pipeline p2p: messages made or received, never sent or taken: tags {left}")
 
 
 def activation_shape(micro_batch: dict, pgm, hidden_size: int) -> Tuple[int, int, int]:

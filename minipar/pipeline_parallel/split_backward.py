@@ -31,7 +31,10 @@ autograd had computed dW in B. Under ZeRO-3 a weight is a view of its unit's fla
 same call runs the view's backward into flat.grad and the unit's post-accumulate-grad hook
 (minipar/zero3/shard_manager.py): the reductions see W's gradients exactly where they see B's.
 So the DP and ZeRO-3 reductions wait for the step's LAST W simply by running every B and W but
-that one under no_sync (minipar/training/pipeline_step.py).
+that one under no_sync (minipar/training/pipeline_step.py). Where no Linear of the stage has a
+trainable weight or bias (LoRA: the base frozen, the adapters' small matmuls not split) a W computes
+nothing and starts no backward, so no reducer would ever see the step end: there the last gradient
+action is the last B (`WeightGradStore.defers` says which; minipar/pipeline_parallel/executor.py).
 
 What is split: every Linear of minipar/tensor_parallel/ (ColumnParallelLinear, RowParallelLinear,
 the lm_head, and the column-parallel groups of async_linear.py). They call
@@ -100,6 +103,13 @@ class WeightGradStore:
         self.deferring = False
         self.key = None
         self.queues: Dict[tuple, List[tuple]] = {}      # key -> [(weight, bias, x, dy)]
+        self.layers: List[nn.Module] = []               # the Linears pointing at this store
+
+    def defers(self) -> bool:
+        """Whether a B of this stage queues anything: some Linear's weight or bias is trained (read
+        at call time: ZeRO-3 points the layers at views of its flat buffers after the store is set)."""
+        return any(t is not None and t.requires_grad for m in self.layers
+                   for t in (m.weight, getattr(m, "bias", None)))
 
     def linear(self, x, weight, bias=None):
         """F.linear whose backward can defer dW (the Linear layers call this when a store is set)."""
@@ -155,12 +165,11 @@ def split_weight_gradients(module: nn.Module) -> WeightGradStore:
     """Give every Linear of `module` that can defer its weight gradient (the layers declaring a
     `weight_grad_store` attribute: minipar/tensor_parallel/layers.py's) one shared store."""
     store = WeightGradStore()
-    found = 0
     for m in module.modules():
         if hasattr(m, "weight_grad_store"):
             m.weight_grad_store = store
-            found += 1
-    if not found:
+            store.layers.append(m)
+    if not store.layers:
         raise ValueError(f"split_weight_gradients: {type(module).__name__} has no Linear layer that can "
                          f"split its backward (none declares weight_grad_store)")
     return store

@@ -35,11 +35,13 @@ computes the loss.
 """
 from __future__ import annotations
 
+import json
 from typing import Dict, List, Optional
 
-import torch.distributed as dist
+import torch
 import torch.nn as nn
 
+from .. import comm, default_device
 from ..tensor_parallel import gather_tensor
 from .schedules import SPLIT_BACKWARD, chunk_stages
 from .split_backward import split_weight_gradients
@@ -82,6 +84,13 @@ def stage_chunks(num_layers: int, pp_size: int, pp_rank: int, virtual_stages: in
     return [split[k] for k in chunk_stages(schedule, pp_size, pp_rank, virtual_stages)]
 
 
+def _autocast(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:                                   # torch < 2.4: one flag per device kind
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
 class PipelineStage(nn.Module):
     """One rank's stage of a LlamaForCausalLM: forward(x, position_ids, labels, num_items_in_batch,
     chunk) runs model chunk `chunk` on x (input ids on the first virtual stage, the residual stream
@@ -91,6 +100,7 @@ class PipelineStage(nn.Module):
     def __init__(self, model: nn.Module, pgm, chunks: List[List[int]], schedule: str = "1f1b"):
         super().__init__()
         self.config, self.pgm, self.chunks = model.config, pgm, [list(c) for c in chunks]
+        self.schedule = schedule                 # what the chunks are placed for (p2p plans its sends by it)
         self.num_chunks = len(chunks)
         p = pgm.pp.size
         # the virtual stage of each chunk of this rank, and the pp rank holding each virtual stage
@@ -139,6 +149,8 @@ class PipelineStage(nn.Module):
         # cut at chunk boundaries, not a copy of it
         body = self.model
         h = body.embed(x) if self.is_first_virtual(chunk) else x
+        if not self.is_first_virtual(chunk) and _autocast(h.device.type):
+            h = h.float()       # bf16 on the link; under autocast the stream is fp32, as in one model
         cos, sin = body.rotary(position_ids, h.dtype)
         h = body.run_layers(h, cos, sin, self.chunk_layers(chunk), document_ids, self.gradient_checkpointing)
         if not self.is_last_virtual(chunk):
@@ -151,28 +163,96 @@ class PipelineStage(nn.Module):
 
     # ------------------------------------------------------------------ whole-model state dicts
     def full_state_dict(self) -> dict:
-        """{HF name: full tensor} of the WHOLE model on every rank: each stage gathers its own
-        (over tp, and its ZeRO-3 shards), then the stages exchange theirs over pgm.pp. Collective."""
+        """{HF name: full CPU tensor} of the WHOLE model on every rank: each stage gathers its own
+        (over tp, and its ZeRO-3 shards), then the stages hand theirs over pgm.pp. Collective."""
+        out = {n: t.cpu() for n, t in self.full_state_items()}
+        return {n: out[n] for n in _hf_order(out)}
+
+    def full_state_items(self, meter=None):
+        """The whole model one (HF name, full tensor) at a time, on every rank: stage by stage, each
+        tensor gathered by its stage and broadcast over pgm.pp as it is handed out
+        (stream_over_stages). Collective: every rank must take every item. `meter`: an accounting
+        hook (models/hf_shards.py HeldBytes) shown every tensor made."""
+        return stream_over_stages(self._own_full_items(meter), self.pgm, meter)
+
+    def _own_full_items(self, meter):
         if getattr(self, "zero3", None) is not None:
-            mine = self.zero3.full_state_dict()
-        else:
-            mine = {n: gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp).clone()
-                    for n, p in self.named_parameters()}
-        return gather_over_stages({n: t.cpu() for n, t in mine.items()}, self.pgm)
+            yield from self.zero3.state_dicts.iter_full([s.detach() for s in self.zero3.shards], meter)
+            return
+        for n, p in self.named_parameters():
+            t = gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp)
+            t = t.clone() if t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() else t
+            if meter is not None:
+                meter.track(t)
+            yield n, t
+            del t
 
 
 def gather_over_stages(mine: dict, pgm) -> dict:
-    """Merge the {name: CPU tensor} dicts of all stages of pgm.pp (each stage holds other names);
-    every rank gets the union. Objects over the pp group: a one-off at save/export time."""
+    """Merge the {name: CPU tensor or JSON value} dicts of all stages of pgm.pp (each stage holds
+    other names); every rank gets the union, in the whole model's order. Item by item
+    (stream_over_stages)."""
     if pgm.pp.size == 1:
         return mine
-    parts = [None] * pgm.pp.size
-    dist.all_gather_object(parts, mine, group=pgm.pp.group)
-    out = {}
-    for part in parts:
-        out.update(part)
-    order = {n: i for i, n in enumerate(_hf_order(out))}
-    return {n: out[n] for n in sorted(out, key=order.get)}
+    out = {n: t.cpu() if torch.is_tensor(t) else t for n, t in stream_over_stages(iter(mine.items()), pgm)}
+    return {n: out[n] for n in _hf_order(out)}
+
+
+def stream_over_stages(mine, pgm, meter=None):
+    """Every stage's (name, tensor) items on every rank of pgm.pp, one tensor at a time: the stages
+    take turns (stage 0's items first); a stage broadcasts each of its items over pgm.pp as it is
+    taken from `mine`, its name, shape and dtype first (a JSON header in a uint8 tensor, after its
+    length), then the tensor itself; an empty header ends the stage's turn. A value that is not a
+    tensor (a dict of optimizer scalars) travels in its header, as JSON. Nothing is pickled and
+    no rank ever holds more than the tensor in flight (the stage's own gathers aside). Tensors travel
+    on minipar.default_device() (CUDA under NCCL) and are yielded there. Collective over pp: every
+    rank must take every item. Cost: 3 broadcasts per tensor (its bytes once over the wire)."""
+    if pgm.pp.size == 1:
+        yield from mine
+        return
+    device = default_device()
+    for stage in range(pgm.pp.size):
+        if stage == pgm.pp.rank:
+            for name, t in mine:
+                if not torch.is_tensor(t):       # plain values (optimizer scalars) ride in the header
+                    _header(pgm, stage, device, dict(name=name, value=t))
+                    yield name, t
+                    continue
+                t = t.detach().to(device).contiguous()
+                _header(pgm, stage, device, dict(name=name, shape=list(t.shape), dtype=str(t.dtype)[6:]))
+                comm.broadcast(t, pgm.pp, stage)
+                yield name, t
+                del t
+            _header(pgm, stage, device, None)
+            continue
+        while True:
+            head = _header(pgm, stage, device)
+            if head is None:
+                break
+            if "value" in head:
+                yield head["name"], head["value"]
+                continue
+            t = torch.empty(head["shape"], dtype=getattr(torch, head["dtype"]), device=device)
+            comm.broadcast(t, pgm.pp, stage)
+            if meter is not None:
+                meter.track(t)
+            yield head["name"], t
+            del t
+
+
+def _header(pgm, stage: int, device, head=None):
+    """Broadcast one item's header (a dict, or None for the end of a stage) from pp rank `stage`;
+    returns it on every rank."""
+    sending = pgm.pp.rank == stage
+    data = json.dumps(head).encode() if sending and head is not None else b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    comm.broadcast(length, pgm.pp, stage)
+    if int(length) == 0:
+        return None
+    buf = (torch.tensor(list(data), dtype=torch.uint8, device=device) if sending
+           else torch.empty(int(length), dtype=torch.uint8, device=device))
+    comm.broadcast(buf, pgm.pp, stage)
+    return json.loads(bytes(buf.cpu().tolist()).decode())
 
 
 def _hf_order(names):

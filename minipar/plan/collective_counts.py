@@ -53,7 +53,7 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
     # The residual stream has the parameters' dtype: autocast (no ZeRO-3) keeps it fp32 and casts
     # only a matmul's output, so a row-parallel output (o_proj, down_proj) is in e, while the
     # embedding's output, the norms' outputs before a column-parallel layer, and their gradients
-    # are in pe (trainer.py's act_dtype, which pipeline messages carry, is the same dtype)
+    # are in pe (pipeline messages carry the compute dtype instead: pipeline_stage.message_bytes)
     pe = param_bytes(layout, opts)
     # LoRA (frozen base): layer 0's input needs no gradient (embedding and norm frozen), so the f
     # before its q/k/v runs no backward, nor (unless attention is adapted) the one before gate/up;

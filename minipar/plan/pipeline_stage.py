@@ -28,8 +28,8 @@ the same for a step of many micro-batches, from three short ones):
 Communication per stage, as comm.py's ledger records it: ("send", "pp") one message per F on a
 non-last virtual stage (h forward) and per B on a non-first one (dL/dh backward), when the
 neighbouring virtual stage is on another rank (zbv's turn at rank p - 1 is not), each
-b x s/cp (/tp under SP) x d in the dtype of the residual stream (bf16 only when ZeRO-3 casts the
-weights to bf16, else fp32: trainer.py's act_dtype, which p2p.py sends); ("all_reduce", "pp") 8 B
+b x s/cp (/tp under SP) x d in the compute dtype (bf16 in a bf16 run, autocast's too: trainer.py's
+act_dtype, which p2p.py sends); ("all_reduce", "pp") 8 B
 for the loss and 8 B for the global grad norm (pipeline_overlap_steps: both in one 16 B all-reduce
 over the world); TP/CP per layer of the stage, the embedding's
 collective on the first stage, lm_head's and the loss's on the last, each in the dtype
@@ -202,8 +202,13 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
     head = act["root"] - ids - rope                         # final norm, softmax, targets, masks
     full_ac = dataclasses.replace(opts, gradient_checkpointing=True)
 
+    # a received h in bf16 under autocast is kept for its gradient beside its fp32 copy, the stream
+    # (stage.py); otherwise the received tensor is the stream itself, counted with the layers
+    autocast = opts.dtype == "bfloat16" and not layout.sharded and not opts.distributed_optimizer
+    upcast = message_bytes(model, layout, batch, opts) if autocast else 0
+
     def chunk_bytes(c: int, checkpointed, how: Options = full_ac) -> int:
-        extra = (rope + (ids if st.first and c == 0 else 0)
+        extra = (rope + (ids if st.first and c == 0 else upcast)
                  + (head if st.last and c == len(st.chunks) - 1 else 0))
         return extra + sum(pa.kept_per_layer(act, how, i) if checkpointed else act["per_layer"]
                            for i in st.chunks[c])
@@ -288,8 +293,10 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
 
 
 def message_bytes(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> int:
-    """Bytes of one p2p message: h (b, s/cp [/tp under SP], d), bf16 only under bf16 ZeRO-3."""
+    """Bytes of one p2p message: h (b, s/cp [/tp under SP], d), in minipar's compute dtype (the
+    distributed_optimizer mode's, another trainer's, in its stream's dtype, as before)."""
     s = batch.sequence_len // layout.cp // (layout.tp if layout.sp else 1)
-    e = 2 if (opts.dtype == "bfloat16" and layout.sharded) else 4
+    bf16 = opts.dtype == "bfloat16" and (layout.sharded or not opts.distributed_optimizer)
+    e = 2 if bf16 else 4
     return batch.micro(layout) * s * model.hidden_size * e
 

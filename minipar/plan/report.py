@@ -11,6 +11,11 @@ from .inputs import OTHER_TRAINER_FIELDS, ModelShape
 GB = 1e9
 
 
+# what the memory total predicts, said under every report's budget
+NOTE_1 = "(the total predicts torch.cuda.max_memory_allocated: the tensors alive at the peak;"
+NOTE_2 = " max_memory_reserved adds the allocator's rounding and fragmentation, as the reserve does)"
+
+
 def _unit(largest: float):
     """(name, bytes) of the decimal unit that shows `largest` with a few digits before the point."""
     for name, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
@@ -71,6 +76,7 @@ def describe(p: dict, model: ModelShape) -> str:
             lines.append(f"  {label:<44}{v / size:10.3f}")
     lines.append(f"  {'budget (GPU memory less the reserve)':<44}{m['budget'] / size:10.3f}   "
                  + ("fits" if m["fits"] else "DOES NOT FIT"))
+    lines += [f"  {NOTE_1}", f"  {NOTE_2}"]
     unit, size = _unit(max([c["bytes"] for g in p["comm"].values() for c in g["ops"].values()] or [0]))
     lines += ["", "communication per step per rank (buffer: the bytes comm.py's ledger records; "
               "wire: what the rank sends)",

@@ -4,6 +4,10 @@
     Batches(run, device)
         global_batch(step)      (B, T) input_ids, labels (+ position_ids, document_ids when packed):
                                 the same on every rank, a pure function of seed and step
+        step(step, M)           num_items_in_batch and this rank's M micro-batches, on the device
+        prefetch(step, M)       make them one step ahead: a step calls it for the next step once
+                                it has queued its own work, so the host cuts and copies the next
+                                rows while the GPU computes (pinned, non_blocking: no wait)
         local(gb, m, M)         this rank's share of micro-batch m of M: dp samples, cp chunks
         eval_batches()          the validation batches, in file order, the same on every rank
         state_dict()            the sampler's position, saved in a checkpoint's extra
@@ -37,12 +41,29 @@ class Batches:
         else:
             self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size,
                                               cfg.seed)
+        self._ahead = None                        # ((step, M), what step() gives): prefetch's batches
 
     def global_batch(self, step: int) -> dict:
         if self.run.datasets is not None:
             return self.sampler.global_batch(step)
         ids, labels = self.sampler.global_batch(self.run.train_tokens, step)
         return dict(input_ids=ids, labels=labels)
+
+    def step(self, step: int, M: int):
+        """(num_items_in_batch, [this rank's M micro-batches]) of step `step`, on the device: the ones
+        prefetch(step) prepared, else made now."""
+        if self._ahead is not None and self._ahead[0] == (step, M):
+            ready, self._ahead = self._ahead[1], None
+            return ready
+        self._ahead = None
+        gb = self.global_batch(step)
+        return mdata.count_label_tokens(gb["labels"]), [self.local(gb, m, M) for m in range(M)]
+
+    def prefetch(self, step: int, M: int) -> None:
+        """Make step `step`'s batches now, while the device still works through the current step's
+        queue: the next step then starts from rows already on their way (one step ahead)."""
+        self._ahead = None
+        self._ahead = ((step, M), self.step(step, M))
 
     def local(self, gb: dict, m: int, M: int) -> dict:
         return mdata.local_batch(gb["input_ids"], gb["labels"], self.pgm, m, M, device=self.device,
@@ -63,6 +84,7 @@ class Batches:
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
+        self._ahead = None
 
 
 @torch.no_grad()

@@ -33,8 +33,9 @@ gradients freed at other times); 128 KiB 13.7. None but the last gets within 20 
 so none replaces it and the default stays glibc's.
 
 A GPU run is not affected (torch's CUDA caching allocator serves its tensors; the summary
-reports its max_memory_allocated). Another allocator preloaded (jemalloc, tcmalloc via LD_PRELOAD)
-ignores the setting; a C library without mallopt (musl, macOS) is left alone.
+reports its max_memory_allocated, what the planner predicts, and max_memory_reserved). Another
+allocator preloaded (jemalloc, tcmalloc via LD_PRELOAD) ignores the setting; a C library without
+mallopt (musl, macOS) is left alone.
 """
 from __future__ import annotations
 

@@ -17,9 +17,12 @@ the job hangs until someone notices. Three moments need the ranks to agree:
              reaches the ranks at different moments, mid-step, so no rank may act on it alone.
              StopFlag's handler only records it (no collectives in a signal handler: it runs
              between two bytecodes of whatever the rank was doing); at the end of every step
-             the ranks all-reduce their flags with MAX (one 1-element all-reduce per step), so
-             all of them see "stop" after the same step, save step-N together and leave with
-             EXIT_PREEMPTED. `resume_from_checkpoint: latest` continues exactly there.
+             the ranks start an all-reduce of their flags with MAX (one 1-element all-reduce per
+             step) and read the one started a step earlier, so all of them see "stop" after the
+             same step, save it together and leave with EXIT_PREEMPTED. Reading a step late
+             costs no wait (the sum is long done, and on a GPU already copied to the host), at
+             the price of one more step before the save: a signal during step k saves step
+             k + 1. `resume_from_checkpoint: latest` continues exactly there.
 
   the end    torch.distributed objects own C++ threads: each gloo group has two worker threads and
              an I/O thread, joined only when the group object is destroyed, that is when Python's
@@ -157,15 +160,29 @@ class StopFlag:
         return self.agree_later(pgm, device)()
 
     def agree_later(self, pgm, device):
-        """agreed() without waiting: the all-reduce runs in the background (so that pipeline stages
-        need not meet at every step's end, pipeline_step.py), and the returned function gives its
-        answer, the signal number or 0, when it is called."""
-        flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
+        """agreed() without waiting: the all-reduce runs in the background, and the returned function
+        gives its answer, the signal number or 0, when it is called. The train loop calls it a step
+        later (train_loop.py), so that no rank waits for the others at a step's end, and on a GPU
+        the host does not wait for the device: the sum is copied, behind the all-reduce on the
+        stream, into pinned host memory, and the answer waits only for that copy's event, a step
+        old by then (a plain .item() would wait for everything queued since)."""
+        pinned = torch.device(device).type == "cuda"               # a copy the host need not wait for
+        flag = torch.tensor([self.signum], dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
         work = comm.all_reduce(flag, pgm.world, op="max", async_op=True)
+        if flag.device.type == "cuda":
+            work.wait()                           # NCCL: the stream waits, the host does not
+            host = flag.to("cpu", non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
 
-        def answer() -> int:
+            def answer() -> int:
+                done.synchronize()                # that copy only, finished a step ago
+                return int(host[0])
+            return answer
+
+        def answer() -> int:                      # gloo: the sum is on the host once work is done
             work.wait()
-            return int(flag.item())
+            return int(flag.to("cpu", non_blocking=True)[0])
         return answer
 
 

@@ -43,13 +43,15 @@ class MoEStepMetrics:
             return
         row = torch.cat([metrics["aux_loss"].detach().reshape(1).double(),
                          metrics["counts"].detach().reshape(-1).double(),
-                         torch.tensor([float(metrics["dropped"])], dtype=torch.float64,
-                                      device=metrics["counts"].device)])
+                         torch.full((1,), float(metrics["dropped"]), dtype=torch.float64,
+                                    device=metrics["counts"].device)])         # a fill, not a copy
         self.total = row if self.total is None else self.total + row
         self.micro_batches += 1
         self.layers = metrics["counts"].shape[0]
 
     def reduce(self) -> dict:
+        """The record's entries as device tensors (0-d, (L,), 0-d): the train loop reads them with
+        the loss where it logs, and `finish` gives them their final form, so a step reads none."""
         if self.total is None:
             return {}
         pgm, total = self.pgm, self.total
@@ -57,9 +59,17 @@ class MoEStepMetrics:
         if pgm.config.sequence_parallel and pgm.tp.size > 1:   # each tp rank dropped its own tokens'
             total[-1:] = comm.all_reduce(total[-1:].clone(), pgm.tp)
         cp = pgm.cp.size
-        aux = total[0].item() / cp / (self.micro_batches * pgm.dp.size)
+        aux = total[0] / cp / (self.micro_batches * pgm.dp.size)
         counts = total[1:-1].view(self.layers, -1) / cp
-        imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).tolist()
+        imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)
         self.total, self.micro_batches = None, 0
-        return dict(moe_aux_loss=aux, moe_imbalance=[round(x, 6) for x in imbalance],
-                    moe_dropped=int(round(total[-1].item())))
+        return dict(moe_aux_loss=aux, moe_imbalance=imbalance, moe_dropped=total[-1])
+
+
+def finish(record: dict) -> dict:
+    """An MoE record's entries once read (floats): the imbalance rounded, the drops an int."""
+    if isinstance(record.get("moe_imbalance"), list):
+        record["moe_imbalance"] = [round(x, 6) for x in record["moe_imbalance"]]
+    if isinstance(record.get("moe_dropped"), float):
+        record["moe_dropped"] = int(round(record["moe_dropped"]))
+    return record

@@ -44,16 +44,15 @@ import torch
 
 from minipar import comm
 from minipar.pipeline_parallel import (
-    arrival_order,
     build_stage,
     check_schedule,
+    exchange_plan,
     forward_only,
     run_schedule,
     schedule_order,
     split_layers,
 )
 from minipar.training.batch_source import eval_loss
-from minipar.training.data import batches as mdata
 from minipar.training.optim import stage_grad_sq
 from minipar.training.post_validate import PostValidator
 
@@ -105,9 +104,10 @@ class PipelineStep:
         self.reducers = [r for r in reducers if r is not None]
         self.order = schedule_order(cfg.pipeline_schedule, pgm.pp.size, num_micro, pgm.pp.rank,
                                     virtual_stages(cfg))
-        # receive in the neighbours' posting order: NCCL pairs messages so (zbv needs it)
-        self.arrivals = arrival_order(cfg.pipeline_schedule, pgm.pp.size, num_micro, virtual_stages(cfg),
-                                      pgm.pp.rank, side=model.pipeline_aux is not None)
+        # the p2p exchanges of every slot of the order, paired so that NCCL cannot deadlock (p2p.py)
+        self.plan = exchange_plan(cfg.pipeline_schedule, pgm.pp.size, num_micro, virtual_stages(cfg),
+                                  pgm.pp.rank, side=model.pipeline_aux is not None)
+        self.transport = comm                     # posts and waits the exchanges (a test may record them)
         self.act_dtype = act_dtype
         self.alone = cfg.pipeline_overlap_steps   # step without waiting for the other stages
         opt = optimizer_step
@@ -124,15 +124,13 @@ class PipelineStep:
         comm.all_reduce(loss, self.pgm.pp)
         aux = self.model.pipeline_aux             # an MoE's figures (models/moe_aux.py), or none
         moe = aux.step_metrics(loss.device, self.num_micro) if aux is not None else {}
-        return dict(loss=loss.item(), **self.optimizer_step(), moe=moe)
+        return dict(loss=loss, **self.optimizer_step(), moe=moe)   # read where logged (train_loop.py)
 
     def _schedule(self, step: int) -> torch.Tensor:
         """Step `step`'s micro-batches through this rank's stage: its gradients reduced, its loss
         summed over dp_cp (the last stage's; the others hold zero)."""
         pgm, M = self.pgm, self.num_micro
-        gb = self.batches.global_batch(step)      # byte corpus or packed datasets rows
-        n_items = mdata.count_label_tokens(gb["labels"])
-        micro = [self.batches.local(gb, m, M) for m in range(M)]
+        n_items, micro = self.batches.step(step, M)   # byte corpus or packed rows, prefetched
         with contextlib.ExitStack() as unsynced:
             for reducer in self.reducers:         # DDP / ZeRO-3: accumulate without communicating
                 unsynced.enter_context(reducer.no_sync())
@@ -143,8 +141,9 @@ class PipelineStep:
 
             loss = run_schedule(self.model, self.order, pgm, micro, n_items, act_dtype=self.act_dtype,
                                 before_backward=before_backward, autocast=self.autocast,
-                                arrivals=self.arrivals)
+                                plan=self.plan, transport=self.transport)
         comm.all_reduce(loss, pgm.dp_cp)
+        self.batches.prefetch(step + 1, M)        # the next step's rows, while the GPU works on this one
         return loss
 
     def _check(self) -> bool:
@@ -172,14 +171,14 @@ class PipelineStep:
         if self.validator is not None:
             self.in_flight = (work, shares)
 
-        def pending() -> dict:
+        def pending() -> dict:                    # device tensors, read where logged (train_loop.py)
             work.wait()
-            return dict(loss=shares[0].item(), grad_norm=shares[1].sqrt().float().item())   # as optim.py
+            return dict(loss=shares[0], grad_norm=shares[1].sqrt().float())   # as optim.py
         return dict(lr=lr, moe={}, pending=pending)
 
     def evaluate(self) -> float:
         # only the last stage's forward_only returns a loss (the others zero): summed over pp too
         def loss_of(batch, n_items):
             return forward_only(self.model, self.pgm, batch, n_items, act_dtype=self.act_dtype,
-                                autocast=self.autocast)
+                                autocast=self.autocast, transport=self.transport)
         return eval_loss(self.model, self.batches, loss_of, (self.pgm.dp_cp, self.pgm.pp))

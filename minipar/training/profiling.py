@@ -12,7 +12,8 @@ What a trace shows (CPU ops, and on a GPU the CUDA kernels and their streams):
                                next layer's gather issued inside this layer's forward; a short
                                wait means the gather was hidden behind compute.
 A test (tests/test_observability.py) holds the collective spans of each traced step equal to the
-ledger's records of that step.
+planner's count of a step (minipar/plan/collective_counts.py, from the shapes), and the ledger's
+bytes of that step to the planner's bytes.
 
 Costs: the profiler records every op of the traced steps (a few microseconds each), so those steps
 run slower and their tokens_per_s and mfu say so; the trace is written after step b (seconds for

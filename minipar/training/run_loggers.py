@@ -11,10 +11,10 @@
                                and the same scalars per step; wandb_mode: offline writes the run
                                under <output_dir>/wandb for a later `wandb sync`.
 
-Both packages are optional (tensorboard is installed by `make`, wandb is not), so each is
-imported only when its key is set: a run that does not ask for it never pays for the import (wandb
-starts a service process) and never fails for the want of it. Whether it can be imported was
-checked before any collective (config/check.py), so here it is there.
+Both packages are optional (`make` installs both, wandb with the test extra; `pip install minipar`
+neither), so each is imported only when its key is set: a run that does not ask for it never pays
+for the import (wandb starts a service process) and never fails for the want of it. Whether it
+can be imported was checked before any collective (config/check.py), so here it is there.
 """
 from __future__ import annotations
 

@@ -17,19 +17,23 @@ The loop owns the history (one record per step, the earlier ones of metrics.json
         metrics.jsonl, tqdm, the log line  rank 0 only (every logging_steps); TensorBoard and
                                            wandb too when asked for (run_loggers.py)
         save(done)                         every save_steps (save_total_limit kept)
-        stop.agreed(pgm)                   SIGTERM on any rank: every rank saves step `done` and
+        stop.agree_later(pgm)              SIGTERM on any rank: the flags are summed while the
+                                           next step runs; every rank then saves that step and
                                            leaves with lifecycle.Preempted, at the same step
-    (pipeline_overlap_steps: the record and the stop flag of a step are settled after the next
-    one, whose stages did not wait for each other; pipeline_step.py)
-    save(max_steps), export_hf, summary    the peak memory of every rank, the loss curve, the
+    The losses and norms stay device tensors until a logging step, a save, a stop or the end
+    reads all of them in one copy (_read): the step's only host sync on a dense layout
+    (docs/design.md, host syncs), the logged floats the same. (pipeline_overlap_steps: the record
+    of a step is settled after the next one, whose stages did not wait for each other;
+    pipeline_step.py)
+    save(max_steps), export_hf, summary    the peak memory of every rank (CUDA: allocated, what the
+                                           planner predicts, and reserved), the loss curve, the
                                            throughput and MFU beside the planner's prediction for
                                            this layout (trainer.predict: train.py passes the
                                            planner in, since training/ may not import it)
 
 Communication beyond the step's: one all-reduce of one int over the world per step (the stop
-flag; nothing on one process; under pipeline_overlap_steps started without waiting and read a
-step later), a checkpoint's barriers when saving, and one all-gather of one float per rank in
-the summary.
+flag; nothing on one process; started without waiting and read a step later), a checkpoint's
+barriers when saving, and one all-gather of one float per rank in the summary.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from tqdm import tqdm
 
 from minipar import comm
 from minipar.mesh import describe_grid
-from minipar.training import lifecycle, metrics_file
+from minipar.training import lifecycle, metrics_file, moe_metrics
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.data.tokenizer import save_tokenizer
 from minipar.training.profiling import StepProfiler
@@ -100,9 +104,10 @@ class TrainLoop:
                    disable=not (self.is_main and cfg.progress_bar))
         start, last_val = time.time(), None
         stop = lifecycle.StopFlag().install()     # SIGTERM: finish the step, save it, leave (lifecycle.py)
-        # pipeline_overlap_steps: the stages do not meet at a step's end; the last step's record and
-        # stop flag wait for their sums, in flight, until the next step is done
+        # pipeline_overlap_steps: the stages do not meet at a step's end; the last step's record
+        # waits for its sums, in flight, until the next step is done
         alone, held, asked = cfg.pipeline_overlap_steps, None, None
+        self.unread = []                          # records whose loss and norm are still on the device
         for step in range(t.start_step, cfg.max_steps):
             with self.profiler.around(step + 1):
                 t0 = time.time()
@@ -120,31 +125,33 @@ class TrainLoop:
             if alone:                             # its loss and norm arrive a step late (pipeline_step.py)
                 if held is not None:
                     self._report(*held, bar, metrics)
-                held = (record, out["pending"])
+                held = (record, out["pending"], dt)
             else:
-                self._report(record, lambda: out, bar, metrics)
+                self._report(record, lambda: out, dt, bar, metrics)
             if cfg.save_steps and done % cfg.save_steps == 0 and done != cfg.max_steps:
                 if held is not None:              # a checkpoint only of a step whose loss is known finite
                     self._report(*held, bar, metrics)
                     held = None
+                self._read(bar, metrics)
                 t.settle()
                 t.save(done)
-            if alone:                             # the stop flag agreed a step late too: no wait here
-                signum = asked() if asked is not None else 0
-                asked = stop.agree_later(pgm, self.device)
-            else:
-                signum = stop.agreed(pgm, self.device)   # the same answer on every rank
+            # the stop flag is agreed a step late on every layout: the all-reduce started at the end
+            # of step k is read at the end of step k + 1, long done, so no rank waits for it (and on
+            # a GPU the host does not wait for the device either: lifecycle.StopFlag.agree_later)
+            signum = asked() if asked is not None else 0
+            asked = stop.agree_later(pgm, self.device)
             if signum and done != cfg.max_steps:
                 if held is not None:
                     self._report(*held, bar, metrics)
-                if asked is not None:
-                    asked()                       # joined by every rank: each started it this step
+                asked()                           # joined by every rank: each started it this step
+                self._read(bar, metrics)
                 t.settle()
                 self._stop_early(done, signum, stop, bar, metrics)
         if held is not None:
             self._report(*held, bar, metrics)
         if asked is not None:
             asked()
+        self._read(bar, metrics)
         t.settle()                                # the last update checked before it is saved
         stop.restore()
         bar.close()
@@ -166,15 +173,54 @@ class TrainLoop:
         self.summary(time.time() - start, last_val)
         return self.history
 
-    def _report(self, record: dict, sums, bar, metrics):
-        """A step's record, once its loss and grad norm are known (`sums()`: the step's own
-        output, or the sums a stage stepping alone waits for): the finite-loss check, the
-        metrics file, the loggers, the history, the bar and the log line."""
-        cfg, out = self.cfg, sums()
-        record.update(loss=out["loss"], grad_norm=out["grad_norm"])
+    def _report(self, record: dict, sums, dt: float, bar, metrics):
+        """A step's record, once its loss and grad norm are on their way (`sums()`: the step's own
+        output, or the sums a stage stepping alone waits for). They stay device tensors until the
+        next logging step (or a save, a stop, the end), where _read reads all of them at once."""
+        out = sums()
+        self.unread.append((record, out["loss"], out["grad_norm"], dt))
         done = record["step"]
-        if not math.isfinite(out["loss"]):
-            raise FloatingPointError(f"loss is {out['loss']} at step {done}: lower learning_rate "
+        if done % self.cfg.logging_steps == 0 or done == self.cfg.max_steps:
+            self._read(bar, metrics)
+
+    def _read(self, bar, metrics):
+        """The unread records' losses and norms in ONE device-to-host read (the step's only host
+        sync on a dense layout: docs/design.md), then for each in turn the finite-loss check, the
+        metrics file, the loggers, the history, the bar and the log line. On a GPU the steps
+        between two reads only queued their work, so each of them is given the window's mean
+        time (its own host time, and the wait for the device at the read, shared out)."""
+        if not self.unread:
+            return
+        unread, self.unread = self.unread, []
+        t0 = time.time()
+        # the loss, the norm, then an MoE's figures (tensors in the record), of each record in turn
+        keys = [["loss", "grad_norm"] + [k for k, v in record.items() if isinstance(v, torch.Tensor)]
+                for record, *_ in unread]
+        values = [v for (record, loss, norm, _), ks in zip(unread, keys)
+                  for v in [loss, norm] + [record[k] for k in ks[2:]]]
+        tensors = [v.detach().double().reshape(-1) for v in values if isinstance(v, torch.Tensor)]
+        read = torch.cat(tensors).tolist() if tensors else []
+        if self.device.type == "cuda":
+            mean = (sum(dt for *_, dt in unread) + time.time() - t0) / len(unread)
+            for record, *_ in unread:
+                record.update(tokens_per_s=self.cfg.global_batch_size * self.cfg.sequence_len / mean,
+                              **self.throughput.of_step(mean))
+        at = 0
+        for (record, *_), ks in zip(unread, keys):
+            for k, v in zip(ks, values[:len(ks)]):
+                if isinstance(v, torch.Tensor):
+                    n = v.numel()
+                    record[k] = read[at] if v.dim() == 0 else read[at:at + n]
+                    at += n
+                else:
+                    record[k] = v
+            values = values[len(ks):]
+            self._log_record(moe_metrics.finish(record), bar, metrics)
+
+    def _log_record(self, record: dict, bar, metrics):
+        cfg, loss, done = self.cfg, record["loss"], record["step"]
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {done}: lower learning_rate "
                                      f"or enable max_grad_norm")
         if metrics:
             metrics.write(json.dumps(record) + "\n")
@@ -182,12 +228,12 @@ class TrainLoop:
         for logger in self.loggers:
             logger.log(record)
         self.history.append(record)
-        bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
         if done % cfg.logging_steps == 0 or done == cfg.max_steps:
             val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-            self.log(f"step {done:>5}/{cfg.max_steps}  loss {out['loss']:.4f}{val}  lr {record['lr']:.2e}  "
-                     f"grad_norm {out['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
+            self.log(f"step {done:>5}/{cfg.max_steps}  loss {loss:.4f}{val}  lr {record['lr']:.2e}  "
+                     f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
 
     def _close(self, metrics):
         """The metrics file, the loggers, and a trace still open (a run that ended inside profile_steps)."""
@@ -211,12 +257,12 @@ class TrainLoop:
         raise err
 
     def summary(self, elapsed: float, last_val: Optional[float]):
-        if self.device.type == "cuda":            # (a gloo run on a GPU machine trains on the CPU)
-            peak = torch.cuda.max_memory_allocated(self.device) / 2 ** 20
-            what = "peak CUDA memory allocated"
+        cuda = self.device.type == "cuda"         # (a gloo run on a GPU machine trains on the CPU)
+        if cuda:   # the tensors alive at the peak, and the caching allocator's pool around them
+            peak = [torch.cuda.max_memory_allocated(self.device) / 2 ** 20,
+                    torch.cuda.max_memory_reserved(self.device) / 2 ** 20]
         else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB -> MiB on Linux
-            what = "peak resident memory"
+            peak = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]   # KiB -> MiB on Linux
         peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=self.device), self.pgm.world)
         if not self.is_main:
             return
@@ -230,13 +276,13 @@ class TrainLoop:
         lines = [f"done: {len(ran)} steps{span} in {elapsed:.1f} s, loss {first:.4f} -> {final:.4f}"
                  + (f", val_loss {last_val:.4f}" if last_val is not None else ""),
                  f"metrics: {self.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),
-                 f"{what} per rank (MiB): " + " ".join(f"r{i}={p:.0f}" for i, p in enumerate(peaks.tolist()))]
+                 *memory_lines(peaks.tolist(), cuda)]
         validator = getattr(self.trainer.pipeline, "validator", None)
         if validator is not None:
             lines.append(validator.describe())
-        self.log("\n".join(lines + self._speed_lines(ran, max(peaks.tolist()))))
+        self.log("\n".join(lines + self._speed_lines(ran, max(p[0] for p in peaks.tolist()), cuda)))
 
-    def _speed_lines(self, ran, peak_mib: float):
+    def _speed_lines(self, ran, peak_mib: float, cuda: bool = False):
         """The run's throughput and MFU (after the first step, which warms up), beside the planner's
         prediction for this layout at the same peak (trainer.predict, when train.py gave one)."""
         steps = ran[1:] if len(ran) > 1 else ran
@@ -256,8 +302,23 @@ class TrainLoop:
             except ValueError as err:             # a run the planner cannot model: said, not fatal
                 return lines + [f"planner: no prediction for this run ({err})"]
             hw = f"{p['gpu']}'s memory and links" if p.get("gpu") else "its default links"
+            measured = (f"its prediction of max_memory_allocated; measured above: {peak_mib:.0f} MiB; "
+                        f"max_memory_reserved adds the allocator's rounding and fragmentation, which its "
+                        f"reserve covers" if cuda else f"the measured peak above: {peak_mib:.0f} MiB")
             lines.append(f"planner (python -m minipar.plan, at this peak, {hw} and its efficiencies): "
                          f"{p['tokens_per_s']:.0f} tokens/s, MFU {100 * p['mfu']:.1f} %, "
-                         f"{p['memory_bytes'] / 2 ** 20:.0f} MiB of tensors per rank (the measured "
-                         f"peak above: {peak_mib:.0f} MiB)")
+                         f"{p['memory_bytes'] / 2 ** 20:.0f} MiB of tensors per rank ({measured})")
         return lines
+
+
+def memory_lines(peaks: list, cuda: bool) -> list:
+    """The summary's memory lines from every rank's [allocated, reserved] peaks in MiB (CUDA:
+    torch.cuda.max_memory_allocated, what the planner predicts, and max_memory_reserved, the caching
+    allocator's pool: the allocated peak plus rounding, fragmentation and the blocks it keeps cached)
+    or [resident] (the CPU: the process's peak resident set)."""
+    def row(k):
+        return " ".join(f"r{i}={p[k]:.0f}" for i, p in enumerate(peaks))
+    if not cuda:
+        return [f"peak resident memory per rank (MiB): {row(0)}"]
+    return [f"peak CUDA memory allocated per rank (MiB): {row(0)}",
+            f"peak CUDA memory reserved per rank (MiB): {row(1)}"]

@@ -43,7 +43,6 @@ from minipar.training import optim as moptim
 from minipar.training.batch_source import Batches, eval_loss
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.checkpoint import verify
-from minipar.training.data import batches as mdata
 from minipar.training.moe_metrics import MoEStepMetrics
 from minipar.training.pipeline_step import PipelineStep, build_pipeline_model
 from minipar.training.run_setup import Run
@@ -128,9 +127,10 @@ class Trainer:
         self.start_step = 0
         self.pipeline = None                      # the schedule runs the step (pipeline_step.py)
         if pgm.pp.size > 1:
-            # what crosses stages has the dtype the residual stream has: bf16 only where ZeRO-3
-            # casts the weights themselves (autocast keeps the stream in fp32)
-            act_dtype = torch.bfloat16 if (self.bf16 and self.sharded) else torch.float32
+            # what crosses stages has the compute dtype: bf16 in a bf16 run, half the bytes of fp32
+            # on the link. Under autocast the stream is fp32 inside a stage, so the receiving stage
+            # takes it back to fp32 (stage.py): it is rounded to bf16 once per crossing, no more
+            act_dtype = torch.bfloat16 if self.bf16 else torch.float32
             reducers = (self.grad_sync, getattr(model, "zero3", None))
             self.pipeline = PipelineStep(model, self.batches, self.optimizer_step, self.autocast, pgm, cfg,
                                          run.num_micro_steps, reducers=reducers, act_dtype=act_dtype)
@@ -179,13 +179,11 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         if self.pipeline is not None:
             return self.pipeline.train_step(step)
-        gb = self.batches.global_batch(step)
-        n_items = mdata.count_label_tokens(gb["labels"])
         M = self.run.num_micro_steps
+        n_items, micro = self.batches.step(step, M)   # prepared during the last step (batch_source.py)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         moe = MoEStepMetrics(self.pgm, self.device)
-        for m in range(M):
-            batch = self.batches.local(gb, m, M)
+        for m, batch in enumerate(micro):
             last = m == M - 1
             unsynced = self.no_sync_owner and not last
             no_sync = self.no_sync_owner.no_sync() if unsynced else contextlib.nullcontext()
@@ -195,7 +193,10 @@ class Trainer:
             loss_sum += loss.detach().double()
             moe.add(self.model.moe_metrics)
         comm.all_reduce(loss_sum, self.pgm.dp_cp)
-        return dict(loss=loss_sum.item(), **self.optimizer_step(), moe=moe.reduce())
+        out = dict(**self.optimizer_step(), moe=moe.reduce())
+        self.batches.prefetch(step + 1, M)        # the next step's rows, while the GPU works on this one
+        # the loss stays on the device: the loop reads it where it logs (train_loop.py), not here
+        return dict(loss=loss_sum, **out)
 
     def settle(self) -> None:
         """Check an update a pipeline stage made before the whole model's norm was known

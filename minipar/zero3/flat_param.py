@@ -161,12 +161,20 @@ class FlatLayout:
     def to_full(self, flat: torch.Tensor, tp, ep=None) -> Dict[str, torch.Tensor]:
         """{name: full tensor} from the (gathered, unsharded) flat buffer; all-gathers over tp, and
         the experts over ep (collective: every tp and ep rank must call it)."""
-        out = {}
+        return dict(self.full_items(flat, tp, ep))
+
+    def full_items(self, flat: torch.Tensor, tp, ep=None):
+        """to_full one tensor at a time: (name, full tensor), each gathered only when asked for
+        (collective: every tp and ep rank must take every item). A full tensor never shares the
+        flat buffer's memory (a slot nothing was gathered for is copied out), so keeping one does not
+        keep the unit alive."""
         for s in self.slots:
             local = flat[s.offset:s.offset + s.numel].view(s.local_shape)
-            out[s.name] = ep_gather(gather_tensor(local.contiguous(), s.tp_split_dim, tp),
-                                    s.ep_split_dim, ep).clone()
-        return out
+            full = ep_gather(gather_tensor(local.contiguous(), s.tp_split_dim, tp), s.ep_split_dim, ep)
+            if full.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+                full = full.clone()
+            yield s.name, full
+            del full                         # not alive while the next one is gathered
 
     def from_full(self, full: Dict[str, torch.Tensor], tp, dtype, device, source: str,
                   ep=None) -> torch.Tensor:

@@ -7,6 +7,8 @@ a collective to build and a local cut to load:
 
     full_from_shards   shards --all-gather over dp_shard_cp--> flat buffers --split, all-gather
                        over tp--> {HF name: full tensor}; every rank of dp_shard_cp and tp calls it
+    iter_full          the same, one (name, full tensor) at a time: one unit gathered at once, each
+                       full tensor handed out as soon as it exists (an export streams them to the host)
     shards_from_full   {HF name: full tensor} --tp slice, flatten, cut [start, stop)--> shards; local
 
 Both take any shard-shaped tensors, not just the weights: the checkpoint converts the optimizer's
@@ -49,14 +51,29 @@ class ShardedStateDicts:
     def full_from_shards(self, tensors) -> Dict[str, torch.Tensor]:
         """{HF name: full tensor} from shard-shaped tensors aligned with self.shards (the weights,
         or an optimizer state). Collective over dp_shard_cp and tp: every rank must call it."""
+        out = dict(self.iter_full(tensors))
+        return {n: out[n] for n in self.param_names}
+
+    def iter_full(self, tensors, meter=None):
+        """full_from_shards one tensor at a time, in unit order: (HF name, full tensor), on the
+        shards' device. At most one unit's gathered buffer and the one full tensor being handed out
+        are alive here at once (what an export that moves each to the host needs: the whole model is
+        never on the device). Collective: every rank of dp_shard_cp and tp must take every item.
+        `meter` (an accounting hook, models/hf_shards.py HeldBytes) is shown each buffer and tensor."""
         tensors = list(tensors)
         if len(tensors) != len(self.units):
             raise ValueError(f"full_from_shards: {len(tensors)} tensors given, one per shard "
                              f"({len(self.units)}) needed")
-        out = {}
         for u, t in zip(self.units, tensors):
-            out.update(u.layout.to_full(gather_flat(t, u.dim), self.pgm.tp, u.ep))
-        return {n: out[n] for n in self.param_names}
+            flat = gather_flat(t, u.dim)
+            if meter is not None:
+                meter.track(flat)
+            for name, full in u.layout.full_items(flat, self.pgm.tp, u.ep):
+                if meter is not None:
+                    meter.track(full)
+                yield name, full
+                del full                     # (the loop variables would keep the last one alive)
+            del flat
 
     def shards_from_full(self, full: Dict[str, torch.Tensor], source: str = "state dict") -> list:
         """This rank's shard-shaped tensors (aligned with self.shards) cut from full tensors; local."""

@@ -6,7 +6,8 @@ r"""Export a minipar checkpoint (sharded or full, from any layout) as a Hugging 
 
 Runs on one process: the checkpoint's manifest holds the model config, every shard file is read,
 the full tensors are rebuilt by HF name (save_load.py does the resharding), and
-`models/hf_checkpoint.py:save_pretrained` writes config.json + model.safetensors, which
+`models/hf_checkpoint.py:save_pretrained` writes config.json + model.safetensors (or shards of
+--max-shard-bytes, 5 GB by default, with their index: models/hf_shards.py), which
 `transformers.LlamaForCausalLM.from_pretrained` loads. Training runs export at the end by
 themselves (`export_hf: true`); this is the same, on request, for any saved step.
 
@@ -30,6 +31,7 @@ from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.checkpoint.verify import read_manifest
 from minipar.training.data.tokenizer import save_byte_tokenizer
 from models.hf_checkpoint import save_pretrained
+from models.hf_shards import MAX_SHARD_BYTES
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 
@@ -47,7 +49,8 @@ def _lora_base(run: dict, config: LlamaConfig):
     return model
 
 
-def export_checkpoint(checkpoint_dir: str, hf_dir: str, tokenizer: str = None) -> str:
+def export_checkpoint(checkpoint_dir: str, hf_dir: str, tokenizer: str = None,
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
     manifest = read_manifest(checkpoint_dir)     # refuses a partial or foreign directory, naming it
     config = manifest.get("model_config")
     if not config:
@@ -62,9 +65,10 @@ def export_checkpoint(checkpoint_dir: str, hf_dir: str, tokenizer: str = None) -
         full = model.full_state_dict()
         adapters = {n: t for n, t in full.items() if ".lora." in n}
         base = {n: t for n, t in full.items() if ".lora." not in n}
-        save_pretrained(model, hf_dir, merge(base, adapters, run["lora_alpha"] / run["lora_r"]))
+        merged = merge(base, adapters, run["lora_alpha"] / run["lora_r"])
+        save_pretrained(model, hf_dir, merged, max_shard_bytes)
     else:
-        save_pretrained(model, hf_dir)
+        save_pretrained(model, hf_dir, max_shard_bytes=max_shard_bytes)
     saved = (extra or {}).get("config") or {}   # the run's config, as train.py saved it
     tokenizer = tokenizer or saved.get("tokenizer_config") or saved.get("base_model")
     if tokenizer:                                # e.g. the base_model the run fine-tuned
@@ -81,8 +85,14 @@ def main(argv=None):
     parser.add_argument("--tokenizer",
                         help="a directory whose tokenizer files to copy beside (default: the run's "
                         "tokenizer_config or base_model; a byte-level run gets its byte tokenizer)")
+    parser.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES,
+                        help="the most bytes of tensors in one safetensors file: more are written as shards "
+                        "with model.safetensors.index.json (default: the Hub's 5 GB)")
     args = parser.parse_args(argv)
-    print(f"exported {args.checkpoint} to {export_checkpoint(args.checkpoint, args.hf_dir, args.tokenizer)}")
+    if args.max_shard_bytes < 1:
+        parser.error(f"--max-shard-bytes must be at least 1, got {args.max_shard_bytes}")
+    out = export_checkpoint(args.checkpoint, args.hf_dir, args.tokenizer, args.max_shard_bytes)
+    print(f"exported {args.checkpoint} to {out}")
 
 
 if __name__ == "__main__":

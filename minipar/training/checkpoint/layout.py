@@ -207,9 +207,9 @@ def _gather_full(model, pgm, local: dict) -> Dict[str, torch.Tensor]:
     """{name: full tensor} from tensors shaped like the local ones, gathered as the model gathers
     its weights (over tp, and over dp_shard_cp under ZeRO-3). Collective."""
     manager = getattr(model, "zero3", None)
-    if manager is not None:
-        full = manager.full_from_shards([local[s] for s in manager.shards])
-        return {n: t.cpu() for n, t in full.items()}
+    if manager is not None:                  # each to the host as it is gathered, in model order
+        full = {n: t.cpu() for n, t in manager.state_dicts.iter_full([local[s] for s in manager.shards])}
+        return {n: full[n] for n in manager.param_names}
     return {n: ep_gather(gather_tensor(local[p].contiguous(), getattr(p, "tp_split_dim", None), pgm.tp),
                          getattr(p, "ep_split_dim", None), pgm.ep).cpu().clone()
             for n, p in model.named_parameters()}

@@ -23,9 +23,11 @@ place the parameter and every optimizer state shaped like it, so one mechanism m
 Communication: a save costs a broadcast of the temporary directory's name and two status
 all-reduces (barriers that also tell every rank whether any rank failed); FULL_STATE_DICT adds the
 gathers of the model and of each optimizer state (an all-gather of the model's size per tensor
-kind). A load costs one status all-reduce: every rank checks the files itself first, so all refuse
-a damaged checkpoint together and none is left waiting in a collective. Atomicity, the manifest
-and the checksums are atomic.py and verify.py. The scheme is
+kind), each full tensor moved to the host as it is gathered (the device holds one at a time, plus
+one ZeRO-3 unit), and under pp the stages' tensors handed over one at a time (stage.py
+stream_over_stages). A load costs one status all-reduce: every rank checks the files itself
+first, so all refuse a damaged checkpoint together and none is left waiting in a collective.
+Atomicity, the manifest and the checksums are atomic.py and verify.py. The scheme is
 torch.distributed.checkpoint's (save local shards with their global placement, reshard at load)
 in miniature; ZeRO-3 is Rajbhandari et al. (2020). Each loading rank holds the full model and
 optimizer in CPU memory for a moment: simple and fine at minipar's sizes, where DCP would read
@@ -42,6 +44,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from minipar.lora import adapter_config, full_adapters, merge, save_adapter
+from minipar.lora.peft_format import OURS
 from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.training.checkpoint import atomic as cio
 from minipar.training.checkpoint import files as ck_files
@@ -55,6 +58,7 @@ from minipar.training.checkpoint.layout import (
     merge_records,
 )
 from models.hf_checkpoint import TOKENIZER_FILES, save_pretrained
+from models.hf_shards import MAX_SHARD_BYTES
 
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 TRAINER_STATE, FULL_MODEL, FULL_OPTIM = "trainer_state.pt", "model.safetensors", "optimizer.pt"
@@ -87,7 +91,8 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
         raise ValueError(f"checkpoint path {directory} exists and is not a directory")
     full = state_dict_type == "FULL_STATE_DICT"
     if full:                                     # the collectives come first: nothing can fail before them
-        model_full = {n: t.detach().cpu().contiguous() for n, t in model.full_state_dict().items()}
+        # each full tensor to the host as it is gathered: the device never holds the whole model
+        model_full = {n: t.detach().cpu().contiguous() for n, t in model.full_state_items()}
         optim_full = full_optimizer_state(model, optimizer, pgm) if optimizer is not None else None
         pp = getattr(pgm, "pp", None)
         if pp is not None and pp.size > 1 and optim_full is not None:   # each stage has its layers' states
@@ -186,12 +191,14 @@ def _load_optimizer(model, optimizer, pgm, full, scalars, groups, source):
 
 
 # ------------------------------------------------------------------------------------ export
-def export_hf(directory: str, model, tokenizer_dir: Optional[str] = None, full: Optional[dict] = None) -> str:
-    """A Hugging Face directory (config.json + model.safetensors) for transformers'
-    LlamaForCausalLM.from_pretrained, with the tokenizer files of `tokenizer_dir` (the base model's)
-    copied next to it; `full`: these full tensors instead of the model's (a merged LoRA model).
-    Collective: every rank calls it; global rank 0 writes."""
-    save_pretrained(model, directory, full)
+def export_hf(directory: str, model, tokenizer_dir: Optional[str] = None, full: Optional[dict] = None,
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+    """A Hugging Face directory (config.json + model.safetensors, or shards of at most
+    max_shard_bytes and their index) for transformers' LlamaForCausalLM.from_pretrained, with the
+    tokenizer files of `tokenizer_dir` (the base model's) copied next to it; `full`: these full
+    tensors instead of the model's (a merged LoRA model). Collective: every rank calls it; global
+    rank 0 writes, each tensor as it is gathered (models/hf_shards.py)."""
+    save_pretrained(model, directory, full, max_shard_bytes)
     if tokenizer_dir and model.pgm.global_rank == 0:
         copy_tokenizer(tokenizer_dir, directory)
     cio.agree(False, model.pgm, _device(model))  # the files exist when any rank returns
@@ -219,7 +226,21 @@ def export_lora(cfg, model, targets) -> list:
     cio.agree(False, pgm, _device(model))
     if not cfg.merge_lora:
         return [cfg.output_dir]
-    base = {n: t for n, t in model.full_state_dict().items() if ".lora." not in n}
     merged_dir = os.path.join(cfg.output_dir, "merged")
-    export_hf(merged_dir, model, full=merge(base, adapters, cfg.lora_alpha / cfg.lora_r))
+    export_hf(merged_dir, model, full=merged_items(model.full_state_items(), adapters,
+                                                   cfg.lora_alpha / cfg.lora_r))
     return [cfg.output_dir, merged_dir]
+
+
+def merged_items(items, adapters: dict, scaling: float):
+    """The merged model W0 + scaling B A one (HF name, full tensor) at a time, from the model's
+    items (adapters left out): lora's merge, applied to each base weight as it is gathered."""
+    for name, t in items:
+        if ".lora." in name:
+            continue
+        module = name[:-len(".weight")] if name.endswith(".weight") else None
+        pair = {f"{module}{OURS}{x}": adapters.get(f"{module}{OURS}{x}") for x in "AB"}
+        if module is not None and None not in pair.values():
+            t = merge({name: t.cpu()}, pair, scaling)[name]     # (the adapters are on the host)
+        yield name, t
+        del t

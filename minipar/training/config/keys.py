@@ -40,7 +40,10 @@ Nothing here communicates.
 from __future__ import annotations
 
 import math
+import os
 from typing import List
+
+from minipar import cuda_env
 
 LR_SCHEDULERS = ("cosine",)
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
@@ -127,6 +130,10 @@ def resolve(cfg, given: set, notes: List[str]) -> None:
         cfg.dtype = want
     elif cfg.bf16 == "auto" and "dtype" not in given:
         import torch
+        if torch.cuda.is_available() and cfg.tp_async_overlap and (cfg.tensor_parallel_size or 1) > 1:
+            # asking the device starts CUDA, and CUDA_DEVICE_MAX_CONNECTIONS counts only before that
+            cuda_env.settle(os.environ, tp_async_overlap=True, cuda_started=torch.cuda.is_initialized(),
+                            torch_version=torch.__version__)
         cfg.dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
         notes.append(f"bf16: auto -> dtype {cfg.dtype}"
                      + ("" if cfg.dtype == "bfloat16" else " (no GPU with bfloat16 here)"))

@@ -253,7 +253,8 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
     (B / (dp * num_micro_steps), T / cp) long; position_ids are the true positions of the kept
     tokens (zigzag under cp, or contiguous with cp_layout). Packed rows (packing.py) bring their own
     position_ids (restarting at each example) and document_ids: both are cut exactly like the tokens,
-    and document_ids is added to the dict. No communication."""
+    and document_ids is added to the dict. No communication. To a GPU the host rows go pinned and
+    with non_blocking: the host queues the copy and goes on (a pageable copy would wait for it)."""
     B, T = input_ids.shape
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} "
@@ -265,16 +266,21 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
     per_micro = per_rank // num_micro_steps
     first = pgm.dp.rank * per_rank + micro_step * per_micro
     rows = slice(first, first + per_micro)
-    device = input_ids.device if device is None else device
+    device = torch.device(input_ids.device if device is None else device)
+
+    def to_device(t):                          # pinned, then a copy the host does not wait for
+        if device.type == "cuda" and t.device.type == "cpu":
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
     layout = pgm.config.cp_layout              # zigzag (default) or contiguous: context_parallel/layouts.py
-    ids = shard_sequence(input_ids[rows], 1, pgm.cp, layout).to(device)
-    lab = shard_sequence(labels[rows], 1, pgm.cp, layout).to(device)
+    ids = to_device(shard_sequence(input_ids[rows], 1, pgm.cp, layout))
+    lab = to_device(shard_sequence(labels[rows], 1, pgm.cp, layout))
     if position_ids is None:
         pos = sequence_positions(T, pgm.cp, layout, device=device)
         pos = pos.unsqueeze(0).expand(per_micro, -1).contiguous()
     else:
-        pos = shard_sequence(position_ids[rows], 1, pgm.cp, layout).to(device).contiguous()
+        pos = to_device(shard_sequence(position_ids[rows], 1, pgm.cp, layout)).contiguous()
     out = dict(input_ids=ids.contiguous(), labels=lab.contiguous(), position_ids=pos)
     if document_ids is not None:
-        out["document_ids"] = shard_sequence(document_ids[rows], 1, pgm.cp, layout).to(device).contiguous()
+        out["document_ids"] = to_device(shard_sequence(document_ids[rows], 1, pgm.cp, layout)).contiguous()
     return out

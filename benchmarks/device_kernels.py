@@ -1,4 +1,4 @@
-"""The device check's kernel steps: the attention block kernels, and the host syncs of a step.
+"""The device check's attention step: every block shape of ring attention through the block kernels.
 
     attention_step(device)  every block shape ring attention produces, through block_forward /
                             block_backward (minipar/context_parallel/document_attention.py) in the
@@ -13,8 +13,6 @@
                                                     single token): the varlen call on CUDA in bf16
         documents, s > r       L/2 x L              within documents         (a document crosses
                                                     the block's edge)
-
-    syncs_step(device)      (see its docstring)
 
 Tolerances: relative to the reference's largest value, 2e-2 in bf16 (8 bits of mantissa), 1e-5 in
 fp32 (a fused kernel sums in another order).
@@ -80,7 +78,3 @@ def attention_step(device: torch.device, small: bool = False) -> dict:
         rows.append(dict(name=f"{name} {str(dtype).replace('torch.', '')}", ok=err <= TOL[dtype], max_err=err,
                          tol=TOL[dtype], kernel=str(ctx[0]), detail=f"q {tq} x k {tk}; {kernels}"))
     return dict(rows=rows)
-
-
-def syncs_step(device: torch.device, small: bool = False) -> dict:
-    raise NotImplementedError("the sync count step is added with the sync counter")

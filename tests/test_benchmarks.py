@@ -127,6 +127,34 @@ def test_bench_gpu_cpu_tiny_path(tmp_path):
     assert "MFU" in res.stdout and "peak memory" in res.stdout
 
 
+def test_device_check_runs_every_step_small_on_the_cpu(tmp_path):
+    # the GPU check's logic, small, here (its figures come from a lent GPU): every step in its own
+    # process, ring attention and ZeRO-3 as threads against one process, the sync allowance, the
+    # p2p launch (one schedule, gloo), one JSON and one table
+    steps = ["device", "attention", "ring", "zero3", "syncs", "p2p"]
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "device_check.py"), "--device", "cpu", "--small",
+           "--out", str(tmp_path), "--steps", ",".join(steps), "--p2p-schedules", "zbv"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    record = json.load(open(tmp_path / "device_check.json"))
+    assert [s["name"] for s in record["steps"]] == steps
+    for s in record["steps"]:
+        assert s["ok"] and s["rows"] and all(r["ok"] for r in s["rows"]), s
+        assert all(r["max_err"] <= r["tol"] for r in s["rows"] if r.get("tol")), s
+    rows = {r["name"] for s in record["steps"] for r in s["rows"]}
+    assert {"ring cp 4 packed float32", "zero3 dp_shard 2: first-step gradients", "p2p pp 2 zbv, m 4"} <= rows
+    table = open(tmp_path / "device_check.md").read()
+    assert table.count("\n| ") == 1 + sum(len(s["rows"]) for s in record["steps"])
+
+
+def test_device_check_kills_a_step_over_its_limit(tmp_path):
+    import device_check
+    log = str(tmp_path / "log")
+    code, secs = device_check._run([sys.executable, "-c", "import time; time.sleep(60)"], 1, log)
+    assert code == 124 and secs < 30
+
+
 def test_bench_pp_small_run_matches_its_theory(tmp_path, capsys):
     """bench_pp.py on 2 stages, 2 micro-batches: every schedule's bytes sent equal 2 x boundaries x m
     x bytes(h), the micro-batches held equal the schedule's theory, and the timeline PNG is drawn."""

@@ -3,7 +3,7 @@
 A run's attention goes through one of a few kernels, and a silent fallback from a flash kernel to
 O(T^2) fp32 math costs memory and time that nobody sees in the loss. So the choice is a pure
 function of the call's device, dtype and head_dim and of the `attention_backend` asked for
-(`choose_kernel`, for tests and benchmarks/device_check.sh), and every attention path reports the
+(`choose_kernel`, for tests and benchmarks/device_check.py), and every attention path reports the
 kernel it used to an `AttentionLog`, which prints each new (path, kernel, reason) once.
 
     attention_backend   CUDA fp16/bf16        CUDA fp32          CPU
@@ -126,7 +126,7 @@ def may_fall_back(err: BaseException, device, impl: str) -> bool:
 
 class AttentionLog:
     """Which kernel each attention path ran, printed once per (path, kernel, reason) and kept in
-    `entries` for programs (benchmarks/device_check.sh). One per model (LlamaModel makes it); `echo`
+    `entries` for programs (benchmarks/device_check.py). One per model (LlamaModel makes it); `echo`
     False records without printing (rank > 0 prints fallbacks only)."""
 
     def __init__(self, echo: bool = True, printer: Optional[Callable[[str], None]] = None):

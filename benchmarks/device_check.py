@@ -24,9 +24,9 @@ one runs. The steps:
     bench_gpu     a ~1 B Llama in bf16: tokens/s, MFU and peak memory beside the planner's
                   estimate for the same run (bench_gpu.py)
 
-Results: $OUT/device_check.json (every row of every step, the device, the load average) and
-$OUT/device_check.md (one table). Exit 1 when a step failed. To publish, copy both to
-benchmarks/results/.
+Results, in the folder --out names ($OUT by default): a JSON file (every row of every step, the
+device, the load average) and a markdown table of the same rows, both named device_check, with each
+step's log. Exit 1 when a step failed. To publish, copy the two to benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def run_step(name, device, small, out, limit, schedules=P2P_SCHEDULES):
         for moe in (False, True):
             result = os.path.join(out, f"syncs{'_moe' if moe else ''}.json")
             c, t = _run([sys.executable, os.path.join(ROOT, "benchmarks", "sync_check.py"), "--out", result]
-                        + (["--moe"] if moe else []), limit / 2, log)
+                        + (["--moe"] if moe else []) + (["--small"] if small else []), limit / 2, log)
             secs, code = secs + t, code or c
             if os.path.exists(result):
                 for step, r in json.load(open(result))["steps"].items():

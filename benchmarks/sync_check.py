@@ -37,15 +37,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--logging_steps", type=int, default=3)
     p.add_argument("--moe", action="store_true")
+    p.add_argument("--small", action="store_true", help="a smaller model and batch (this script's CPU check)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() else "cpu"     # the trainer's own choice
     layers, first = 2, 2
-    run_argv = [os.path.join(ROOT, "configs", "default.yaml"), "--model.hidden_size", "256",
-                "--model.intermediate_size", "512", "--model.num_hidden_layers", str(layers),
+    width, seq, batch = (64, 32, 4) if args.small else (256, 128, 8)
+    run_argv = [os.path.join(ROOT, "configs", "default.yaml"), "--model.hidden_size", str(width),
+                "--model.intermediate_size", str(2 * width), "--model.num_hidden_layers", str(layers),
                 "--model.num_attention_heads", "4", "--model.num_key_value_heads", "2",
-                "--sequence_len", "128",
-                "--global_batch_size", "8", "--max_steps", str(args.steps), "--warmup_steps", "2",
+                "--sequence_len", str(seq),
+                "--global_batch_size", str(batch), "--max_steps", str(args.steps), "--warmup_steps", "2",
                 "--eval_steps", "0", "--logging_steps", str(args.logging_steps), "--progress_bar", "false",
                 "--save_steps", "0", "--save_final_checkpoint", "false", "--export_hf", "false",
                 "--dtype", "bfloat16" if args.device == "cuda" else "float32",

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from minipar import cuda_env
-from minipar.training.train_loop import memory_lines
+from minipar.training.run_summary import memory_lines
 
 
 @pytest.mark.parametrize("env,visible,want", [

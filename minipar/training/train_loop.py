@@ -25,11 +25,9 @@ The loop owns the history (one record per step, the earlier ones of metrics.json
     (docs/design.md, host syncs), the logged floats the same. (pipeline_overlap_steps: the record
     of a step is settled after the next one, whose stages did not wait for each other;
     pipeline_step.py)
-    save(max_steps), export_hf, summary    the peak memory of every rank (CUDA: allocated, what the
-                                           planner predicts, and reserved), the loss curve, the
-                                           throughput and MFU beside the planner's prediction for
-                                           this layout (trainer.predict: train.py passes the
-                                           planner in, since training/ may not import it)
+    save(max_steps), export_hf, summary    run_summary.py: the peak memory of every rank, the loss
+                                           curve, the throughput and MFU beside the planner's
+                                           prediction for this layout
 
 Communication beyond the step's: one all-reduce of one int over the world per step (the stop
 flag; nothing on one process; started without waiting and read a step later), a checkpoint's
@@ -40,16 +38,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import time
-from typing import Optional
 
 import torch
 from tqdm import tqdm
 
-from minipar import comm
 from minipar.mesh import describe_grid
-from minipar.training import lifecycle, metrics_file, moe_metrics
+from minipar.training import lifecycle, metrics_file, moe_metrics, run_summary
 from minipar.training.checkpoint import save_load as ckpt
 from minipar.training.data.tokenizer import save_tokenizer
 from minipar.training.profiling import StepProfiler
@@ -170,7 +165,7 @@ class TrainLoop:
             if self.is_main:       # the model's tokenizer beside its weights (bytes: a tokenizer.json)
                 save_tokenizer(self.run.tokenizer, hf_dir)
             self.log(f"exported Hugging Face model to {hf_dir}")
-        self.summary(time.time() - start, last_val)
+        run_summary.report(self, time.time() - start, last_val)
         return self.history
 
     def _report(self, record: dict, sums, dt: float, bar, metrics):
@@ -255,70 +250,3 @@ class TrainLoop:
         err = lifecycle.Preempted(done, path, signum)
         self.log(str(err))
         raise err
-
-    def summary(self, elapsed: float, last_val: Optional[float]):
-        cuda = self.device.type == "cuda"         # (a gloo run on a GPU machine trains on the CPU)
-        if cuda:   # the tensors alive at the peak, and the caching allocator's pool around them
-            peak = [torch.cuda.max_memory_allocated(self.device) / 2 ** 20,
-                    torch.cuda.max_memory_reserved(self.device) / 2 ** 20]
-        else:
-            peak = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]   # KiB -> MiB on Linux
-        peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=self.device), self.pgm.world)
-        if not self.is_main:
-            return
-        png = metrics_file.plot_loss_curve(self.history, self.cfg.output_dir, self.pgm.grid_shape, self.log)
-        # what THIS run did: after a resume the history also holds the steps before the checkpoint
-        start_step = self.trainer.start_step
-        ran = [r for r in self.history if r["step"] > start_step]
-        first = ran[0]["loss"] if ran else float("nan")
-        final = ran[-1]["loss"] if ran else float("nan")
-        span = f" ({start_step + 1}-{start_step + len(ran)})" if start_step and ran else ""
-        lines = [f"done: {len(ran)} steps{span} in {elapsed:.1f} s, loss {first:.4f} -> {final:.4f}"
-                 + (f", val_loss {last_val:.4f}" if last_val is not None else ""),
-                 f"metrics: {self.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),
-                 *memory_lines(peaks.tolist(), cuda)]
-        validator = getattr(self.trainer.pipeline, "validator", None)
-        if validator is not None:
-            lines.append(validator.describe())
-        self.log("\n".join(lines + self._speed_lines(ran, max(p[0] for p in peaks.tolist()), cuda)))
-
-    def _speed_lines(self, ran, peak_mib: float, cuda: bool = False):
-        """The run's throughput and MFU (after the first step, which warms up), beside the planner's
-        prediction for this layout at the same peak (trainer.predict, when train.py gave one)."""
-        steps = ran[1:] if len(ran) > 1 else ran
-        if not steps:
-            return []
-        mean = {k: sum(r[k] for r in steps) / len(steps) for k in steps[0]
-                if k in ("tokens_per_s", "tflops_per_s", "mfu", "mfu_full_attention")}
-        tp = self.throughput
-        mfu = f", MFU {100 * mean['mfu']:.1f} % (full attention {100 * mean['mfu_full_attention']:.1f} %) " \
-              f"of {tp.peak:.3g} TFLOP/s" if "mfu" in mean else f" ({tp.peak_source})"
-        lines = [f"throughput (steps {steps[0]['step']}-{steps[-1]['step']}): {mean['tokens_per_s']:.0f} "
-                 f"tokens/s, {mean['tflops_per_s']:.3g} TFLOP/s per device{mfu}"]
-        predict = getattr(self.trainer, "predict", None)
-        if predict is not None and tp.peak:
-            try:
-                p = predict(tp.peak, tp.device_name)
-            except ValueError as err:             # a run the planner cannot model: said, not fatal
-                return lines + [f"planner: no prediction for this run ({err})"]
-            hw = f"{p['gpu']}'s memory and links" if p.get("gpu") else "its default links"
-            measured = (f"its prediction of max_memory_allocated; measured above: {peak_mib:.0f} MiB; "
-                        f"max_memory_reserved adds the allocator's rounding and fragmentation, which its "
-                        f"reserve covers" if cuda else f"the measured peak above: {peak_mib:.0f} MiB")
-            lines.append(f"planner (python -m minipar.plan, at this peak, {hw} and its efficiencies): "
-                         f"{p['tokens_per_s']:.0f} tokens/s, MFU {100 * p['mfu']:.1f} %, "
-                         f"{p['memory_bytes'] / 2 ** 20:.0f} MiB of tensors per rank ({measured})")
-        return lines
-
-
-def memory_lines(peaks: list, cuda: bool) -> list:
-    """The summary's memory lines from every rank's [allocated, reserved] peaks in MiB (CUDA:
-    torch.cuda.max_memory_allocated, what the planner predicts, and max_memory_reserved, the caching
-    allocator's pool: the allocated peak plus rounding, fragmentation and the blocks it keeps cached)
-    or [resident] (the CPU: the process's peak resident set)."""
-    def row(k):
-        return " ".join(f"r{i}={p[k]:.0f}" for i, p in enumerate(peaks))
-    if not cuda:
-        return [f"peak resident memory per rank (MiB): {row(0)}"]
-    return [f"peak CUDA memory allocated per rank (MiB): {row(0)}",
-            f"peak CUDA memory reserved per rank (MiB): {row(1)}"]

@@ -60,9 +60,8 @@ def _reference(q, k, v, docs):
     return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
 
 
-def _ring_rank(q, k, v, docs, dtype):
-    cp_size = int(os.environ.get("_RING_CP", "0")) or None
-    pgm = minipar.init(ParallelismConfig(cp_size=cp_size))
+def _ring_rank(cp, q, k, v, docs, dtype):
+    pgm = minipar.init(ParallelismConfig(cp_size=cp))
     local = [zigzag_shard(x.detach(), 2, pgm.cp).to(dtype).requires_grad_() for x in (q, k, v)]
     ids = None if docs is None else zigzag_shard(docs, 1, pgm.cp).to(q.device)
     out = ring_attention(*local, pgm.cp, document_ids=ids)
@@ -84,8 +83,7 @@ def ring_step(device: torch.device, small: bool = False) -> dict:
             ref.pow(2).sum().backward()
             want = [ref.detach(), q.grad, k.grad, v.grad]
             for dtype in dtypes:
-                os.environ["_RING_CP"] = str(cp)
-                got = run_threads(_ring_rank, cp, q, k, v, docs, dtype)
+                got = run_threads(_ring_rank, cp, cp, q, k, v, docs, dtype)
                 err = 0.0
                 for tensors, cp_dim in got:
                     for g_t, w_t in zip(tensors, want):

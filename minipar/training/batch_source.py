@@ -62,7 +62,6 @@ class Batches:
     def prefetch(self, step: int, M: int) -> None:
         """Make step `step`'s batches now, while the device still works through the current step's
         queue: the next step then starts from rows already on their way (one step ahead)."""
-        self._ahead = None
         self._ahead = ((step, M), self.step(step, M))
 
     def local(self, gb: dict, m: int, M: int) -> dict:

@@ -188,28 +188,25 @@ class TrainLoop:
             return
         unread, self.unread = self.unread, []
         t0 = time.time()
-        # the loss, the norm, then an MoE's figures (tensors in the record), of each record in turn
-        keys = [["loss", "grad_norm"] + [k for k, v in record.items() if isinstance(v, torch.Tensor)]
-                for record, *_ in unread]
-        values = [v for (record, loss, norm, _), ks in zip(unread, keys)
-                  for v in [loss, norm] + [record[k] for k in ks[2:]]]
-        tensors = [v.detach().double().reshape(-1) for v in values if isinstance(v, torch.Tensor)]
-        read = torch.cat(tensors).tolist() if tensors else []
+        # each record's loss, norm and an MoE's figures (tensors in the record), read in one copy
+        rows = [[("loss", loss), ("grad_norm", norm)] + [(k, v) for k, v in record.items()
+                                                         if isinstance(v, torch.Tensor)]
+                for record, loss, norm, _ in unread]
+        tensors = [v.detach().double().reshape(-1) for row in rows for _, v in row
+                   if isinstance(v, torch.Tensor)]
+        read = iter(torch.cat(tensors).tolist() if tensors else [])
         if self.device.type == "cuda":
             mean = (sum(dt for *_, dt in unread) + time.time() - t0) / len(unread)
             for record, *_ in unread:
                 record.update(tokens_per_s=self.cfg.global_batch_size * self.cfg.sequence_len / mean,
                               **self.throughput.of_step(mean))
-        at = 0
-        for (record, *_), ks in zip(unread, keys):
-            for k, v in zip(ks, values[:len(ks)]):
+        for (record, *_), row in zip(unread, rows):
+            for k, v in row:
                 if isinstance(v, torch.Tensor):
-                    n = v.numel()
-                    record[k] = read[at] if v.dim() == 0 else read[at:at + n]
-                    at += n
+                    got = [next(read) for _ in range(v.numel())]
+                    record[k] = got[0] if v.dim() == 0 else got
                 else:
                     record[k] = v
-            values = values[len(ks):]
             self._log_record(moe_metrics.finish(record), bar, metrics)
 
     def _log_record(self, record: dict, bar, metrics):

@@ -35,18 +35,18 @@ from minipar.comm_calls import CollectiveError
 from minipar.gpus import PRESETS, preset_for_device
 from minipar.plan import Cluster, Layout, Pipeline, plan, plan_pipeline
 from minipar.plan.inputs import from_train_config
-from minipar.training import lifecycle
-from minipar.training.checkpoint.atomic import CheckpointWriteError
-from minipar.training.config.train_config import TrainConfig
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer import lifecycle
+from minipar.trainer.checkpoint.atomic import CheckpointWriteError
+from minipar.trainer.config.train_config import TrainConfig
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 
 USAGE = """usage: train.py [CONFIG.yaml] [--key value ...]
 
   CONFIG.yaml     default: configs/default.yaml (see configs/ for one file per layout)
   --key value     any config key, nested ones with a dot: --max_steps 20 --model.hidden_size 64
 
-keys (defaults in minipar/training/config/train_config.py):
+keys (defaults in minipar/trainer/config/train_config.py):
 """
 
 
@@ -64,7 +64,7 @@ def _usage() -> str:
 
 def planner_prediction(cfg, pconf):
     """peak TFLOP/s -> what `python -m minipar.plan` predicts for this run's own layout, for the
-    trainer's closing summary. Here, because train.py sits above both: the trainer (minipar/training)
+    trainer's closing summary. Here, because train.py sits above both: the trainer (minipar/trainer)
     may not import the planner (minipar/plan), which already imports the trainer's config."""
     model, sizes, batch, opts = from_train_config(cfg)
     layout = Layout(pconf.dp_replicate_size, pconf.dp_shard_size, pconf.cp_size, pconf.tp_size,

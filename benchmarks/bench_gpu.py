@@ -151,7 +151,7 @@ def main(argv=None):
     from common import reset_peak_rss
 
     import minipar
-    from minipar.training.optim import build_optimizer
+    from minipar.optim import build_optimizer
     from models.llama import LlamaForCausalLM
     from models.llama_config import LlamaConfig
 

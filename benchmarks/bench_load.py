@@ -5,7 +5,7 @@ construction with sliced reads against today's path (build the full TP-local mod
         [--out benchmarks/results/bench_load.md]
 
 The checkpoint (bf16, ~0.6 GiB in 512 MiB safetensors shards, random weights) is written once by
-minipar.training.data.make_example.write_checkpoint, tensor by tensor. Each run launches its ranks as
+minipar.trainer.data.make_example.write_checkpoint, tensor by tensor. Each run launches its ranks as
 fresh processes (like torchrun: nothing inherited from this script), gloo over a FileStore, one
 torch thread each. Per rank:
 
@@ -124,7 +124,7 @@ def main(argv=None):
         return worker(argparse.Namespace(**{**vars(args), "mode": args.worker}))
     import torch
 
-    from minipar.training.data.make_example import write_checkpoint
+    from minipar.trainer.data.make_example import write_checkpoint
     from models.llama_config import LlamaConfig
     if args.tiny:
         CFG.update(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,

@@ -40,8 +40,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 from common import MB, SIZES, run_variant, save_results, timed_world  # noqa: E402
 
 from minipar import comm_ledger  # noqa: E402
-from minipar.training.run_setup import setup_run  # noqa: E402
-from minipar.training.trainer import Trainer  # noqa: E402
+from minipar.trainer.run_setup import setup_run  # noqa: E402
+from minipar.trainer.trainer import Trainer  # noqa: E402
 
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "bench_lora")
 

@@ -16,7 +16,7 @@ every collective) samples VmHWM and resets it, and the marks say which phase the
 table shows the rank with the largest peak, its peak less its runtime beside the planner's (python
 -m minipar.plan's total for the same run), the growth per decoder layer of both, and every phase.
 
-    allocator   returned    MINIPAR_RETURN_FREED_MEMORY=1 (minipar/training/host_memory.py: glibc's
+    allocator   returned    MINIPAR_RETURN_FREED_MEMORY=1 (minipar/trainer/host_memory.py: glibc's
                             mmap threshold fixed, so a freed tensor goes back to the kernel)
                 glibc       minipar's default (that setting costs speed): glibc's dynamic threshold
                             keeps freed tensors in its heap, and the peak counts memory that was
@@ -108,8 +108,8 @@ def measure(args, allocator: str):
     import torch
 
     from minipar import comm_ledger
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     torch.set_num_threads(1)
     if allocator == "returned":          # the Trainer then fixes glibc's mmap threshold (host_memory.py)
         os.environ["MINIPAR_RETURN_FREED_MEMORY"] = "1"

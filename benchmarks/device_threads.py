@@ -99,7 +99,7 @@ def ring_step(device: torch.device, small: bool = False) -> dict:
 
 def _zero3_train(device, cfg, steps, shard):
     from minipar.mesh import ProcessGroupManager
-    from minipar.training.optim import build_optimizer
+    from minipar.optim import build_optimizer
     from minipar.zero3 import fully_shard
     from models.llama import LlamaForCausalLM
     from models.llama_config import LlamaConfig

@@ -6,7 +6,7 @@ r"""Soak test: launch many short real torchrun runs back to back and count the c
 
 A run that trains, saves and exports correctly but then dies at interpreter exit (a gloo thread
 still alive while the process tears down: "terminate called without an active exception",
-SIGABRT; see minipar/training/lifecycle.py) makes torchrun exit 1, so a scheduler sees a failed
+SIGABRT; see minipar/trainer/lifecycle.py) makes torchrun exit 1, so a scheduler sees a failed
 job. Such a bug shows in a fraction of runs only, more often on a loaded machine; one run proves
 nothing, so this launches many. Every run gets a fresh output directory (and, through
 --standalone, its own rendezvous port); its exit code, duration and, for a failure, the tail of

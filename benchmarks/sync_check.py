@@ -2,7 +2,7 @@
 
     python benchmarks/sync_check.py          on a GPU: torch.cuda.set_sync_debug_mode("warn"), the ground
                                              truth, each warning named by its minipar line; on a CPU:
-                                             minipar/training/host_syncs.py's count
+                                             minipar/trainer/host_syncs.py's count
     ... --moe                                a 2-layer Mixtral (ep 1): one more per MoE layer
 
 One process (a world of one: the plain step, no DDP; the 4-rank layouts are tests/test_host_syncs.py's),
@@ -30,9 +30,9 @@ MOE = ["--model.model_type", "mixtral", "--model.num_local_experts", "4", "--mod
 def main(argv=None) -> int:
     import torch
 
-    from minipar.training.host_syncs import HostSyncs, host_tensors, optimizer_host_state, where
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer.host_syncs import HostSyncs, host_tensors, optimizer_host_state, where
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--logging_steps", type=int, default=3)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 # imported. Imported later (torch.optim pulls it in through torch._dynamo with the first
 # optimizer), it would hold the default group, and its gloo threads, past destroy_process_group
 # until interpreter shutdown, where a thread dropping a finished work's tensor aborts the process
-# ("terminate called without an active exception"). See training/lifecycle.py.
+# ("terminate called without an active exception"). See trainer/lifecycle.py.
 import torch.distributed.nn.functional  # noqa: F401,E402
 
 from . import cuda_env

@@ -57,7 +57,7 @@ def named(op: str, dim):
 def span(name: str):
     """A torch.profiler span (record_function) while a profiler records, else nothing: every
     collective is one, named "op:group" as the ledger names it, so a trace (profile_steps,
-    minipar/training/profiling.py) shows each call where it was issued (a prefetch during the
+    minipar/trainer/profiling.py) shows each call where it was issued (a prefetch during the
     previous layer) and, as "wait:op:group", where the rank blocked on an async one."""
     return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() \
         else contextlib.nullcontext()

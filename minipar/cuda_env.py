@@ -30,7 +30,7 @@ prepare() first; a CPU run, or a gloo one, is left exactly as it was).
 prepare() returns the notes of what it set (minipar.init prints them on rank 0); the functions
 below take the environment and the facts about CUDA as arguments, so the rules are tested without a
 GPU. One thing starts CUDA before minipar.init on a train.py run: `bf16: auto` asks the device
-whether it has bfloat16 (training/config/keys.py), so it calls settle() first.
+whether it has bfloat16 (trainer/config/keys.py), so it calls settle() first.
 """
 from __future__ import annotations
 

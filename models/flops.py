@@ -1,6 +1,6 @@
 """The FLOPs of one training step of the decoder, from its shape alone: what MFU divides by.
 
-The trainer (tflops_per_s and mfu in metrics.jsonl, minipar/training/throughput.py) and the
+The trainer (tflops_per_s and mfu in metrics.jsonl, minipar/trainer/throughput.py) and the
 planner (minipar/plan/model.py) both read this one count, so a run and its plan say the same.
 
 A matmul of an (n, k) input by a (k, m) weight costs 2 n k m FLOPs forward and twice that

@@ -27,7 +27,7 @@ cp rank (the loss is logged summed over dp_cp, not tp); the gradient stays the r
 Plain tp ranks see the same tokens: each computes the whole aux, as each computes the whole loss.
 Over dp nothing is summed: each dp rank's micro-batches are micro-batches of the global batch,
 and the step's objective weights each of its G micro-batches' aux by 1/G (`weight` below).
-Micro-batches keep the same rows on every layout (training/data/batches.py), so a run equals one
+Micro-batches keep the same rows on every layout (trainer/data/batches.py), so a run equals one
 process's. Under pipeline parallelism the layers of a micro-batch live on several stages:
 PipelineAux below carries what each stage needs between them.
 """
@@ -110,7 +110,7 @@ class PipelineAux:
 
     so the gradients are the one-process ones. Only the size of two vectors per micro-batch and
     boundary is sent (2E + 1 and E + 1 floats). It also sums a step's figures (step_metrics: the
-    moe_* fields of metrics.jsonl, as minipar/training/moe_metrics.py gives them without pp)."""
+    moe_* fields of metrics.jsonl, as models/moe_metrics.py gives them without pp)."""
 
     def __init__(self, config, pgm: ProcessGroupManager):
         self.config, self.pgm = config, pgm

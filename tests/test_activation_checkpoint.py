@@ -9,9 +9,9 @@ from harness import run_world
 
 from minipar import comm_ledger
 from minipar.plan import Batch, Layout, ModelShape, Options, activations, collectives
-from minipar.training.data import batches as mdata
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer.data import batches as mdata
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 from models.activation_checkpoint import ActivationCheckpointing
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig

@@ -15,13 +15,13 @@ from harness import run_world
 
 import minipar
 from minipar import ParallelismConfig, ProcessGroupManager, comm
-from minipar.training import optim as moptim
-from minipar.training.checkpoint import atomic as cio
-from minipar.training.checkpoint import files as ck_files
-from minipar.training.checkpoint import layout as ck_layout
-from minipar.training.checkpoint import save_load as ck
-from minipar.training.checkpoint import verify
-from minipar.training.data import batches as mdata
+from minipar import optim as moptim
+from minipar.trainer.checkpoint import atomic as cio
+from minipar.trainer.checkpoint import files as ck_files
+from minipar.trainer.checkpoint import layout as ck_layout
+from minipar.trainer.checkpoint import save_load as ck
+from minipar.trainer.checkpoint import verify
+from minipar.trainer.data import batches as mdata
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 

@@ -18,12 +18,12 @@ from harness import run_world
 
 import minipar
 from minipar import ParallelismConfig
-from minipar.training import optim as moptim
-from minipar.training.checkpoint import atomic as cio
-from minipar.training.checkpoint import save_load as ck
-from minipar.training.checkpoint import verify as cv
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar import optim as moptim
+from minipar.trainer.checkpoint import atomic as cio
+from minipar.trainer.checkpoint import save_load as ck
+from minipar.trainer.checkpoint import verify as cv
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 

@@ -1,5 +1,5 @@
 """ParallelismConfig (minipar/config.py) and the training config's keys
-(minipar/training/config/train_config.py): sizes, the remainder rule, model checks, accelerate's
+(minipar/trainer/config/train_config.py): sizes, the remainder rule, model checks, accelerate's
 size variables, command-line values."""
 
 import dataclasses
@@ -8,8 +8,8 @@ import os
 import pytest
 
 from minipar import ParallelismConfig
-from minipar.training.config.train_config import REPO_ROOT as REPO
-from minipar.training.config.train_config import load_config
+from minipar.trainer.config.train_config import REPO_ROOT as REPO
+from minipar.trainer.config.train_config import load_config
 from models.llama_config import LlamaConfig
 
 
@@ -73,8 +73,8 @@ def test_model_checks_name_the_value_to_change():
 def test_accelerate_size_variables_fill_the_sizes_not_set(monkeypatch, tmp_path):
     """PARALLELISM_CONFIG_*_SIZE: the command line wins, then the variables, then the config file's
     unset keys; the implicit default layout gives way to them as to command-line sizes."""
-    from minipar.training.config.train_config import load_config
-    from minipar.training.run_setup import DEFAULT_CONFIG, _sizes_from_env
+    from minipar.trainer.config.train_config import load_config
+    from minipar.trainer.run_setup import DEFAULT_CONFIG, _sizes_from_env
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "4")
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
     cfg, notes = load_config(DEFAULT_CONFIG, ["--context_parallel_size", "1"]), []
@@ -93,7 +93,7 @@ def test_accelerate_size_variables_fill_the_sizes_not_set(monkeypatch, tmp_path)
 
 def test_command_line_numbers_without_a_dot():
     """YAML 1.1 reads 1e-3 as a string; the README's `--learning_rate 1e-3` means a number."""
-    from minipar.training.config.train_config import load_config
+    from minipar.trainer.config.train_config import load_config
     assert load_config(None, ["--learning_rate", "1e-3", "--min_lr_ratio", "5E-2"]).learning_rate == 1e-3
 
 
@@ -112,7 +112,7 @@ def test_the_default_model_is_what_train_config_says():
 def test_pipeline_settings_that_fail_together_are_one_error(tmp_path):
     """Issue 20, item 7: too few layers for the stages AND too few micro-batches for 1F1B are
     reported together, in one ValueError, as unknown keys are."""
-    from minipar.training.pipeline_step import check_pipeline
+    from minipar.trainer.pipeline_step import check_pipeline
     cfg = load_config(None, ["--model.num_hidden_layers", "2", "--pipeline_schedule", "1f1b"])
     with pytest.raises(ValueError) as err:
         check_pipeline(cfg, 4, 1)

@@ -12,15 +12,15 @@ import torch
 from harness import run_world
 
 import minipar
-from minipar.training import lifecycle, run_lock
-from minipar.training.checkpoint import atomic as cio
-from minipar.training.checkpoint import files as ck_files
-from minipar.training.checkpoint import save_load as ck
-from minipar.training.checkpoint import verify
-from minipar.training.config import keys as config_keys
-from minipar.training.config.train_config import TrainConfig, load_config
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer import lifecycle, run_lock
+from minipar.trainer.checkpoint import atomic as cio
+from minipar.trainer.checkpoint import files as ck_files
+from minipar.trainer.checkpoint import save_load as ck
+from minipar.trainer.checkpoint import verify
+from minipar.trainer.config import keys as config_keys
+from minipar.trainer.config.train_config import TrainConfig, load_config
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -324,7 +324,7 @@ class _RunsCode:
 
 
 def _tiny_checkpoint(path):
-    from minipar.training import optim as moptim
+    from minipar import optim as moptim
     from models.llama import LlamaForCausalLM
     from models.llama_config import LlamaConfig
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,

@@ -47,7 +47,7 @@ def test_ulysses_and_usp_layouts_match_single_process(tmp_path, world, extra):
 
 
 def _refused(argv):
-    from minipar.training.run_setup import setup_run
+    from minipar.trainer.run_setup import setup_run
     try:
         setup_run(argv)
     except ValueError as err:

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from minipar import cuda_env
-from minipar.training.run_summary import memory_lines
+from minipar.trainer.run_summary import memory_lines
 
 
 @pytest.mark.parametrize("env,visible,want", [
@@ -71,7 +71,7 @@ def test_bf16_auto_sets_max_connections_before_it_asks_the_device(monkeypatch):
     variable must already be set then (else minipar.init would have to refuse the run)."""
     import torch
 
-    from minipar.training.config.train_config import REPO_ROOT, load_config
+    from minipar.trainer.config.train_config import REPO_ROOT, load_config
     seen = []
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     monkeypatch.delenv("TORCH_NCCL_AVOID_RECORD_STREAMS", raising=False)

@@ -11,7 +11,7 @@ import minipar
 from minipar import ParallelismConfig, comm
 from minipar.context_parallel import zigzag_unshard
 from minipar.mesh import MeshDim
-from minipar.training.data.batches import (
+from minipar.trainer.data.batches import (
     BatchSampler,
     ByteTokenizer,
     count_label_tokens,

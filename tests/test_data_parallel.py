@@ -11,7 +11,7 @@ from tiny_llama import tiny_batch as _batch
 import minipar
 from minipar import ParallelismConfig, comm, comm_ledger
 from minipar.data_parallel import replicate
-from minipar.training.optim import build_optimizer
+from minipar.optim import build_optimizer
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 

@@ -1,6 +1,6 @@
 """The fine-tuning data path: the model's tokenizer, Axolotl datasets, label masking, packing.
 
-A BPE tokenizer with a chat template is trained here on the bundled plays (minipar.training.
+A BPE tokenizer with a chat template is trained here on the bundled plays (minipar.trainer.
 example_data), saved and loaded back through AutoTokenizer; the chat rows are the plays' speeches.
 Packing is shown to compute what each example computes alone, on one process and under cp / tp,
 and a packed fine-tuning run on several layouts to have the loss curve of one process.
@@ -19,17 +19,17 @@ from minipar import ParallelismConfig, comm
 from minipar import tensor_parallel as tpl
 from minipar.context_parallel import zigzag_shard
 from minipar.mesh import MeshDim
-from minipar.training.data import batches as mdata
-from minipar.training.data.datasets import (
+from minipar.trainer.data import batches as mdata
+from minipar.trainer.data.datasets import (
     Examples,
     chat_example,
     check_entries,
     load_examples,
     split_validation,
 )
-from minipar.training.data.example_data import make_example
-from minipar.training.data.packing import PackedData, RowSampler, build_rows, eval_batches
-from minipar.training.data.tokenizer import HFTokenizer, load_tokenizer
+from minipar.trainer.data.example_data import make_example
+from minipar.trainer.data.packing import PackedData, RowSampler, build_rows, eval_batches
+from minipar.trainer.data.tokenizer import HFTokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_tokenizer_loads_through_autotokenizer(example):
 
 
 def test_special_token_ids_fill_the_model_config(example):
-    from minipar.training.data.tokenizer import fill_special_token_ids
+    from minipar.trainer.data.tokenizer import fill_special_token_ids
     from models.llama_config import LlamaConfig
     tok = example["tok"]
     cfg = LlamaConfig(vocab_size=2048)
@@ -129,7 +129,7 @@ def test_bad_rows_name_file_and_line(tmp_path, example):
     fails([json.dumps({"text": "word " * 40})], r"bad.jsonl:1: the example is \d+ tokens, longer than "
           r"sequence_len 32", kind="completion")
     fails([good], "needs a tokenizer with a chat template", tokenizer=mdata.ByteTokenizer())
-    from minipar.training.config.train_config import load_config
+    from minipar.trainer.config.train_config import load_config
     with pytest.raises(ValueError, match="sample_packing=True and val_set_size=0.0 apply to the examples"):
         load_config(None, ["--sample_packing", "true"])
     with pytest.raises(FileNotFoundError, match="datasets: file 'nope.jsonl' not found"):
@@ -291,8 +291,8 @@ def _finetune_argv(example, out, steps, **layout):
 
 
 def _train(argv):
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     torch.set_num_threads(1)
     return [(r["step"], r["loss"], r.get("val_loss"), r["grad_norm"])
             for r in Trainer(setup_run(argv)).train()]

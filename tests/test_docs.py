@@ -112,7 +112,7 @@ def _resolve(ref, where):
     while d.startswith(ROOT):                             # the page's folder, then each one above it
         above.append(d)
         d = os.path.dirname(d)
-    # ...and the package root: docstrings write training/data/batches.py for minipar/training/data/batches.py
+    # ...and the package root: docstrings write trainer/data/batches.py for minipar/trainer/data/batches.py
     candidates = [os.path.join(a, ref) for a in above] + [os.path.join(ROOT, "minipar", ref)]
     if "/" not in ref:                                    # a bare name: the nearest one of that name
         near = [f for f in _repo_files() if os.path.basename(f) == ref]
@@ -278,7 +278,7 @@ def _check_train(args, world, monkeypatch, page=None, line=""):
     say) is checked up to its keys and their types (the files do not exist yet), and the page must
     show the command that writes them before it."""
     import minipar
-    from minipar.training.run_setup import setup_run
+    from minipar.trainer.run_setup import setup_run
     config = {}
     if args and not args[0].startswith("--"):
         with open(os.path.join(ROOT, args[0])) as f:
@@ -292,8 +292,8 @@ def _check_train(args, world, monkeypatch, page=None, line=""):
         for out in outputs:
             assert any(f"out/{out}" in e for e in earlier), \
                 f"{line}: nothing before it on {page} writes out/{out}"
-        from minipar.training.config.train_config import TrainConfig, parse_overrides
-        from minipar.training.config.values import _apply
+        from minipar.trainer.config.train_config import TrainConfig, parse_overrides
+        from minipar.trainer.config.values import _apply
         overrides = args[1:] if args and not args[0].startswith("--") else args
         cfg = TrainConfig()
         _apply(cfg, config)                                       # unknown keys and wrong types raise
@@ -401,16 +401,16 @@ def test_commands_in_code_blocks_parse(page, line, monkeypatch):
 
 def test_the_scanner_sees_what_it_must():
     """The patterns find the forms the pages use, and a stale name does not resolve."""
-    text = "see [x](../minipar/comm.py), minipar/training/optim.py:clip_grad_norm_ and zero3.py; NOWHERE.md"
+    text = "see [x](../minipar/comm.py), minipar/optim.py:clip_grad_norm_ and zero3.py; NOWHERE.md"
     assert PATH_RE.findall(text) == [("../minipar/comm.py", ""),
-                                     ("minipar/training/optim.py", "clip_grad_norm_"),
+                                     ("minipar/optim.py", "clip_grad_norm_"),
                                      ("zero3.py", ""), ("NOWHERE.md", "")]
     page = os.path.join(ROOT, "docs", "x.md")
-    assert _resolve("../minipar/comm.py", page) and _resolve("training/data/batches.py", page)
+    assert _resolve("../minipar/comm.py", page) and _resolve("trainer/data/batches.py", page)
     assert _resolve("zero3.py", page) is None and _resolve("NOWHERE.md", page) is None
-    assert "clip_grad_norm_" in _defined(_resolve("minipar/training/optim.py", page))
-    assert MODULE_RE.findall("call minipar.training.optim.build_optimizer.") \
-        == ["minipar.training.optim.build_optimizer"]
+    assert "clip_grad_norm_" in _defined(_resolve("minipar/optim.py", page))
+    assert MODULE_RE.findall("call minipar.optim.build_optimizer.") \
+        == ["minipar.optim.build_optimizer"]
 
 
 def test_commands_are_found():
@@ -529,8 +529,8 @@ def _missing_from_index(files, reading_order, design_text):
     """The files of `files` (repository-relative) that docs/README.md or design.md's tree leaves out.
 
     The rule: docs/README.md (the reading order) names each file by its full repository path
-    (`minipar/training/checkpoint/atomic.py`, `models/__init__.py`); design.md's tree has an entry
-    whose left column is the file's package folder (`minipar/training/checkpoint/`, `models/`) and
+    (`minipar/trainer/checkpoint/atomic.py`, `models/__init__.py`); design.md's tree has an entry
+    whose left column is the file's package folder (`minipar/trainer/checkpoint/`, `models/`) and
     whose text names the file (`atomic.py`), every file but a package's __init__.py, which the
     entry itself stands for (minipar/__init__.py, holding init(), is named all the same)."""
     entries, missing = _tree_entries(design_text), []

@@ -1,16 +1,16 @@
 """train.py with expert parallelism: an MoE run on ep ranks borrowed from dp_shard (x cp) has the
 per-step loss of one process (the aux loss in the objective), its aux loss, load imbalance and
 dropped copies; and its checkpoints move across ep sizes (minipar/expert_parallel/, minipar/zero3/,
-the checkpoint's ep segments in minipar/training/checkpoint/layout.py)."""
+the checkpoint's ep segments in minipar/trainer/checkpoint/layout.py)."""
 import os
 
 import pytest
 import torch
 from harness import run_world
 
-from minipar.training.data.make_example import main as make_example
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer.data.make_example import main as make_example
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a tiny Mixtral: 4 experts, top-2, an aux loss big enough to matter

@@ -3,7 +3,7 @@
 The default model reads UTF-8 bytes (ByteTokenizer, 256 ids, byte b -> id b). Before, its export
 (out/default/hf) held config.json + model.safetensors only, and AutoTokenizer.from_pretrained failed
 on it. Now a hand-written tokenizer.json (tokenizer.py: save_byte_tokenizer) sits beside them, from
-the run's end and from `python -m minipar.training.checkpoint.export`; it must give ByteTokenizer's ids.
+the run's end and from `python -m minipar.trainer.checkpoint.export`; it must give ByteTokenizer's ids.
 """
 import json
 import os
@@ -13,8 +13,8 @@ import torch
 import yaml
 from harness import run_world
 
-from minipar.training.data.batches import ByteTokenizer
-from minipar.training.data.tokenizer import bytes_to_unicode, save_byte_tokenizer
+from minipar.trainer.data.batches import ByteTokenizer
+from minipar.trainer.data.tokenizer import bytes_to_unicode, save_byte_tokenizer
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,8 +43,8 @@ def test_byte_tokenizer_loads_and_encodes_as_minipar(tmp_path):
 
 
 def _train(argv):
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     torch.set_num_threads(1)
     Trainer(setup_run(argv)).train()
 
@@ -59,7 +59,7 @@ def test_a_run_and_the_exporter_leave_the_byte_tokenizer(tmp_path):
                           "--max_steps", "2", "--warmup_steps", "1", "--eval_steps", "0", "--save_steps", "0",
                           "--progress_bar", "false", "--output_dir", str(out),
                           "--dataset", os.path.join(ROOT, "data", "shakespeare.txt")], timeout=240)
-    from minipar.training.checkpoint.export import export_checkpoint
+    from minipar.trainer.checkpoint.export import export_checkpoint
     again = export_checkpoint(str(out / "step-2"), str(tmp_path / "hf-step-2"))
     for hf in (out / "hf", again):
         assert os.path.isfile(os.path.join(hf, "tokenizer.json")), sorted(os.listdir(hf))
@@ -67,7 +67,7 @@ def test_a_run_and_the_exporter_leave_the_byte_tokenizer(tmp_path):
     # the exporter's --max-shard-bytes: shards and their index, holding the same tensors
     from safetensors.torch import load_file
 
-    from minipar.training.checkpoint.export import main
+    from minipar.trainer.checkpoint.export import main
     main([str(out / "step-2"), str(tmp_path / "sharded"), "--max-shard-bytes", "20000"])
     index = json.load(open(tmp_path / "sharded" / "model.safetensors.index.json"))
     whole = load_file(str(out / "hf" / "model.safetensors"))

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 import minipar
 from minipar import ParallelismConfig
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 from models.hf_checkpoint import HFCheckpoint
 from models.llama import LlamaForCausalLM
 
@@ -207,7 +207,7 @@ def test_dp_shard2_cp2_tp2_trains_like_one_process(tmp_path, checkpoints):
 def chat_example(tmp_path_factory):
     """example_data's BPE tokenizer (2048 tokens, a chat template) and chat rows, beside a
     transformers-made checkpoint of that vocabulary (two shards, tied, llama3 RoPE)."""
-    from minipar.training.data.example_data import make_example
+    from minipar.trainer.data.example_data import make_example
     d = tmp_path_factory.mktemp("chat")
     paths = make_example(str(d), num_conversations=120, vocab_size=2048, tokenizer_chars=60_000)
     base = make_checkpoint(d / "model", **dict(VARIANTS["tied-llama3"], vocab_size=2048))

@@ -1,4 +1,4 @@
-"""A CPU run's resident memory is what its tensors hold (minipar/training/host_memory.py), and it is
+"""A CPU run's resident memory is what its tensors hold (minipar/trainer/host_memory.py), and it is
 what the planner says, phase by phase and per decoder layer (benchmarks/bench_memory.py, at
 SmolLM-135M's shape)."""
 import os
@@ -8,7 +8,7 @@ import pytest
 import torch
 from harness import run_world
 
-from minipar.training.host_memory import return_freed_memory
+from minipar.trainer.host_memory import return_freed_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2 ** 20

@@ -1,4 +1,4 @@
-"""No hidden host syncs in a step (minipar/training/host_syncs.py): the counter tells a read of
+"""No hidden host syncs in a step (minipar/trainer/host_syncs.py): the counter tells a read of
 what a GPU would hold from a read of host data, sees backward hooks too, and names the file and
 line; and on 4 ranks each layout's steady-state steps hold to their number: a dense layout reads
 the device once per logging step (the losses and norms of the steps since, at once) and not at all
@@ -10,8 +10,8 @@ import pytest
 import torch
 from harness import run_world
 
-from minipar.training.data.batches import count_label_tokens
-from minipar.training.host_syncs import HostSyncs, host_tensors, is_host, optimizer_host_state
+from minipar.trainer.data.batches import count_label_tokens
+from minipar.trainer.host_syncs import HostSyncs, host_tensors, is_host, optimizer_host_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")          # a torch.device: what a trainer names its compute device with
@@ -43,7 +43,7 @@ def test_counter_counts_device_reads_not_host_reads():
     assert kinds == {"to host->device": 1, "item": 3, "tolist": 1, "tensor(device=) host->device": 1,
                      "nonzero": 1}, syncs.counts()
     where = [k for k in syncs.counts() if k.startswith("minipar/")]
-    assert where and where[0].startswith("minipar/training/data/batches.py:"), syncs.counts()
+    assert where and where[0].startswith("minipar/trainer/data/batches.py:"), syncs.counts()
 
 
 def test_counter_sees_backward_hooks():
@@ -81,8 +81,8 @@ def _config(name):
 def _count(argv):
     """{step: {file: syncs}} of steps FIRST+1 .. LAST: each loop iteration whole (the step, the
     record, the stop flag), the data loader's host work included (its tensors are host roots)."""
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     torch.set_num_threads(1)
     t = Trainer(setup_run(argv))
     original, state = t.train_step, {}
@@ -108,7 +108,7 @@ def _files(counts: dict) -> dict:
     return dict(out)
 
 
-READ = "minipar/training/train_loop.py"      # the logging step's one read of the losses and norms
+READ = "minipar/trainer/train_loop.py"      # the logging step's one read of the losses and norms
 
 
 @pytest.mark.parametrize("layout,argv,per_step", [
@@ -140,8 +140,8 @@ def _nan_at(argv, bad_step):
     metrics.jsonl, steps in the history)."""
     import json
 
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     torch.set_num_threads(1)
     t = Trainer(setup_run(argv))
     original = t.train_step

@@ -19,8 +19,8 @@ import torch
 
 from minipar.mesh import main as mesh_main
 from minipar.plan.__main__ import main as plan_main
-from minipar.training.config.train_config import load_config
-from minipar.training.run_setup import setup_run
+from minipar.trainer.config.train_config import load_config
+from minipar.trainer.run_setup import setup_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -238,7 +238,7 @@ raise ValueError("refused after the lock was taken (e.g. while the trainer is bu
 
 
 def test_an_error_after_the_lock_releases_it(tmp_path):
-    from minipar.training import run_lock
+    from minipar.trainer import run_lock
     out = tmp_path / "out"
     proc = subprocess.run([PY, "-c", RAISE_AFTER_LOCK, str(out), run_lock.__file__], capture_output=True,
                           text=True, timeout=60)

@@ -16,8 +16,8 @@ import minipar
 from minipar import ParallelismConfig, comm, comm_ledger
 from minipar.mesh import ProcessGroupManager
 from minipar.tensor_parallel import gather_tensor
-from minipar.training.data.batches import local_batch
-from minipar.training.optim import build_optimizer
+from minipar.trainer.data.batches import local_batch
+from minipar.optim import build_optimizer
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 
@@ -32,7 +32,7 @@ def _grads(model):
 
 def _train(pgm, wrap=None, micro=1, layers=CFG["num_hidden_layers"]):
     """A few AdamW steps of the tiny Llama in float64 on this rank's share of each global batch
-    (training/data/batches.py local_batch: dp rows, micro-batches, the cp layout's chunks)."""
+    (trainer/data/batches.py local_batch: dp rows, micro-batches, the cp layout's chunks)."""
     pgm = pgm or ProcessGroupManager.local()
     model = LlamaForCausalLM(LlamaConfig(**dict(CFG, num_hidden_layers=layers)), pgm, seed=0).double()
     if wrap is not None:
@@ -304,7 +304,7 @@ def test_pp_schedule_rungs_equal_one_process():
 def test_bad_rung_values_are_clear_errors():
     with pytest.raises(ValueError, match="cp_layout"):
         ParallelismConfig(cp_layout="striped")
-    from minipar.training.config.train_config import load_config
+    from minipar.trainer.config.train_config import load_config
     with pytest.raises(ValueError, match="ddp must be naive or bucketed"):
         load_config(None, ["--ddp", "fast"])
     with pytest.raises(ValueError, match="cp_layout"):
@@ -314,8 +314,8 @@ def test_bad_rung_values_are_clear_errors():
 # ------------------------------------------------------------------------- through train.py's keys
 def _trainer_run(argv):
     from minipar.data_parallel import NaiveGradSync
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     torch.set_num_threads(1)
     trainer = Trainer(setup_run(argv))
     c = trainer.pgm.config

@@ -147,7 +147,7 @@ def test_tp_adapters_equal_one_process_in_fp64(sp):
      ["lora_model_dir '/nonexistent' does not fit this model", "is not a PEFT adapter directory"]),
 ])
 def test_config_refuses_bad_lora_keys_naming_every_value(argv, messages):
-    from minipar.training.config.train_config import load_config
+    from minipar.trainer.config.train_config import load_config
     with pytest.raises(ValueError) as err:
         load_config(None, argv)
     for m in messages:

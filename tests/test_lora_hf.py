@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from test_hf_load import VARIANTS, _argv, make_checkpoint
 
 from minipar.lora import full_adapters, minipar_name
-from minipar.training.checkpoint.export import main as export_main
-from minipar.training.config.train_config import load_config
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer.checkpoint.export import main as export_main
+from minipar.trainer.config.train_config import load_config
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LORA = ["--adapter", "lora", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_linear", "false",
@@ -29,7 +29,7 @@ LORA = ["--adapter", "lora", "--lora_r", "4", "--lora_alpha", "8", "--lora_targe
 @pytest.fixture(scope="module")
 def chat_base(tmp_path_factory):
     """A transformers-made checkpoint (tied, llama3 RoPE) with example_data's chat tokenizer and rows."""
-    from minipar.training.data.example_data import make_example
+    from minipar.trainer.data.example_data import make_example
     d = tmp_path_factory.mktemp("lora-chat")
     paths = make_example(str(d), num_conversations=60, vocab_size=2048, tokenizer_chars=30_000)
     base = make_checkpoint(d / "model", **dict(VARIANTS["tied-llama3"], vocab_size=2048))

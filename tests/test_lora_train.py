@@ -12,8 +12,8 @@ from minipar import ParallelismConfig, comm_ledger
 from minipar import tensor_parallel as tpl
 from minipar.data_parallel import replicate
 from minipar.lora import add_lora, lora_parameters
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig

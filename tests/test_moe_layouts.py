@@ -10,7 +10,7 @@ for 3 SGD steps of G = dp x M micro-batches. After the first, every parameter's 
 one process's to rtol 1e-9: a lost or doubled term of the aux loss, or a count summed over the
 wrong group, misses by orders of magnitude, whatever router_aux_loss_coef is. Every step, the loss
 (the aux loss in it) and the step's moe_aux_loss, moe_imbalance and moe_dropped (as the trainer
-sums them: MoEStepMetrics of minipar/training/moe_metrics.py, or the pipeline's
+sums them: MoEStepMetrics of models/moe_metrics.py, or the pipeline's
 `PipelineAux.step_metrics`) are one process's, and so are the weights after the last step. The
 one-process twin runs the same G micro-batches one after the other, each weighted 1/G in the aux
 loss, as the trainer does. Drops are compared where a rank's capacity is one process's (not under
@@ -37,8 +37,8 @@ from minipar import tensor_parallel as tpl
 from minipar.expert_parallel import ep_gather
 from minipar.pipeline_parallel import build_stage, run_schedule, schedule_order
 from minipar.pipeline_parallel.stage import gather_over_stages
-from minipar.training.data.batches import local_batch
-from minipar.training.moe_metrics import MoEStepMetrics
+from minipar.trainer.data.batches import local_batch
+from models.moe_metrics import MoEStepMetrics
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
@@ -100,7 +100,7 @@ def _sgd(model):
 
 def _pipeline_step(model, pgm, micro, schedule, v):
     """One step's micro-batches through this rank's stage under `schedule`, as
-    minipar/training/pipeline_step.py runs them: ZeRO-3 in no_sync until the last B (or W)."""
+    minipar/trainer/pipeline_step.py runs them: ZeRO-3 in no_sync until the last B (or W)."""
     order = schedule_order(schedule, pgm.pp.size, len(micro), pgm.pp.rank, v)
     with contextlib.ExitStack() as unsynced:
         if getattr(model, "zero3", None) is not None:
@@ -117,7 +117,7 @@ def _pipeline_step(model, pgm, micro, schedule, v):
 
 
 def _step(model, pgm, micro):
-    """One step's micro-batches, as minipar/training/trainer.py runs them: ZeRO-3 in no_sync
+    """One step's micro-batches, as minipar/trainer/trainer.py runs them: ZeRO-3 in no_sync
     but for the last; each micro-batch's aux loss weighted 1/(dp x M)."""
     loss, moe = torch.zeros((), dtype=torch.float64), MoEStepMetrics(pgm, "cpu")
     for m, batch in enumerate(micro):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from harness import run_world
 
-from minipar.training.config.train_config import load_config
-from minipar.training.data.tokenizer import save_byte_tokenizer
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer.config.train_config import load_config
+from minipar.trainer.data.tokenizer import save_byte_tokenizer
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a tiny Mixtral: 4 experts, top-2, a large aux coefficient so that the aux loss weighs in the loss
@@ -151,7 +151,7 @@ def test_hub_moe_checkpoint_first_step_equals_transformers(tmp_path, family):
     disk; base_model reads it on tp 2 with SP (each rank its attention slices, all experts), and the
     first step's loss, the aux loss included (its coefficient the run's, over config.json's), is
     transformers' on the same batch."""
-    from minipar.training.data.make_example import EXAMPLES, write_checkpoint
+    from minipar.trainer.data.make_example import EXAMPLES, write_checkpoint
     from models.llama_config import LlamaConfig
     shape = dict(EXAMPLES[family], vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, num_local_experts=4, router_aux_loss_coef=0.1)

@@ -14,10 +14,10 @@ from minipar.gpus import gpu_peak_tflops, preset_for_device
 from minipar.plan import Batch, Layout, ModelShape, Options, collectives
 from minipar.plan import model as plan_model
 from minipar.plan.inputs import from_train_config
-from minipar.training.config.train_config import load_config
-from minipar.training.run_setup import setup_run
-from minipar.training.throughput import Throughput
-from minipar.training.trainer import Trainer
+from minipar.trainer.config.train_config import load_config
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.throughput import Throughput
+from minipar.trainer.trainer import Trainer
 from models.flops import step_flops
 from models.llama_config import LlamaConfig
 from train import planner_prediction

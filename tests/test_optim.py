@@ -10,8 +10,8 @@ from harness import run_world
 import minipar
 from minipar import ParallelismConfig
 from minipar import tensor_parallel as tpl
-from minipar.training import optim as moptim
-from minipar.training.optim import WarmupCosine, build_optimizer, build_scheduler, clip_grad_norm_, complement
+from minipar import optim as moptim
+from minipar.optim import WarmupCosine, build_optimizer, build_scheduler, clip_grad_norm_, complement
 
 
 # --------------------------------------------------------------------------------------- schedule
@@ -331,9 +331,9 @@ def _norms_and_full_grads(argvs):
     measured, gathered at that moment as a checkpoint gathers weights (this rank's pipeline stage):
     before clipping (OptimizerStep.__call__), or before the optimistic update of a stage stepping
     alone (its first OptimizerStep.update; post-validation redoes it later)."""
-    from minipar.training.checkpoint.layout import _gather_full, layout
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer.checkpoint.layout import _gather_full, layout
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     torch.set_num_threads(1)
     caught, call, update = {}, moptim.OptimizerStep.__call__, moptim.OptimizerStep.update
 

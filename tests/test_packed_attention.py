@@ -304,7 +304,7 @@ def test_the_model_says_its_kernels(capsys):
 
 
 def test_config_refuses_a_backend_that_cannot_run():
-    from minipar.training.config.train_config import load_config
+    from minipar.trainer.config.train_config import load_config
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         load_config(None, ["--attention_backend", "fast"])
     with pytest.raises(ValueError, match="cudnn runs only through SDPA"):

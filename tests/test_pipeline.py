@@ -40,10 +40,10 @@ from minipar.pipeline_parallel import (
 )
 from minipar.pipeline_parallel.simulate import back_to_back, peak_in_flight, steady_state
 from minipar.pipeline_parallel.stage import gather_over_stages
-from minipar.training.config.train_config import load_config
-from minipar.training.pipeline_step import check_pipeline
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer.config.train_config import load_config
+from minipar.trainer.pipeline_step import check_pipeline
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 
@@ -461,7 +461,7 @@ def _resume(ref, step3, out, world, *extra):
 def test_checkpoint_saved_on_pp2_resumes_on_one_process_and_exports(tmp_path_factory, tmp_path):
     from safetensors.torch import load_file
 
-    from minipar.training.checkpoint.export import export_checkpoint
+    from minipar.trainer.checkpoint.export import export_checkpoint
     ref, save = _save_on_pp2(tmp_path_factory, tmp_path)
     _resume(ref, str(save / "step-3"), tmp_path / "resume1", 1)
     # the run's own export (gathered over the stages) is the whole model, as a 1-process export
@@ -556,8 +556,8 @@ def test_stages_stepping_alone_with_clipping_redo_each_update_clipping_changes(t
 
 
 def test_stepping_alone_is_refused_where_it_cannot_apply():
-    from minipar.training.config.check import check
-    from minipar.training.config.train_config import TrainConfig
+    from minipar.trainer.config.check import check
+    from minipar.trainer.config.train_config import TrainConfig
     cfg = TrainConfig(pipeline_overlap_steps=True)            # pp 1
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=1 .*set pipeline_parallel_size >= 2"):
         check(cfg)

@@ -21,8 +21,8 @@ from test_pipeline import _argv
 
 from minipar.pipeline_parallel import SCHEDULES, chunk_stages, exchange_plan, forward_plan, schedule_order
 from minipar.pipeline_parallel.p2p import ACTIVATION, GRADIENT, SIDE_FORWARD, message_tag
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 
 STREAMS = ("rank", "peer")
 

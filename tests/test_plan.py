@@ -32,9 +32,9 @@ from minipar.plan.estimate import Cluster, crosses_nodes
 from minipar.plan.inputs import Batch, ModelShape, Options, from_train_config
 from minipar.plan.long_step import plan_stage
 from minipar.plan.pipeline_stage import Pipeline, stages
-from minipar.training.data import batches as mdata
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer.data import batches as mdata
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_hidden_layers", "2",
@@ -188,7 +188,7 @@ def _base_model(config):
 
 
 ALL_CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
-# finetune.yaml's model is the directory `python -m minipar.training.data.make_example` writes (its
+# finetune.yaml's model is the directory `python -m minipar.trainer.data.make_example` writes (its
 # loading is held against one process in tests/test_hf_load.py); here every model is the tiny one
 # the mixtures of experts: tests/test_plan_moe.py holds moe.yaml against its plan (routing-dependent bytes)
 MOE_CONFIGS = ["finetune_moe.yaml", "moe.yaml"]
@@ -452,7 +452,7 @@ def test_every_config_is_planned_or_refused(capsys, tmp_path, monkeypatch):
         assert plan_main([os.path.join(ROOT, "configs", config), "--world", "8"]) == 2
         assert f"base_model '{_base_model(config)}'" in capsys.readouterr().err
     if FROM_BASE_MODEL:
-        from minipar.training.data.make_example import make_example
+        from minipar.trainer.data.make_example import make_example
         make_example("out/example")                   # what the README runs before fine-tuning
         capsys.readouterr()
         for config in FROM_BASE_MODEL:
@@ -473,7 +473,7 @@ def test_cli_pipeline_overlap_steps_hides_zbvs_fill(capsys):
             assert plan_main(pp + ["--pipeline-schedule", schedule] + extra) == 0
             got[schedule, bool(extra)] = json.loads(capsys.readouterr().out)["time"]
     # with clipping (pp.yaml's max_grad_norm 1.0) each stage post-validates: it keeps a copy of its
-    # persistent state through the next step, and copies it every step (training/post_validate.py)
+    # persistent state through the next step, and copies it every step (pipeline_parallel/post_validate.py)
     assert plan_main(pp[:-2] + ["--pipeline-schedule", "zbv", "--pipeline-overlap-steps"]) == 0
     clipped = json.loads(capsys.readouterr().out)
     for st in clipped["stages"]:

@@ -1,4 +1,4 @@
-"""dataset_prepared_path (minipar/training/data/prepared.py): tokenized once, loaded bit for bit after,
+"""dataset_prepared_path (minipar/trainer/data/prepared.py): tokenized once, loaded bit for bit after,
 keyed by everything that decides the rows, safe against damage, dead writers and waiting ranks."""
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import torch
 import yaml
 from harness import run_world
 
-from minipar.training.checkpoint import atomic
-from minipar.training.config.train_config import TrainConfig, load_config
-from minipar.training.data import prepared
-from minipar.training.data.batches import ByteTokenizer
-from minipar.training.data.example_data import make_tokenizer
-from minipar.training.data.packing import prepare
-from minipar.training.data.tokenizer import load_tokenizer
+from minipar.trainer.checkpoint import atomic
+from minipar.trainer.config.train_config import TrainConfig, load_config
+from minipar.trainer.data import prepared
+from minipar.trainer.data.batches import ByteTokenizer
+from minipar.trainer.data.example_data import make_tokenizer
+from minipar.trainer.data.packing import prepare
+from minipar.trainer.data.tokenizer import load_tokenizer
 
 TEXTS = ["the quick brown fox", "jumps over", "the lazy dog and runs far away", "a", "bb cc dd ee ff",
          "gg hh", "ii jj kk ll mm nn oo", "pp", "qq rr ss", "tt uu vv ww xx"]
@@ -229,9 +229,9 @@ def test_two_ranks_on_one_folder_get_the_same_rows(tmp_path):
 
 # ------------------------------------------------------------------------------ the training program
 def _train_twice(path, out):
-    from minipar.training import lifecycle
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer import lifecycle
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     results = []
     for name in ("first", "second"):                # two starts on one prepared folder
         run = setup_run([path, "--output_dir", str(out / name)])

@@ -65,7 +65,7 @@ def test_make_train_with_args_is_documented():
 
 @pytest.mark.parametrize("line", _commands())
 def test_readme_command_refers_to_what_exists(line):
-    from minipar.training.config.train_config import load_config
+    from minipar.trainer.config.train_config import load_config
     prog, args, _ = _split(line)
     if prog == "make":
         targets = set(re.findall(r"^([\w-]+):", open(os.path.join(ROOT, "Makefile")).read(), re.M))

@@ -42,8 +42,8 @@ def _curve(history):
 
 
 def _train(argv):
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     return _curve(Trainer(setup_run(argv)).train())
 
 
@@ -96,7 +96,7 @@ def test_soak_short():
 
 # --------------------------------------------------------------- 6. ranks started with other flags
 def _setup_error(argv):
-    from minipar.training.run_setup import setup_run
+    from minipar.trainer.run_setup import setup_run
     rank = int(os.environ["RANK"])
     try:
         setup_run(argv + ["--max_steps", str(10 + rank)] + (["--learning_rate", "0.01"] if rank == 2 else []))
@@ -117,7 +117,7 @@ def test_ranks_with_different_configs_all_refuse(tmp_path):
 
 # ------------------------------------------------------------------------- 7. a stuck peer
 def _group_timeouts(argv):
-    from minipar.training.run_setup import setup_run
+    from minipar.trainer.run_setup import setup_run
     pgm = setup_run(argv).pgm
     return {name: dim.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
             for name, dim in pgm.dims.items() if dim.size > 1}
@@ -132,7 +132,7 @@ def test_ddp_timeout_reaches_every_group(tmp_path):
 def _stop_at(port, argv, rank_to_stop, step_to_stop, mark):
     """A rank SIGSTOPs itself at the start of a step (a hung GPU, a swapped-out node); the others
     must fail within ddp_timeout with an error naming the collective."""
-    from minipar.training.trainer import Trainer
+    from minipar.trainer.trainer import Trainer
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     original = Trainer.train_step
 
@@ -186,9 +186,9 @@ def test_stuck_peer_fails_the_others_within_ddp_timeout(tmp_path):
 def _train_signalled(argv, rank_to_signal, step_to_signal):
     """Train; one rank gets SIGTERM in the middle of a step (as from a scheduler, whose signal
     reaches the ranks at different moments). Returns ('preempted', step, curve) or the curve."""
-    from minipar.training import lifecycle
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer import lifecycle
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     original = Trainer.train_step
 
     def train_step(self, step):

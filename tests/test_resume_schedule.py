@@ -16,7 +16,7 @@ import pytest
 import torch
 from harness import run_world
 
-from minipar.training import optim as moptim
+from minipar import optim as moptim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_hidden_layers", "1",
@@ -28,8 +28,8 @@ TINY = ["--model.hidden_size", "32", "--model.intermediate_size", "64", "--model
 
 def _train(argv):
     """One run on one process; returns its printed log (the notes and the summary)."""
-    from minipar.training.run_setup import setup_run
-    from minipar.training.trainer import Trainer
+    from minipar.trainer.run_setup import setup_run
+    from minipar.trainer.trainer import Trainer
     torch.set_num_threads(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from harness import RankError, run_world
 
-from minipar.training.run_setup import setup_run
-from minipar.training.trainer import Trainer
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the tiny test model: every code path, a fraction of the default's cost
@@ -284,7 +284,7 @@ def test_exported_hf_directory_loads_in_transformers(tmp_path):
     ours = LlamaForCausalLM.from_pretrained(str(out / "hf")).eval()
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(out / "hf")).float().eval()
     # on request: the sharded step-3 checkpoint of the 4-rank run, exported on one process
-    from minipar.training.checkpoint.export import export_checkpoint
+    from minipar.trainer.checkpoint.export import export_checkpoint
     export_checkpoint(str(out / "step-3"), str(tmp_path / "hf-step-3"))
     again = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf-step-3")).float().eval()
     ids = torch.randint(0, 256, (2, 32))

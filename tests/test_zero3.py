@@ -14,7 +14,7 @@ import minipar
 from minipar import ParallelismConfig, comm, comm_ledger
 from minipar.mesh import ProcessGroupManager
 from minipar.tensor_parallel import gather_tensor
-from minipar.training.optim import build_optimizer
+from minipar.optim import build_optimizer
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
@@ -137,7 +137,7 @@ def test_accumulation_without_sync_equals_one_process(shape, tied):
 def _regroup_world(directory):
     """Save a checkpoint with the old grouping (the root holds the embedding) and resume it on the
     default one (embedding a unit of its own): same weights and optimizer states, same next step."""
-    from minipar.training.checkpoint import save_load as ckpt
+    from minipar.trainer.checkpoint import save_load as ckpt
     pgm = minipar.init(ParallelismConfig(dp_shard_size=2))
     out = {}
     for name, classes in (("old", (LlamaDecoderLayer,)), ("new", None)):
@@ -403,8 +403,8 @@ def test_toy_model_odd_sizes_repeated_skipped_and_reordered_units():
 # ------------------------------------------------------------------ state dicts and shard metadata
 def _state_world(shape, directory, full=None, load=False):
     """Shard on `shape`; check the shard metadata; then either load `full` and save a checkpoint
-    to `directory` (training/checkpoint/save_load.py, the one resharding path), or load that checkpoint."""
-    from minipar.training.checkpoint import save_load as ckpt
+    to `directory` (trainer/checkpoint/save_load.py, the one resharding path), or load that checkpoint."""
+    from minipar.trainer.checkpoint import save_load as ckpt
     pgm = minipar.init(ParallelismConfig(*shape))
     model = LlamaForCausalLM(LlamaConfig(**dict(CFG, tie_word_embeddings=True)), pgm, seed=0)
     fully_shard(model, pgm)

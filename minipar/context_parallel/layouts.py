@@ -12,7 +12,7 @@ ring_schedule counts them; benchmarks/ladder.py measures the two). Both layouts 
 bytes: the ring passes every K/V block around either way.
 
 zigzag_shard / zigzag_positions cut a full-sequence tensor / its positions; zigzag_unshard puts the
-shares back in order. The data split (training/data/batches.py local_batch) and the positions for RoPE
+shares back in order. The data split (trainer/data/batches.py local_batch) and the positions for RoPE
 (models/llama.py) both go through shard_sequence and sequence_positions, so input ids, labels
 and positions always agree with the layout ring attention is told (`ring_attention(...,
 layout=...)`). No communication, except in zigzag_unshard (the full sequence back: one

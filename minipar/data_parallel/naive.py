@@ -2,7 +2,7 @@
 
 Every replica holds the whole model and reads its own samples; the gradient of the global batch
 is the SUM of the replicas' gradients (the loss is already divided by the token count of the
-global batch, see training/data/batches.py). The simplest code that gets there:
+global batch, see trainer/data/batches.py). The simplest code that gets there:
 
     loss.backward()                                   every p.grad holds this replica's gradient
     for p in model.parameters():                      then, one by one, blocking:

@@ -226,6 +226,14 @@ def schedule_order(name: str, p: int, m: int, rank: int, v: int = 1) -> List[Act
     raise ValueError(f"pipeline_schedule={name!r}: use one of {', '.join(SCHEDULES)}")
 
 
+def chunks_per_rank(name: str, configured: int = None) -> int:
+    """Model chunks per rank (pipeline_virtual_stages): the configured count, or 2 for
+    interleaved_1f1b and zbv, 1 otherwise."""
+    if configured is not None:
+        return configured
+    return 2 if name in ("interleaved_1f1b", "zbv") else 1
+
+
 def check_schedule(name: str, p: int, m: int, v: int) -> None:
     """Raise a ValueError naming the minimum when m micro-batches cannot run `name` on p stages
     (v chunks per rank). Local: every rank raises the same error before any collective."""

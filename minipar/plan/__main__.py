@@ -25,7 +25,7 @@ import sys
 
 from minipar.cli import fail, memory_bytes, positive_ints, within
 from minipar.gpus import PRESETS
-from minipar.training.config.train_config import load_config
+from minipar.trainer.config.train_config import load_config
 from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
 from models.llama_config import FAMILIES

@@ -190,7 +190,7 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
     mem = dict(params=4 * elems, grads=4 * elems, optimizer=8 * elems + 4 * tensors,
                persistent=16 * elems + 4 * tensors, gathered=gathered, accumulated_grads=accumulated,
                param_elements=elems)
-    # post-validation (training/post_validate.py) keeps a copy of all of it, parameters, gradients
+    # post-validation (pipeline_parallel/post_validate.py) keeps a copy of all of it, parameters, gradients
     # and AdamW's state, from one update until it is checked in the next step
     mem["kept"] = mem["persistent"] if pipe.overlap_steps and pipe.post_validation else 0
 
@@ -285,7 +285,7 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
     add("all_reduce", "tp", 1, 16)                         # the global norm (clipped by, or only logged)
     add("all_reduce", "dp_shard_cp", 1, 8)
     if pipe.overlap_steps:                                 # loss and squared norm: one sum over the world
-        add("all_reduce", "world", 1, 16)                  # in the background (training/pipeline_step.py)
+        add("all_reduce", "world", 1, 16)                  # in the background (trainer/pipeline_step.py)
     else:
         add("all_reduce", "pp", 2, 8)
     return dict(rank=st.rank, layers=[list(c) for c in st.chunks], first=st.first, last=st.last,

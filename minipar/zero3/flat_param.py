@@ -27,7 +27,7 @@ slots carry ep_split_dim, and full_shape is the whole (E, ...) tensor.
 
 A sharded state dict is the shard plus this layout (name, TP-local shape, offset, tp_split_dim,
 full shape per tensor), enough to rebuild full tensors from the shards of any other layout:
-training/checkpoint/save_load.py writes it as segments and reshards on load (state_dicts.py builds it).
+trainer/checkpoint/save_load.py writes it as segments and reshards on load (state_dicts.py builds it).
 Here too: `plan_units`, which parameters go into which unit's flat buffer.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ a collective to build and a local cut to load:
 Both take any shard-shaped tensors, not just the weights: the checkpoint converts the optimizer's
 exp_avg and exp_avg_sq the same way. A sharded state dict is the other way to save: each rank's
 shards as they are, plus the layout (name, TP-local shape, offset, tp_split_dim, full shape per
-tensor) that lets training/checkpoint/layout.py place them into any other layout on load.
+tensor) that lets trainer/checkpoint/layout.py place them into any other layout on load.
 
 Communication: full_from_shards all-gathers every unit's padded buffer over dp_shard_cp once (P
 elements of the shard dtype, wire (N-1)/N of that), then each tp-split tensor over tp (an experts
@@ -91,7 +91,7 @@ class ShardedStateDicts:
 
     def sharded_state_dict(self) -> dict:
         """This rank's shards and the layout to place them from any other layout (what
-        training/checkpoint/save_load.py saves as segments; it reshards them on load)."""
+        trainer/checkpoint/save_load.py saves as segments; it reshards them on load)."""
         pgm = self.pgm
         return dict(format=FORMAT, tp_rank=pgm.tp.rank, tp_size=pgm.tp.size,
                     dp_shard_cp_rank=pgm.dp_shard_cp.rank, dp_shard_cp_size=pgm.dp_shard_cp.size,

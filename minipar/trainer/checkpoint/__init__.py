@@ -8,6 +8,6 @@ without ever losing the newest good one, exported as a Hugging Face directory. I
                    agreement, the manifest, stale temporaries, rotation (save_total_limit)
     verify.py      the manifest's checksums, the newest checkpoint whose checksums hold
     files.py       the formats of the files inside: tensors, RNG states, the model check
-    export.py      `python -m minipar.training.checkpoint.export CKPT HF_DIR`: any checkpoint, of any
+    export.py      `python -m minipar.trainer.checkpoint.export CKPT HF_DIR`: any checkpoint, of any
                    layout, as a Hugging Face directory, on one process
 """

@@ -1,12 +1,12 @@
 """Write a small Hugging Face Llama checkpoint to fine-tune, offline: the first command of the
 README's "Fine-tune a Hugging Face model".
 
-    python -m minipar.training.data.make_example out/example
+    python -m minipar.trainer.data.make_example out/example
       out/example/model/    config.json, model-0000k-of-0000n.safetensors + model.safetensors.index.json
                             (random weights, as `save_pretrained` shards them), and the tokenizer
       then: torchrun --nproc-per-node 8 train.py configs/finetune.yaml
 
-    python -m minipar.training.data.make_example out/example_moe --model mixtral    (or qwen3_moe)
+    python -m minipar.trainer.data.make_example out/example_moe --model mixtral    (or qwen3_moe)
       the same with a small mixture of experts, its experts one tensor each as on the Hub
       (model.layers.0.block_sparse_moe.experts.3.w1.weight, ...; models/hf_names.py)
       then: torchrun --nproc-per-node 8 train.py configs/finetune_moe.yaml
@@ -16,7 +16,7 @@ checkpoint of any size can be made in the memory of one shard file): the HF name
 come from minipar's own Llama built on the meta device, the values from the same seeded
 initialisation as a fresh run (models/llama_init.py). benchmarks/bench_load.py makes its 300 M
 parameter checkpoint with `write_checkpoint` too. With `datasets` in the tree, the example's
-tokenizer and chat data come from minipar/training/data/example_data.py.
+tokenizer and chat data come from minipar/trainer/data/example_data.py.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from minipar.training.checkpoint.save_load import copy_tokenizer
-from minipar.training.data import example_data
+from minipar.trainer.checkpoint.save_load import copy_tokenizer
+from minipar.trainer.data import example_data
 from models.hf_names import hub_shapes, stacked_expert
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig

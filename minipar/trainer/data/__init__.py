@@ -9,6 +9,6 @@ rank computes. In reading order:
     packing.py       rows of sequence_len: whole examples packed with document ids; the row sampler
     prepared.py      the tokenized, packed rows saved under dataset_prepared_path and found again
     example_data.py  a small offline example: a BPE tokenizer with a chat template, chat rows
-    make_example.py  `python -m minipar.training.data.make_example DIR`: a small Llama checkpoint,
+    make_example.py  `python -m minipar.trainer.data.make_example DIR`: a small Llama checkpoint,
                      its tokenizer and chat data, to fine-tune offline
 """

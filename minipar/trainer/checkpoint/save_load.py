@@ -46,10 +46,10 @@ from safetensors.torch import load_file, save
 from minipar.lora import adapter_config, full_adapters, merge, save_adapter
 from minipar.lora.peft_format import OURS
 from minipar.pipeline_parallel.stage import gather_over_stages
-from minipar.training.checkpoint import atomic as cio
-from minipar.training.checkpoint import files as ck_files
-from minipar.training.checkpoint import verify as ck_verify
-from minipar.training.checkpoint.layout import (
+from minipar.trainer.checkpoint import atomic as cio
+from minipar.trainer.checkpoint import files as ck_files
+from minipar.trainer.checkpoint import verify as ck_verify
+from minipar.trainer.checkpoint.layout import (
     _local_records,
     _param_shapes,
     _tensors,

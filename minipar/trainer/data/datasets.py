@@ -44,7 +44,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from minipar.training.data.batches import IGNORE_INDEX, check_data_file
+from minipar.trainer.data.batches import IGNORE_INDEX, check_data_file
 
 TYPES = ("completion", "chat_template")
 ROLES = ("system", "user", "assistant")

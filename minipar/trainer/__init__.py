@@ -8,7 +8,6 @@
     batch_source.py   a step's global batch, this rank's share of it, the eval batches and their loop
     trainer.py        the model, its parallel wrappers, the optimizer, one step, evaluation, saves
     pipeline_step.py  the step when pipeline_parallel_size > 1: a schedule over the micro-batches
-    optim.py          AdamW on the shards, warmup + cosine, global-norm clipping across shards
     train_loop.py     the run around the step: resume, logs, metrics, saves, a SIGTERM stop, summary
     lifecycle.py      the ranks agree at the start, stop together on SIGTERM, end cleanly
     metrics_file.py   metrics.jsonl (kept across a resume) and the loss curve

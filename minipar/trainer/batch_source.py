@@ -25,9 +25,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from minipar import comm
-from minipar.training.data import batches as mdata
-from minipar.training.data.packing import RowSampler
-from minipar.training.data.packing import eval_batches as packed_eval_batches
+from minipar.trainer.data import batches as mdata
+from minipar.trainer.data.packing import RowSampler
+from minipar.trainer.data.packing import eval_batches as packed_eval_batches
 
 
 class Batches:

@@ -46,22 +46,21 @@ from minipar import comm
 from minipar.pipeline_parallel import (
     build_stage,
     check_schedule,
+    chunks_per_rank,
     exchange_plan,
     forward_only,
     run_schedule,
     schedule_order,
     split_layers,
 )
-from minipar.training.batch_source import eval_loss
-from minipar.training.optim import stage_grad_sq
-from minipar.training.post_validate import PostValidator
+from minipar.trainer.batch_source import eval_loss
+from minipar.optim import stage_grad_sq
+from minipar.pipeline_parallel.post_validate import PostValidator
 
 
 def virtual_stages(cfg) -> int:
     """Model chunks per rank: pipeline_virtual_stages, or 2 for interleaved_1f1b and zbv, 1 otherwise."""
-    if cfg.pipeline_virtual_stages is not None:
-        return cfg.pipeline_virtual_stages
-    return 2 if cfg.pipeline_schedule in ("interleaved_1f1b", "zbv") else 1
+    return chunks_per_rank(cfg.pipeline_schedule, cfg.pipeline_virtual_stages)
 
 
 def check_pipeline(cfg, pp: int, num_micro: int) -> None:

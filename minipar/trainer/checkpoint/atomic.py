@@ -53,7 +53,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from minipar import comm
-from minipar.training.checkpoint.verify import (
+from minipar.trainer.checkpoint.verify import (
     FORMAT,
     MANIFEST,
     VERSION,
@@ -62,7 +62,7 @@ from minipar.training.checkpoint.verify import (
     step_dirs,
     verify_once,
 )
-from minipar.training.run_lock import LOCK_NAME, process_alive
+from minipar.trainer.run_lock import LOCK_NAME, process_alive
 
 INDEX_DIR = "index"
 # step-N.tmp-<host>-<pid>-<token>: the owner (rank 0 of the saving run) is optional for the

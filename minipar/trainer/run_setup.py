@@ -33,20 +33,20 @@ import minipar
 from minipar import ParallelismConfig
 from minipar.config_files import read_yaml
 from minipar.context_parallel import check_ulysses
-from minipar.training import lifecycle, run_lock
-from minipar.training.config import keys as config_keys
-from minipar.training.config.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
-from minipar.training.data import batches as mdata
-from minipar.training.data.packing import prepare as prepare_datasets
-from minipar.training.data.prepared import load_or_prepare
-from minipar.training.data.tokenizer import (
+from minipar.trainer import lifecycle, run_lock
+from minipar.trainer.config import keys as config_keys
+from minipar.trainer.config.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
+from minipar.trainer.data import batches as mdata
+from minipar.trainer.data.packing import prepare as prepare_datasets
+from minipar.trainer.data.prepared import load_or_prepare
+from minipar.trainer.data.tokenizer import (
     HFTokenizer,
     fill_special_token_ids,
     load_tokenizer,
     padded_vocab_size,
     tokenizer_path,
 )
-from minipar.training.pipeline_step import check_pipeline
+from minipar.trainer.pipeline_step import check_pipeline
 from models.hf_checkpoint import HFCheckpoint
 from models.llama import LlamaForCausalLM
 

@@ -44,12 +44,13 @@ import torch
 from tqdm import tqdm
 
 from minipar.mesh import describe_grid
-from minipar.training import lifecycle, metrics_file, moe_metrics, run_summary
-from minipar.training.checkpoint import save_load as ckpt
-from minipar.training.data.tokenizer import save_tokenizer
-from minipar.training.profiling import StepProfiler
-from minipar.training.run_loggers import open_loggers
-from minipar.training.throughput import Throughput
+from minipar.trainer import lifecycle, metrics_file, run_summary
+from models import moe_metrics
+from minipar.trainer.checkpoint import save_load as ckpt
+from minipar.trainer.data.tokenizer import save_tokenizer
+from minipar.trainer.profiling import StepProfiler
+from minipar.trainer.run_loggers import open_loggers
+from minipar.trainer.throughput import Throughput
 
 
 class TrainLoop:

@@ -1,7 +1,7 @@
 r"""Export a minipar checkpoint (sharded or full, from any layout) as a Hugging Face directory.
 
-    python -m minipar.training.checkpoint.export out/default/step-300 out/default/hf-step-300
-    python -m minipar.training.checkpoint.export out/finetune/step-100 out/finetune/hf-100 \
+    python -m minipar.trainer.checkpoint.export out/default/step-300 out/default/hf-step-300
+    python -m minipar.trainer.checkpoint.export out/finetune/step-100 out/finetune/hf-100 \
         --tokenizer out/example/model
 
 Runs on one process: the checkpoint's manifest holds the model config, every shard file is read,
@@ -26,10 +26,10 @@ import argparse
 import os
 
 from minipar.lora import add_lora, check_targets, lora_targets, merge
-from minipar.training.checkpoint import files as ck_files
-from minipar.training.checkpoint import save_load as ckpt
-from minipar.training.checkpoint.verify import read_manifest
-from minipar.training.data.tokenizer import save_byte_tokenizer
+from minipar.trainer.checkpoint import files as ck_files
+from minipar.trainer.checkpoint import save_load as ckpt
+from minipar.trainer.checkpoint.verify import read_manifest
+from minipar.trainer.data.tokenizer import save_byte_tokenizer
 from models.hf_checkpoint import save_pretrained
 from models.hf_shards import MAX_SHARD_BYTES
 from models.llama import LlamaForCausalLM

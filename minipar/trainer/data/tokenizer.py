@@ -36,7 +36,7 @@ import json
 import os
 from typing import List, Optional, Sequence, Tuple
 
-from minipar.training.data.batches import ByteTokenizer
+from minipar.trainer.data.batches import ByteTokenizer
 
 VOCAB_MULTIPLE = 64
 

@@ -51,7 +51,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from . import comm
 
 
 # ----------------------------------------------------------------------------- the schedule

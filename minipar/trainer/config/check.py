@@ -27,8 +27,8 @@ from typing import List
 
 from minipar.config import ATTENTION_BACKENDS, CP_IMPLS, CP_LAYOUTS
 from minipar.lora import adapter_shapes, add_lora, check_adapter, check_targets
-from minipar.training.data.batches import DATASET_IS, check_data_file
-from minipar.training.data.datasets import check_entries
+from minipar.trainer.data.batches import DATASET_IS, check_data_file
+from minipar.trainer.data.datasets import check_entries
 from models.activation_checkpoint import check_option
 from models.llama import LlamaForCausalLM
 

@@ -1,6 +1,6 @@
 """A small, offline fine-tuning example: a BPE tokenizer with a chat template, and chat data.
 
-    python -m minipar.training.data.example_data out/example
+    python -m minipar.trainer.data.example_data out/example
       out/example/tokenizer/     tokenizer.json + tokenizer_config.json (AutoTokenizer loads it)
       out/example/chat.jsonl     {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
       out/example/completion.jsonl  {"text": "..."}: the same speeches as plain completion rows
@@ -20,7 +20,7 @@ import random
 import re
 from typing import Dict, List, Optional, Tuple
 
-from minipar.training.config.train_config import REPO_ROOT
+from minipar.trainer.config.train_config import REPO_ROOT
 
 PLAYS = os.path.join(REPO_ROOT, "data", "shakespeare.txt")
 SPECIAL = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]

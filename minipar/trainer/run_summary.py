@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from minipar import comm
-from minipar.training import metrics_file
+from minipar.trainer import metrics_file
 
 
 def report(loop, elapsed: float, last_val: Optional[float]) -> None:

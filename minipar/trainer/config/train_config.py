@@ -24,17 +24,17 @@ from typing import List, Optional, Union
 import yaml
 
 from minipar.config_files import read_yaml, yaml_value
-from minipar.training.config import keys as config_keys
+from minipar.trainer.config import keys as config_keys
 
 # every value check at once, before anything is written (check.py); YAML errors in one line
-from minipar.training.config.check import check
+from minipar.trainer.config.check import check
 
 # typed values and the applying of a mapping, with one error for every unknown key (values.py)
-from minipar.training.config.values import _apply, unknown_keys_error
+from minipar.trainer.config.values import _apply, unknown_keys_error
 from models.hf_checkpoint import read_config
 from models.llama_config import LlamaConfig
 
-# the checkout's root (minipar/training/ is two levels below it): configs/ and data/ live there
+# the checkout's root (minipar/trainer/ is two levels below it): configs/ and data/ live there
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
@@ -56,7 +56,7 @@ class TrainConfig:
     seed: int = 42
     dataset: str = "data/shakespeare.txt"
     val_fraction: float = 0.05
-    # fine-tuning data, Axolotl's keys (training/datasets.py, packing.py); `datasets` replaces `dataset`
+    # fine-tuning data, Axolotl's keys (trainer/datasets.py, packing.py); `datasets` replaces `dataset`
     tokenizer_config: Optional[str] = None   # a HF tokenizer directory; default base_model, else bytes
     datasets: List[dict] = field(default_factory=list)   # [{path, type: completion | chat_template, field}]
     train_on_inputs: bool = False         # false: labels only on assistant turns of chat rows
@@ -135,7 +135,7 @@ class TrainConfig:
     resume_from_checkpoint: Optional[str] = None   # a path, or "latest"
     export_hf: bool = True                # write <output_dir>/hf at the end
     progress_bar: bool = True
-    # what a run reports besides metrics.jsonl (training/throughput.py, profiling.py, run_loggers.py):
+    # what a run reports besides metrics.jsonl (trainer/throughput.py, profiling.py, run_loggers.py):
     peak_tflops: Optional[float] = None   # per device, for mfu; None: the GPU's (a table), a CPU's measured
     profile_steps: Optional[List[int]] = None   # [a, b]: a torch.profiler trace of steps a..b per rank
     use_tensorboard: bool = False         # Axolotl's: event files under <output_dir>/runs

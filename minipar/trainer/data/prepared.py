@@ -59,11 +59,11 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from minipar.training.checkpoint.atomic import owner_tag
-from minipar.training.checkpoint.verify import sha256_file
-from minipar.training.data.datasets import check_entries
-from minipar.training.data.packing import DatasetRun, PackedData
-from minipar.training.run_lock import process_alive
+from minipar.trainer.checkpoint.atomic import owner_tag
+from minipar.trainer.checkpoint.verify import sha256_file
+from minipar.trainer.data.datasets import check_entries
+from minipar.trainer.data.packing import DatasetRun, PackedData
+from minipar.trainer.run_lock import process_alive
 
 FORMAT_VERSION = 1
 CODE_FILES = ("datasets.py", "packing.py", "tokenizer.py", "batches.py")   # what decides the rows

@@ -38,10 +38,10 @@ from minipar.expert_parallel import ep_gather
 from minipar.pipeline_parallel import build_stage, run_schedule, schedule_order
 from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.trainer.data.batches import local_batch
-from models.moe_metrics import MoEStepMetrics
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
+from models.moe_metrics import MoEStepMetrics
 
 B, T, STEPS, LR, COEF = 8, 16, 3, 0.5, 0.05
 FAMILIES = {

@@ -9,8 +9,8 @@ from harness import run_world
 
 import minipar
 from minipar import ParallelismConfig
-from minipar import tensor_parallel as tpl
 from minipar import optim as moptim
+from minipar import tensor_parallel as tpl
 from minipar.optim import WarmupCosine, build_optimizer, build_scheduler, clip_grad_norm_, complement
 
 

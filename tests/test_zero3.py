@@ -13,8 +13,8 @@ from tiny_llama import tiny_batch as _batch
 import minipar
 from minipar import ParallelismConfig, comm, comm_ledger
 from minipar.mesh import ProcessGroupManager
-from minipar.tensor_parallel import gather_tensor
 from minipar.optim import build_optimizer
+from minipar.tensor_parallel import gather_tensor
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig

@@ -272,7 +272,8 @@ def from_train_config(cfg):
                  cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size, ep=cfg.expert_parallel_size)
     if (getattr(cfg, "pipeline_parallel_size", 1) or 1) > 1:          # minipar/plan/pipeline.py
         sizes.update(pp=cfg.pipeline_parallel_size, pipeline_schedule=cfg.pipeline_schedule,
-                     virtual_stages=chunks_per_rank(cfg.pipeline_schedule, cfg.pipeline_virtual_stages), pipeline_layers=cfg.pipeline_layers,
+                     virtual_stages=chunks_per_rank(cfg.pipeline_schedule, cfg.pipeline_virtual_stages),
+                     pipeline_layers=cfg.pipeline_layers,
                      pipeline_overlap_steps=cfg.pipeline_overlap_steps, max_grad_norm=cfg.max_grad_norm)
     batch = Batch(cfg.global_batch_size, cfg.micro_batch_size, cfg.sequence_len)
     opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch,

@@ -43,6 +43,7 @@ import contextlib
 import torch
 
 from minipar import comm
+from minipar.optim import stage_grad_sq
 from minipar.pipeline_parallel import (
     build_stage,
     check_schedule,
@@ -53,9 +54,8 @@ from minipar.pipeline_parallel import (
     schedule_order,
     split_layers,
 )
-from minipar.trainer.batch_source import eval_loss
-from minipar.optim import stage_grad_sq
 from minipar.pipeline_parallel.post_validate import PostValidator
+from minipar.trainer.batch_source import eval_loss
 
 
 def virtual_stages(cfg) -> int:

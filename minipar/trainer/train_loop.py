@@ -45,12 +45,12 @@ from tqdm import tqdm
 
 from minipar.mesh import describe_grid
 from minipar.trainer import lifecycle, metrics_file, run_summary
-from models import moe_metrics
 from minipar.trainer.checkpoint import save_load as ckpt
 from minipar.trainer.data.tokenizer import save_tokenizer
 from minipar.trainer.profiling import StepProfiler
 from minipar.trainer.run_loggers import open_loggers
 from minipar.trainer.throughput import Throughput
+from models import moe_metrics
 
 
 class TrainLoop:

@@ -36,20 +36,20 @@ from tqdm import tqdm
 
 import minipar
 from minipar import comm
+from minipar import optim as moptim
 from minipar.data_parallel import replicate, replicate_naive
 from minipar.lora import add_lora, check_targets, load_adapters, lora_parameters, lora_targets
 from minipar.trainer import host_memory
-from minipar import optim as moptim
 from minipar.trainer.batch_source import Batches, eval_loss
 from minipar.trainer.checkpoint import save_load as ckpt
 from minipar.trainer.checkpoint import verify
-from models.moe_metrics import MoEStepMetrics
 from minipar.trainer.pipeline_step import PipelineStep, build_pipeline_model
 from minipar.trainer.run_setup import Run
 from minipar.trainer.train_loop import TrainLoop  # the run around the step: train(), summary()
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
 from models.llama_init import SeededInit, materialize
+from models.moe_metrics import MoEStepMetrics
 
 
 class Trainer:

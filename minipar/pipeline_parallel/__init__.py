@@ -30,7 +30,8 @@ from .stage import PipelineStage, build_stage, split_layers, stage_chunks
 
 __all__ = ["Recorder", "forward_only", "run_schedule", "Exchange", "exchange_plan", "forward_plan",
            "plan_exchanges", "SCHEDULES", "SPLIT_BACKWARD",
-           "Action", "check_schedule", "chunk_stages", "chunks_per_rank", "schedule_order", "peak_in_flight", "simulate",
+           "Action", "check_schedule", "chunk_stages", "chunks_per_rank", "schedule_order", "peak_in_flight",
+           "simulate",
            "theory_bubble",
            "WeightGradStore", "split_weight_gradients", "PipelineStage", "build_stage", "split_layers",
            "stage_chunks"]

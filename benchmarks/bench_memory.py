@@ -116,7 +116,7 @@ def measure(args, allocator: str):
     run = setup_run(args)
     base = reset_peak_rss()
     tr = Trainer(run)
-    forward, step_tail, at_end = tr._forward, tr.optimizer_step, []
+    forward, step_tail, at_end = tr.parallel.loss, tr.step.tail, []
     marks = PhaseMarks()
 
     def counted(*a, **k):                # every activation of the micro-batch alive, no gradient yet
@@ -130,7 +130,7 @@ def measure(args, allocator: str):
         out = step_tail()
         marks.sample()
         return out
-    tr._forward, tr.optimizer_step = counted, optimizer_step
+    tr.parallel.loss, tr.step.tail = counted, optimizer_step
     tr.train_step(0)
     reset_peak_rss()
     tr.train_step(1)

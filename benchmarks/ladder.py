@@ -166,8 +166,8 @@ def _pipeline_step(model, pgm, schedule, ids):
 
 def _rung(layout, extras, model_kw, batch, wrap, steps):
     """One rung on one rank: warm-up, then timed steps; returns this rank's numbers."""
+    from minipar.batch_split import local_batch
     from minipar.optim import build_optimizer
-    from minipar.trainer.data.batches import local_batch
     from models.llama import LlamaForCausalLM
     from models.llama_config import LlamaConfig
     pgm = minipar.init(ParallelismConfig(**layout, **extras))

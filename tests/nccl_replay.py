@@ -2,7 +2,7 @@
 every send meet a receive of its tag and size?
 
     rec = Recording()                      # a transport: comm's send_recv and wait_all, recorded
-    run_schedule(..., transport=rec)       # or trainer.pipeline.transport = rec; trainer.train()
+    run_schedule(..., transport=rec)       # or trainer.step.transport = rec; trainer.train()
     replay({pp rank: rec.events, ...})     # raises Deadlock, or Mismatch
 
 A rank's events: ("post", batch, ops) for each batch_isend_irecv, ops [(op, peer pp rank, tag,

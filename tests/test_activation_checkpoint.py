@@ -7,9 +7,8 @@ import pytest
 import torch
 from harness import run_world
 
-from minipar import comm_ledger
+from minipar import batch_split, comm_ledger
 from minipar.plan import Batch, Layout, ModelShape, Options, activations, collectives
-from minipar.trainer.data import batches as mdata
 from minipar.trainer.run_setup import setup_run
 from minipar.trainer.trainer import Trainer
 from models.activation_checkpoint import ActivationCheckpointing
@@ -99,7 +98,7 @@ def _measure(argv):
     ledger = {k: list(v) for k, v in led.summary().items()}
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (tr.cfg.global_batch_size, tr.cfg.sequence_len), generator=g)
-    batch = mdata.local_batch(ids, ids.roll(-1, 1), tr.pgm, 0, tr.run.num_micro_steps)
+    batch = batch_split.local_batch(ids, ids.roll(-1, 1), tr.pgm, 0, tr.run.num_micro_steps)
     measured = {}
     for how in (False, ("full", "op"), ("selective", "op"), ("selective", 2)):
         tr.model.gradient_checkpointing = how and ActivationCheckpointing(*how)

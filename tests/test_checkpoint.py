@@ -14,14 +14,13 @@ import torch
 from harness import run_world
 
 import minipar
-from minipar import ParallelismConfig, ProcessGroupManager, comm
+from minipar import ParallelismConfig, ProcessGroupManager, batch_split, comm
 from minipar import optim as moptim
 from minipar.trainer.checkpoint import atomic as cio
 from minipar.trainer.checkpoint import files as ck_files
 from minipar.trainer.checkpoint import layout as ck_layout
 from minipar.trainer.checkpoint import save_load as ck
 from minipar.trainer.checkpoint import verify
-from minipar.trainer.data import batches as mdata
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 
@@ -55,9 +54,9 @@ def _train(model, opt, sched, pgm, steps):
         labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)
         labels[0, :random.randint(0, 4)] = -100
         labels[1, :int(np.random.randint(0, 4))] = -100
-        batch = mdata.local_batch(ids, labels, pgm)
+        batch = batch_split.local_batch(ids, labels, pgm)
         loss = model(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                     num_items_in_batch=mdata.count_label_tokens(labels))
+                     num_items_in_batch=batch_split.count_label_tokens(labels))
         loss.backward()
         _grad_sync(model, pgm)
         moptim.clip_grad_norm_(model.parameters(), 1.0, pgm)

@@ -112,7 +112,7 @@ def test_the_default_model_is_what_train_config_says():
 def test_pipeline_settings_that_fail_together_are_one_error(tmp_path):
     """Issue 20, item 7: too few layers for the stages AND too few micro-batches for 1F1B are
     reported together, in one ValueError, as unknown keys are."""
-    from minipar.trainer.pipeline_step import check_pipeline
+    from minipar.trainer.config.check import check_pipeline
     cfg = load_config(None, ["--model.num_hidden_layers", "2", "--pipeline_schedule", "1f1b"])
     with pytest.raises(ValueError) as err:
         check_pipeline(cfg, 4, 1)

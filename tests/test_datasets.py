@@ -15,7 +15,7 @@ import yaml
 from harness import run_world
 
 import minipar
-from minipar import ParallelismConfig, comm
+from minipar import ParallelismConfig, batch_split, comm
 from minipar import tensor_parallel as tpl
 from minipar.context_parallel import zigzag_shard
 from minipar.mesh import MeshDim
@@ -184,7 +184,7 @@ def test_packing_keeps_whole_examples_with_their_positions(example):
     with pytest.raises(ValueError, match="data order differs"):
         RowSampler(data, 16, seed=5).load_state_dict(s1.state_dict())
     batches = list(eval_batches(data, 8, max_batches=100))
-    assert len(batches) == -(-data.num_rows // 8) and mdata.count_label_tokens(
+    assert len(batches) == -(-data.num_rows // 8) and batch_split.count_label_tokens(
         torch.cat([b["labels"] for b in batches])) == int((r["labels"] != -100).sum()), \
         "eval counts each row once"
 
@@ -194,7 +194,7 @@ def test_local_batch_cuts_positions_and_documents_like_tokens():
             (("input_ids", 1), ("labels", 2), ("position_ids", 3), ("document_ids", 4))}
     pgm = SimpleNamespace(dp=MeshDim("dp", [0, 1], 1, None), cp=MeshDim("cp", [0, 1], 1, None),
                           config=ParallelismConfig())
-    got = mdata.local_batch(rows["input_ids"], rows["labels"], pgm, position_ids=rows["position_ids"],
+    got = batch_split.local_batch(rows["input_ids"], rows["labels"], pgm, position_ids=rows["position_ids"],
                             document_ids=rows["document_ids"])
     for k, m in (("input_ids", 1), ("labels", 2), ("position_ids", 3), ("document_ids", 4)):
         assert torch.equal(got[k], got["input_ids"] * m), k
@@ -224,7 +224,7 @@ def _packed_vs_alone(cp_size, tp_size, sp):
     model = LlamaForCausalLM(LlamaConfig(**CFG), pgm, seed=1)
     cp, ex = model.pgm.cp, _examples()
     rows = build_rows(ex, PLAN, T, pad_token_id=0)
-    n = mdata.count_label_tokens(rows["labels"])
+    n = batch_split.count_label_tokens(rows["labels"])
     shard = {k: zigzag_shard(v, 1, cp) for k, v in rows.items()}
     loss = model(shard["input_ids"], position_ids=shard["position_ids"], labels=shard["labels"],
                  num_items_in_batch=n, document_ids=shard["document_ids"])

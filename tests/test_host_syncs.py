@@ -10,7 +10,7 @@ import pytest
 import torch
 from harness import run_world
 
-from minipar.trainer.data.batches import count_label_tokens
+from minipar.batch_split import count_label_tokens
 from minipar.trainer.host_syncs import HostSyncs, host_tensors, is_host, optimizer_host_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +43,7 @@ def test_counter_counts_device_reads_not_host_reads():
     assert kinds == {"to host->device": 1, "item": 3, "tolist": 1, "tensor(device=) host->device": 1,
                      "nonzero": 1}, syncs.counts()
     where = [k for k in syncs.counts() if k.startswith("minipar/")]
-    assert where and where[0].startswith("minipar/trainer/data/batches.py:"), syncs.counts()
+    assert where and where[0].startswith("minipar/batch_split.py:"), syncs.counts()
 
 
 def test_counter_sees_backward_hooks():

@@ -14,10 +14,10 @@ from tiny_llama import CFG, tiny_batch
 
 import minipar
 from minipar import ParallelismConfig, comm, comm_ledger
+from minipar.batch_split import local_batch
 from minipar.mesh import ProcessGroupManager
 from minipar.optim import build_optimizer
 from minipar.tensor_parallel import gather_tensor
-from minipar.trainer.data.batches import local_batch
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 

@@ -34,10 +34,10 @@ from harness import run_world
 import minipar
 from minipar import ParallelismConfig, comm, comm_ledger
 from minipar import tensor_parallel as tpl
+from minipar.batch_split import local_batch
 from minipar.expert_parallel import ep_gather
 from minipar.pipeline_parallel import build_stage, run_schedule, schedule_order
 from minipar.pipeline_parallel.stage import gather_over_stages
-from minipar.trainer.data.batches import local_batch
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
@@ -100,7 +100,7 @@ def _sgd(model):
 
 def _pipeline_step(model, pgm, micro, schedule, v):
     """One step's micro-batches through this rank's stage under `schedule`, as
-    minipar/trainer/pipeline_step.py runs them: ZeRO-3 in no_sync until the last B (or W)."""
+    minipar/compose.py runs them: ZeRO-3 in no_sync until the last B (or W)."""
     order = schedule_order(schedule, pgm.pp.size, len(micro), pgm.pp.rank, v)
     with contextlib.ExitStack() as unsynced:
         if getattr(model, "zero3", None) is not None:

@@ -40,8 +40,8 @@ from minipar.pipeline_parallel import (
 )
 from minipar.pipeline_parallel.simulate import back_to_back, peak_in_flight, steady_state
 from minipar.pipeline_parallel.stage import gather_over_stages
+from minipar.trainer.config.check import check_pipeline
 from minipar.trainer.config.train_config import load_config
-from minipar.trainer.pipeline_step import check_pipeline
 from minipar.trainer.run_setup import setup_run
 from minipar.trainer.trainer import Trainer
 from models.llama import LlamaForCausalLM
@@ -524,7 +524,7 @@ def _train_validated(argv):
     torch.set_num_threads(1)
     trainer = Trainer(setup_run(argv))
     curve = _curve(trainer.train())
-    v = trainer.pipeline.validator
+    v = trainer.step.validator
     return curve, (v.checked, v.redone) if v is not None else None
 
 

@@ -217,7 +217,7 @@ def _recorded(runs):
     out = []
     for argv in runs:
         trainer = Trainer(setup_run(argv))
-        trainer.pipeline.transport = rec = Recording()
+        trainer.step.transport = rec = Recording()
         history = trainer.train()
         out.append((trainer.pgm.pp.rank, rec.events, [h["loss"] for h in history]))
     return out

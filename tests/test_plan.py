@@ -24,7 +24,7 @@ import torch
 import yaml
 from harness import run_world
 
-from minipar import comm_ledger
+from minipar import batch_split, comm_ledger
 from minipar.pipeline_parallel.p2p import activation_shape
 from minipar.plan import Layout, activations, collectives, memory, search
 from minipar.plan.__main__ import main as plan_main
@@ -32,7 +32,6 @@ from minipar.plan.estimate import Cluster, crosses_nodes
 from minipar.plan.inputs import Batch, ModelShape, Options, from_train_config
 from minipar.plan.long_step import plan_stage
 from minipar.plan.pipeline_stage import Pipeline, stages
-from minipar.trainer.data import batches as mdata
 from minipar.trainer.run_setup import setup_run
 from minipar.trainer.trainer import Trainer
 
@@ -98,7 +97,7 @@ def _measure(argv):
         tr.train_step(0)
     ledger = {k: list(v) for k, v in led.summary().items()}
     tr.train_step(1)                            # the second step prefetches in the learned order
-    kept = tr.pipeline.validator.kept if tr.pipeline is not None and tr.pipeline.validator else None
+    kept = tr.step.validator.kept if tr.step.validator is not None else None
     if kept is not None:                        # post-validation's copy of step 2's update, unchecked
         opt = [v for st in kept["optimizer"]["state"].values() for v in st.values()]
         state["kept"] = _tensor_bytes(kept["params"]) + _tensor_bytes(kept["grads"]) + _tensor_bytes(opt)
@@ -110,11 +109,11 @@ def _measure(argv):
         for seq in SEQS:
             g = torch.Generator().manual_seed(seq)
             ids = torch.randint(0, 256, (tr.cfg.global_batch_size, seq), generator=g)
-            batch = mdata.local_batch(ids, ids.roll(-1, 1), pgm, 0, M)
+            batch = batch_split.local_batch(ids, ids.roll(-1, 1), pgm, 0, M)
             h = None
-            if tr.pipeline is not None:          # what a stage receives: p2p.py's shape and dtype
+            if tr.step.pipelined:                 # what a stage receives: p2p.py's shape and dtype
                 shape = activation_shape(batch, pgm, tr.cfg.model.hidden_size)
-                h = lambda: torch.randn(shape).to(tr.pipeline.act_dtype)
+                h = lambda: torch.randn(shape).to(tr.step.act_dtype)
             acts[(checkpointing, seq)] = _saved_bytes(tr.model, batch, ids.numel(), h, tr.autocast)
     return dict(state=state, ledger=ledger, acts=acts, cfg=tr.cfg, layout=pgm.config)
 

@@ -1,5 +1,5 @@
 """Post-validation (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 5): clipping by the
-global gradient norm for pipeline stages that step alone (pipeline_overlap_steps, pipeline_step.py).
+global gradient norm for pipeline stages that step alone (pipeline_overlap_steps, overlap_steps.py).
 
 A stage that steps alone updates its own layers as soon as its last W of the step is done, and starts
 the next step at once: that is what lets the next step's fill run under this one's drain. But

@@ -31,7 +31,7 @@ autograd had computed dW in B. Under ZeRO-3 a weight is a view of its unit's fla
 same call runs the view's backward into flat.grad and the unit's post-accumulate-grad hook
 (minipar/zero3/shard_manager.py): the reductions see W's gradients exactly where they see B's.
 So the DP and ZeRO-3 reductions wait for the step's LAST W simply by running every B and W but
-that one under no_sync (minipar/trainer/pipeline_step.py). Where no Linear of the stage has a
+that one under no_sync (minipar/compose.py). Where no Linear of the stage has a
 trainable weight or bias (LoRA: the base frozen, the adapters' small matmuls not split) a W computes
 nothing and starts no backward, so no reducer would ever see the step end: there the last gradient
 action is the last B (`WeightGradStore.defers` says which; minipar/pipeline_parallel/executor.py).

@@ -91,7 +91,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
             extra = 2 * p["memory"]["kept"] / (cluster.hbm_gbps * 1e9)    # its redone steps are not counted
             parts["optimizer_s"] += extra
             parts["compute_s"] += extra
-        # pipeline_step.py reduces once per step (no_sync until the rank's last backward), and every
+        # compose.py reduces once per step (no_sync until the rank's last backward), and every
         # micro-batch regathers the stage's layers: overlap.py's per-layer sum over the stage
         us = stage_units(model, layout, st)
         t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts,

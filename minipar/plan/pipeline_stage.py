@@ -15,7 +15,7 @@ the same for a step of many micro-batches, from three short ones):
     gathered     ZeRO-3's buffers, from a replay of zero3's hooks (zero3_replay.py) over the
                  schedule's action list: the root is re-gathered at every chunk forward, prefetch
                  follows the learned order, which alternates between chunks under interleaving
-    accumulated  pipeline_step.py keeps ZeRO-3 / DDP in no_sync until the rank's last backward:
+    accumulated  compose.py keeps ZeRO-3 / DDP in no_sync until the rank's last backward:
                  with m > 1 every unit's unsharded fp32 gradient is held (as fsdp.sync_each_batch
                  false), and each unit reduce-scatters ONCE per step
     activations  per micro-batch, the chunk's layers (activation_bytes.py's per-layer bytes) + cos/sin per
@@ -176,7 +176,7 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
         gathered = replay.peak
         for u in us:
             add("all_gather", "dp_shard_cp", calls[u.name], padded[u.name] * e)
-            if u.numel:            # once per step: the rank's last backward (pipeline_step.py)
+            if u.numel:            # once per step: the rank's last backward (compose.py)
                 add("reduce_scatter", "dp_shard_cp", 1, padded[u.name] * 4)
                 add("all_reduce", "dp_replicate", 1, padded[u.name] // N * 4)
         if M > 1:
@@ -285,7 +285,7 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
     add("all_reduce", "tp", 1, 16)                         # the global norm (clipped by, or only logged)
     add("all_reduce", "dp_shard_cp", 1, 8)
     if pipe.overlap_steps:                                 # loss and squared norm: one sum over the world
-        add("all_reduce", "world", 1, 16)                  # in the background (trainer/pipeline_step.py)
+        add("all_reduce", "world", 1, 16)                  # in the background (minipar/pipeline_parallel/overlap_steps.py)
     else:
         add("all_reduce", "pp", 2, 8)
     return dict(rank=st.rank, layers=[list(c) for c in st.chunks], first=st.first, last=st.last,

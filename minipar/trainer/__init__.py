@@ -1,4 +1,5 @@
-"""The training program that train.py runs: three packages, then the run itself. In reading order:
+"""The trainer around the techniques: what train.py runs. The techniques and their composition
+(minipar/compose.py) never import it. Three packages, then the run itself. In reading order:
 
     config/           the keys, their types and values, every check before anything is written
     data/             tokens, examples, packed rows, the share of each global batch a rank computes
@@ -6,8 +7,7 @@
     run_setup.py      every check that needs no communication, then the process groups
     run_lock.py       output_dir writable, and one run per output_dir (a lock file)
     batch_source.py   a step's global batch, this rank's share of it, the eval batches and their loop
-    trainer.py        the model, its parallel wrappers, the optimizer, one step, evaluation, saves
-    pipeline_step.py  the step when pipeline_parallel_size > 1: a schedule over the micro-batches
+    trainer.py        compose.py's model and step with the optimizer, the batches, evaluation, saves
     train_loop.py     the run around the step: resume, logs, metrics, saves, a SIGTERM stop, summary
     lifecycle.py      the ranks agree at the start, stop together on SIGTERM, end cleanly
     metrics_file.py   metrics.jsonl (kept across a resume) and the loss curve

@@ -1,5 +1,5 @@
-"""Where a step's tokens come from, for the plain step (trainer.py) and the pipeline step
-(pipeline_step.py) alike, and the evaluation loop both run over them.
+"""Where a step's tokens come from, for every layout's step (compose.Step, through trainer.py), and
+the evaluation loop over them.
 
     Batches(run, device)
         global_batch(step)      (B, T) input_ids, labels (+ position_ids, document_ids when packed):
@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from minipar import comm
+from minipar import batch_split, comm
 from minipar.trainer.data import batches as mdata
 from minipar.trainer.data.packing import RowSampler
 from minipar.trainer.data.packing import eval_batches as packed_eval_batches
@@ -57,7 +57,7 @@ class Batches:
             return ready
         self._ahead = None
         gb = self.global_batch(step)
-        return mdata.count_label_tokens(gb["labels"]), [self.local(gb, m, M) for m in range(M)]
+        return batch_split.count_label_tokens(gb["labels"]), [self.local(gb, m, M) for m in range(M)]
 
     def prefetch(self, step: int, M: int) -> None:
         """Make step `step`'s batches now, while the device still works through the current step's
@@ -65,7 +65,7 @@ class Batches:
         self._ahead = ((step, M), self.step(step, M))
 
     def local(self, gb: dict, m: int, M: int) -> dict:
-        return mdata.local_batch(gb["input_ids"], gb["labels"], self.pgm, m, M, device=self.device,
+        return batch_split.local_batch(gb["input_ids"], gb["labels"], self.pgm, m, M, device=self.device,
                                  position_ids=gb.get("position_ids"), document_ids=gb.get("document_ids"))
 
     def eval_batches(self) -> Iterator[dict]:
@@ -95,7 +95,7 @@ def eval_loss(model, batches: Batches, loss_of: Callable[[dict, int], torch.Tens
     total = torch.zeros((), dtype=torch.float64, device=batches.device)
     count = 0
     for gb in batches.eval_batches():
-        total += loss_of(batches.local(gb, 0, 1), mdata.count_label_tokens(gb["labels"]))
+        total += loss_of(batches.local(gb, 0, 1), batch_split.count_label_tokens(gb["labels"]))
         count += 1
     for group in groups:
         comm.all_reduce(total, group)

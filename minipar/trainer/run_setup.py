@@ -35,6 +35,7 @@ from minipar.config_files import read_yaml
 from minipar.context_parallel import check_ulysses
 from minipar.trainer import lifecycle, run_lock
 from minipar.trainer.config import keys as config_keys
+from minipar.trainer.config.check import check_pipeline
 from minipar.trainer.config.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
 from minipar.trainer.data import batches as mdata
 from minipar.trainer.data.packing import prepare as prepare_datasets
@@ -46,7 +47,6 @@ from minipar.trainer.data.tokenizer import (
     padded_vocab_size,
     tokenizer_path,
 )
-from minipar.trainer.pipeline_step import check_pipeline
 from models.hf_checkpoint import HFCheckpoint
 from models.llama import LlamaForCausalLM
 

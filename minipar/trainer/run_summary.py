@@ -45,7 +45,7 @@ def report(loop, elapsed: float, last_val: Optional[float]) -> None:
              + (f", val_loss {last_val:.4f}" if last_val is not None else ""),
              f"metrics: {loop.cfg.metrics_path}" + (f", loss curve: {png}" if png else ""),
              *memory_lines(peaks.tolist(), cuda)]
-    validator = getattr(loop.trainer.pipeline, "validator", None)
+    validator = loop.trainer.step.validator
     if validator is not None:
         lines.append(validator.describe())
     loop.log("\n".join(lines + speed_lines(loop, ran, max(p[0] for p in peaks.tolist()), cuda)))

@@ -24,7 +24,7 @@ The loop owns the history (one record per step, the earlier ones of metrics.json
     reads all of them in one copy (_read): the step's only host sync on a dense layout
     (docs/design.md, host syncs), the logged floats the same. (pipeline_overlap_steps: the record
     of a step is settled after the next one, whose stages did not wait for each other;
-    pipeline_step.py)
+    pipeline_parallel/overlap_steps.py)
     save(max_steps), export_hf, summary    run_summary.py: the peak memory of every rank, the loss
                                            curve, the throughput and MFU beside the planner's
                                            prediction for this layout
@@ -118,7 +118,7 @@ class TrainLoop:
             if cfg.eval_steps and has_val and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
                 t.settle()                        # evaluate checked weights (post_validate.py)
                 last_val = record["val_loss"] = t.evaluate()
-            if alone:                             # its loss and norm arrive a step late (pipeline_step.py)
+            if alone:                             # its loss and norm arrive a step late (overlap_steps.py)
                 if held is not None:
                     self._report(*held, bar, metrics)
                 held = (record, out["pending"], dt)

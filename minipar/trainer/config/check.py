@@ -27,6 +27,7 @@ from typing import List
 
 from minipar.config import ATTENTION_BACKENDS, CP_IMPLS, CP_LAYOUTS
 from minipar.lora import adapter_shapes, add_lora, check_adapter, check_targets
+from minipar.pipeline_parallel import check_schedule, chunks_per_rank, split_layers
 from minipar.trainer.data.batches import DATASET_IS, check_data_file
 from minipar.trainer.data.datasets import check_entries
 from models.activation_checkpoint import check_option
@@ -234,3 +235,27 @@ def _lora(cfg) -> List[str]:
         if bad:
             out.append(f"lora_model_dir {cfg.lora_model_dir!r} does not fit this model: " + "; ".join(bad))
     return out
+
+
+def check_pipeline(cfg, pp: int, num_micro: int) -> None:
+    """Every pipeline setting that can fail on this world (the schedule against the micro-batch
+    count, tied embeddings, the layer split), as ONE ValueError naming all that do; run_setup's,
+    once the world size and the micro-batch count are known. No communication."""
+    v = chunks_per_rank(cfg.pipeline_schedule, cfg.pipeline_virtual_stages)
+
+    def tied():
+        if cfg.model.tie_word_embeddings:
+            raise ValueError("model.tie_word_embeddings with pipeline_parallel_size > 1 is not supported: "
+                             "the embedding (first stage) and lm_head (last stage) would share one weight "
+                             "across stages; untie them or use pipeline_parallel_size 1")
+    problems = []
+    for one in (lambda: check_schedule(cfg.pipeline_schedule, pp, num_micro, v), tied,
+                lambda: split_layers(cfg.model.num_hidden_layers, pp * v, cfg.pipeline_layers)):
+        try:
+            one()
+        except ValueError as err:
+            problems.append(str(err))
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ValueError(f"{len(problems)} pipeline settings are wrong: " + "; ".join(problems))

@@ -23,6 +23,7 @@ from typing import List, Optional, Union
 
 import yaml
 
+from minipar.compose import LoRA, Recipe
 from minipar.config_files import read_yaml, yaml_value
 from minipar.trainer.config import keys as config_keys
 
@@ -168,6 +169,18 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def recipe(self):
+        """How the composition applies the techniques (minipar/compose.py), from this config."""
+        lora = LoRA(self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_target_modules,
+                    self.lora_target_linear, self.lora_model_dir) if self.adapter == "lora" else None
+        return Recipe(dtype=self.dtype, seed=self.seed, lora=lora,
+                      gradient_checkpointing=self.gradient_checkpointing,
+                      selective_ac_option=self.selective_ac_option, pipeline_schedule=self.pipeline_schedule,
+                      pipeline_virtual_stages=self.pipeline_virtual_stages,
+                      pipeline_layers=self.pipeline_layers, zero3_prefetch=self.fsdp.prefetch,
+                      reshard_after_forward=self.fsdp.reshard_after_forward,
+                      sync_each_batch=self.fsdp.sync_each_batch, ddp=self.ddp)
 
 
 def _example(key: str) -> str:

@@ -44,7 +44,8 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from minipar.trainer.data.batches import IGNORE_INDEX, check_data_file
+from minipar.batch_split import IGNORE_INDEX
+from minipar.trainer.data.batches import check_data_file
 
 TYPES = ("completion", "chat_template")
 ROLES = ("system", "user", "assistant")

@@ -29,7 +29,8 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from minipar.trainer.data.batches import IGNORE_INDEX, check_same_data_order
+from minipar.batch_split import IGNORE_INDEX
+from minipar.trainer.data.batches import check_same_data_order
 from minipar.trainer.data.datasets import Examples, check_entries, load_examples, split_validation
 
 LOOK_BACK = 64       # open rows first-fit searches; bounds the packing time at len(examples) * 64

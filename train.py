@@ -37,6 +37,7 @@ from minipar.plan import Cluster, Layout, Pipeline, plan, plan_pipeline
 from minipar.plan.inputs import from_train_config
 from minipar.trainer import lifecycle
 from minipar.trainer.checkpoint.atomic import CheckpointWriteError
+from minipar.trainer.config.keys import SIZE_NAMES
 from minipar.trainer.config.train_config import TrainConfig
 from minipar.trainer.run_setup import setup_run
 from minipar.trainer.trainer import Trainer
@@ -59,7 +60,8 @@ def _usage() -> str:
             lines.append(f"  {f.name}.{{{inner}}}")
         else:
             lines.append(f"  {f.name} = {value!r}")
-    return USAGE + "\n".join(lines)
+    aliases = ", ".join(f"{axolotl} = {name}" for axolotl, name in SIZE_NAMES.items())
+    return USAGE + "\n".join(lines) + f"\n\nAxolotl's names are accepted too: {aliases}"
 
 
 def planner_prediction(cfg, pconf):

@@ -10,15 +10,17 @@ The world is a grid of ranks (see mesh.py for the layout): pp_size pipeline stag
     cp_size             the sequence split; attention as ring attention       (context parallel)
     tp_size             weight matrices and heads split; activations reduced  (tensor parallel)
 
-Expert parallelism, ep_size (the YAML key `expert_parallel_size`, in the style of Axolotl's *_size
-keys; accelerate has no name for it, torchtitan calls it expert_parallel_degree), adds no ranks: it
-borrows them from dp_shard x cp, as torchtitan does. ep consecutive ranks of a dp_shard_cp group
+Expert parallelism, ep_size (or the YAML key `expert_parallel_size`, in the style of Axolotl's
+*_size keys; accelerate has no name for it, torchtitan calls it expert_parallel_degree), adds no
+ranks: it borrows them from dp_shard x cp, as torchtitan does. ep consecutive ranks of a dp_shard_cp group
 hold E/ep experts each and exchange tokens; ep must divide dp_shard_size x cp_size (mesh.py's ep and
 edp groups, expert_parallel/dispatch.py).
 
-The names are HF accelerate's `ParallelismConfig`; sizes may also come from accelerate's
-environment variables PARALLELISM_CONFIG_{PP,DP_REPLICATE,DP_SHARD,CP,TP}_SIZE. A dp_shard_size left
-unset (None) takes whatever is left of the world after the other three, as Axolotl does, so
+The names are HF accelerate's `ParallelismConfig`, and the training config's too
+(TrainConfig.parallelism() builds this one; trainer/config/keys.py maps Axolotl's YAML names onto
+them); sizes may also come from accelerate's environment variables
+PARALLELISM_CONFIG_{PP,DP_REPLICATE,DP_SHARD,CP,TP}_SIZE. A dp_shard_size left unset (None) takes
+whatever is left of the world after the other three, as Axolotl does, so
 `torchrun --nproc-per-node 8 train.py --tensor_parallel_size 2` shards over the remaining 4.
 
 Nothing here communicates: every check runs on every rank before the first collective, so a

@@ -292,7 +292,8 @@ class OptimizerStep:
 
     def update(self) -> float:
         """AdamW, the schedule, zero_grad, on the gradients as they are (no norm, no clipping: what a
-        pipeline stage that steps alone runs, pipeline_parallel/overlap_steps.py); returns the lr the update used."""
+        pipeline stage that steps alone runs, pipeline_parallel/overlap_steps.py); returns the lr the
+        update used."""
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()

@@ -78,14 +78,13 @@ def test_accelerate_size_variables_fill_the_sizes_not_set(monkeypatch, tmp_path)
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "4")
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
     cfg, notes = load_config(DEFAULT_CONFIG, ["--context_parallel_size", "1"]), []
-    assert _sizes_from_env(cfg, DEFAULT_CONFIG, True, {"context_parallel_size"}, notes) \
-        == {"tensor_parallel_size"}
-    assert (cfg.tensor_parallel_size, cfg.context_parallel_size) == (4, 1) and "ignored" in notes[0]
+    assert _sizes_from_env(cfg, DEFAULT_CONFIG, True, {"cp_size"}, notes) == {"tp_size"}
+    assert (cfg.tp_size, cfg.cp_size) == (4, 1) and "ignored" in notes[0]
     path = tmp_path / "c.yaml"
     path.write_text("tensor_parallel_size: 2\n")
     cfg, notes = load_config(str(path)), []
-    assert _sizes_from_env(cfg, str(path), False, set(), notes) == {"context_parallel_size"}
-    assert (cfg.tensor_parallel_size, cfg.context_parallel_size) == (2, 2)
+    assert _sizes_from_env(cfg, str(path), False, set(), notes) == {"cp_size"}
+    assert (cfg.tp_size, cfg.cp_size) == (2, 2)
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
     with pytest.raises(ValueError, match="PARALLELISM_CONFIG_TP_SIZE"):
         _sizes_from_env(load_config(str(path)), str(path), False, set(), [])
@@ -118,3 +117,27 @@ def test_pipeline_settings_that_fail_together_are_one_error(tmp_path):
         check_pipeline(cfg, 4, 1)
     msg = str(err.value)
     assert "num_hidden_layers=2" in msg and "at least 4 micro-batches" in msg, msg
+
+
+def test_one_name_per_size_inside_axolotls_at_the_boundary(tmp_path):
+    """Issue 38: the code knows tp_size, cp_size, pp_size, ep_size (ParallelismConfig's names);
+    Axolotl's tensor_parallel_size, ... are accepted in a YAML file and on the command line, and
+    both names of one size with different values are one clear error."""
+    path = tmp_path / "c.yaml"
+    path.write_text("tensor_parallel_size: 2\ncontext_parallel_size: 2\npipeline_parallel_size: 2\n"
+                    "expert_parallel_size: 1\n")
+    cfg = load_config(str(path))
+    assert (cfg.tp_size, cfg.cp_size, cfg.pp_size, cfg.ep_size) == (2, 2, 2, 1)
+    assert not hasattr(cfg, "tensor_parallel_size")
+    pconf = cfg.parallelism()
+    assert (pconf.tp_size, pconf.cp_size, pconf.pp_size, pconf.ep_size) == (2, 2, 2, 1)
+    assert load_config(None, ["--tensor_parallel_size", "4"]).tp_size == 4
+    assert load_config(None, ["--tp_size", "4", "--tensor_parallel_size", "4"]).tp_size == 4
+    assert load_config(str(path), ["--tp_size", "4"]).tp_size == 4          # the command line wins
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 contradicts tp_size: 4"):
+        load_config(None, ["--tp_size", "4", "--tensor_parallel_size", "2"])
+    path.write_text("context_parallel_size: 2\ncp_size: 1\n")
+    with pytest.raises(ValueError, match="context_parallel_size: 2 contradicts cp_size: 1"):
+        load_config(str(path))
+    with pytest.raises(ValueError, match="Did you mean 'tensor_parallel_size'"):
+        load_config(None, ["--tensor_paralel_size", "2"])

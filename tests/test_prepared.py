@@ -100,7 +100,7 @@ def test_every_key_input_prepares_anew(tmp_path):
     prepared.load_or_prepare(cfg, tok, fn)
     assert calls == [], "the same inputs load"
     # the model, batch and layout do not change the rows: the same key
-    same = _cfg(tmp_path, global_batch_size=4, tensor_parallel_size=2, learning_rate=1.0)
+    same = _cfg(tmp_path, global_batch_size=4, tp_size=2, learning_rate=1.0)
     assert prepared.cache_inputs(same, tok) == prepared.cache_inputs(cfg, tok)
     changes = dict(sequence_len=dict(sequence_len=40), seed=dict(seed=1), packing=dict(sample_packing=False),
                    val=dict(val_set_size=0.3), inputs=dict(train_on_inputs=True))

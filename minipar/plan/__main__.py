@@ -125,8 +125,8 @@ def load(args):
     if args.config:
         cfg = load_config(args.config)
         model, base, batch, opts = from_train_config(cfg)
-        world = (cfg.dp_replicate_size * (cfg.dp_shard_size or 1) * cfg.context_parallel_size
-                 * cfg.tensor_parallel_size * (cfg.pipeline_parallel_size or 1))
+        world = (cfg.dp_replicate_size * (cfg.dp_shard_size or 1) * cfg.cp_size
+                 * cfg.tp_size * (cfg.pp_size or 1))
     if args.model:                          # train.py's base_model check: a Llama decoder, valid JSON
         model = ModelShape.from_dict(read_hf_config(args.model, f"--model {args.model}", tuple(FAMILIES)))
         if not args.config:

@@ -267,11 +267,11 @@ def expert_problems(model: ModelShape, layout: Layout) -> List[str]:
 def from_train_config(cfg):
     """(model, layout sizes, batch, options) of a TrainConfig (what train.py would run)."""
     model = ModelShape.from_dict(dataclasses.asdict(cfg.model))
-    sizes = dict(dp_replicate=cfg.dp_replicate_size, dp_shard=cfg.dp_shard_size, cp=cfg.context_parallel_size,
-                 tp=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel,
-                 cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size, ep=cfg.expert_parallel_size)
-    if (getattr(cfg, "pipeline_parallel_size", 1) or 1) > 1:          # minipar/plan/pipeline.py
-        sizes.update(pp=cfg.pipeline_parallel_size, pipeline_schedule=cfg.pipeline_schedule,
+    sizes = dict(dp_replicate=cfg.dp_replicate_size, dp_shard=cfg.dp_shard_size, cp=cfg.cp_size,
+                 tp=cfg.tp_size, sequence_parallel=cfg.sequence_parallel,
+                 cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size, ep=cfg.ep_size)
+    if (getattr(cfg, "pp_size", 1) or 1) > 1:          # minipar/plan/pipeline.py
+        sizes.update(pp=cfg.pp_size, pipeline_schedule=cfg.pipeline_schedule,
                      virtual_stages=chunks_per_rank(cfg.pipeline_schedule, cfg.pipeline_virtual_stages),
                      pipeline_layers=cfg.pipeline_layers,
                      pipeline_overlap_steps=cfg.pipeline_overlap_steps, max_grad_norm=cfg.max_grad_norm)

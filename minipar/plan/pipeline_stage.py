@@ -285,7 +285,7 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
     add("all_reduce", "tp", 1, 16)                         # the global norm (clipped by, or only logged)
     add("all_reduce", "dp_shard_cp", 1, 8)
     if pipe.overlap_steps:                                 # loss and squared norm: one sum over the world
-        add("all_reduce", "world", 1, 16)                  # in the background (minipar/pipeline_parallel/overlap_steps.py)
+        add("all_reduce", "world", 1, 16)                  # in the background (overlap_steps.py)
     else:
         add("all_reduce", "pp", 2, 8)
     return dict(rank=st.rank, layers=[list(c) for c in st.chunks], first=st.first, last=st.last,

@@ -1,30 +1,38 @@
-"""From the command line to a checked run: config, layout, data, then the process groups.
+"""From the command line to a checked run: config, model, layout, batch, data, then the process groups.
 
 Everything that can be checked without communicating is checked here, on every rank, before
-minipar.init creates a single group, so a mistake is the same clear error everywhere, never a hang:
+minipar.init creates a single group, so a mistake is the same clear error everywhere, never a hang.
+setup_run is these steps, in this order, each one function below:
 
-    argv -> load_config (YAML + --key value, unknown keys, types, then  train_config.py
-            every value and data file at once, all wrong ones in one error) check.py
-         -> base_model's weight headers against its config.json          models/hf_checkpoint.py
-         -> the layout: the config's sizes, resolved against the world   config.py
-              (a world of one runs any config with all sizes 1; without a config file, sizes on
-               the command line replace the default layout; accelerate's PARALLELISM_CONFIG_*_SIZE
-               variables set the sizes that neither the command line nor the config file sets)
-         -> the tokenizer and the `datasets` rows (tokenizer.py, datasets.py, packing.py), loaded
-            from dataset_prepared_path when prepared before (prepared.py), or the byte corpus
-         -> the model against tp/cp and the sequence, the batch against dp (global = micro x
-            accumulation x dp), max_steps from num_epochs, the checkpoint to resume from
-                                                                         keys.py
-         -> only now the first writes: output_dir created and checked writable, and no live run
-            holding it (rank 0 locks it, released when the process ends)   run_lock.py
-         -> minipar.init(layout): the groups                              mesh.py
-         -> the same resolved config on every rank? (one all-gather)      lifecycle.py
+    1. load_config     the YAML file + `--key value` overrides: Axolotl's names mapped (keys.py),
+                       unknown keys and types (values.py), then every value and data file at
+                       once, all wrong ones in one error (check.py)               train_config.py
+    2. _check_base_model  base_model's weight headers against its config.json  models/hf_checkpoint.py
+    3. _tokenizer      the tokenizer; a model from scratch takes its vocabulary    data/tokenizer.py
+    4. _layout         the sizes: the command line's, then accelerate's PARALLELISM_CONFIG_*_SIZE
+                       variables for the sizes neither it nor the config file sets; without a
+                       config file they replace the default layout; a world of one runs any config
+                       with all sizes 1. Then cfg.parallelism() -> ParallelismConfig, resolved
+                       against the world, checked against the model and the sequence  config.py
+    5. _batch          global = micro x accumulation x dp (keys.py); the pipeline's split and
+                       schedule against the micro-batches                        pipeline_step.py
+    6. _data           the `datasets` rows (tokenized once, then loaded from dataset_prepared_path:
+                       prepared.py, packing.py) or the byte corpus; max_steps from num_epochs
+    7. _claim_output   the checkpoint to resume from exists; only now the first writes: output_dir
+                       created and checked writable, and no live run holding it (rank 0 locks it,
+                       released when the process ends)                            run_lock.py
+    8. _groups         minipar.init(layout): the groups (mesh.py); the same resolved config on
+                       every rank? (one all-gather)                               lifecycle.py
+
+The tp size's path: the YAML's tensor_parallel_size (or tp_size) -> TrainConfig.tp_size (keys.py
+maps the name) -> cfg.parallelism() -> ParallelismConfig.resolve -> minipar.init -> pgm.tp.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,12 +58,8 @@ from minipar.trainer.data.tokenizer import (
 from models.hf_checkpoint import HFCheckpoint
 from models.llama import LlamaForCausalLM
 
-SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "context_parallel_size", "tensor_parallel_size",
-             "pipeline_parallel_size")
-# ParallelismConfig's field (and PARALLELISM_CONFIG_<FIELD> variable) -> the training config's key
-ENV_SIZE_KEYS = dict(dp_replicate_size="dp_replicate_size", dp_shard_size="dp_shard_size",
-                     cp_size="context_parallel_size", tp_size="tensor_parallel_size",
-                     pp_size="pipeline_parallel_size")
+# the grid's sizes (ParallelismConfig's names, and the training config's); ep_size adds no ranks
+SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "pp_size")
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "default.yaml")
 
 
@@ -86,30 +90,38 @@ def _rank() -> int:
 
 
 def setup_run(argv: List[str]) -> Run:
-    """Parse and check everything, then create the process groups. Raises before any collective."""
+    """Parse and check everything, then create the process groups (the module's steps 1-8, in
+    order). Raises before any collective."""
     path, default_config = DEFAULT_CONFIG, True
     if argv and not argv[0].startswith("--"):
         path, argv, default_config = argv[0], argv[1:], False
-    from_cli = set(parse_overrides(argv)) & set(SIZE_KEYS)
     notes = []
-    cfg = load_config(path, argv, notes)      # every value checked, all wrong ones in one error
-    # base_model's config.json was read above; its weight headers now, before the tokenizer is
-    # loaded from the same directory and before output_dir is created: a damaged file is one line
-    base = _check_base_model(cfg) if cfg.base_model else None
-    from_env = _sizes_from_env(cfg, path, default_config, from_cli, notes)
-    from_cli = from_cli | from_env          # accelerate's variables count as sizes given for this launch
-    if default_config and from_cli:
-        # The default config's layout (cp 2 x tp 2) is the 8-process showcase. Sizes given on the
-        # command line replace that layout instead of combining with it, so that
-        # `torchrun --nproc-per-node 2 train.py --tensor_parallel_size 2` is plain TP on 2 ranks.
-        unset = [k for k in SIZE_KEYS if k not in from_cli]
-        for key in unset:
-            setattr(cfg, key, None if key == "dp_shard_size" else 1)
-        notes.append(f"parallel sizes from the command line replace the default layout ({', '.join(unset)} "
-                     f"reset: dp_shard_size takes the remainder, the others are 1)")
+    cfg = load_config(path, argv, notes)                                      # 1
+    # before the tokenizer is loaded from the same directory and before output_dir is created:
+    # a damaged weight file is one line
+    base = _check_base_model(cfg) if cfg.base_model else None                 # 2
+    tokenizer = _tokenizer(cfg, notes)                                        # 3
+    pconf = _layout(cfg, path, argv, default_config, notes)                   # 4
+    num_micro = _batch(cfg, pconf)                                            # 5
+    datasets, train_tokens, val_tokens = _data(cfg, tokenizer, notes)         # 6
+    lock = _claim_output(cfg, notes)                                          # 7
+    pgm = _groups(cfg, pconf, lock)                                           # 8
+    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, datasets, tokenizer, lock,
+               base_model=base)
+
+
+def _check_base_model(cfg: TrainConfig):
+    """Read base_model's headers and match every tensor against the model (meta-built: no memory)."""
+    ckpt = HFCheckpoint(cfg.base_model)
+    ckpt.check(LlamaForCausalLM(cfg.model, None, device="meta"))
+    return ckpt
+
+
+def _tokenizer(cfg: TrainConfig, notes: list):
+    """The run's tokenizer; a model from scratch takes its vocabulary (padded so any tp up to 64
+    divides it), and the exported config.json its bos/eos/pad ids."""
     tokenizer = load_tokenizer(tokenizer_path(cfg))
     if isinstance(tokenizer, HFTokenizer) and not getattr(cfg, "base_model", None):
-        # a model from scratch takes the tokenizer's vocabulary (padded so any tp up to 64 divides it)
         vocab = padded_vocab_size(tokenizer.vocab_size)
         if cfg.model.vocab_size != vocab:
             notes.append(f"model.vocab_size {cfg.model.vocab_size} -> {vocab}: the tokenizer's "
@@ -121,76 +133,52 @@ def setup_run(argv: List[str]) -> Run:
         raise ValueError(f"the tokenizer ({tokenizer_path(cfg)}) has {tokenizer.vocab_size} tokens, "
                          f"more than "
                          f"model.vocab_size {cfg.model.vocab_size}: use the model's own tokenizer")
+    return tokenizer
+
+
+def _layout(cfg: TrainConfig, path: str, argv: List[str], default_config: bool,
+            notes: list) -> ParallelismConfig:
+    """The grid's config for this launch: the sizes given (command line, then accelerate's
+    variables), cfg.parallelism() resolved against the world, checked against the model."""
+    given = config_keys.size_keys(parse_overrides(argv)) & set(SIZE_KEYS)
+    # accelerate's variables count as sizes given for this launch
+    given |= _sizes_from_env(cfg, path, default_config, given, notes)
+    if default_config and given:
+        # The default config's layout (cp 2 x tp 2) is the 8-process showcase. Sizes given on the
+        # command line replace that layout instead of combining with it, so that
+        # `torchrun --nproc-per-node 2 train.py --tensor_parallel_size 2` is plain TP on 2 ranks.
+        unset = [k for k in SIZE_KEYS if k not in given]
+        for key in unset:
+            setattr(cfg, key, None if key == "dp_shard_size" else 1)
+        notes.append(f"parallel sizes from the command line replace the default layout ({', '.join(unset)} "
+                     f"reset: dp_shard_size takes the remainder, the others are 1)")
     world = _world_size()
-    sizes = dict(dp_replicate_size=cfg.dp_replicate_size, dp_shard_size=cfg.dp_shard_size,
-                 cp_size=cfg.context_parallel_size, tp_size=cfg.tensor_parallel_size,
-                 pp_size=cfg.pipeline_parallel_size)
-    ep = cfg.expert_parallel_size
-    if world == 1 and not from_cli and any((v or 1) > 1 for v in list(sizes.values()) + [ep]):
+    pconf = cfg.parallelism()
+    if world == 1 and not given and any((v or 1) > 1 for v in [*pconf.sizes.values(), pconf.ep_size]):
         # `python train.py` on a config written for a torchrun launch: run it on one process
-        notes.append(f"one process: the config's parallel sizes ({_fmt(sizes)}) apply to torchrun "
+        notes.append(f"one process: the config's parallel sizes ({_fmt(pconf.sizes)}) apply to torchrun "
                      f"launches; running with all sizes 1")
-        sizes, ep = dict.fromkeys(sizes, 1), 1
-    pconf = ParallelismConfig(**sizes, sequence_parallel=cfg.sequence_parallel,
-                              tp_async_overlap=cfg.tp_async_overlap, cp_layout=cfg.cp_layout,
-                              cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size,
-                              attention_backend=cfg.attention_backend,
-                              ep_size=ep)
+        pconf = dataclasses.replace(pconf, **dict.fromkeys([*SIZE_KEYS, "ep_size"], 1))
     try:
-        pconf = pconf.resolve(world)
+        resolved = pconf.resolve(world)
     except ValueError as err:
         raise ValueError(f"{err} ({_launch_hint(pconf, world, path, argv, default_config)})") from None
-    pconf.validate_model(cfg.model, cfg.sequence_len)
-    if pconf.cp_size > 1 and pconf.cp_impl != "ring":   # Ulysses splits the heads of each tp rank
+    resolved.validate_model(cfg.model, cfg.sequence_len)
+    if resolved.cp_size > 1 and resolved.cp_impl != "ring":   # Ulysses splits the heads of each tp rank
         problems = check_ulysses(cfg.model.num_attention_heads, cfg.model.num_key_value_heads,
-                                 pconf.tp_size, pconf.cp_size, pconf.cp_ulysses_size)
+                                 resolved.tp_size, resolved.cp_size, resolved.cp_ulysses_size)
         if problems:
-            raise ValueError(f"cp_impl {pconf.cp_impl}: " + "; ".join(problems))
-    dp = pconf.dp_replicate_size * pconf.dp_shard_size
-    num_micro = config_keys.resolve_batch(cfg, dp)      # global = micro x accumulation x dp
-    if pconf.pp_size > 1:                         # the split and the schedule, before any group exists
-        check_pipeline(cfg, pconf.pp_size, num_micro)
+            raise ValueError(f"cp_impl {resolved.cp_impl}: " + "; ".join(problems))
     if cfg.sequence_len > cfg.model.max_position_embeddings:
         raise ValueError(f"sequence_len {cfg.sequence_len} exceeds model.max_position_embeddings "
                          f"{cfg.model.max_position_embeddings}")
-    datasets = None
-    if cfg.datasets:
-        # tokenized once, then loaded from dataset_prepared_path (one writer per node, no collective)
-        progress = int(os.environ.get("RANK", 0)) == 0
-        datasets = load_or_prepare(cfg, tokenizer, prepare_datasets, progress=progress)
-        notes.extend(datasets.notes)
-        train_tokens = val_tokens = torch.empty(0, dtype=torch.uint8)
-    else:
-        train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction,
-                                                     sequence_len=cfg.sequence_len,
-                                                     tokenizer=tokenizer)
-    if cfg.num_epochs is not None:                      # max_steps from the sampler's samples per epoch
-        samples = datasets.train.num_rows if datasets is not None else \
-            mdata.BatchSampler(len(train_tokens), cfg.sequence_len, cfg.global_batch_size).num_windows
-        config_keys.resolve_max_steps(cfg, samples, notes)
-    resume = cfg.resume_from_checkpoint
-    if resume and resume != "latest" and not os.path.isdir(resume):
-        raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")
-    # the last checks, then the first writes: output_dir is created and locked only for a run
-    # that passed every check above (a refused run leaves it as it was)
-    run_lock.check_writable(cfg.output_dir, cfg.metrics_path)    # every rank, before anything is written
-    lock = run_lock.acquire(cfg.output_dir, _rank(), notes)
-    pgm = minipar.init(pconf, timeout_s=cfg.ddp_timeout)
-    try:
-        lifecycle.check_same_config(cfg, pgm)   # launchers given different flags: an error, not a hang
-    except ValueError:
-        if lock is not None:
-            lock.release()
-        lifecycle.teardown(pgm, clean=False)
-        raise
-    return Run(cfg, pgm, num_micro, train_tokens, val_tokens, notes, datasets, tokenizer, lock,
-               base_model=base)
+    return resolved
 
 
 def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str],
                  default_config: bool) -> str:
     """A launch that fits the sizes asked for: the same arguments, a process count they resolve to."""
-    fixed = (pconf.dp_replicate_size or 1) * (pconf.cp_size or 1) * (pconf.tp_size or 1)
+    fixed = dataclasses.replace(pconf, dp_shard_size=1).total_size    # pp x dp_replicate x cp x tp
     if pconf.dp_shard_size is not None:
         counts = [fixed * pconf.dp_shard_size]
     else:                                               # dp_shard takes the remainder: multiples fit
@@ -202,24 +190,17 @@ def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str
     return f"config {path}; launch {launches}, or change the sizes so that they fit {world} processes"
 
 
-def _check_base_model(cfg: TrainConfig):
-    """Read base_model's headers and match every tensor against the model (meta-built: no memory)."""
-    ckpt = HFCheckpoint(cfg.base_model)
-    ckpt.check(LlamaForCausalLM(cfg.model, None, device="meta"))
-    return ckpt
-
-
 def _sizes_from_env(cfg: TrainConfig, path: str, default_config: bool, from_cli: set, notes: list) -> set:
     """Apply accelerate's PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,CP,TP,PP}_SIZE to the sizes that
     the command line does not give and an explicit config file does not set; returns the keys set.
     (The command line wins over the variables, the variables over the file's unset keys and over
     the implicit default layout.)"""
-    env = {ENV_SIZE_KEYS[k]: v for k, v in ParallelismConfig.from_env().sizes.items() if v is not None}
+    env = {k: v for k, v in ParallelismConfig.from_env().sizes.items() if v is not None}
     if not env:
         return set()
     in_file = set()
     if not default_config:
-        in_file = set(read_yaml(path) or {}) & set(SIZE_KEYS)
+        in_file = config_keys.size_keys(read_yaml(path) or {}) & set(SIZE_KEYS)
     applied = {k: v for k, v in env.items() if k not in from_cli and k not in in_file}
     for key, value in applied.items():
         setattr(cfg, key, value)
@@ -232,3 +213,57 @@ def _sizes_from_env(cfg: TrainConfig, path: str, default_config: bool, from_cli:
 
 def _fmt(sizes: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def _batch(cfg: TrainConfig, pconf: ParallelismConfig) -> int:
+    """The micro-batches per step: global = micro x accumulation x dp; with pipeline stages, the
+    split and the schedule checked against them, before any group exists."""
+    num_micro = config_keys.resolve_batch(cfg, pconf.dp_replicate_size * pconf.dp_shard_size)
+    if pconf.pp_size > 1:
+        check_pipeline(cfg, pconf.pp_size, num_micro)
+    return num_micro
+
+
+def _data(cfg: TrainConfig, tokenizer, notes: list) -> Tuple[Optional[object], torch.Tensor, torch.Tensor]:
+    """(datasets, train tokens, val tokens): the `datasets` rows, tokenized once and then loaded from
+    dataset_prepared_path (one writer per node, no collective), or the byte corpus cut into windows;
+    then max_steps from num_epochs and the sampler's samples per epoch."""
+    datasets = None
+    if cfg.datasets:
+        progress = int(os.environ.get("RANK", 0)) == 0
+        datasets = load_or_prepare(cfg, tokenizer, prepare_datasets, progress=progress)
+        notes.extend(datasets.notes)
+        train_tokens = val_tokens = torch.empty(0, dtype=torch.uint8)
+    else:
+        train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction,
+                                                     sequence_len=cfg.sequence_len,
+                                                     tokenizer=tokenizer)
+    if cfg.num_epochs is not None:
+        samples = datasets.train.num_rows if datasets is not None else \
+            mdata.BatchSampler(len(train_tokens), cfg.sequence_len, cfg.global_batch_size).num_windows
+        config_keys.resolve_max_steps(cfg, samples, notes)
+    return datasets, train_tokens, val_tokens
+
+
+def _claim_output(cfg: TrainConfig, notes: list) -> Optional[run_lock.RunLock]:
+    """The last check, then the first writes: output_dir is created and locked only for a run that
+    passed every check before it (a refused run leaves it as it was)."""
+    resume = cfg.resume_from_checkpoint
+    if resume and resume != "latest" and not os.path.isdir(resume):
+        raise FileNotFoundError(f"resume_from_checkpoint={resume!r}: no such checkpoint directory")
+    run_lock.check_writable(cfg.output_dir, cfg.metrics_path)    # every rank, before anything is written
+    return run_lock.acquire(cfg.output_dir, _rank(), notes)
+
+
+def _groups(cfg: TrainConfig, pconf: ParallelismConfig, lock: Optional[run_lock.RunLock]):
+    """The process groups, then one all-gather: launchers given different flags are an error, not
+    a hang (the lock released and the groups torn down before it is raised)."""
+    pgm = minipar.init(pconf, timeout_s=cfg.ddp_timeout)
+    try:
+        lifecycle.check_same_config(cfg, pgm)
+    except ValueError:
+        if lock is not None:
+            lock.release()
+        lifecycle.teardown(pgm, clean=False)
+        raise
+    return pgm

@@ -28,6 +28,7 @@ from typing import List
 from minipar.config import ATTENTION_BACKENDS, CP_IMPLS, CP_LAYOUTS
 from minipar.lora import adapter_shapes, add_lora, check_adapter, check_targets
 from minipar.pipeline_parallel import check_schedule, chunks_per_rank, split_layers
+from minipar.trainer.config.keys import SIZE_NAMES
 from minipar.trainer.data.batches import DATASET_IS, check_data_file
 from minipar.trainer.data.datasets import check_entries
 from models.activation_checkpoint import check_option
@@ -45,11 +46,11 @@ def check(cfg) -> None:
         problems.append(kind(message))
 
     positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
-                "dp_replicate_size", "context_parallel_size", "tensor_parallel_size",
-                "pipeline_parallel_size", "expert_parallel_size"]
+                "dp_replicate_size", "cp_size", "tp_size", "pp_size", "ep_size"]
+    yaml_name = {name: f"{axolotl} ({name})" for axolotl, name in SIZE_NAMES.items()}
     for key in positive:                  # (None: derived later, from the world or the dataset)
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
-            bad(f"{key} must be >= 1, got {getattr(cfg, key)}")
+            bad(f"{yaml_name.get(key, key)} must be >= 1, got {getattr(cfg, key)}")
     if cfg.ddp_timeout < 1:
         bad(f"ddp_timeout is in seconds and must be >= 1, got {cfg.ddp_timeout}")
     for key in ("save_steps", "eval_steps"):
@@ -88,7 +89,7 @@ def check(cfg) -> None:
     if cfg.attention_backend not in ATTENTION_BACKENDS:
         bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
             f"got {cfg.attention_backend!r}")
-    elif cfg.attention_backend == "cudnn" and (cfg.context_parallel_size > 1 or cfg.sample_packing):
+    elif cfg.attention_backend == "cudnn" and (cfg.cp_size > 1 or cfg.sample_packing):
         bad("attention_backend cudnn runs only through SDPA at context_parallel_size 1 without "
             "sample_packing (ring attention, Ulysses and packed documents merge blocks by their "
             "log-sum-exp): use auto, flash, efficient or math")
@@ -116,8 +117,8 @@ def check(cfg) -> None:
         bad(f"pipeline_virtual_stages must be >= 1 or null, got {cfg.pipeline_virtual_stages}")
     moe = cfg.model.num_local_experts > 0
     if cfg.pipeline_overlap_steps:
-        why = ([f"pipeline_parallel_size={cfg.pipeline_parallel_size} (there are no stages to overlap; "
-                f"set pipeline_parallel_size >= 2)"] if cfg.pipeline_parallel_size < 2 else []) + \
+        why = ([f"pipeline_parallel_size={cfg.pp_size} (there are no stages to overlap; "
+                f"set pipeline_parallel_size >= 2)"] if cfg.pp_size < 2 else []) + \
               (["a mixture-of-experts model (its routing metrics are summed over the stages every step; "
                 "drop pipeline_overlap_steps)"] if moe else [])
         if why:

@@ -4,6 +4,10 @@ An Axolotl YAML should load as it is. Its keys map onto minipar's with their mea
 refused with the values minipar supports; none is silently ignored:
 
     Axolotl / accelerate                    minipar
+    tensor_parallel_size                    tp_size   (accelerate's names, ParallelismConfig's: one
+    context_parallel_size                   cp_size    name per size in the code; both names of
+    pipeline_parallel_size                  pp_size    one size with different values in one
+    expert_parallel_size                    ep_size    source are refused)
     gradient_accumulation_steps  A          global_batch_size G = micro_batch_size M x A x dp
                                             (any two of G, M, A imply the third; three that
                                              disagree are refused, naming all three and dp)
@@ -59,10 +63,34 @@ FSDP_CONFIG_KEYS = (*FSDP_MAPPED, "offload_params", "activation_checkpointing", 
                     *FSDP_NO_EFFECT)
 
 
+# Axolotl's YAML names of the parallel sizes -> the one name the code uses (ParallelismConfig's)
+SIZE_NAMES = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_size",
+              "pipeline_parallel_size": "pp_size", "expert_parallel_size": "ep_size"}
+
+
+def key_name(key: str) -> str:
+    """The code's name of a top-level config key: tp_size for tensor_parallel_size, else the key."""
+    return SIZE_NAMES.get(key, key)
+
+
+def size_keys(data: dict) -> set:
+    """The code's names of the parallel sizes a mapping (a YAML file, the overrides) sets."""
+    return {key_name(k) for k in data} & {"dp_replicate_size", "dp_shard_size", *SIZE_NAMES.values()}
+
+
 def translate(data: dict, unknown: list, notes: List[str]) -> dict:
-    """A copy of one source's mapping with `fsdp_config` (and the list form of `fsdp`) folded into
-    minipar's `fsdp` mapping. Unknown fsdp_config keys are appended to `unknown`."""
+    """A copy of one source's mapping with Axolotl's size names renamed (tensor_parallel_size ->
+    tp_size) and `fsdp_config` (and the list form of `fsdp`) folded into minipar's `fsdp` mapping.
+    Unknown fsdp_config keys are appended to `unknown`."""
     data = dict(data)
+    for axolotl, name in SIZE_NAMES.items():
+        if axolotl not in data:
+            continue
+        value = data.pop(axolotl)
+        if name in data and data[name] != value:
+            raise ValueError(f"{axolotl}: {value!r} contradicts {name}: {data[name]!r} (two names of one "
+                             f"size, Axolotl's and accelerate's); set one of them")
+        data[name] = value
     fsdp = data.get("fsdp")
     if isinstance(fsdp, (list, str)):
         items = fsdp.split() if isinstance(fsdp, str) else fsdp
@@ -130,7 +158,7 @@ def resolve(cfg, given: set, notes: List[str]) -> None:
         cfg.dtype = want
     elif cfg.bf16 == "auto" and "dtype" not in given:
         import torch
-        if torch.cuda.is_available() and cfg.tp_async_overlap and (cfg.tensor_parallel_size or 1) > 1:
+        if torch.cuda.is_available() and cfg.tp_async_overlap and (cfg.tp_size or 1) > 1:
             # asking the device starts CUDA, and CUDA_DEVICE_MAX_CONNECTIONS counts only before that
             cuda_env.settle(os.environ, tp_async_overlap=True, cuda_started=torch.cuda.is_initialized(),
                             torch_version=torch.__version__)

@@ -8,11 +8,13 @@ of them, each with the nearest valid key ("did you mean 'learning_rate'?"). Valu
 command line are parsed as YAML scalars (20, true, null, [a, b]) and checked against the key's
 type (values.py): a float key takes 3e-4, 1E-3 and 2e-5 as people write them (PyYAML
 reads an exponent without a dot as a string, so float keys parse strings themselves); an int key
-refuses 2.5 and "3e-4"; a bool key takes only true/false. Axolotl's names (gradient_accumulation_steps,
-num_epochs, bf16, fsdp_config, ...) are mapped onto these keys by keys.py; then every value
-is checked at once, all wrong ones in one error (check.py). A YAML syntax error (a tab, an
+refuses 2.5 and "3e-4"; a bool key takes only true/false. Axolotl's names (tensor_parallel_size,
+gradient_accumulation_steps, num_epochs, bf16, fsdp_config, ...) are mapped onto these keys by
+keys.py, so the code knows one name per size (tp_size, as minipar/config.py's ParallelismConfig);
+then every value is checked at once, all wrong ones in one error (check.py). A YAML syntax error (a tab, an
 unclosed bracket) is one line naming the file, line and column (config_files.py). Nothing here
 touches torch.distributed, so a bad config fails on every rank before the first collective.
+cfg.parallelism() hands the sizes on as the grid's ParallelismConfig (config.py, then mesh.py).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import List, Optional, Union
 import yaml
 
 from minipar.compose import LoRA, Recipe
+from minipar.config import ParallelismConfig
 from minipar.config_files import read_yaml, yaml_value
 from minipar.trainer.config import keys as config_keys
 
@@ -88,14 +91,16 @@ class TrainConfig:
     # attention outputs, recompute the rest) or an integer n (every n-th layer fully checkpointed)
     gradient_checkpointing: Union[bool, str] = False
     selective_ac_option: Union[str, int] = "op"
-    # the four parallel sizes (accelerate's names in brackets); dp_shard_size None = the remainder
+    # the parallel sizes, accelerate's names (ParallelismConfig's, minipar/config.py); a YAML file or
+    # the command line may write Axolotl's [in brackets], which keys.py maps onto these;
+    # dp_shard_size None = the remainder of the world
     dp_replicate_size: int = 1
     dp_shard_size: Optional[int] = None
-    context_parallel_size: int = 1        # [cp_size]
-    tensor_parallel_size: int = 1         # [tp_size]
+    cp_size: int = 1                      # [context_parallel_size]
+    tp_size: int = 1                      # [tensor_parallel_size]
     sequence_parallel: bool = False
-    # pipeline parallelism, the outermost dimension [pp_size] (minipar/pipeline_parallel/)
-    pipeline_parallel_size: int = 1
+    # pipeline parallelism, the outermost dimension [pipeline_parallel_size] (minipar/pipeline_parallel/)
+    pp_size: int = 1
     pipeline_schedule: str = "1f1b"       # afab | 1f1b | interleaved_1f1b | zb_h1 | zbv
     pipeline_virtual_stages: Optional[int] = None   # model chunks per rank; None: 2 if interleaved, else 1
     pipeline_layers: Optional[List[int]] = None     # layers per (virtual) stage; None: the even split
@@ -117,9 +122,9 @@ class TrainConfig:
     # the attention kernel: auto | flash | cudnn | efficient | math (context_parallel/kernel_choice.py;
     # a forced one is refused where it cannot run; each run prints which kernel each path used)
     attention_backend: str = "auto"
-    # expert parallelism [ParallelismConfig.ep_size]: each MoE layer's experts split over this many
+    # expert parallelism [expert_parallel_size]: each MoE layer's experts split over this many
     # ranks borrowed from dp_shard x cp (no extra ranks); expert_parallel/dispatch.py
-    expert_parallel_size: int = 1
+    ep_size: int = 1
     # an MoE's expert capacity: null is dropless; c keeps ceil(c * tokens * top_k / experts) copies
     # per expert and forward, drops the rest (models/moe.py) and counts them in metrics.jsonl
     moe_capacity_factor: Optional[float] = None
@@ -181,6 +186,16 @@ class TrainConfig:
                       pipeline_layers=self.pipeline_layers, zero3_prefetch=self.fsdp.prefetch,
                       reshard_after_forward=self.fsdp.reshard_after_forward,
                       sync_each_batch=self.fsdp.sync_each_batch, ddp=self.ddp)
+
+    def parallelism(self) -> ParallelismConfig:
+        """The grid's config (minipar/config.py): the sizes and the options of the parallel dimensions,
+        unresolved (dp_shard_size None takes the remainder when resolve(world) is called)."""
+        return ParallelismConfig(dp_replicate_size=self.dp_replicate_size, dp_shard_size=self.dp_shard_size,
+                                 cp_size=self.cp_size, tp_size=self.tp_size, pp_size=self.pp_size,
+                                 ep_size=self.ep_size, sequence_parallel=self.sequence_parallel,
+                                 tp_async_overlap=self.tp_async_overlap, cp_layout=self.cp_layout,
+                                 cp_impl=self.cp_impl, cp_ulysses_size=self.cp_ulysses_size,
+                                 attention_backend=self.attention_backend)
 
 
 def _example(key: str) -> str:
@@ -244,7 +259,8 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
         _apply(cfg, data, unknown=unknown)
         explicit_model_keys |= set(data.get("model") or {}) if isinstance(data.get("model"), dict) else set()
     if unknown:                          # Axolotl's fsdp_config is a key too, though not a field
-        raise unknown_keys_error([(k, v + ["fsdp_config"] if not p else v, p) for k, v, p in unknown])
+        raise unknown_keys_error([(k, v + ["fsdp_config", *config_keys.SIZE_NAMES] if not p else v, p)
+                                  for k, v, p in unknown])
     config_keys.resolve(cfg, given, notes)
     # derived model fields follow the final sizes unless set explicitly: head_dim always
     # (hidden_size / num_attention_heads); the KV heads only where the heads were given, as HF's

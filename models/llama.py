@@ -56,6 +56,7 @@ from .llama_init import SeededInit, local_from_source, materialize
 from .llama_layer import LlamaDecoderLayer, RMSNorm  # one decoder layer: attention, MLP or MoE
 from .moe_aux import PipelineAux, add_aux_loss
 from .rope import rotary_tables
+from .tied_weights import tie_weights  # lm_head sharing the embedding's weight
 
 
 class LlamaModel(nn.Module):
@@ -137,9 +138,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = tpl.ColumnParallelLinear(config.hidden_size, config.vocab_size, self.pgm.tp,
                                                     sequence_parallel=self.pgm.config.sequence_parallel,
                                                     async_overlap=self.pgm.config.tp_async_overlap)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight   # same (V/tp, d) rows on every layout
-            self.lm_head.tied = True           # the two gradients summed in place (tensor_parallel/layers.py)
+        if config.tie_word_embeddings:     # same (V/tp, d) rows on every layout, gradients summed in place
+            tie_weights(self.lm_head, self.model.embed_tokens)
         self.gradient_checkpointing = False
         self.moe_metrics = None
         # what a pipeline carries between stages for the load-balancing loss (None: nothing; also when

@@ -73,7 +73,7 @@ def test_memory_grows_per_layer_as_planned():
     what the planner's grows, and the memory at the end of the forward within 5 % of the planner's (the
     state less the gradients, the gathered root, the activations). The peak is lm_head's backward at
     every depth: at one layer the end of backward, where the tied embedding's gradient is added into
-    lm_head's in place (layers.py's _SummableGrad), is within 10 % of the planner's."""
+    lm_head's in place (models/tied_weights.py's SummableGrad), is within 10 % of the planner's."""
     bench = _bench()
     rows = [dict(layers=n, **bench.planned(n), **bench.measured(n, "returned")) for n in (1, 15, 30)]
     for r in rows:

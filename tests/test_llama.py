@@ -7,6 +7,7 @@ import transformers
 
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
+from models.tied_weights import tie_weights
 
 
 def _hf_model(tied: bool, seed: int = 0):
@@ -141,8 +142,8 @@ def test_logits_loss_and_every_gradient_equal_transformers(tmp_path, extra):
 
 def test_tied_gradients_are_summed_in_place_bit_for_bit():
     """lm_head tied to the embedding: autograd adds the embedding's gradient INTO lm_head's (one
-    aten::add_ of (V, d), no third vocabulary-sized buffer, tensor_parallel/layers.py's
-    _SummableGrad) where a plain F.linear weight gradient, a view, made it allocate the sum (aten::add);
+    aten::add_ of (V, d), no third vocabulary-sized buffer, models/tied_weights.py's
+    SummableGrad) where a plain F.linear weight gradient, a view, made it allocate the sum (aten::add);
     the gradients are the same bits."""
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -150,7 +151,7 @@ def test_tied_gradients_are_summed_in_place_bit_for_bit():
     grads = {}
     for summable in (False, True):
         model = LlamaForCausalLM(cfg, seed=0)
-        model.lm_head.tied = summable
+        tie_weights(model.lm_head, model.model.embed_tokens, sum_in_place=summable)
         loss = model(ids, labels=ids)
         with torch.profiler.profile(record_shapes=True) as prof:
             loss.backward()

@@ -60,10 +60,14 @@ of the two at the same cost, so minipar replicates; at 70B (207 M adapter elemen
 them would start to pay. benchmarks/bench_lora.py measures a LoRA run against a full fine-tune.
 
 add_lora() below puts an adapter on every Linear a model declares (`model.lora_target_modules`: the
-names of its projections, as `zero3_unit_classes` names its units) and freezes the rest. The adapters
-are plain parameters of their Linear (`q_proj.lora.lora_A`), so under pipeline parallelism they go
-with their layer, and under ZeRO-3 they stay out of the flat buffers (the trainer passes them as
-fully_shard's ignored_params; docs/finetuning.md).
+names of its projections, as `zero3_unit_classes` names its units) and freezes the rest. Each adapter
+is the Linear's submodule `lora`, so its parameters are named as PEFT's layout needs
+(`q_proj.lora.lora_A`: checkpoints, exports, peft_format.py), go with their layer under pipeline
+parallelism, and stay out of ZeRO-3's flat buffers (the trainer passes them as fully_shard's
+ignored_params; docs/finetuning.md). And it is one of the Linear's `output_addends`
+(minipar/tensor_parallel/layers.py's seams): the layer adds lora(x) to its local output, for a
+row-parallel layer to the partial sum before the reduction. That is all the tensor-parallel layer
+knows of it: a callable whose output joins its own.
 """
 from __future__ import annotations
 
@@ -87,7 +91,7 @@ def _param(shape, split_dim, full_shape, device) -> nn.Parameter:
 class LoRA(nn.Module):
     """The adapter of one tensor-parallel Linear: `lora_A`, `lora_B` (PEFT's names), shaped and
     split by the Linear's kind (module docstring). forward(x) is the update s * (x A^T) B^T in
-    the Linear's local coordinates: the Linear adds it to its (partial) output."""
+    the Linear's local coordinates: the Linear adds it to its (partial) output (output_addends)."""
 
     def __init__(self, linear: nn.Module, r: int, alpha: float, dropout: float = 0.0, device=None):
         super().__init__()
@@ -170,7 +174,8 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def add_lora(model: nn.Module, targets: Sequence[str], r: int, alpha: float, dropout: float = 0.0,
              seed: int = 0, device=None) -> Dict[str, LoRA]:
     """Freeze every parameter of `model`, then give each Linear named in `targets` (the last part
-    of its module name) an adapter as its `lora` attribute. Returns {module name: adapter}.
+    of its module name) an adapter: its submodule `lora` (the names) and one of its output_addends
+    (where it acts). Returns {module name: adapter}. A Linear that had one gets the new one instead.
     Call it on the whole model (before a pipeline cut or ZeRO-3), so names are global."""
     for p in model.parameters():
         p.requires_grad_(False)
@@ -178,9 +183,14 @@ def add_lora(model: nn.Module, targets: Sequence[str], r: int, alpha: float, dro
     for name, module in list(model.named_modules()):
         if name.rsplit(".", 1)[-1] in targets and isinstance(module, (ColumnParallelLinear,
                                                                      RowParallelLinear)):
-            module.lora = LoRA(module, r, alpha, dropout, device)
-            module.lora.reset_parameters(_generator(seed, name))
-            adapters[name] = module.lora
+            adapter = LoRA(module, r, alpha, dropout, device)
+            adapter.reset_parameters(_generator(seed, name))
+            old = module._modules.get("lora")
+            if old is not None:                          # replaced, not added twice
+                module.output_addends.remove(old)
+            module.lora = adapter                        # named <linear>.lora.lora_A / lora_B (PEFT's layout)
+            module.output_addends.append(adapter)        # added to the (partial) output, before any reduction
+            adapters[name] = adapter
     found = {n.rsplit(".", 1)[-1] for n in adapters}
     missing = [t for t in targets if t not in found]
     if missing:

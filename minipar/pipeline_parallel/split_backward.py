@@ -37,9 +37,11 @@ nothing and starts no backward, so no reducer would ever see the step end: there
 action is the last B (`WeightGradStore.defers` says which; minipar/pipeline_parallel/executor.py).
 
 What is split: every Linear of minipar/tensor_parallel/ (ColumnParallelLinear, RowParallelLinear,
-the lm_head, and the column-parallel groups of async_linear.py). They call
-`self.weight_grad_store.linear(...)` when a store is installed (split_weight_gradients below) and
-F.linear otherwise; the tensor-parallel package never imports this file. Everything else, the
+the lm_head, and the column-parallel groups of async_linear.py). split_weight_gradients below is the
+one place that does it, through the two seams those layers expose (layers.py's _TPLinear): their
+matmul `local_linear` becomes `store.linear` (SplitLinear), and `defer_weight_grad`, which the fused
+column backward of async_linear.py asks before computing dW, becomes `store.defer_weight_grad`. The
+tensor-parallel package never imports this file nor names the store. Everything else, the
 RMSNorm weights and the embedding, gets its gradient in B as usual (small, and an embedding's
 gradient is a scatter-add that reads no saved input). TP communication is untouched: dx of a
 column-parallel layer is still reduced over tp in B (the g/f pair), and dW of a tp-sharded weight
@@ -56,6 +58,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 def weight_gradient(x: torch.Tensor, dy: torch.Tensor, weight: Optional[torch.Tensor],
@@ -88,8 +92,7 @@ class SplitLinear(torch.autograd.Function):
         dx = dy.matmul(weight.to(dy.dtype)).to(x.dtype) if need_x else None          # B
         weight_t = ctx.weight if need_w else None
         bias_t = ctx.bias if need_b else None
-        if ctx.store.deferring and (weight_t is not None or bias_t is not None):
-            ctx.store.defer(weight_t, bias_t, x, dy)                                  # W, later
+        if ctx.store.defer_weight_grad(weight_t, bias_t, x, dy):                      # W, later
             return dx, None, None, None
         dw, db = weight_gradient(x, dy, weight_t, bias_t)                             # W, now
         return dx, dw, db, None
@@ -97,7 +100,7 @@ class SplitLinear(torch.autograd.Function):
 
 class WeightGradStore:
     """The deferred weight gradients of one pipeline stage, keyed by the (chunk, micro-batch) whose
-    B queued them. One per stage; the stage's Linear layers point at it (`weight_grad_store`)."""
+    B queued them. One per stage; split_weight_gradients points the stage's Linear layers at it."""
 
     def __init__(self):
         self.deferring = False
@@ -112,8 +115,17 @@ class WeightGradStore:
                    for t in (m.weight, getattr(m, "bias", None)))
 
     def linear(self, x, weight, bias=None):
-        """F.linear whose backward can defer dW (the Linear layers call this when a store is set)."""
+        """F.linear whose backward can defer dW: the layers' `local_linear` once split."""
         return SplitLinear.apply(x, weight, bias, self)
+
+    def defer_weight_grad(self, weight, bias, x, dy) -> bool:
+        """Asked by a backward before it computes dW (SplitLinear's; the layers' `defer_weight_grad`,
+        for async_linear.py's fused one): inside `inputs_only`, (x, dy) are queued for W and the answer
+        is True (the caller computes no dW); outside, False (the caller computes it now)."""
+        if not self.deferring:
+            return False
+        self.defer(weight, bias, x, dy)
+        return True
 
     def defer(self, weight, bias, x, dy):
         """Called from a backward while `inputs_only` is active: keep what W will need (nothing
@@ -162,14 +174,21 @@ class WeightGradStore:
 
 
 def split_weight_gradients(module: nn.Module) -> WeightGradStore:
-    """Give every Linear of `module` that can defer its weight gradient (the layers declaring a
-    `weight_grad_store` attribute: minipar/tensor_parallel/layers.py's) one shared store."""
+    """Give every tensor-parallel Linear of `module` (Column/RowParallelLinear) one shared store: its
+    matmul becomes the store's SplitLinear and its fused backward asks the store before computing dW
+    (the layers' seams `local_linear` and `defer_weight_grad`, set on each instance)."""
     store = WeightGradStore()
-    for m in module.modules():
-        if hasattr(m, "weight_grad_store"):
-            m.weight_grad_store = store
-            store.layers.append(m)
+    for name, m in module.named_modules():
+        if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        prior = vars(m).get("local_linear")            # replaced already: by a store, or by someone else
+        if prior is not None and not isinstance(getattr(prior, "__self__", None), WeightGradStore):
+            raise ValueError(f"split_weight_gradients: {name}'s matmul is already replaced ({prior!r}: a "
+                             f"tied lm_head?); a zero-bubble schedule cannot split it too: use a schedule "
+                             f"without split backward (1f1b, interleaved_1f1b)")
+        m.local_linear, m.defer_weight_grad = store.linear, store.defer_weight_grad
+        store.layers.append(m)
     if not store.layers:
         raise ValueError(f"split_weight_gradients: {type(module).__name__} has no Linear layer that can "
-                         f"split its backward (none declares weight_grad_store)")
+                         f"split its backward (no Column/RowParallelLinear)")
     return store

@@ -37,10 +37,10 @@ gradients and optimizer steps against plain TP); only the time changes (benchmar
 Several layers that read the same X (q/k/v, gate/up) go through one Function, so a block keeps
 one collective per region, as layers.enter_tp_region does for plain TP.
 
-Under a zero-bubble pipeline schedule (`store`: minipar/pipeline_parallel/split_backward.py's
-WeightGradStore, while it defers) the backward stops after dX: it queues (X, dY_j) for the later W
-action instead of computing dW_j, so the collective has no matmul to hide behind in B and is
-simply waited for (the overlap moves to the pipeline: W fills the bubble instead).
+Before computing dW_j the backward asks the layer's `defer_weight_grad` (layers.py's seams; no by
+default). Where the answer is yes, someone else kept (X, dY_j) and computes dW_j later (a zero-bubble
+pipeline's W action: minipar/pipeline_parallel/split_backward.py), so the collective has no matmul to
+hide behind and is simply waited for (the overlap moves to the pipeline: W fills the bubble instead).
 
 Under autocast the forward's matmuls run in the autocast dtype; the backward, which autocast
 does not see, casts W and X to the gradient's dtype itself and returns each gradient in its
@@ -48,7 +48,7 @@ input's dtype, as autocast's own backward would.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -68,9 +68,9 @@ class AsyncColumnParallelLinear(torch.autograd.Function):
     (reduce-scatter of dX backward); the backward collective overlaps the weight-gradient matmuls."""
 
     @staticmethod
-    def forward(ctx, x, tp, sequence_parallel, n, store, *weights_and_biases):
+    def forward(ctx, x, tp, sequence_parallel, n, defer, *weights_and_biases):
         weights, biases = weights_and_biases[:n], weights_and_biases[n:]
-        ctx.tp, ctx.sp, ctx.n, ctx.store = tp, sequence_parallel, n, store
+        ctx.tp, ctx.sp, ctx.n, ctx.defer = tp, sequence_parallel, n, defer
         ctx.weights, ctx.biases = weights, biases          # the objects a deferred W accumulates into
         ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
         total = x
@@ -99,19 +99,16 @@ class AsyncColumnParallelLinear(torch.autograd.Function):
             total = x
             grad_x = grad_in                               # a fresh tensor: reducing in place is safe
             work = comm.all_reduce(grad_x, tp, async_op=True)
-        if ctx.store is not None and ctx.store.deferring:   # zero-bubble: dW_j waits for the W action
-            need = ctx.needs_input_grad[5:]
-            for j, g in enumerate(grads):
-                ctx.store.defer(ctx.weights[j] if need[j] else None,
-                                ctx.biases[j] if need[ctx.n + j] else None, total, g)
-            grad_w, grad_b = [None] * ctx.n, [None] * ctx.n
-            work.wait()
-            if ctx.sp:
-                grad_x = grad_x.movedim(0, SEQ_DIM)
-            return (grad_x.to(x.dtype), None, None, None, None, *grad_w, *grad_b)
-        flat_x = total.reshape(-1, total.shape[-1]).to(dtype)
-        grad_w, grad_b = [], []
-        for g, w, b_dtype in zip(grads, weights, ctx.bias_dtypes):   # while the collective is in flight
+        need = ctx.needs_input_grad[5:]
+        grad_w, grad_b, flat_x = [], [], None
+        for j, (g, w, b_dtype) in enumerate(zip(grads, weights, ctx.bias_dtypes)):   # collective in flight
+            if ctx.defer is not None and ctx.defer[j](ctx.weights[j] if need[j] else None,
+                                                      ctx.biases[j] if need[ctx.n + j] else None, total, g):
+                grad_w.append(None)                        # dW_j, db_j: computed later, by who kept them
+                grad_b.append(None)
+                continue
+            if flat_x is None:
+                flat_x = total.reshape(-1, total.shape[-1]).to(dtype)
             flat_g = g.reshape(-1, g.shape[-1])
             grad_w.append(flat_g.t().matmul(flat_x).to(w.dtype))
             grad_b.append(None if b_dtype is None else flat_g.sum(0).to(b_dtype))
@@ -122,14 +119,15 @@ class AsyncColumnParallelLinear(torch.autograd.Function):
 
 
 def async_column_parallel(x: torch.Tensor, weights: Sequence[torch.Tensor], tp, sequence_parallel: bool,
-                          biases: Optional[Sequence[Optional[torch.Tensor]]] = None, store=None):
+                          biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                          defer: Optional[Sequence[Callable]] = None):
     """The outputs x W_j^T (+ b_j) of column-parallel weights that read the same input, with the
     region's input communication fused in and overlapped in backward. x is (b, s, h), or the
-    sequence shard (b, s/tp, h) under sequence parallelism. On tp.size == 1: plain linears. store: a
-    pipeline's WeightGradStore (split_backward.py) that may defer the weight gradients, or None."""
+    sequence shard (b, s/tp, h) under sequence parallelism. On tp.size == 1: plain linears (the layers
+    never come here then: their async_overlap is off at tp 1). defer: one callable per weight,
+    defer(weight, bias, x, dy) -> bool, asked before its dW is computed (the layers' defer_weight_grad);
+    None: every dW is computed here."""
     biases = list(biases) if biases is not None else [None] * len(weights)
     if tp.size == 1:
-        if store is not None:
-            return tuple(store.linear(x, w, b) for w, b in zip(weights, biases))
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
-    return AsyncColumnParallelLinear.apply(x, tp, sequence_parallel, len(weights), store, *weights, *biases)
+    return AsyncColumnParallelLinear.apply(x, tp, sequence_parallel, len(weights), defer, *weights, *biases)

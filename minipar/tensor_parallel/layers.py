@@ -92,39 +92,37 @@ def _param(shape, split_dim, full_shape):
     return p
 
 
-class _SummableGrad(torch.autograd.Function):
-    """Identity on a weight; its backward hands the weight's gradient on as a tensor of its own.
-
-    F.linear's weight gradient is a view (autograd computes it transposed and transposes it back),
-    and a view shares its storage with its base. When the weight is also used elsewhere (lm_head
-    tied to the embedding) autograd must sum the two gradients, and it adds in place only into a
-    tensor that holds its storage alone, so it allocated a third (V/tp, d) buffer for the sum.
-    detach() lets go of the view's base: the embedding's gradient is then added into lm_head's, the
-    same additions in the same order (bitwise equal), one vocabulary-sized buffer less."""
-
-    @staticmethod
-    def forward(ctx, weight):
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.detach()
-
-
 class _TPLinear(nn.Module):
-    # where the weight gradient goes: None computes it in backward, as F.linear does; a pipeline
-    # running a zero-bubble schedule sets a WeightGradStore (minipar/pipeline_parallel/
-    # split_backward.py) whose linear() defers dW from the backward (B) to a later W action
-    weight_grad_store = None
-    # True when the weight is shared with another module (lm_head tied to the embedding): its
-    # gradient is handed on so that the two are summed in place (_SummableGrad)
-    tied = False
+    """What Column- and RowParallelLinear share: the shard's init, and the three seams through which
+    another technique changes the layer without the layer knowing it (each set on the instance):
 
-    def _linear(self, x, bias):
-        weight = _SummableGrad.apply(self.weight) if self.tied else self.weight
-        if self.weight_grad_store is None:
-            return F.linear(x, weight, bias)
-        return self.weight_grad_store.linear(x, weight, bias)
+        local_linear(x, weight, bias)       this rank's matmul x W_t^T (+ b_t): F.linear. Replaced
+                                            where the weight must enter it otherwise or its gradient
+                                            be computed otherwise (a zero-bubble pipeline's deferred
+                                            dW, split_backward.py; a tied lm_head, models/tied_weights.py)
+        defer_weight_grad(weight, bias, x, dy) -> bool
+                                            asked by the fused column backward (async_linear.py) before
+                                            it computes dW = dy^T x: True means the caller kept (x, dy)
+                                            and computes dW itself later; here, False: compute it now
+        output_addends                      callables x -> tensor, each added to this rank's local
+                                            output (row-parallel: to the partial sum, BEFORE the
+                                            reduction, so it rides the layer's one collective); x is
+                                            the local input (lora/adapter.py's adapters)
+
+    With no seam touched the layer is plain TP: the same operations, in the same order."""
+
+    def local_linear(self, x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    def defer_weight_grad(self, weight, bias, x, dy) -> bool:
+        return False
+
+    def _local_output(self, x, bias):
+        """x W_t^T (+ b_t) plus every addend, in this rank's coordinates (a partial sum when row-parallel)."""
+        y = self.local_linear(x, self.weight, bias)
+        for addend in self.output_addends:
+            y = y + addend(x)
+        return y
 
     def reset_parameters(self, std: float = 0.02, generator=None):
         """Draw the full weight (same on every rank for the same generator state), keep the slice."""
@@ -157,20 +155,30 @@ class ColumnParallelLinear(_TPLinear):
         local_out = _check_divisible("out_features", out_features, tp)
         self.weight = _param((local_out, in_features), 0, (out_features, in_features))
         self.bias = _param((local_out,), 0, (out_features,)) if bias else None
-        self.lora = None             # a LoRA adapter (minipar/lora/adapter.py) adds to y_i
+        self.output_addends = []     # added to y_i (_TPLinear's seams)
         self.reset_parameters()
 
     def forward(self, x, skip_input_comm: bool = False):
+        """skip_input_comm: x has already entered the tp region (column_parallel_group did it once
+        for every layer that reads x)."""
         if self.async_overlap and not skip_input_comm:
-            y, = async_column_parallel(x, [self.weight], self.tp, self.sequence_parallel, [self.bias],
-                                       self.weight_grad_store)
+            y, = _async_group(x, (self,))
         else:
             if not skip_input_comm:   # (b, s/tp, h) -> (b, s, h) under SP; f otherwise
                 x = enter_tp_region(x, self.tp, self.sequence_parallel)
-            y = self._linear(x, self.bias)
-            if self.lora is not None:
-                y = y + self.lora(x)
+            y = self._local_output(x, self.bias)
         return gather_from_tp_region(y, self.tp, dim=-1) if self.gather_output else y
+
+
+def _async_group(x, layers):
+    """The layers' outputs through async_linear.py's one fused Function (the input collective inside,
+    overlapped in backward), which computes their matmuls itself: no local_linear, no addends."""
+    with_addends = [type(l).__name__ for l in layers if l.output_addends]
+    if with_addends:
+        raise ValueError(f"{with_addends} with async_overlap carry output_addends (a LoRA adapter?), which "
+                         f"the fused column-parallel backward does not compute; set tp_async_overlap: false")
+    return async_column_parallel(x, [l.weight for l in layers], layers[0].tp, layers[0].sequence_parallel,
+                                 [l.bias for l in layers], [l.defer_weight_grad for l in layers])
 
 
 def column_parallel_group(x, layers):
@@ -183,8 +191,7 @@ def column_parallel_group(x, layers):
         raise ValueError("column_parallel_group: the layers must share tp, sequence_parallel "
                          "and async_overlap")
     if first.async_overlap:
-        return async_column_parallel(x, [l.weight for l in layers], first.tp, first.sequence_parallel,
-                                     [l.bias for l in layers], first.weight_grad_store)
+        return _async_group(x, layers)
     x = enter_tp_region(x, first.tp, first.sequence_parallel)
     return tuple(l(x, skip_input_comm=True) for l in layers)
 
@@ -200,15 +207,13 @@ class RowParallelLinear(_TPLinear):
         local_in = _check_divisible("in_features", in_features, tp)
         self.weight = _param((out_features, local_in), 1, (out_features, in_features))
         self.bias = _param((out_features,), None, (out_features,)) if bias else None
-        self.lora = None             # a LoRA adapter adds to the partial sum, before its reduction
+        self.output_addends = []     # added to the partial sum, before its reduction (_TPLinear's seams)
         self.reset_parameters()
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp, dim=-1)
-        partial = self._linear(x, None)
-        if self.lora is not None:    # reduced together with x W^T: no collective of its own
-            partial = partial + self.lora(x)
+        partial = self._local_output(x, None)   # addends reduced with x W^T: no collective of their own
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp)
         else:

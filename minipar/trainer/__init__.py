@@ -9,6 +9,7 @@
     trainer.py        the model, its parallel wrappers, the optimizer, one step, evaluation, saves
     pipeline_step.py  the step when pipeline_parallel_size > 1: a schedule over the micro-batches
     train_loop.py     the run around the step: resume, logs, metrics, saves, a SIGTERM stop, summary
+    prediction.py     the planner's prediction for this run's layout, for the closing summary
     lifecycle.py      the ranks agree at the start, stop together on SIGTERM, end cleanly
     metrics_file.py   metrics.jsonl (kept across a resume) and the loss curve
 

@@ -44,6 +44,7 @@ from minipar.trainer.batch_source import Batches, eval_loss
 from minipar.trainer.checkpoint import save_load as ckpt
 from minipar.trainer.checkpoint import verify
 from minipar.trainer.pipeline_step import PipelineStep, build_pipeline_model
+from minipar.trainer.prediction import planner_prediction
 from minipar.trainer.run_setup import Run
 from minipar.trainer.train_loop import TrainLoop  # the run around the step: train(), summary()
 from minipar.zero3 import fully_shard
@@ -56,11 +57,10 @@ class Trainer:
     """The model, its parallel wrappers, the optimizer and one step; the run around them is its
     train_loop.TrainLoop (train(), the summary)."""
 
-    def __init__(self, run: Run, predict=None):
-        """predict: (peak TFLOP/s, the GPU's name or None) -> the planner's {tokens_per_s, mfu,
-        memory_bytes, gpu} for this run, which the summary prints beside the measured ones (train.py's;
-        training/ may not import the planner)."""
-        self.run, self.cfg, self.pgm, self.predict = run, run.cfg, run.pgm, predict
+    def __init__(self, run: Run):
+        self.run, self.cfg, self.pgm = run, run.cfg, run.pgm
+        # the planner's prediction for this run, which the summary prints beside the measured one
+        self.predict = planner_prediction(run.cfg, run.pgm.config)
         cfg, pgm = self.cfg, self.pgm
         self.is_main = pgm.global_rank == 0
         self.device = minipar.default_device()

@@ -67,8 +67,8 @@ class Pipeline:
 
     @classmethod
     def from_sizes(cls, sizes: dict) -> "Pipeline":
-        """The pipeline of inputs.from_train_config's sizes (a config with pp > 1): post-validation
-        where its stages step alone with clipping on."""
+        """The pipeline of a config's sizes (pp > 1; minipar/trainer/prediction.py's from_train_config):
+        post-validation where its stages step alone with clipping on."""
         layers, overlap = sizes.get("pipeline_layers"), bool(sizes["pipeline_overlap_steps"])
         return cls(sizes["pp"], sizes["pipeline_schedule"], sizes["virtual_stages"],
                    tuple(layers) if layers else None, overlap, bool(overlap and sizes["max_grad_norm"]))

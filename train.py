@@ -32,9 +32,6 @@ import os
 import sys
 
 from minipar.comm_calls import CollectiveError
-from minipar.gpus import PRESETS, preset_for_device
-from minipar.plan import Cluster, Layout, Pipeline, plan, plan_pipeline
-from minipar.plan.inputs import from_train_config
 from minipar.trainer import lifecycle
 from minipar.trainer.checkpoint.atomic import CheckpointWriteError
 from minipar.trainer.config.keys import SIZE_NAMES
@@ -64,27 +61,6 @@ def _usage() -> str:
     return USAGE + "\n".join(lines) + f"\n\nAxolotl's names are accepted too: {aliases}"
 
 
-def planner_prediction(cfg, pconf):
-    """peak TFLOP/s -> what `python -m minipar.plan` predicts for this run's own layout, for the
-    trainer's closing summary. Here, because train.py sits above both: the trainer (minipar/trainer)
-    may not import the planner (minipar/plan), which already imports the trainer's config."""
-    model, sizes, batch, opts = from_train_config(cfg)
-    layout = Layout(pconf.dp_replicate_size, pconf.dp_shard_size, pconf.cp_size, pconf.tp_size,
-                    pconf.sequence_parallel, pconf.cp_impl, pconf.cp_ulysses_size)
-
-    def predict(peak_tflops: float, device_name: str = None) -> dict:
-        # a GPU with a preset (minipar/gpus.py) is planned with its HBM, memory and NVLink
-        gpu = preset_for_device(device_name) if device_name else None
-        cluster = Cluster(**dict(PRESETS[gpu] if gpu else {}, peak_tflops=peak_tflops))
-        if pconf.pp_size > 1:
-            p = plan_pipeline(model, layout, Pipeline.from_sizes(sizes), batch, opts, cluster)
-        else:
-            p = plan(model, layout, batch, opts, cluster)
-        return dict(tokens_per_s=p["time"]["tokens_per_s"], mfu=p["time"]["mfu"],
-                    memory_bytes=p["memory"]["total"], gpu=gpu)
-    return predict
-
-
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -93,7 +69,7 @@ def main(argv=None):
     run = setup_run(argv)           # raises ValueError/FileNotFoundError on every rank, before any collective
     clean = False
     try:
-        Trainer(run, predict=planner_prediction(run.cfg, run.pgm.config)).train()
+        Trainer(run).train()
         clean = True
     except lifecycle.Preempted:
         clean = True                # every rank stopped after the same step and saved it

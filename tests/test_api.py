@@ -86,7 +86,7 @@ def _grads(which, path):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    mine = ids[4 * dist.get_rank():4 * dist.get_rank() + 4]          # this rank's half, as FSDP2 users load it
+    mine = ids[4 * dist.get_rank():4 * dist.get_rank() + 4] # this rank's half, as FSDP2 users load it
     logits = model(mine[:, :-1]).logits
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten()).backward()   # a local mean
     return {n: p.grad.full_tensor() for n, p in model.named_parameters()}                     # FSDP2 averages

@@ -221,7 +221,7 @@ def test_planner_counts_lora_memory_and_collectives_exactly(tmp_path, extra, tar
     AdamW states, the gathered units, and every collective of the step (no reduce-scatter; the
     adapters' all-reduces over tp and dp_cp; layer 0's backward f/g that do not run)."""
     from minipar.plan import Layout, collectives, memory
-    from minipar.plan.inputs import from_train_config
+    from minipar.trainer.prediction import from_train_config
     argv = _argv(tmp_path, 1, "--dp_shard_size", "2", "--tensor_parallel_size", "2",
                  "--lora_target_linear", "false", *extra)
     for got in run_world(_state, 4, argv, timeout=200):

@@ -13,14 +13,13 @@ from minipar import comm_ledger
 from minipar.gpus import gpu_peak_tflops, preset_for_device
 from minipar.plan import Batch, Layout, ModelShape, Options, collectives
 from minipar.plan import model as plan_model
-from minipar.plan.inputs import from_train_config
 from minipar.trainer.config.train_config import load_config
+from minipar.trainer.prediction import from_train_config, planner_prediction
 from minipar.trainer.run_setup import setup_run
 from minipar.trainer.throughput import Throughput
 from minipar.trainer.trainer import Trainer
 from models.flops import step_flops
 from models.llama_config import LlamaConfig
-from train import planner_prediction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [os.path.join(ROOT, "configs", "fsdp.yaml"), "--model.hidden_size", "64", "--model.intermediate_size",
@@ -167,7 +166,7 @@ def _train(argv, fake_wandb_dir=None):
     if fake_wandb_dir:        # a stand-in with wandb's calls, where wandb itself is not installed
         sys.path.insert(0, fake_wandb_dir)
     run = setup_run(argv)
-    trainer, lines = Trainer(run, predict=planner_prediction(run.cfg, run.pgm.config)), []
+    trainer, lines = Trainer(run), []
     trainer.loop.log = lines.append
     trainer.train()
     return lines, planner_prediction(run.cfg, run.pgm.config)(0.05)

@@ -29,9 +29,10 @@ from minipar.pipeline_parallel.p2p import activation_shape
 from minipar.plan import Layout, activations, collectives, memory, search
 from minipar.plan.__main__ import main as plan_main
 from minipar.plan.estimate import Cluster, crosses_nodes
-from minipar.plan.inputs import Batch, ModelShape, Options, from_train_config
+from minipar.plan.inputs import Batch, ModelShape, Options
 from minipar.plan.long_step import plan_stage
 from minipar.plan.pipeline_stage import Pipeline, stages
+from minipar.trainer.prediction import from_train_config
 from minipar.trainer.run_setup import setup_run
 from minipar.trainer.trainer import Trainer
 

@@ -21,8 +21,9 @@ from minipar.mesh import all_groups
 from minipar.plan import Layout, Pipeline, collectives, plan, search
 from minipar.plan.__main__ import main as plan_main
 from minipar.plan.estimate import AXES, Cluster, crosses_nodes
-from minipar.plan.inputs import Batch, ModelShape, Options, check, from_train_config
+from minipar.plan.inputs import Batch, ModelShape, Options, check
 from minipar.plan.layout_search import candidates
+from minipar.trainer.prediction import from_train_config
 
 CP_VARIANTS = [("cp_tp.yaml", ["--cp_impl", "ulysses"]),
                ("fsdp.yaml", ["--context_parallel_size", "4", "--dp_shard_size", "1", "--cp_impl", "usp",

@@ -17,8 +17,9 @@ from test_plan import _argv, _measure_all
 from minipar.plan import activations, collectives, memory
 from minipar.plan.__main__ import main as plan_main
 from minipar.plan.estimate import Cluster, plan
-from minipar.plan.inputs import Batch, Layout, ModelShape, Options, check, from_train_config
+from minipar.plan.inputs import Batch, Layout, ModelShape, Options, check
 from minipar.plan.moe import crosses_nodes
+from minipar.trainer.prediction import from_train_config
 
 MIXTRAL_8X7B = dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

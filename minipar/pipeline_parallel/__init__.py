@@ -3,8 +3,8 @@ through them forward and their gradients flowing back.
 
     stage.py      which layers a stage holds (the split rule, pipeline_layers), the stage module
     p2p.py        the sends and receives between neighbours, paired in exchanges NCCL cannot deadlock
-    schedules.py  AFAB, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V as per-rank action lists, and
-                  their minimum micro-batch counts
+    schedules.py  AFAB, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V as per-rank action lists, their
+                  minimum micro-batch counts, which rank holds which virtual stage, which action sends
     simulate.py   the action lists on an ideal machine: bubbles, the closed forms, chunks held
     split_backward.py  the Linears' backward split into B (dL/dx) and a later W (dL/dW)
     executor.py   runs an action list: compute, send, receive, one step
@@ -26,6 +26,8 @@ from .schedules import (
     chunk_stages,
     chunks_per_rank,
     schedule_order,
+    sends_to,
+    stage_owners,
 )
 from .simulate import peak_in_flight, simulate, theory_bubble
 from .split_backward import WeightGradStore, split_weight_gradients
@@ -34,7 +36,8 @@ from .stage import PipelineStage, build_stage, split_layers, stage_chunks
 __all__ = ["OverlapSteps", "Recorder", "forward_only", "run_schedule", "Exchange", "exchange_plan",
            "forward_plan",
            "plan_exchanges", "SCHEDULES", "SPLIT_BACKWARD",
-           "Action", "check_schedule", "chunk_stages", "chunks_per_rank", "schedule_order", "peak_in_flight",
+           "Action", "check_schedule", "chunk_stages", "chunks_per_rank", "schedule_order", "sends_to",
+           "stage_owners", "peak_in_flight",
            "simulate",
            "theory_bubble",
            "WeightGradStore", "split_weight_gradients", "PipelineStage", "build_stage", "split_layers",

@@ -19,7 +19,7 @@ backward per micro-batch, so 2 (p - 1) m x bytes(h) over the whole pipeline (int
 boundaries, a ring: the last rank feeds the first one's next chunk; the V of zbv: 2 p - 1
 boundaries of which 2 (p - 1) cross ranks, the turn at rank p - 1 staying local, so 2 x 2 (p - 1) m
 x bytes(h): twice 1F1B's, the price of two chunks per rank). `owner[k]` is the pp rank of virtual
-stage k (schedules.chunk_stages); a boundary whose two ends are on one rank (zbv's turn) moves no
+stage k (schedules.stage_owners); a boundary whose two ends are on one rank (zbv's turn) moves no
 bytes: the tensor is handed over in memory, detached, as a receive would give it.
 
 What NCCL does. batch_isend_irecv opens an NCCL group (ncclGroupStart/End): its sends and receives
@@ -68,7 +68,7 @@ from typing import Dict, List, NamedTuple, Tuple
 import torch
 
 from .. import comm
-from .schedules import Action, chunk_stages, schedule_order
+from .schedules import Action, chunk_stages, schedule_order, sends_to, stage_owners
 from .simulate import simulate
 
 # the kinds of message; a model whose loss needs more than h between stages (an MoE's aux loss:
@@ -95,19 +95,15 @@ def plan_exchanges(orders: List[List[Action]], name: str, v: int, num_micro: int
     last). The module docstring says why this order is safe. Pure: every rank computes all of it."""
     p = len(orders)
     stages = [chunk_stages(name, p, r, v) for r in range(p)]
-    owner = {k: r for r in range(p) for k in stages[r]}
-    last = p * v - 1
+    owner = stage_owners(name, p, v)
     events, _ = simulate(orders, v, name=name, duration=lambda rank, a: 1.0)
     messages: Dict[tuple, list] = {}            # (time, low rank, high rank) -> [(sender, tags)]
     for r in range(p):
         for a, _, end in events[r]:
-            vs = stages[r][a.chunk]
-            if a.kind == "F" and vs < last and owner[vs + 1] != r:
-                kind, to = ACTIVATION, vs + 1
-            elif a.kind == "B" and vs > 0 and owner[vs - 1] != r:
-                kind, to = GRADIENT, vs - 1
-            else:
+            to = sends_to(a, stages[r], owner)       # None: nothing crosses ranks
+            if to is None:
                 continue
+            kind = ACTIVATION if a.kind == "F" else GRADIENT
             tags = [message_tag(kind, to, a.micro, num_micro)]
             if side:
                 tags.append(message_tag(kind + SIDE_FORWARD, to, a.micro, num_micro))

@@ -45,7 +45,7 @@ Memory", 2024: the V-shape).
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 SCHEDULES = ("afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 SPLIT_BACKWARD = ("zb_h1", "zbv")        # the schedules with W actions (split_backward.py)
@@ -65,6 +65,28 @@ def chunk_stages(name: str, p: int, rank: int, v: int = 1) -> List[int]:
     if name == "zbv":
         return [rank, 2 * p - 1 - rank]
     return [j * p + rank for j in range(v)]
+
+
+def stage_owners(name: str, p: int, v: int = 1) -> List[int]:
+    """The pp rank holding each of the p v virtual stages (chunk_stages inverted): whom a send addresses."""
+    owner = [0] * (p * v)
+    for r in range(p):
+        for k in chunk_stages(name, p, r, v):
+            owner[k] = r
+    return owner
+
+
+def sends_to(a: Action, virtual: List[int], owner: List[int]) -> Optional[int]:
+    """The virtual stage to which action `a` of a rank (its chunks' virtual stages: chunk_stages) sends
+    its result over the wire: an F's h to the next virtual stage, a B's dL/dh to the previous one.
+    None where nothing crosses ranks: the last virtual stage's F (it ends in the loss), the first's B,
+    a W, or a neighbour on the same rank (zbv's turn at rank p - 1: handed over in memory). p2p.py
+    pairs these messages; the planner counts them (minipar/plan/pipeline_stage.py)."""
+    vs = virtual[a.chunk]
+    to = vs + 1 if a.kind == "F" else vs - 1 if a.kind == "B" else None
+    if to is None or not 0 <= to < len(owner) or owner[to] == owner[vs]:
+        return None
+    return to
 
 
 def afab(p: int, m: int, rank: int) -> List[Action]:

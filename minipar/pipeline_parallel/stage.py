@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from .. import comm, default_device
 from ..tensor_parallel import gather_tensor
-from .schedules import SPLIT_BACKWARD, chunk_stages
+from .schedules import SPLIT_BACKWARD, chunk_stages, stage_owners
 from .split_backward import split_weight_gradients
 
 
@@ -107,10 +107,7 @@ class PipelineStage(nn.Module):
         # (what the sends address): the loop j * pp + rank, or the V of zbv
         self.virtual = chunk_stages(schedule, p, pgm.pp.rank, self.num_chunks)
         self.num_virtual = p * self.num_chunks
-        self.owner = [0] * self.num_virtual
-        for r in range(p):
-            for k in chunk_stages(schedule, p, r, self.num_chunks):
-                self.owner[k] = r
+        self.owner = stage_owners(schedule, p, self.num_chunks)
         # whether this rank holds the embedding (virtual stage 0) / the norm, lm_head and loss (the last)
         self.is_first, self.is_last = 0 in self.virtual, self.num_virtual - 1 in self.virtual
         self.weight_grads = None                 # a WeightGradStore under zb_h1 / zbv (build_stage)

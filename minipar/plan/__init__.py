@@ -11,7 +11,8 @@ nodes and the stated time model, pipeline.py the same under pipeline parallelism
 ZeRO-3's gathers over a schedule), layout_search.py the
 ranking of every layout of a world, pp and cp_impl included, and the recommendation by stated
 rules; moe.py a mixture of experts' share (the experts over ep and edp, the token exchanges);
-report.py the text `python -m minipar.plan` prints.
+report.py the text `python -m minipar.plan` prints. The library knows no TrainConfig: the trainer
+asks it (minipar/trainer/prediction.py), and only the program, __main__.py, reads a config file.
 """
 from .activation_bytes import activations
 from .collective_counts import collectives

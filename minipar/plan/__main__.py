@@ -26,12 +26,13 @@ import sys
 from minipar.cli import fail, memory_bytes, positive_ints, within
 from minipar.gpus import PRESETS
 from minipar.trainer.config.train_config import load_config
+from minipar.trainer.prediction import from_train_config
 from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
 from models.llama_config import FAMILIES
 
 from .estimate import Cluster, plan
-from .inputs import OTHER_TRAINER_FIELDS, Batch, Layout, ModelShape, Options, from_train_config
+from .inputs import OTHER_TRAINER_FIELDS, Batch, Layout, ModelShape, Options
 from .layout_search import search, smallest_world
 from .pipeline import plan_pipeline
 from .pipeline_stage import Pipeline

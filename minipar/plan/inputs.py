@@ -17,8 +17,8 @@ model.py's, activation_bytes.py's and collective_counts.py's.
     Options     compute dtype, ZeRO-3's prefetch / reshard_after_forward / sync_each_batch,
                 activation checkpointing, LoRA's rank and targets (and how another trainer runs)
 
-from_train_config(cfg) asks the question of a train.py config: the model, layout sizes (with the
-pipeline's), batch and options the trainer would run.
+minipar/trainer/prediction.py's from_train_config asks the question of a train.py config (the
+product reads the planner, never the other way).
 
 check() repeats the trainer's own divisibility checks (heads, vocab and f by tp; sequence by 2 cp,
 and by tp under SP; the batch by dp x micro; under ulysses / usp the head split, by calling the
@@ -27,15 +27,11 @@ Pure data: no process group, no tensor, no communication.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
 from minipar.config import ParallelismConfig
 from minipar.context_parallel.ulysses import check_ulysses
-from minipar.lora import check_targets
-from minipar.pipeline_parallel import chunks_per_rank
-from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -263,32 +259,3 @@ def expert_problems(model: ModelShape, layout: Layout) -> List[str]:
                    f"(mlp_only_layers / decoder_sparse_step): not planned yet")
     return out
 
-
-def from_train_config(cfg):
-    """(model, layout sizes, batch, options) of a TrainConfig (what train.py would run)."""
-    model = ModelShape.from_dict(dataclasses.asdict(cfg.model))
-    sizes = dict(dp_replicate=cfg.dp_replicate_size, dp_shard=cfg.dp_shard_size, cp=cfg.cp_size,
-                 tp=cfg.tp_size, sequence_parallel=cfg.sequence_parallel,
-                 cp_impl=cfg.cp_impl, cp_ulysses_size=cfg.cp_ulysses_size, ep=cfg.ep_size)
-    if (getattr(cfg, "pp_size", 1) or 1) > 1:          # minipar/plan/pipeline.py
-        sizes.update(pp=cfg.pp_size, pipeline_schedule=cfg.pipeline_schedule,
-                     virtual_stages=chunks_per_rank(cfg.pipeline_schedule, cfg.pipeline_virtual_stages),
-                     pipeline_layers=cfg.pipeline_layers,
-                     pipeline_overlap_steps=cfg.pipeline_overlap_steps, max_grad_norm=cfg.max_grad_norm)
-    batch = Batch(cfg.global_batch_size, cfg.micro_batch_size, cfg.sequence_len)
-    opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch,
-                   reshard_after_forward=cfg.fsdp.reshard_after_forward,
-                   sync_each_batch=cfg.fsdp.sync_each_batch,
-                   gradient_checkpointing=cfg.gradient_checkpointing,
-                   selective_ac_option=cfg.selective_ac_option,
-                   **_lora(cfg))
-    return model, sizes, batch, opts
-
-
-def _lora(cfg) -> dict:
-    """adapter: lora's rank and targets (the trainer's check_targets: the model's declared order)."""
-    if cfg.adapter != "lora":
-        return {}
-    targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
-                            LlamaForCausalLM.lora_target_modules)
-    return dict(lora_r=cfg.lora_r, lora_targets=tuple(targets))

@@ -1,9 +1,9 @@
 """The search: every layout of a world that runs and fits, ranked, and one recommended by rules.
 
-Candidates. Every (R, S, C, T) whose product is the world (sequence parallelism on whenever tp > 1: the
-same bytes, less memory), and, for each pp that divides the world with 2 <= pp <= MAX_PP and at least
-two layers a stage, every pp x (R, S, C, T) under each schedule that runs there (PIPELINES: 1F1B,
-interleaved 1F1B with 2 chunks, ZB-H1, ZB-V; pipeline.py's check refuses too few micro-batches, or a
+Candidates. Every Layout(dp_replicate, dp_shard, cp, tp) whose product is the world (sequence parallelism
+on whenever tp > 1: the same bytes, less memory), and, for each pp that divides the world with 2 <= pp <=
+MAX_PP and at least two layers a stage, every pp x layout under each schedule that runs there (PIPELINES:
+1F1B, interleaved 1F1B with 2 chunks, ZB-H1, ZB-V; pipeline.py's check refuses too few micro-batches, or a
 count that is not a multiple of pp where the interleaved schedule needs one): the estimate weighs each
 one's bubble against its sends and the memory of what it keeps in flight. Every layout with cp > 1 comes
 once per cp_impl: ring, ulysses (u = cp), and usp for each u dividing cp with 1 < u < cp (`cp_impls`). A
@@ -58,7 +58,7 @@ PIPELINES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2))   #
 
 
 def layouts(world: int) -> List[Layout]:
-    """Every (R, S, C, T) whose product is `world`, SP on whenever tp > 1."""
+    """Every Layout(dp_replicate, dp_shard, cp, tp) whose product is `world`, SP on whenever tp > 1."""
     divs = [k for k in range(1, world + 1) if world % k == 0]
     return [Layout(r, world // (r * c * t), c, t, t > 1) for t in divs for c in divs for r in divs
             if world % (r * c * t) == 0]

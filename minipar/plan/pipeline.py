@@ -1,4 +1,5 @@
-"""The planner under pipeline parallelism: what each STAGE of a pp x (R, S, C, T) layout costs.
+"""The planner under pipeline parallelism: what each STAGE of a pp x Layout(dp_replicate, dp_shard, cp,
+tp) costs.
 
 With pp > 1 every rank holds one stage (pipeline_parallel/stage.py's split_layers rule, imported):
 a contiguous run of layers per model chunk (v chunks per rank under interleaving), the embedding

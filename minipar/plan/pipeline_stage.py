@@ -1,4 +1,4 @@
-"""One STAGE of a pp x (R, S, C, T) layout: what its ranks hold, keep in flight and send.
+"""One STAGE of a pp x (dp_replicate, dp_shard, cp, tp) layout: what its ranks hold, keep in flight and send.
 
 With pp > 1 every rank holds one stage (pipeline_parallel/stage.py's split_layers rule, imported,
 not re-derived): a contiguous run of layers per model chunk (v chunks per rank under
@@ -27,7 +27,7 @@ the same for a step of many micro-batches, from three short ones):
 
 Communication per stage, as comm.py's ledger records it: ("send", "pp") one message per F on a
 non-last virtual stage (h forward) and per B on a non-first one (dL/dh backward), when the
-neighbouring virtual stage is on another rank (zbv's turn at rank p - 1 is not), each
+neighbouring virtual stage is on another rank (zbv's turn at rank p - 1 is not: schedules.sends_to), each
 b x s/cp (/tp under SP) x d in the compute dtype (bf16 in a bf16 run, autocast's too: trainer.py's
 act_dtype, which p2p.py sends); ("all_reduce", "pp") 8 B
 for the loss and 8 B for the global grad norm (pipeline_overlap_steps: both in one 16 B all-reduce
@@ -43,7 +43,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from minipar.pipeline_parallel.schedules import chunk_stages, schedule_order
+from minipar.pipeline_parallel.schedules import chunk_stages, schedule_order, sends_to, stage_owners
 from minipar.pipeline_parallel.simulate import peak_in_flight
 from minipar.pipeline_parallel.stage import stage_chunks
 
@@ -67,8 +67,8 @@ class Pipeline:
 
     @classmethod
     def from_sizes(cls, sizes: dict) -> "Pipeline":
-        """The pipeline of inputs.from_train_config's sizes (a config with pp > 1): post-validation
-        where its stages step alone with clipping on."""
+        """The pipeline of a config's sizes (pp > 1; minipar/trainer/prediction.py's from_train_config):
+        post-validation where its stages step alone with clipping on."""
         layers, overlap = sizes.get("pipeline_layers"), bool(sizes["pipeline_overlap_steps"])
         return cls(sizes["pp"], sizes["pipeline_schedule"], sizes["virtual_stages"],
                    tuple(layers) if layers else None, overlap, bool(overlap and sizes["max_grad_norm"]))
@@ -273,14 +273,9 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
 
     # ---- the pipeline's own messages, and the step's small reductions
     msg = message_bytes(model, layout, batch, opts)
-    last_vs = pipe.pp * pipe.virtual_stages - 1
-    owner = {k: r for r in range(pipe.pp)
-             for k in chunk_stages(pipe.schedule, pipe.pp, r, pipe.virtual_stages)}
+    owner = stage_owners(pipe.schedule, pipe.pp, pipe.virtual_stages)     # p2p.py's own rule
     mine = chunk_stages(pipe.schedule, pipe.pp, st.rank, pipe.virtual_stages)
-    sends = sum(1 for a in order if (a.kind == "F" and mine[a.chunk] < last_vs
-                                     and owner[mine[a.chunk] + 1] != st.rank)
-                or (a.kind == "B" and mine[a.chunk] > 0 and owner[mine[a.chunk] - 1] != st.rank))
-    add("send", "pp", sends, msg)
+    add("send", "pp", sum(sends_to(a, mine, owner) is not None for a in order), msg)
     add("all_reduce", "dp_cp", 1, 8)                       # the loss over dp_cp, then over pp
     add("all_reduce", "tp", 1, 16)                         # the global norm (clipped by, or only logged)
     add("all_reduce", "dp_shard_cp", 1, 8)

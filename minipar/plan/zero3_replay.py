@@ -6,7 +6,9 @@ micro-batch, 1F1B interleaves forwards and backwards, and the interleaved schedu
 between chunks whose units differ. zero3/shard_manager.py learns a forward and a backward order
 from the last pass it saw and prefetches the next `prefetch` units of it; when the next pass runs
 other units (the other chunk), the prefetched ones are freed unused and gathered again later.
-A closed formula would have to guess all that; this file replays the hooks themselves, on names:
+A closed formula would have to guess all that; this file runs the hooks' own decisions
+(minipar/zero3/gather_policy.py's GatherPolicy, the one shard_manager.py asks) on the planner's
+units, and only does the gathering and freeing by name:
 
     root pre-forward      free every unit; the pass's seen list restarts
     unit pre-forward      gather it (a no-op if gathered or empty), and if it sits where the
@@ -14,7 +16,7 @@ A closed formula would have to guess all that; this file replays the hooks thems
     unit post-forward     free it (reshard_after_forward); the root stays gathered into backward
     root post-forward     free every other unit (prefetched, unused); relearn the forward order
     unit pre-backward     as pre-forward, on the backward order (embeddings need no gather)
-    unit post-backward    free it (only units that got gradients in this pass)
+    unit post-backward    free it (only units that got gradients in this pass): here, not the policy's
     end of backward       free everything; relearn the backward order
 
 The peak is taken where zero3 takes it (after each gather and its prefetch), so it equals
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+from minipar.zero3.gather_policy import GatherPolicy
+
 from .model import Unit
 
 
@@ -32,10 +36,9 @@ class Zero3Replay:
     and the peak of gathered bytes (start_gather is a no-op on a gathered or empty unit)."""
 
     def __init__(self, us: List[Unit], nbytes: Dict[str, int], prefetch: int, reshard: bool):
-        self.us, self.nbytes, self.prefetch, self.reshard = us, nbytes, prefetch, reshard
+        self.us, self.nbytes = us, nbytes
         self.root = us[0]
-        self.fwd_order = list(us)
-        self.bwd_order = [self.root] + [u for u in reversed(us[1:]) if u.kind != "embedding"]
+        self.policy = GatherPolicy(us, prefetch, reshard, lambda u: u.kind != "embedding")
         self.gathered = set()
         self.held = 0                      # the bytes of `gathered`, kept as it changes
         self.calls: Dict[str, int] = {u.name: 0 for u in us}
@@ -47,45 +50,33 @@ class Zero3Replay:
             self.held += self.nbytes[u.name]
             self.calls[u.name] += 1
 
-    def _free(self, name):
-        if name in self.gathered:
-            self.gathered.discard(name)
-            self.held -= self.nbytes[name]
+    def _free(self, units):
+        for u in units:
+            if u.name in self.gathered:
+                self.gathered.discard(u.name)
+                self.held -= self.nbytes[u.name]
 
-    def _keep_only(self, keep):
-        for name in [n for n in self.gathered if n not in keep]:
-            self._free(name)
-
-    def _gather_now(self, u, order, pos):
-        self._start(u)
-        if pos < len(order) and order[pos] is u:
-            for v in order[pos + 1:pos + 1 + self.prefetch]:
-                self._start(v)
+    def _gather_now(self, gather):
+        for u in gather:                   # the unit, then what the policy prefetches
+            self._start(u)
         self.peak = max(self.peak, self.held)
 
     def forward(self, seq: List[Unit]):
-        seen = []
-        for u in seq:
-            if u is self.root:
-                self._keep_only(())
-            seen.append(u)
-            self._gather_now(u, self.fwd_order, len(seen) - 1)
-            if u is not self.root and self.reshard:
-                self._free(u.name)
-        if self.reshard:
-            self._keep_only((self.root.name,))
-        if seen != self.fwd_order:
-            self.fwd_order = seen
+        for u in seq:                      # the root's pre-forward first, its post-forward last
+            free, gather = self.policy.pre_forward(u)
+            self._free(free)
+            self._gather_now(gather)
+            if u is not self.root:
+                self._free(self.policy.post_forward(u))
+        self._free(self.policy.post_forward(self.root))
 
     def backward(self, seq: List[Unit], head: bool):
-        seen = []
+        self.policy.start_backward()
         for u in seq:
-            if u.kind == "embedding":
+            gather = self.policy.pre_backward(u)
+            if not gather:                                 # an embedding: no weights read
                 continue
-            seen.append(u)
-            self._gather_now(u, self.bwd_order, len(seen) - 1)
+            self._gather_now(gather)
             if u is not self.root or head:                 # post-backward: the unit's grads are in
-                self._free(u.name)                         # (the root has none in a headless chunk)
-        self._keep_only(())                                # end of backward: free everything
-        if seen != self.bwd_order:
-            self.bwd_order = seen
+                self._free([u])                            # (the root has none in a headless chunk)
+        self._free(self.policy.end_backward())             # end of backward: free everything

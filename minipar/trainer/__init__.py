@@ -9,6 +9,7 @@
     batch_source.py   a step's global batch, this rank's share of it, the eval batches and their loop
     trainer.py        compose.py's model and step with the optimizer, the batches, evaluation, saves
     train_loop.py     the run around the step: resume, logs, metrics, saves, a SIGTERM stop, summary
+    prediction.py     the planner's prediction for this run's layout, for the closing summary
     lifecycle.py      the ranks agree at the start, stop together on SIGTERM, end cleanly
     metrics_file.py   metrics.jsonl (kept across a resume) and the loss curve
 

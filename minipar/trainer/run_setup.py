@@ -15,7 +15,7 @@ setup_run is these steps, in this order, each one function below:
                        with all sizes 1. Then cfg.parallelism() -> ParallelismConfig, resolved
                        against the world, checked against the model and the sequence  config.py
     5. _batch          global = micro x accumulation x dp (keys.py); the pipeline's split and
-                       schedule against the micro-batches                        pipeline_step.py
+                       schedule against the micro-batches                     config/check.py
     6. _data           the `datasets` rows (tokenized once, then loaded from dataset_prepared_path:
                        prepared.py, packing.py) or the byte corpus; max_steps from num_epochs
     7. _claim_output   the checkpoint to resume from exists; only now the first writes: output_dir

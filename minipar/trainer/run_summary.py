@@ -7,8 +7,8 @@ planner's prediction for the same layout.
                                                          predicts) and max_memory_reserved (the caching
                                                          allocator's pool); CPU: the peak resident set
     throughput and MFU                                   the mean after the first step (throughput.py)
-    planner                                              trainer.predict: train.py passes the planner
-                                                         in, since training/ may not import it
+    planner                                              trainer.predict: prediction.py's planner_prediction,
+                                                         minipar/plan/'s count of this run's layout
 
 Communication: one all-gather of each rank's peaks over the world (every rank calls report).
 """
@@ -53,7 +53,7 @@ def report(loop, elapsed: float, last_val: Optional[float]) -> None:
 
 def speed_lines(loop, ran, peak_mib: float, cuda: bool = False) -> list:
     """The run's throughput and MFU (after the first step, which warms up), beside the planner's
-    prediction for this layout at the same peak (trainer.predict, when train.py gave one)."""
+    prediction for this layout at the same peak (trainer.predict, prediction.py's)."""
     steps = ran[1:] if len(ran) > 1 else ran
     if not steps:
         return []

@@ -11,7 +11,7 @@ each step, evaluation and checkpoints. It is built from parts it holds, not from
 A step here is: this rank's micro-batches of the step's global batch (prepared during the last
 step), compose.Step on them, then the next step's batches prepared while the device works. The
 settings come from the config once (TrainConfig.recipe(): compose.Recipe); the closing summary's
-prediction from the planner (train.py hands it in).
+prediction from the planner (prediction.py).
 
 Everything that can be checked without communicating is checked before, by run_setup.setup_run.
 """
@@ -29,6 +29,7 @@ from minipar.trainer import host_memory
 from minipar.trainer.batch_source import Batches, eval_loss
 from minipar.trainer.checkpoint import save_load as ckpt
 from minipar.trainer.checkpoint import verify
+from minipar.trainer.prediction import planner_prediction
 from minipar.trainer.run_setup import Run
 from minipar.trainer.train_loop import TrainLoop  # the run around the step: train(), summary()
 
@@ -37,10 +38,10 @@ class Trainer:
     """The composed model, the optimizer and one step; the run around them is its
     train_loop.TrainLoop (train(), the summary)."""
 
-    def __init__(self, run: Run, predict=None):
-        """predict: (peak TFLOP/s, the GPU's name or None) -> the planner's {tokens_per_s, mfu,
-        memory_bytes, gpu} for this run, which the summary prints beside the measured ones."""
-        self.run, self.cfg, self.pgm, self.predict = run, run.cfg, run.pgm, predict
+    def __init__(self, run: Run):
+        self.run, self.cfg, self.pgm = run, run.cfg, run.pgm
+        # the planner's prediction for this run, which the summary prints beside the measured one
+        self.predict = planner_prediction(run.cfg, run.pgm.config)
         cfg, pgm = self.cfg, self.pgm
         self.is_main = pgm.global_rank == 0
         self.device = minipar.default_device()

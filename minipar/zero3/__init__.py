@@ -4,6 +4,8 @@ replicated over dp_replicate). The files in reading order:
     flat_param.py     the flat buffer of a unit: which slot holds which parameter, padding, shards;
                       plan_units, which parameters go into which unit
     unit.py           one unit: its flat buffer, this rank's fp32 shard, the all-gather and the free
+    gather_policy.py  GatherPolicy: which units each hook gathers, prefetches and frees, and the
+                      learned orders; pure, so the planner replays the same decisions
     shard_manager.py  Zero3: the hooks that gather a unit before its forward and backward,
                       prefetch the next one, free it after; it builds the two parts below
     wrap.py           fully_shard: the model cut into units, its parameters replaced by flat
@@ -20,11 +22,12 @@ replicated over dp_replicate). The files in reading order:
     full = model.zero3.full_state_dict() # collective: every rank calls it
 """
 from .flat_param import FlatLayout, plan_units
+from .gather_policy import GatherPolicy
 from .grad_reduce import GradientReduction
 from .shard_manager import Zero3
 from .state_dicts import ShardedStateDicts
 from .unit import Unit
 from .wrap import fully_shard
 
-__all__ = ["FlatLayout", "GradientReduction", "ShardedStateDicts", "plan_units", "Unit", "Zero3",
-           "fully_shard"]
+__all__ = ["FlatLayout", "GatherPolicy", "GradientReduction", "ShardedStateDicts", "plan_units", "Unit",
+           "Zero3", "fully_shard"]

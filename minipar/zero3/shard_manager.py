@@ -1,6 +1,7 @@
 """ZeRO-3 (FSDP): shard parameters, gradients and optimizer states over dp_shard_cp; gather a unit
-only while it computes. This file is the manager's hooks (gather, prefetch, free, the learned
-orders); wrap.py's fully_shard cuts a model into units and attaches it.
+only while it computes. This file is the manager's hooks, which run the gathers and frees that
+gather_policy.py decides (prefetch, the learned orders); wrap.py's fully_shard cuts a model into
+units and attaches it.
 
 Rajbhandari et al., "ZeRO" (2020), stage 3; the unit-by-unit schedule of PyTorch FSDP (Zhao et
 al., 2023) and FSDP2. Each unit (the embedding, each decoder layer; the root unit holds what is
@@ -67,7 +68,9 @@ How the hooks find their moments, for any model:
 Prefetching follows the execution orders (`prefetch` units ahead; 0 turns it off). Before the
 first step they are a static guess, the registration order forward and its reverse (root first)
 backward, so step 1 prefetches too; each forward and backward records the order it really ran and
-replaces the guess when it differs (a model that runs units out of order, or skips one).
+replaces the guess when it differs (a model that runs units out of order, or skips one). Which
+units each hook gathers and frees, and the learned orders, are gather_policy.py's GatherPolicy, a
+pure state machine the planner replays too (minipar/plan/zero3_replay.py).
 Activation checkpointing re-runs a unit's forward inside its backward: the hooks see that the unit
 is already in its backward and leave its gathered parameters alone. A unit unused in a step is
 never reduced (a learned prefetch may still gather it; it is freed again at the end of backward).
@@ -86,6 +89,7 @@ from typing import Dict, List
 import torch
 
 from .. import comm_ledger
+from .gather_policy import GatherPolicy
 from .grad_reduce import GradientReduction
 from .state_dicts import ShardedStateDicts
 from .unit import LOOKUPS, AfterBackward, Unit
@@ -104,24 +108,19 @@ def _tensors(out):
 
 class Zero3:
     """The shard manager that fully_shard attaches as `model.zero3`: the hooks that gather and
-    free the units, the learned orders, the memory count; `grads` (a GradientReduction) for the
-    gradient side and `state_dicts` (a ShardedStateDicts) for full tensors <-> shards."""
+    free the units as `policy` (a GatherPolicy: the learned orders) decides, the memory count;
+    `grads` (a GradientReduction) for the gradient side and `state_dicts` (a ShardedStateDicts)
+    for full tensors <-> shards."""
 
     def __init__(self, model, pgm, units: List[Unit], param_names, prefetch, reshard_after_forward):
         self.model, self.pgm, self.units, self.root = model, pgm, units, units[0]
-        self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.grads = GradientReduction(units, pgm)
         self.state_dicts = ShardedStateDicts(units, param_names, pgm)
         # owned by state_dicts, shared here: the checkpoint and the tests read them from the manager
         self.shards = self.state_dicts.shards    # what the optimizer steps: the non-empty units'
         self.param_names = self.state_dicts.param_names      # HF names in model order (tied once)
-        # the static guess, so that step 1 prefetches too: forward in registration order, backward
-        # the reverse (the root first: the loss is its output); relearned whenever a step differs
-        self.forward_order: List[Unit] = list(units)
-        self.backward_order: List[Unit] = [self.root] + [u for u in reversed(units[1:])
-                                                         if u.gather_for_backward]
-        self._fwd_seen: List[Unit] = []
-        self._bwd_seen: List[Unit] = []
+        # which units each hook gathers and frees, the learned orders: a pure policy (gather_policy.py)
+        self.policy = GatherPolicy(units, prefetch, reshard_after_forward, lambda u: u.gather_for_backward)
         self._backward_running = False
         self.peak_gathered_bytes = 0
         # a root that holds an embedding too (tied to lm_head) is read in backward only by its other
@@ -177,15 +176,12 @@ class Zero3:
     def _note_memory(self):
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 
-    def _prefetch(self, order, position):
-        for u in order[position + 1:position + 1 + self.prefetch]:
+    def _gather_now(self, gather: List[Unit]):
+        """gather: the unit about to run, then the ones the policy prefetches (in flight while it
+        computes)."""
+        for u in gather:
             u.start_gather()
-
-    def _gather_now(self, u: Unit, order, position):
-        u.start_gather()
-        if position < len(order) and order[position] is u:
-            self._prefetch(order, position)      # in flight while u computes
-        u.wait_gather()
+        gather[0].wait_gather()
         self._note_memory()
 
     # ------------------------------------------------------------------ the hooks
@@ -194,14 +190,13 @@ class Zero3:
             u.start_gather()                     # (normally a no-op: gathered before backward)
             u.wait_gather()
             return None
+        free, gather = self.policy.pre_forward(u)
         if u is self.root:
-            self._fwd_seen = []
             self._heads_pending, self._heads_unknown = 0, False
-            for v in self.units:                 # left gathered by a forward without backward: the
-                v.free()                         # shards may have changed since (optimizer step)
-        self._fwd_seen.append(u)
+        for v in free:                           # the root: all, left gathered by a forward without
+            v.free()                             # backward; the shards may have changed (optimizer step)
         comm_ledger.mark(f"zero3.forward {u.name}")
-        self._gather_now(u, self.forward_order, len(self._fwd_seen) - 1)
+        self._gather_now(gather)
         u.point_params_at(u.layout.views(u.flat))
         if u.flat.requires_grad or u is self.root or not torch.is_grad_enabled():
             return None
@@ -225,17 +220,10 @@ class Zero3:
             for t in _tensors(out):
                 if t.requires_grad:
                     t.register_hook(lambda grad, u=u: self._pre_backward(u))
-        if u is not self.root:
-            if self.reshard_after_forward or not grad:
-                u.free()
-            return
         # the root ends the forward: it is the first unit of backward, so (FSDP2's default) it
         # stays gathered into backward; units prefetched but unused are freed
-        for v in self.units:
-            if (v is not self.root and self.reshard_after_forward) or not grad:
-                v.free()
-        if grad and self._fwd_seen != self.forward_order:
-            self.forward_order = list(self._fwd_seen)           # relearn: this step ran otherwise
+        for v in self.policy.post_forward(u, grad):
+            v.free()
 
     def _head_forward(self, args):
         """A head of the root starts its forward: count its inputs, whose gradients say when its
@@ -257,7 +245,7 @@ class Zero3:
     def _start_backward(self):
         if not self._backward_running:
             self._backward_running = True
-            self._bwd_seen = []
+            self.policy.start_backward()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _pre_backward(self, u: Unit):
@@ -265,11 +253,11 @@ class Zero3:
         if u.in_backward:
             return
         u.in_backward = True
-        if not u.gather_for_backward:            # an embedding: its backward needs no weights
+        gather = self.policy.pre_backward(u)
+        if not gather:                           # an embedding: its backward needs no weights
             return
-        self._bwd_seen.append(u)
         comm_ledger.mark(f"zero3.backward {u.name}")
-        self._gather_now(u, self.backward_order, len(self._bwd_seen) - 1)
+        self._gather_now(gather)
 
     def _post_backward_frozen(self, u: Unit):
         if u.in_backward:                        # not a recompute's inputs: the unit is done
@@ -284,9 +272,8 @@ class Zero3:
 
     def _finish_backward(self):
         self.grads.finish_backward()
-        for u in self.units:                     # prefetched but unused, or kept by reshard=False
+        for u in self.policy.end_backward():     # prefetched but unused, or kept by reshard=False
             u.free()
+        for u in self.units:
             u.in_backward = False
-        if self._bwd_seen and self._bwd_seen != self.backward_order:
-            self.backward_order = list(self._bwd_seen)          # relearn (a W pass gathers nothing)
         self._backward_running = False

@@ -45,6 +45,7 @@ import torch
 from minipar import comm
 from minipar.optim import stage_grad_sq
 from minipar.pipeline_parallel import (
+    ScheduleHooks,
     build_stage,
     check_schedule,
     chunks_per_rank,
@@ -139,7 +140,7 @@ class PipelineStep:
                     unsynced.close()
 
             loss = run_schedule(self.model, self.order, pgm, micro, n_items, act_dtype=self.act_dtype,
-                                before_backward=before_backward, autocast=self.autocast,
+                                hooks=ScheduleHooks(before_backward), autocast=self.autocast,
                                 plan=self.plan, transport=self.transport)
         comm.all_reduce(loss, pgm.dp_cp)
         self.batches.prefetch(step + 1, M)        # the next step's rows, while the GPU works on this one

@@ -13,7 +13,7 @@ For each schedule (afab, 1f1b, interleaved_1f1b with v = 2, zb_h1, zbv), p stage
 micro-batches: one Llama of p x 2 x --layers-per-chunk decoder layers for every schedule (so 1F1B's
 stage is two of zbv's or the interleaved schedule's chunks), split with
 minipar.pipeline_parallel.build_stage, one step run by run_schedule on p forked gloo ranks (one
-torch thread each). Per stage, from the executor's Recorder and the comm ledger:
+torch thread each). Per stage, from the executor's hooks (hooks.py's Recorder) and the comm ledger:
 
     bubble       1 - (time in F / B / W compute) / (step time)
     ideal        the same action lists through simulate.simulate with each stage's own mean t_F,
@@ -127,7 +127,7 @@ def _rank(args, schedule, p, m, v):
         rec, mem = Recorder(), SavedBytes()
         dist.barrier()
         with comm_ledger.ledger() as led, torch.autograd.graph.saved_tensors_hooks(mem.pack, mem.unpack):
-            run_schedule(stage, order, pgm, batches, n_items, recorder=rec, plan=plan)
+            run_schedule(stage, order, pgm, batches, n_items, hooks=rec, plan=plan)
         stage.zero_grad(set_to_none=True)
         if it:                                   # the first step warms up allocator and gloo
             runs.append(dict(t0=rec.t0, step=rec.t_end, events=rec.events, waits=rec.waits,
@@ -138,7 +138,7 @@ def _rank(args, schedule, p, m, v):
     dist.barrier()
     for _ in range(args.chain):
         rec = Recorder()
-        run_schedule(stage, order, pgm, batches, n_items, recorder=rec, plan=plan)
+        run_schedule(stage, order, pgm, batches, n_items, hooks=rec, plan=plan)
         stage.zero_grad(set_to_none=True)        # what a stage's own optimizer step would do: nothing shared
         chain.append((rec.t0, rec.events))
     return runs, chain

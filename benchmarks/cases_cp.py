@@ -83,7 +83,7 @@ def sdpa_gqa(q, k, v):
 def cp_world(variant, size, steps):
     import minipar
     from minipar import ParallelismConfig, comm_ledger
-    from minipar.context_parallel import ring_attention, zigzag_shard
+    from minipar.context_parallel import RingKnobs, ring_attention, zigzag_shard
     from minipar.context_parallel.ulysses import ulysses_attention
     state = {}
 
@@ -108,7 +108,8 @@ def cp_world(variant, size, steps):
 
             if impl == "ring":
                 def attend(x):
-                    return ring_attention(*x, cp, causal=True, layout=layout, overlap=overlap)
+                    return ring_attention(*x, cp, causal=True, layout=layout,
+                                          knobs=RingKnobs(overlap=overlap))
             else:                                           # the groups the trainer's attention uses
                 def attend(x):
                     return ulysses_attention(*x, pgm.cp_ulysses, pgm.cp_ring, layout=layout, causal=True)

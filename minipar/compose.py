@@ -61,6 +61,7 @@ from minipar.lora import add_lora, check_targets, load_adapters, lora_parameters
 from minipar.optim import OptimizerStep
 from minipar.pipeline_parallel import (
     OverlapSteps,
+    ScheduleHooks,
     build_stage,
     chunks_per_rank,
     exchange_plan,
@@ -262,8 +263,8 @@ class Step:
                     unsynced.close()
 
             loss = run_schedule(self.pm.model, self.order, self.pgm, micro, n_items, act_dtype=self.act_dtype,
-                                before_backward=before_backward, autocast=self.pm.autocast, plan=self.plan,
-                                transport=self.transport)
+                                hooks=ScheduleHooks(before_backward), autocast=self.pm.autocast,
+                                plan=self.plan, transport=self.transport)
         comm.all_reduce(loss, self.pgm.dp_cp)
         return loss
 

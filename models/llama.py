@@ -19,7 +19,7 @@ Where the parallelisms plug in (all through `pgm`, passed explicitly; pgm=None i
       residual stream between them is split along the sequence instead of replicated.
   cp  attention runs as ring attention over pgm.cp (cp_impl ring), as Ulysses' two all-to-alls
       (ulysses), or as Ulysses inside pgm.cp_ulysses and the ring over pgm.cp_ring (usp); the
-      sequence arrives in the zigzag layout (or contiguous, pgm.config.cp_layout) and
+      sequence arrives in the zigzag layout (or contiguous, cp_layout) and
       position_ids carry the true positions, so RoPE is right on every chunk.
   packing  document_ids (b, s), one id per token, keep attention inside each packed example (a
       block-diagonal causal mask, run per document from the ids' boundaries on the host:
@@ -53,7 +53,7 @@ from .activation_checkpoint import ActivationCheckpointing  # full, or selective
 from .hf_checkpoint import HFCheckpoint, save_pretrained  # HF's files: the reader and the writer
 from .llama_config import LlamaConfig  # the shape, HF's config.json keys
 from .llama_init import SeededInit, local_from_source, materialize
-from .llama_layer import LlamaDecoderLayer, RMSNorm  # one decoder layer: attention, MLP or MoE
+from .llama_layer import LayerSettings, LlamaDecoderLayer, RMSNorm  # one decoder layer: attention, MLP or MoE
 from .moe_aux import PipelineAux, add_aux_loss
 from .rope import rotary_tables
 from .tied_weights import tie_weights  # lm_head sharing the embedding's weight
@@ -71,10 +71,12 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
         super().__init__()
-        sp = pgm.config.sequence_parallel
+        # the parallel settings, read from the config once here: the layers are built with them
+        self.settings = settings = LayerSettings.of(pgm.config)
+        sp = settings.sequence_parallel
         self.config, self.pgm = config, pgm
         self.embed_tokens = tpl.VocabParallelEmbedding(config.vocab_size, config.hidden_size, pgm.tp, sp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, pgm, i)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, pgm, i, settings)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
         # which attention kernel each path ran, printed once per run (rank 0; other ranks their fallbacks)
@@ -98,7 +100,7 @@ class LlamaModel(nn.Module):
         if torch.is_tensor(document_ids):
             # packed documents: their boundaries to the host once per micro-batch (one all-gather
             # over cp, one copy), so no attention block of any layer syncs (documents.py)
-            document_ids = Documents.gather(document_ids, self.pgm.cp, self.pgm.config.cp_layout)
+            document_ids = Documents.gather(document_ids, self.pgm.cp, self.settings.cp_layout)
         for layer in layers:
             if policy and policy.applies(layer.layer_idx) and self.training and torch.is_grad_enabled():
                 h = policy(layer, h, cos, sin, document_ids)
@@ -145,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         # what a pipeline carries between stages for the load-balancing loss (None: nothing; also when
         # every layer keeps the dense MLP, so that no stage divides by a count of zero MoE layers)
         any_moe = any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        self.pipeline_aux = PipelineAux(config, self.pgm) \
+        self.pipeline_aux = PipelineAux(config, self.pgm, self.model.settings.sequence_parallel) \
             if config.num_local_experts and config.router_aux_loss_coef > 0 and any_moe else None
         if str(device) != "meta":
             self.init_weights(seed)
@@ -169,8 +171,8 @@ class LlamaForCausalLM(nn.Module):
         (models/moe_aux.py; aux_weight None is 1/dp), whose figures land in self.moe_metrics."""
         pgm, body = self.pgm, self.model
         if position_ids is None:
-            position_ids = sequence_positions(input_ids.shape[1] * pgm.cp.size, pgm.cp, pgm.config.cp_layout,
-                                              device=input_ids.device)
+            position_ids = sequence_positions(input_ids.shape[1] * pgm.cp.size, pgm.cp,
+                                              body.settings.cp_layout, device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
         h = body.embed(input_ids)
         cos, sin = body.rotary(position_ids, h.dtype)
@@ -187,7 +189,8 @@ class LlamaForCausalLM(nn.Module):
                 num_items_in_batch = comm.all_reduce(num_items_in_batch.clone(), pgm.dp_cp)
             num_items_in_batch = num_items_in_batch.clamp(min=1)
         loss = body.head_loss(h, self.lm_head, labels, num_items_in_batch)
-        loss, self.moe_metrics = add_aux_loss(loss, body.layers, self.config, pgm, aux_weight)
+        loss, self.moe_metrics = add_aux_loss(loss, body.layers, self.config, pgm, aux_weight,
+                                              body.settings.sequence_parallel)
         return loss
 
     # ------------------------------------------------------------------ state dicts

@@ -17,6 +17,10 @@ activation checkpointing recomputes and a pipeline stage holds a run of (models/
                                      intermediate/tp columns per rank, one collective in, one out
           or h + moe(n), the mixture of experts (models/moe.py), in Mixtral's and Qwen3-MoE's layers
 
+The layers take their parallel settings when built (LayerSettings: sequence parallelism, async TP
+overlap, the cp implementation and layout, the attention kernel), read once from the
+ParallelismConfig by the model's constructor (models/llama.py); a forward never reads the config.
+
 So a dense layer costs tp two collectives in and two out in forward (their mirror images in
 backward), each of the residual stream's size b s d. The stream has the parameters' dtype: fp32
 under autocast (bf16 matmul outputs), bf16 when ZeRO-3 gathers bf16 weights. With document_ids (b,
@@ -24,17 +28,36 @@ s) the causal mask is block-diagonal: a packed row computes what its examples al
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from minipar import tensor_parallel as tpl
-from minipar.context_parallel import Documents, choose_kernel, ring_attention, ulysses_attention
+from minipar.context_parallel import Documents, RingKnobs, choose_kernel, ring_attention, ulysses_attention
 from minipar.mesh import MeshDim, ProcessGroupManager
 
 from .llama_config import LlamaConfig
 from .moe import MoEFeedForward
 from .rope import apply_rotary
+
+
+@dataclass(frozen=True)
+class LayerSettings:
+    """How the layers run on the mesh, fixed when the model is built (defaults: one process)."""
+    sequence_parallel: bool = False     # the residual stream split along the sequence over tp
+    tp_async_overlap: bool = False      # the column-parallel input gather overlapped with its matmul
+    cp_impl: str = "ring"               # ring | ulysses | usp: how attention spans the cp ranks
+    cp_layout: str = "zigzag"           # zigzag | contiguous: which tokens a cp rank holds
+    attention_backend: str = "auto"     # the attention kernel asked for (kernel_choice.py)
+
+    @classmethod
+    def of(cls, parallel_config) -> "LayerSettings":
+        """The settings of a ParallelismConfig (pgm.config), read once at build."""
+        c = parallel_config
+        return cls(c.sequence_parallel, c.tp_async_overlap, c.cp_impl, c.cp_layout,
+                   getattr(c, "attention_backend", "auto"))
 
 
 class RMSNorm(nn.Module):
@@ -84,10 +107,13 @@ def causal_attention(q, k, v, document_ids=None, backend: str = "auto", log=None
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, settings: LayerSettings):
         super().__init__()
-        tp, sp, overlap = pgm.tp, pgm.config.sequence_parallel, pgm.config.tp_async_overlap
+        tp, sp, overlap = pgm.tp, settings.sequence_parallel, settings.tp_async_overlap
         self.pgm, self.sp, self.head_dim = pgm, sp, config.head_dim
+        # the attention across cp ranks and its kernel: fixed at build
+        self.cp_impl, self.cp_layout, self.backend = settings.cp_impl, settings.cp_layout, \
+            settings.attention_backend
         self.local_heads = config.num_attention_heads // tp.size
         self.local_kv_heads = config.num_key_value_heads // tp.size
         d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
@@ -113,32 +139,31 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        pgm, log = self.pgm, self.attention_log
-        backend = getattr(pgm.config, "attention_backend", "auto")
-        if pgm.cp.size > 1 and pgm.config.cp_impl == "ring":
-            out = ring_attention(q, k, v, pgm.cp, causal=True, layout=pgm.config.cp_layout,
-                                 document_ids=document_ids, impl=backend, log=log)
+        pgm, log, backend = self.pgm, self.attention_log, self.backend
+        if pgm.cp.size > 1 and self.cp_impl == "ring":
+            out = ring_attention(q, k, v, pgm.cp, causal=True, layout=self.cp_layout,
+                                 document_ids=document_ids, impl=backend, knobs=RingKnobs(log=log))
         elif pgm.cp.size > 1:                # Ulysses over cp_ulysses, the ring over cp_ring (USP)
-            out = ulysses_attention(q, k, v, pgm.cp_ulysses, pgm.cp_ring, layout=pgm.config.cp_layout,
-                                    document_ids=document_ids, impl=backend, log=log)
+            out = ulysses_attention(q, k, v, pgm.cp_ulysses, pgm.cp_ring, layout=self.cp_layout,
+                                    document_ids=document_ids, impl=backend, knobs=RingKnobs(log=log))
         elif isinstance(document_ids, Documents):
             # packed documents at cp 1: the whole sequence as the one causal block of a ring of one
             # rank, which runs per document (or one varlen call): no (s, s) mask
             alone = MeshDim("cp_alone", [pgm.global_rank], pgm.global_rank, None)
             out = ring_attention(q, k, v, alone, causal=True, document_ids=document_ids, impl=backend,
-                                 log=log)
+                                 knobs=RingKnobs(log=log))
         else:
             out = causal_attention(q, k, v, document_ids, backend, log)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, settings: LayerSettings):
         super().__init__()
-        tp, sp = pgm.tp, pgm.config.sequence_parallel
+        tp, sp = pgm.tp, settings.sequence_parallel
         self.tp, self.sp = tp, sp
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        col = dict(bias=bias, sequence_parallel=sp, async_overlap=pgm.config.tp_async_overlap)
+        col = dict(bias=bias, sequence_parallel=sp, async_overlap=settings.tp_async_overlap)
         self.gate_proj = tpl.ColumnParallelLinear(d, f, tp, **col)
         self.up_proj = tpl.ColumnParallelLinear(d, f, tp, **col)
         self.down_proj = tpl.RowParallelLinear(f, d, tp, bias=bias, sequence_parallel=sp)
@@ -149,15 +174,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, layer_idx: int = 0):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, layer_idx: int,
+                 settings: LayerSettings):
         super().__init__()
-        sp = pgm.config.sequence_parallel
+        sp = settings.sequence_parallel
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
-        self.self_attn = LlamaAttention(config, pgm)
+        self.self_attn = LlamaAttention(config, pgm, settings)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
         self.is_moe = config.is_moe_layer(layer_idx)     # the mixture of experts, or the dense MLP
-        self.mlp = MoEFeedForward(config, pgm) if self.is_moe else LlamaMLP(config, pgm)
+        self.mlp = MoEFeedForward(config, pgm, sp) if self.is_moe else LlamaMLP(config, pgm, settings)
 
     def forward(self, h, cos, sin, document_ids=None):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, document_ids)

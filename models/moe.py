@@ -104,12 +104,12 @@ class MoEFeedForward(nn.Module):
     `router_stats` = (counts (E,) float, prob_sum (E,) with grad, T) and `dropped` (copies past
     capacity, 0 when dropless) describe it."""
 
-    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, sequence_parallel: bool):
         super().__init__()
         E, d = config.num_local_experts, config.hidden_size
         self.num_experts, self.top_k = E, config.num_experts_per_tok
         self.norm_topk_prob, self.capacity_factor = config.norm_topk_prob, config.moe_capacity_factor
-        self.tp, self.sp = pgm.tp, pgm.config.sequence_parallel
+        self.tp, self.sp = pgm.tp, sequence_parallel   # the router weight's gradient summed over tp under SP
         ep = getattr(pgm, "ep", None)          # the ep group (mesh.py); one rank holds all E
         self.ep = ep if ep is not None and ep.size > 1 else None
         self.gate = MoERouter(E, d)

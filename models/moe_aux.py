@@ -75,15 +75,17 @@ def moe_layers(layers) -> list:
     return [layer.mlp for layer in layers if getattr(layer, "is_moe", False)]
 
 
-def add_aux_loss(loss, layers, config, pgm: ProcessGroupManager, weight: Optional[float]):
+def add_aux_loss(loss, layers, config, pgm: ProcessGroupManager, weight: Optional[float],
+                 sequence_parallel: bool):
     """loss + router_aux_loss_coef * weight * aux of the MoE layers among `layers` (which have just
-    run forward); weight None is 1 / dp (each dp rank's forward is one micro-batch of the batch).
+    run forward); weight None is 1 / dp (each dp rank's forward is one micro-batch of the batch);
+    sequence_parallel: the model's (each tp rank routed its own tokens).
     Returns (loss, metrics): metrics holds aux_value, counts and dropped, or is None (dense)."""
     moes = moe_layers(layers)
     if not moes:
         return loss, None
     out = load_balancing_loss([m.router_stats for m in moes], config.num_local_experts, pgm,
-                              pgm.config.sequence_parallel)
+                              sequence_parallel)
     weight = 1.0 / pgm.dp.size if weight is None else weight
     if config.router_aux_loss_coef > 0 and loss is not None:
         loss = loss + config.router_aux_loss_coef * weight * out["aux"]
@@ -112,8 +114,9 @@ class PipelineAux:
     boundary is sent (2E + 1 and E + 1 floats). It also sums a step's figures (step_metrics: the
     moe_* fields of metrics.jsonl, as models/moe_metrics.py gives them without pp)."""
 
-    def __init__(self, config, pgm: ProcessGroupManager):
+    def __init__(self, config, pgm: ProcessGroupManager, sequence_parallel: bool):
         self.config, self.pgm = config, pgm
+        self.sp = sequence_parallel and pgm.tp.size > 1   # the tp ranks routed their own tokens
         self.E = config.num_local_experts
         self.L = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
         self.size, self.back_size = 2 * self.E + 1, self.E + 1
@@ -146,7 +149,7 @@ class PipelineAux:
         """The last stage: (the loss term, back). Collective over tp (SP) and cp."""
         pgm, E = self.pgm, self.E
         packed = side.clone()               # the counts, sums and T, to be reduced
-        if pgm.config.sequence_parallel and pgm.tp.size > 1:
+        if self.sp:
             packed = comm.all_reduce(packed, pgm.tp)
         probs_tp = packed[E:2 * E].clone()
         if pgm.cp.size > 1:
@@ -177,7 +180,7 @@ class PipelineAux:
                                                              device=device)])
         for group in (pgm.dp_cp, pgm.pp):
             packed = comm.all_reduce(packed, group)
-        if pgm.config.sequence_parallel and pgm.tp.size > 1:   # the tp ranks routed their own tokens
+        if self.sp:                             # the tp ranks routed their own tokens
             packed[1:] = comm.all_reduce(packed[1:].clone(), pgm.tp)
         counts = packed[1:-1].view(self.L, self.E)
         imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).tolist()

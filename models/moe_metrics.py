@@ -35,6 +35,8 @@ class MoEStepMetrics:
 
     def __init__(self, pgm: ProcessGroupManager, device):
         self.pgm, self.device = pgm, device
+        # each tp rank routed (and dropped) its own tokens under sequence parallelism: read once here
+        self.sp = pgm.config.sequence_parallel and pgm.tp.size > 1
         self.total: Optional[torch.Tensor] = None
         self.micro_batches, self.layers = 0, 0
 
@@ -56,7 +58,7 @@ class MoEStepMetrics:
             return {}
         pgm, total = self.pgm, self.total
         comm.all_reduce(total, pgm.dp_cp)
-        if pgm.config.sequence_parallel and pgm.tp.size > 1:   # each tp rank dropped its own tokens'
+        if self.sp:                             # each tp rank dropped its own tokens'
             total[-1:] = comm.all_reduce(total[-1:].clone(), pgm.tp)
         cp = pgm.cp.size
         aux = total[0] / cp / (self.micro_batches * pgm.dp.size)

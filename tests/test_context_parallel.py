@@ -8,6 +8,7 @@ import minipar
 from minipar import ParallelismConfig, comm, comm_ledger
 from minipar import tensor_parallel as tpl
 from minipar.context_parallel import (
+    RingKnobs,
     ring_attention,
     ring_schedule,
     schedule_score_elements,
@@ -47,7 +48,7 @@ def _attention_cases(cp_size, cases, tp_size=1, chunk=4):
         local = [zigzag_shard(x, 2, cp).clone().requires_grad_() for x in (q, k, v)]
         stats = {}
         with comm_ledger.ledger() as led:
-            out = ring_attention(*local, cp, causal, impl=impl, overlap=overlap, stats=stats)
+            out = ring_attention(*local, cp, causal, impl=impl, knobs=RingKnobs(overlap=overlap, stats=stats))
             out.backward(zigzag_shard(dout, 2, cp))
         name = f"case {n} (causal={causal}, Hq={hq}, Hkv={hkv}, D={d}, {impl}, {dtype}, overlap={overlap})"
         want = [zigzag_shard(x, 2, cp) for x in [ref.detach()] + [x.grad for x in full]]

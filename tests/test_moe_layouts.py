@@ -36,7 +36,7 @@ from minipar import ParallelismConfig, comm, comm_ledger
 from minipar import tensor_parallel as tpl
 from minipar.batch_split import local_batch
 from minipar.expert_parallel import ep_gather
-from minipar.pipeline_parallel import build_stage, run_schedule, schedule_order
+from minipar.pipeline_parallel import ScheduleHooks, build_stage, run_schedule, schedule_order
 from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
@@ -110,7 +110,7 @@ def _pipeline_step(model, pgm, micro, schedule, v):
             if last:
                 unsynced.close()
         loss = run_schedule(model, order, pgm, micro, B * T, act_dtype=torch.float64,
-                            before_backward=before_backward)
+                            hooks=ScheduleHooks(before_backward))
     for group in (pgm.dp_cp, pgm.pp):
         comm.all_reduce(loss, group)
     return loss.item(), model.pipeline_aux.step_metrics(loss.device, len(micro))

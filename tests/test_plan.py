@@ -113,7 +113,7 @@ def _measure(argv):
             batch = batch_split.local_batch(ids, ids.roll(-1, 1), pgm, 0, M)
             h = None
             if tr.step.pipelined:                 # what a stage receives: p2p.py's shape and dtype
-                shape = activation_shape(batch, pgm, tr.cfg.model.hidden_size)
+                shape = activation_shape(batch, pgm, tr.cfg.model.hidden_size, pgm.config.sequence_parallel)
                 h = lambda: torch.randn(shape).to(tr.step.act_dtype)
             acts[(checkpointing, seq)] = _saved_bytes(tr.model, batch, ids.numel(), h, tr.autocast)
     return dict(state=state, ledger=ledger, acts=acts, cfg=tr.cfg, layout=pgm.config)

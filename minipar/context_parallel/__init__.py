@@ -24,11 +24,11 @@
 from .documents import Documents
 from .kernel_choice import AttentionLog, KernelChoice, choose_kernel
 from .layouts import sequence_positions, shard_sequence, zigzag_positions, zigzag_shard, zigzag_unshard
-from .ring_attention import ring_attention, ring_schedule, schedule_score_elements
+from .ring_attention import RingKnobs, ring_attention, ring_schedule, schedule_score_elements
 from .ulysses import check_ulysses, heads_to_sequence, ring_order, sequence_to_heads, ulysses_attention
 
 __all__ = ["Documents", "AttentionLog", "KernelChoice", "choose_kernel",
-           "ring_attention", "ring_schedule", "schedule_score_elements", "sequence_positions",
+           "RingKnobs", "ring_attention", "ring_schedule", "schedule_score_elements", "sequence_positions",
            "shard_sequence", "zigzag_positions",
            "zigzag_shard", "zigzag_unshard",
            "ulysses_attention", "check_ulysses", "sequence_to_heads", "heads_to_sequence", "ring_order"]

@@ -58,10 +58,15 @@ GQA: K/V travel with their Hkv heads; the Hq/Hkv query heads of a group are fold
 per block (fused_attention.py, block_attention.py), so repeated K/V never cross the ring.
 Non-causal attention: every step is a full unmasked block. cp.size == 1: just the local causal
 block, no communication.
+
+The call takes its tensors, its group and the real settings (causal, scale, layout, the kernel
+asked for, the documents); what a benchmark or a test turns or reads (overlap off, the score
+counts, the kernel log) goes in one optional RingKnobs.
 """
 from __future__ import annotations
 
 from collections import namedtuple
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
@@ -73,10 +78,22 @@ from .documents import Documents
 from .fused_attention import _choose, default_scale
 from .kernel_choice import IMPLS, AttentionLog
 
-__all__ = ["ring_attention", "ring_schedule", "schedule_score_elements", "Block"]
+__all__ = ["ring_attention", "ring_schedule", "schedule_score_elements", "Block", "RingKnobs"]
 
 # Local slices [q0, q1) of the queries and [k0, k1) of the visiting K/V block, and the mask.
 Block = namedtuple("Block", "q0 q1 k0 k1 causal")
+# The settings of one call, checked by ring_attention: the mask, the softmax scale, the layout of
+# the shares, the kernel asked for (kernel_choice.IMPLS) and the host's Documents (or None).
+_Ring = namedtuple("_Ring", "causal scale layout impl host")
+
+
+@dataclass
+class RingKnobs:
+    """What a benchmark or a test may turn or read; none changes the result."""
+    overlap: bool = True                   # each hop runs while the block computes (False: wait first)
+    stats: Optional[dict] = None           # gets "score_elements" (and "backward_score_elements") added
+    log: Optional[AttentionLog] = None     # the kernel each call ran, noted (kernel_choice.AttentionLog)
+
 
 
 # ----------------------------------------------------------------------------------- the schedule
@@ -167,9 +184,9 @@ def _documents(docs, host, kv_docs, cp, src, b):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, docs, cp, causal, scale, layout, overlap, impl, stats, host, log):
-        n = cp.size
-        steps = ring_schedule(q.shape[2], n, cp.rank, causal, layout)
+    def forward(ctx, q, k, v, docs, cp, ring: _Ring, knobs: RingKnobs):
+        n, scale, impl, host, log = cp.size, ring.scale, ring.impl, ring.host, knobs.log
+        steps = ring_schedule(q.shape[2], n, cp.rank, ring.causal, ring.layout)
         kind = _choose(impl, q, log)                            # once per call: every block the same
         acc = torch.promote_types(q.dtype, torch.float32)      # fp32, or fp64 for fp64 inputs
         out = q.new_zeros(q.shape, dtype=acc)
@@ -179,7 +196,7 @@ class _RingAttention(torch.autograd.Function):
         for i, blocks in enumerate(steps):
             works, nxt, nxt_docs = [], None, None
             if i + 1 < n:                        # the next block's hop runs while this one computes
-                nxt, nxt_docs, works = _hop(kv, kv_docs, cp, overlap)
+                nxt, nxt_docs, works = _hop(kv, kv_docs, cp, knobs.overlap)
             step_ctx = []
             for b in blocks:
                 q_doc, k_doc, cls = _documents(docs, host, kv_docs, cp, (cp.rank - i) % n, b)
@@ -195,10 +212,9 @@ class _RingAttention(torch.autograd.Function):
                 kv, kv_docs = nxt, nxt_docs
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.cp, ctx.steps, ctx.scale, ctx.overlap, ctx.kernel_ctx, ctx.stats = cp, steps, scale, overlap, \
-            kernel_ctx, stats
-        ctx.host, ctx.log = host, log
-        _count(stats, "score_elements", steps)
+        ctx.cp, ctx.steps, ctx.scale, ctx.kernel_ctx = cp, steps, scale, kernel_ctx
+        ctx.host, ctx.knobs = host, knobs
+        _count(knobs.stats, "score_elements", steps)
         return out
 
     @staticmethod
@@ -214,14 +230,14 @@ class _RingAttention(torch.autograd.Function):
         for i, blocks in enumerate(steps):
             works, nxt, nxt_docs = [], None, None
             if i + 1 < n:
-                nxt, nxt_docs, works = _hop(kv, kv_docs, cp, ctx.overlap)
+                nxt, nxt_docs, works = _hop(kv, kv_docs, cp, ctx.knobs.overlap)
             part = home if i == 0 else torch.zeros_like(home)
             for b, kc in zip(blocks, ctx.kernel_ctx[i]):
                 q_doc, k_doc, cls = _documents(docs, host, kv_docs, cp, (cp.rank - i) % n, b)
                 grads = block_backward(
                     dout[:, :, b.q0:b.q1], q[:, :, b.q0:b.q1], kv[0, :, :, b.k0:b.k1], kv[1, :, :, b.k0:b.k1],
                     out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], b.causal, scale, kc, q_doc, k_doc,
-                    docs=cls, log=ctx.log)
+                    docs=cls, log=ctx.knobs.log)
                 if grads is None:                # an empty block: no gradient
                     continue
                 dq[:, :, b.q0:b.q1] += grads[0]
@@ -234,7 +250,7 @@ class _RingAttention(torch.autograd.Function):
                 sending = part if incoming is None else incoming.add_(part)   # held until its hop ends
                 incoming = torch.empty_like(home)
                 in_works = list(comm.ring_shift([sending], [incoming], cp))
-                if not ctx.overlap:
+                if not ctx.knobs.overlap:
                     _finish(in_works)
             _finish(works)
             if nxt is not None:
@@ -242,27 +258,26 @@ class _RingAttention(torch.autograd.Function):
         if n > 1:
             _finish(in_works)
             home.add_(incoming)
-        _count(ctx.stats, "backward_score_elements", steps)
-        return (dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)) + (None,) * 10
+        _count(ctx.knobs.stats, "backward_score_elements", steps)
+        return (dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)) + (None,) * 4
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal: bool = True,
-                   scale: Optional[float] = None, *, layout: str = "zigzag", overlap: bool = True,
-                   impl: str = "auto", stats: Optional[dict] = None,
-                   document_ids=None, log: Optional[AttentionLog] = None) -> torch.Tensor:
+                   scale: Optional[float] = None, *, layout: str = "zigzag", impl: str = "auto",
+                   document_ids=None, knobs: Optional[RingKnobs] = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, which is split over `cp` (pgm.cp).
 
     q (B, Hq, L, D), k and v (B, Hkv, L, D) with Hkv dividing Hq, L = T / cp.size tokens in the
     zigzag layout (zigzag_shard), or contiguous chunks with layout="contiguous" (for comparison).
-    Returns (B, Hq, L, D) in q's dtype. overlap=False waits for each hop before computing (for the
-    benchmark); impl picks the block kernel ("auto", "fused", "torch"); a dict passed as `stats`
-    gets "score_elements" (and "backward_score_elements") added, per batch row and head (the
-    schedule's blocks, counted whether or not a document mask empties them). document_ids (B, L),
+    Returns (B, Hq, L, D) in q's dtype. impl picks the block kernel ("auto", "fused", "torch");
+    knobs (RingKnobs): overlap=False waits for each hop before computing (for the benchmark); a dict
+    as `stats` gets "score_elements" (and "backward_score_elements") added, per batch row and head
+    (the schedule's blocks, counted whether or not a document mask empties them); `log` notes the
+    kernel used (kernel_choice.AttentionLog). document_ids (B, L),
     in the same layout as q, restricts attention to pairs of the same document (packed examples):
     a `Documents` (documents.py, the host's boundaries: skipped, whole, per-document or varlen
     blocks, no (L, L) mask) or a device tensor (the dense mask per block, the ids travelling with
-    K/V: the reference the Documents path is tested against). impl: kernel_choice.IMPLS; the kernel
-    used is noted in `log` (kernel_choice.AttentionLog).
+    K/V: the reference the Documents path is tested against). impl: kernel_choice.IMPLS.
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"ring_attention: q must be (B, Hq, L, D) and k, v (B, Hkv, L, D) of one shape; got "
@@ -294,6 +309,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal
             raise ValueError(f"ring_attention: document_ids must be integer ids of shape (B, L) = {(b, n)}, "
                              f"got {document_ids.dtype} {tuple(document_ids.shape)}")
         document_ids = document_ids.to(q.device).contiguous()
-    scale = default_scale(q.shape[-1], scale)
-    return _RingAttention.apply(q, k, v, document_ids, cp, causal, scale, layout, overlap, impl, stats, host,
-                                log)
+    ring = _Ring(causal, default_scale(q.shape[-1], scale), layout, impl, host)
+    return _RingAttention.apply(q, k, v, document_ids, cp, ring, knobs if knobs is not None else RingKnobs())

@@ -66,7 +66,7 @@ from ..config import CP_LAYOUTS
 from ..mesh import MeshDim
 from .fused_attention import default_scale
 from .layouts import sequence_positions
-from .ring_attention import ring_attention
+from .ring_attention import RingKnobs, ring_attention
 
 __all__ = ["ulysses_attention", "check_ulysses", "ring_order", "kv_repeats",
            "sequence_to_heads", "heads_to_sequence"]
@@ -203,13 +203,14 @@ def check_ulysses(num_heads: int, num_kv_heads: int, tp: int, cp: int, u: int) -
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grp, ring=None, *,
                       layout: str = "zigzag", causal: bool = True,
                       document_ids=None, scale: Optional[float] = None,
-                      impl: str = "auto", stats: Optional[dict] = None, log=None) -> torch.Tensor:
+                      impl: str = "auto", knobs: Optional[RingKnobs] = None) -> torch.Tensor:
     """Attention of this rank's tokens over the whole sequence, Ulysses over `grp`, ring over `ring`.
 
     q (B, Hq, L, D), k and v (B, Hkv, L, D), document_ids (B, L): this cp rank's share in `layout`
     over the whole cp group, cp rank c = ring.rank * u + grp.rank (u = grp.size). ring None or of
-    size 1: pure Ulysses. Returns (B, Hq, L, D) in q's dtype. impl, stats and log go to ring_attention
-    (the block kernel; score counts of the heads and tokens this rank attends; the kernel noted).
+    size 1: pure Ulysses. Returns (B, Hq, L, D) in q's dtype. impl and knobs go to ring_attention
+    (the block kernel; RingKnobs: score counts of the heads and tokens this rank attends, the
+    kernel noted, the inner ring's overlap).
     document_ids: a `Documents` (the host's boundaries of the whole sequence: the inner ring asks it
     for its ring rank's share, no exchange of ids) or this rank's (B, L) device ids (all-gathered
     over the group and reordered, then masked densely).
@@ -223,8 +224,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grp, ri
     if ring is None:
         ring = MeshDim("cp_ring", [grp.global_rank], grp.global_rank, None)
     if u == 1:
-        return ring_attention(q, k, v, ring, causal, scale, layout=layout, impl=impl, stats=stats,
-                              document_ids=document_ids, log=log)
+        return ring_attention(q, k, v, ring, causal, scale, layout=layout, impl=impl,
+                              document_ids=document_ids, knobs=knobs)
     f = kv_repeats(hq, hkv, u)
     if (q.shape[0], n, q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
         raise ValueError(f"ulysses_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, "
@@ -245,5 +246,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grp, ri
         docs = comm.all_gather(document_ids.to(q.device).contiguous(), grp, gather_dim=1)
         docs = docs if order is None else docs.index_select(1, order)
     out = ring_attention(qh, kh, vh, ring, causal, default_scale(q.shape[-1], scale), layout=layout,
-                         impl=impl, stats=stats, document_ids=docs, log=log)
+                         impl=impl, document_ids=docs, knobs=knobs)
     return heads_to_sequence(out, grp, order)

@@ -236,9 +236,11 @@ class StageLink:
             raise RuntimeError(f"pipeline p2p: messages made or received, never sent or taken: tags {left}")
 
 
-def activation_shape(micro_batch: dict, pgm, hidden_size: int) -> Tuple[int, int, int]:
-    """(b, s_local, d) of the residual stream of this rank for a local micro-batch."""
+def activation_shape(micro_batch: dict, pgm, hidden_size: int,
+                     sequence_parallel: bool) -> Tuple[int, int, int]:
+    """(b, s_local, d) of the residual stream of this rank for a local micro-batch; sequence_parallel:
+    the model's setting (the stream split along the sequence over pgm.tp)."""
     b, s = micro_batch["input_ids"].shape
-    if pgm.config.sequence_parallel and pgm.tp.size > 1:
+    if sequence_parallel and pgm.tp.size > 1:
         s //= pgm.tp.size
     return (b, s, hidden_size)

@@ -7,6 +7,8 @@
 Every rank reads the same global batch; `step` keeps this rank's share, so the losses are those
 of one process on every layout (tests/test_api.py runs this file on 4 ranks against 1).
 """
+import argparse
+
 import torch
 import torch.distributed as dist
 
@@ -35,5 +37,7 @@ def main(steps=20, sizes=None, micro_batches=1, **settings):
 
 
 if __name__ == "__main__":
-    main()
-    dist.destroy_process_group()
+    parser = argparse.ArgumentParser(description="your own loop on any layout (sizes: PARALLELISM_CONFIG_*)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    main(parser.parse_args().steps)
+    dist.destroy_process_group()            # every group closed while Python is whole

@@ -5,10 +5,13 @@ and sharded data, context and tensor parallelism).
     pgm = minipar.init(minipar.ParallelismConfig(tp_size=2))   # under torchrun, or on one process
     pgm.tp.rank, pgm.dp_shard_cp.group, pgm.cp.next_rank, ...
 
+Read minipar/compose.py first: the techniques applied in one order and one optimizer step under
+every dimension; minipar/api.py (prepare) gives it to your own training loop.
+
 The pieces: config.py (the five sizes), mesh.py (the grid and its groups), comm.py (the
 collectives; comm_calls.py, how one runs and fails; comm_ledger.py, their ledger), config_files.py
 and cli.py (bad files and flags, in one line); one subpackage per technique, data_parallel/,
-zero3/, tensor_parallel/, context_parallel/, pipeline_parallel/; the training program in training/
+zero3/, tensor_parallel/, context_parallel/, pipeline_parallel/; the trainer around them in trainer/
 (its config/, data/ and checkpoint/ packages, then the run); the planner in plan/. models/llama.py
 builds the reference decoder from them; docs/README.md gives the reading order, docs/design.md the
 layers of imports.

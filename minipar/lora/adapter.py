@@ -79,7 +79,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region, shard_tensor
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, shard_tensor
+from ..tensor_parallel.mappings import copy_to_tp_region
 
 
 def _param(shape, split_dim, full_shape, device) -> nn.Parameter:

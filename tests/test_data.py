@@ -9,16 +9,10 @@ from harness import run_world
 
 import minipar
 from minipar import ParallelismConfig, comm
+from minipar.batch_split import count_label_tokens, local_batch
 from minipar.context_parallel import zigzag_unshard
 from minipar.mesh import MeshDim
-from minipar.trainer.data.batches import (
-    BatchSampler,
-    ByteTokenizer,
-    count_label_tokens,
-    eval_batches,
-    load_corpus,
-    local_batch,
-)
+from minipar.trainer.data.batches import BatchSampler, ByteTokenizer, eval_batches, load_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "shakespeare.txt")

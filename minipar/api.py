@@ -126,8 +126,6 @@ def prepare(model, pgm=None, *, learning_rate: float = 1e-4, weight_decay: float
     linear warmup then constant, or cosine down to min_lr_ratio x lr when max_steps is given.
     Technique settings (dtype, seed, gradient_checkpointing, pipeline_schedule, lora, ...) are
     compose.Recipe's fields, given as keywords or as one `recipe`."""
-    if pgm is None or isinstance(pgm, ParallelismConfig):
-        pgm = minipar.init(pgm)
     if recipe is not None and recipe_fields:
         raise ValueError(f"prepare: give the technique settings either as recipe= or as keywords, not both "
                          f"(got recipe and {sorted(recipe_fields)})")
@@ -136,7 +134,9 @@ def prepare(model, pgm=None, *, learning_rate: float = 1e-4, weight_decay: float
     if unknown:
         raise ValueError(f"prepare: unknown setting(s) {unknown}; the technique settings are "
                          f"{sorted(known)}")
-    recipe = recipe or Recipe(**recipe_fields)
+    recipe = (recipe or Recipe(**recipe_fields)).check()     # every mistake before any group exists
+    if pgm is None or isinstance(pgm, ParallelismConfig):
+        pgm = minipar.init(pgm)
     config, ckpt = model_config(model)
     if ckpt is not None:                           # every tensor's name and shape, from the headers
         ckpt.check(LlamaForCausalLM(config, None, device="meta"))

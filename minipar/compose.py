@@ -60,6 +60,7 @@ from minipar.data_parallel import replicate, replicate_naive
 from minipar.lora import add_lora, check_targets, load_adapters, lora_parameters, lora_targets
 from minipar.optim import OptimizerStep
 from minipar.pipeline_parallel import (
+    SCHEDULES,
     OverlapSteps,
     ScheduleHooks,
     build_stage,
@@ -106,6 +107,20 @@ class Recipe:
     @property
     def bf16(self) -> bool:
         return self.dtype == "bfloat16"
+
+    def check(self) -> "Recipe":
+        """Every wrong setting in one ValueError, before anything is built (the trainer's config
+        checks these already; a caller of api.prepare meets them here)."""
+        wrong = [f"{name}={getattr(self, name)!r} (use one of {', '.join(map(repr, allowed))})"
+                 for name, allowed in (("dtype", ("float32", "bfloat16")), ("ddp", ("bucketed", "naive")),
+                                       ("pipeline_schedule", SCHEDULES),
+                                       ("gradient_checkpointing", (False, True, "full", "selective")))
+                 if getattr(self, name) not in allowed]
+        if self.zero3_prefetch < 0:
+            wrong.append(f"zero3_prefetch={self.zero3_prefetch} (use 0 or more)")
+        if wrong:
+            raise ValueError(f"{len(wrong)} composition setting(s) wrong: " + "; ".join(wrong))
+        return self
 
     @property
     def chunks(self) -> int:

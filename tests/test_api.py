@@ -8,7 +8,6 @@ import runpy
 import pytest
 import torch
 
-import minipar
 from minipar.api import prepare
 from minipar.config import ParallelismConfig
 from minipar.tensor_parallel.layers import gather_tensor
@@ -43,10 +42,15 @@ def test_own_loop_on_4_ranks_equals_one_process(sizes, micro, settings):
 
 
 def test_prepare_refuses_bad_settings_by_name():
+    """Before any process group exists (the test process creates none)."""
     with pytest.raises(ValueError, match=r"unknown setting\(s\) \['pipeline_shedule'\]"):
         prepare(dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=2, num_key_value_heads=2), minipar.init(ParallelismConfig()),
+                     num_attention_heads=2, num_key_value_heads=2), ParallelismConfig(),
                 pipeline_shedule="1f1b")
+    with pytest.raises(ValueError, match=r"2 composition setting\(s\) wrong: dtype='fp16'.*ddp='fast'"):
+        prepare(dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=2), ParallelismConfig(),
+                dtype="fp16", ddp="fast")
 
 
 # ------------------------------------------------ the gradient convention against torch's FSDP2

@@ -165,7 +165,7 @@ def prepare_save(directory: str, model, optimizer, pgm, *, step: int, scheduler=
                 entries.update(cio.write_file(tmp, FULL_OPTIM, optim))
         return entries
 
-    fields = [taken["manifest"] if isinstance(taken, dict) else None]
+    fields = [taken.get("manifest") if isinstance(taken, dict) else None]   # (rank 0's)
 
     def manifest() -> dict:                      # rank 0, after every rank's files are on disk
         return dict(fields[0], created=time.time())

@@ -78,20 +78,21 @@ class AsyncCheckpointer:
                  if pgm.world_size > 1 else None)
         self.group = MeshDim("checkpoint", ranks, pgm.global_rank, group)
         self._pending: Optional[dict] = None     # the save in flight: thread, path, and its outcome
+        self.last_copy_s = 0.0                   # the host copy of the last save (the stall it cannot avoid)
 
     def save(self, directory: str, model, optimizer, *, step: int, scheduler=None, extra=None,
              state_dict_type: str = "SHARDED_STATE_DICT", keep_last: Optional[int] = None) -> dict:
         """Wait for the previous save, copy this rank's state to the host, start writing `directory`
         in the background; returns {waited_s, copy_s}. Collective only over FULL_STATE_DICT's
         gathers (on the training groups, here on the main thread, like a synchronous save's)."""
-        waited = self.wait()
+        waited = self.wait("async_save: at most one save in flight")
         t0 = time.perf_counter()
         device = next(iter(model.parameters())).device
         write, manifest = prepare_save(directory, model, optimizer, self.pgm, step=step, scheduler=scheduler,
                                        extra=extra, state_dict_type=state_dict_type, to_host=host_copy)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()   # the pinned copies are done
-        copy_s = time.perf_counter() - t0
+        copy_s = self.last_copy_s = time.perf_counter() - t0
         box = dict(path=directory, error=None, started=time.perf_counter())
         box["thread"] = threading.Thread(target=self._write, args=(box, write, manifest, keep_last),
                                          name=f"minipar-save-step-{step}")
@@ -117,7 +118,7 @@ class AsyncCheckpointer:
         box = self._pending
         return box is not None and not box["thread"].is_alive() and box["error"] is not None
 
-    def wait(self) -> float:
+    def wait(self, why: str = "a stop and the run's end wait for it") -> float:
         """Join the save in flight (if any) and raise its error here, on the main thread; returns
         the seconds waited for it (0.0 when it had finished) and says so when it was not done."""
         box, self._pending = self._pending, None
@@ -128,7 +129,7 @@ class AsyncCheckpointer:
         waited = time.perf_counter() - t0
         if busy:
             self.log(f"waited {waited:.2f} s for the checkpoint {box['path']} to finish writing "
-                     f"(async_save: at most one save in flight)")
+                     f"({why})")
         if box["error"] is not None:
             raise box["error"]
         return waited

@@ -220,3 +220,16 @@ def test_bench_lora_quick(tmp_path):
     assert lora["sent"] < full["sent"] and lora["held_bytes"] > full["held_bytes"]
     with pytest.raises(SystemExit):
         bench_lora.main(["--quick"])
+
+
+def test_bench_async_save_quick(tmp_path):
+    """benchmarks/bench_async_save.py in its quick mode: both variants saved and timed; the async
+    stall is measured beside its host copy; --quick never writes into results/."""
+    import bench_async_save
+    assert bench_async_save.main(["--quick", "--out", str(tmp_path / "async")]) == 0
+    rows = {r["variant"]: r for r in json.load(open(tmp_path / "async.json"))["rows"]}
+    assert set(rows) == {"sync", "async"}
+    assert all(r["saves"] == 2 and r["ckpt_bytes"] > 0 for r in rows.values())
+    assert 0 <= rows["async"]["copy_s"] <= rows["async"]["stall_s"]
+    with pytest.raises(SystemExit):
+        bench_async_save.main(["--quick"])

@@ -63,6 +63,9 @@ from minipar.mesh import MeshDim
 # request, checkpoint saved; relaunch with resume_from_checkpoint: latest", distinct from 0 (done),
 # 1 (crashed) and 2 (bad config).
 EXIT_PREEMPTED = 128 + signal.SIGTERM
+# what a rank adds to the per-step stop flag when its background save failed (async_save): above
+# every signal number, so the MAX says "a save failed" and every rank raises it after the same step
+SAVE_FAILED = 1000
 
 
 # ------------------------------------------------------------------------------ the same config
@@ -159,15 +162,17 @@ class StopFlag:
         One all-reduce (MAX) of one int over the world; on one process no communication."""
         return self.agree_later(pgm, device)()
 
-    def agree_later(self, pgm, device):
+    def agree_later(self, pgm, device, save_failed: bool = False):
         """agreed() without waiting: the all-reduce runs in the background, and the returned function
         gives its answer, the signal number or 0, when it is called. The train loop calls it a step
         later (train_loop.py), so that no rank waits for the others at a step's end, and on a GPU
         the host does not wait for the device: the sum is copied, behind the all-reduce on the
         stream, into pinned host memory, and the answer waits only for that copy's event, a step
-        old by then (a plain .item() would wait for everything queued since)."""
+        old by then (a plain .item() would wait for everything queued since). save_failed: this
+        rank's background save failed; the answer is then SAVE_FAILED on every rank."""
         pinned = torch.device(device).type == "cuda"               # a copy the host need not wait for
-        flag = torch.tensor([self.signum], dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
+        flag = torch.tensor([SAVE_FAILED if save_failed else self.signum], dtype=torch.int64,
+                            pin_memory=pinned).to(device, non_blocking=True)
         work = comm.all_reduce(flag, pgm.world, op="max", async_op=True)
         if flag.device.type == "cuda":
             work.wait()                           # NCCL: the stream waits, the host does not

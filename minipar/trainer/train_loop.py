@@ -16,7 +16,11 @@ The loop owns the history (one record per step, the earlier ones of metrics.json
         a non-finite loss                  FloatingPointError, naming the step and the fixes
         metrics.jsonl, tqdm, the log line  rank 0 only (every logging_steps); TensorBoard and
                                            wandb too when asked for (run_loggers.py)
-        save(done)                         every save_steps (save_total_limit kept)
+        save(done)                         every save_steps (save_total_limit kept); async_save:
+                                           copied to the host, written in the background
+                                           (checkpoint/async_save.py); SIGTERM and the end wait
+                                           for that write, and a failed one is raised on every
+                                           rank a step later, riding on the stop flag below
         stop.agree_later(pgm)              SIGTERM on any rank: the flags are summed while the
                                            next step runs; every rank then saves that step and
                                            leaves with lifecycle.Preempted, at the same step
@@ -76,10 +80,11 @@ class TrainLoop:
         return handle
 
     def train(self):
-        """The run; the output_dir lock is released however it ends."""
+        """The run; the output_dir lock is released however it ends, after the save in flight."""
         try:
             return self._train()
         finally:
+            self.trainer.close_saves()            # (async_save) before the groups are torn down
             if self.run.lock is not None:
                 self.run.lock.release()
 
@@ -135,8 +140,10 @@ class TrainLoop:
             # of step k is read at the end of step k + 1, long done, so no rank waits for it (and on
             # a GPU the host does not wait for the device either: lifecycle.StopFlag.agree_later)
             signum = asked() if asked is not None else 0
-            asked = stop.agree_later(pgm, self.device)
-            if signum and done != cfg.max_steps:
+            asked = stop.agree_later(pgm, self.device, save_failed=t.save_failed())
+            if signum == lifecycle.SAVE_FAILED:   # a background save failed on some rank (async_save):
+                t.finish_saves()                  # every rank raises its CheckpointWriteError here
+            if signum and signum != lifecycle.SAVE_FAILED and done != cfg.max_steps:
                 if held is not None:
                     self._report(*held, bar, metrics)
                 asked()                           # joined by every rank: each started it this step
@@ -154,6 +161,7 @@ class TrainLoop:
         self._close(metrics)
         if cfg.save_final_checkpoint and cfg.max_steps > t.start_step:
             t.save(cfg.max_steps)
+        t.finish_saves()                          # async_save: the end waits for the last write
         if cfg.export_hf and t.lora:              # PEFT's adapter directory, and the merged model
             for path in ckpt.export_lora(cfg, t.model, t.lora_targets):
                 if self.is_main and path != cfg.output_dir:
@@ -244,6 +252,7 @@ class TrainLoop:
         self._close(metrics)
         saved = self.cfg.save_steps and done % self.cfg.save_steps == 0
         path = os.path.join(self.cfg.output_dir, f"step-{done}") if saved else self.trainer.save(done)
+        self.trainer.finish_saves()               # async_save: written before the run leaves
         stop.restore()                            # (a repeated SIGTERM during the save is absorbed)
         err = lifecycle.Preempted(done, path, signum)
         self.log(str(err))

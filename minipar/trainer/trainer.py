@@ -17,6 +17,7 @@ Everything that can be checked without communicating is checked before, by run_s
 """
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -29,6 +30,7 @@ from minipar.trainer import host_memory
 from minipar.trainer.batch_source import Batches, eval_loss
 from minipar.trainer.checkpoint import save_load as ckpt
 from minipar.trainer.checkpoint import verify
+from minipar.trainer.checkpoint.async_save import AsyncCheckpointer
 from minipar.trainer.prediction import planner_prediction
 from minipar.trainer.run_setup import Run
 from minipar.trainer.train_loop import TrainLoop  # the run around the step: train(), summary()
@@ -69,6 +71,10 @@ class Trainer:
                                  run.num_micro_steps, overlap=cfg.pipeline_overlap_steps)
         self.batches = Batches(run, self.device)
         self.start_step = 0
+        # async_save: saves written in a background thread over a group of their own, created here
+        # on every rank at the same point (checkpoint/async_save.py)
+        self.saver = (AsyncCheckpointer(pgm, self.log, datetime.timedelta(seconds=cfg.ddp_timeout))
+                      if cfg.async_save else None)
         self.loop = TrainLoop(self)
 
     def train(self):
@@ -110,14 +116,36 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int):
+        """Save step-N (collective). async_save: wait for the save in flight, copy this one to the
+        host and return while a background thread writes it (finish_saves() joins it)."""
         path = os.path.join(self.cfg.output_dir, f"step-{step}")
-        ckpt.save_checkpoint(path, self.model, self.optimizer, self.pgm, step=step, scheduler=self.scheduler,
-                             extra=dict(step=step, sampler=self.batches.state_dict(),
-                                        config=self.cfg.to_dict()),
-                             state_dict_type=self.cfg.fsdp.state_dict_type,
-                             keep_last=self.cfg.save_total_limit)
+        args = dict(step=step, scheduler=self.scheduler,
+                    extra=dict(step=step, sampler=self.batches.state_dict(), config=self.cfg.to_dict()),
+                    state_dict_type=self.cfg.fsdp.state_dict_type, keep_last=self.cfg.save_total_limit)
+        if self.saver is not None:
+            took = self.saver.save(path, self.model, self.optimizer, **args)
+            self.log(f"checkpoint {path}: copied to the host in {took['copy_s']:.2f} s, writing in the "
+                     f"background")
+            return path
+        ckpt.save_checkpoint(path, self.model, self.optimizer, self.pgm, **args)
         self.log(f"saved checkpoint {path}")
         return path
+
+    def save_failed(self) -> bool:
+        """Whether this rank's background save has failed (async_save; no waiting, no communication)."""
+        return self.saver is not None and self.saver.failed()
+
+    def finish_saves(self) -> None:
+        """Join the background save in flight, raising its error (CheckpointWriteError: a full disk)
+        here; nothing without async_save. Every rank calls it at the same step."""
+        if self.saver is not None:
+            self.saver.wait()
+
+    def close_saves(self) -> None:
+        """However the run ends: join the save in flight (its error dropped: the run is already
+        failing if it has one not raised yet) and let go of the checkpoint group."""
+        if self.saver is not None:
+            self.saver.close(raise_error=False)
 
     def maybe_resume(self):
         resume = self.cfg.resume_from_checkpoint

@@ -8,6 +8,8 @@ without ever losing the newest good one, exported as a Hugging Face directory. I
                    agreement, the manifest, stale temporaries, rotation (save_total_limit)
     verify.py      the manifest's checksums, the newest checkpoint whose checksums hold
     files.py       the formats of the files inside: tensors, RNG states, the model check
+    async_save.py  async_save: the state copied to the host at the step boundary, written by a
+                   background thread over a gloo group of its own
     export.py      `python -m minipar.trainer.checkpoint.export CKPT HF_DIR`: any checkpoint, of any
                    layout, as a Hugging Face directory, on one process
 """

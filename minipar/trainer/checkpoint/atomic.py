@@ -171,11 +171,12 @@ def commit(root: str, directory: str, manifest: dict) -> str:
     return directory
 
 
-def agree(failed, pgm, device) -> int:
+def agree(failed, pgm, device, over=None) -> int:
     """A barrier over the world that tells every rank whether any rank failed: the largest of the
-    ranks' codes (False/0 none, 1 an error, 2 an OS error, atomic_save's), truthy if any failed."""
+    ranks' codes (False/0 none, 1 an error, 2 an OS error, atomic_save's), truthy if any failed.
+    `over`: another MeshDim of every rank than pgm.world (async_save.py's checkpoint group)."""
     flag = torch.tensor([float(failed)], device=device)
-    comm.all_reduce(flag, pgm.world, op="max")
+    comm.all_reduce(flag, over or pgm.world, op="max")
     return int(flag.item())
 
 
@@ -198,17 +199,18 @@ def _raise_failed(failed: int, error, directory: str, parent: str, others: str):
 
 
 def atomic_save(directory: str, pgm, device, write: Callable[[str], Dict[str, dict]],
-                manifest: Callable[[], dict], keep_last: Optional[int] = None) -> str:
+                manifest: Callable[[], dict], keep_last: Optional[int] = None, over=None) -> str:
     """The protocol of the picture above. `write(tmp)` runs on every rank and returns the manifest
     entries of the files it wrote (write_file's); `manifest()` runs on rank 0 before the commit.
-    Collective."""
+    Collective over pgm.world, or over `over` (a MeshDim of every rank: async_save.py's own group,
+    so that a background save never shares a group with training's collectives)."""
     rank, parent = pgm.global_rank, os.path.dirname(os.path.abspath(directory))
     name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)   # rank 0's temporary name, to every rank
     if rank == 0:
         drawn = os.path.basename(temp_dir_for(directory, random.SystemRandom().getrandbits(62))).encode()
         name[:len(drawn)] = torch.tensor(list(drawn), dtype=torch.uint8)
     name = name.to(device)
-    comm.broadcast(name, pgm.world)
+    comm.broadcast(name, over or pgm.world)
     tmp = os.path.join(parent, bytes(name.cpu().tolist()).rstrip(b"\0").decode())
     error = None
     try:
@@ -217,7 +219,7 @@ def atomic_save(directory: str, pgm, device, write: Callable[[str], Dict[str, di
         write_index(tmp, rank, write(tmp))
     except Exception as e:                       # noqa: BLE001 - every rank learns of it below
         error = e
-    failed = agree(_code(error), pgm, device)    # barrier 1: every rank's files are on disk
+    failed = agree(_code(error), pgm, device, over)    # barrier 1: every rank's files are on disk
     if failed:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -237,7 +239,7 @@ def atomic_save(directory: str, pgm, device, write: Callable[[str], Dict[str, di
                 rotate_checkpoints(parent, keep_last, keep=directory)
             except OSError as e:                 # the save itself is done: say so, train on
                 _warn(f"warning: could not rotate the checkpoints in {parent} ({e}); {directory} is saved")
-    failed = agree(_code(error), pgm, device)    # barrier 2: the directory is final on every rank
+    failed = agree(_code(error), pgm, device, over)    # barrier 2: the directory is final on every rank
     if failed:
         _raise_failed(failed, error, directory, parent, "rank 0 could not commit it")
     return directory

@@ -140,9 +140,15 @@ def _elementwise(v, p) -> bool:
     return torch.is_tensor(v) and v.dim() > 0 and v.numel() == p.numel()
 
 
-def _local_records(model, optimizer, pgm) -> list:
+def host_clone(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t` that later in-place updates of `t` cannot reach (a CPU tensor is cloned)."""
+    return t.detach().cpu().clone()
+
+
+def _local_records(model, optimizer, pgm, to_host=host_clone) -> list:
     """Per local tensor: its segments, the CPU tensors shaped like it (param, optimizer states)
-    and the scalar states."""
+    and the scalar states. `to_host`: how a tensor reaches the host (async_save.py's into pinned
+    memory without waiting for each copy)."""
     state, records = optimizer.state if optimizer is not None else {}, []
     # under ZeRO-3 only dp_shard_cp rank 0 writes the plain (whole, replicated) tensors: LoRA's adapters
     whole_here = getattr(model, "zero3", None) is None or pgm.dp_shard_cp.rank == 0
@@ -150,8 +156,8 @@ def _local_records(model, optimizer, pgm) -> list:
         if not (whole_here or getattr(p, "zero3_shard", False)):
             continue
         st = state.get(p, {})
-        tensors = {"param": p.detach().cpu().clone()}
-        tensors.update({k: v.detach().cpu().clone().view(p.shape)
+        tensors = {"param": to_host(p)}
+        tensors.update({k: to_host(v).view(p.shape)
                         for k, v in st.items() if _elementwise(v, p)})
         scalars = {k: float(v) for k, v in st.items() if not _elementwise(v, p)}
         segments = [dataclasses.asdict(s) for s in segments]

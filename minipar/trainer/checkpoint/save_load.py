@@ -35,10 +35,11 @@ only the overlapping pieces.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import time
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save
@@ -81,6 +82,19 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
     keep_last: afterwards keep only the newest `keep_last` step-N siblings whose checksums hold (None
     or 0: all; never fewer than this one and the newest good one: atomic.rotate_checkpoints).
     An OS error (a full disk) raises atomic.CheckpointWriteError on every rank."""
+    write, manifest = prepare_save(directory, model, optimizer, pgm, step=step, scheduler=scheduler,
+                                   extra=extra, state_dict_type=state_dict_type)
+    return cio.atomic_save(directory, pgm, _device(model), write, manifest, keep_last)
+
+
+def prepare_save(directory: str, model, optimizer, pgm, *, step: int, scheduler=None,
+                 extra: Optional[dict] = None, state_dict_type: str = "SHARDED_STATE_DICT",
+                 to_host: Optional[Callable] = None) -> Tuple[Callable[[str], dict], Callable[[], dict]]:
+    """(write(tmp), manifest()) for atomic.atomic_save; checks the arguments and runs FULL_STATE_DICT's
+    gathers first. to_host None (save_checkpoint): write() reads the live model when it runs.
+    to_host given (async_save.py): every tensor this rank writes is copied with it NOW, and the
+    trainer state, RNG and manifest fields are taken now too, so that write() and manifest() read
+    only those copies and may run in another thread while training changes the model."""
     if state_dict_type not in STATE_DICT_TYPES:
         raise ValueError(f"state_dict_type={state_dict_type!r}: use one of {STATE_DICT_TYPES}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -89,30 +103,61 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
         raise ValueError(f"extra must be a dict (data position, config, ...), got {type(extra).__name__}")
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"checkpoint path {directory} exists and is not a directory")
-    full = state_dict_type == "FULL_STATE_DICT"
+    full, now = state_dict_type == "FULL_STATE_DICT", to_host is not None
+    keep = copy.deepcopy if now else (lambda x: x)
     if full:                                     # the collectives come first: nothing can fail before them
         # each full tensor to the host as it is gathered: the device never holds the whole model
-        model_full = {n: t.detach().cpu().contiguous() for n, t in model.full_state_items()}
+        model_full = {n: to_host(t) if now else t.detach().cpu().contiguous()
+                      for n, t in model.full_state_items()}
         optim_full = full_optimizer_state(model, optimizer, pgm) if optimizer is not None else None
         pp = getattr(pgm, "pp", None)
         if pp is not None and pp.size > 1 and optim_full is not None:   # each stage has its layers' states
             kinds = {k: gather_over_stages(v, pgm) for k, v in optim_full[0].items()}
             optim_full = (kinds, gather_over_stages(optim_full[1], pgm))
+        if now and optim_full is not None:       # (on one process these may be the optimizer's own)
+            optim_full = ({k: {n: to_host(t) for n, t in v.items()} for k, v in optim_full[0].items()},
+                          copy.deepcopy(optim_full[1]))
+
+    def state() -> dict:                         # what this rank writes, on the host
+        rank = pgm.global_rank
+        records = (_local_records(model, optimizer, pgm, *([to_host] if now else []))
+                   if not full and _writes_shards(model, pgm) else [])
+        out = dict(rng=ck_files.rng_state(), records=records)
+        if rank == 0:
+            groups = None if optimizer is None else [{k: keep(v) for k, v in g.items() if k != "params"}
+                                                     for g in optimizer.param_groups]
+            out["trainer"] = dict(step=step, extra=keep(extra), param_groups=groups,
+                                  scheduler=keep(scheduler.state_dict()) if scheduler is not None else None)
+            out["manifest"] = dict(
+                step=step, state_dict_type=state_dict_type, torch=torch.__version__,
+                layout=dict(pgm.config.sizes, world_size=pgm.world_size, zero3=hasattr(model, "zero3"),
+                            sequence_parallel=pgm.config.sequence_parallel),
+                model_config=ck_files.config_dict(model), params=_param_shapes(model, pgm),
+                optimizer=type(optimizer).__name__ if optimizer is not None else None,
+                optimizer_groups=len(optimizer.param_groups) if optimizer is not None else 0)
+        return out
+
+    taken = None
+    if now:
+        try:
+            taken = state()
+        except Exception as e:                   # noqa: BLE001 - raised by write(), where every rank learns
+            taken = e
 
     def write(tmp: str) -> dict:
+        got = taken if now else state()
+        if isinstance(got, Exception):
+            raise got
         rank = pgm.global_rank
-        entries = cio.write_file(tmp, f"rng/rank-{rank:05d}.pt", ck_files.to_bytes(ck_files.rng_state()))
-        records = _local_records(model, optimizer, pgm) if not full and _writes_shards(model, pgm) else []
-        if records:                              # (none: LoRA's frozen shards, adapters written by another)
-            shard = dict(rank=rank, coords=pgm.coords, records=records)
+        entries = cio.write_file(tmp, f"rng/rank-{rank:05d}.pt", ck_files.to_bytes(got["rng"]))
+        if got["records"]:                       # (none: LoRA's frozen shards, adapters written by another)
+            shard = dict(rank=rank, coords=pgm.coords, records=got["records"])
             entries.update(cio.write_file(tmp, f"shards/rank-{rank:05d}.pt", ck_files.to_bytes(shard)))
         if rank != 0:
             return entries
-        groups = None if optimizer is None else [{k: v for k, v in g.items() if k != "params"}
-                                                 for g in optimizer.param_groups]
-        trainer = dict(step=step, extra=extra, param_groups=groups,
-                       scheduler=scheduler.state_dict() if scheduler is not None else None)
-        entries.update(cio.write_file(tmp, TRAINER_STATE, ck_files.to_bytes(trainer)))
+        entries.update(cio.write_file(tmp, TRAINER_STATE, ck_files.to_bytes(got["trainer"])))
+        if not now:
+            fields[0] = got["manifest"]
         if full:
             entries.update(cio.write_file(tmp, FULL_MODEL, save(model_full, metadata={"format": "pt"})))
             if optim_full is not None:
@@ -120,15 +165,12 @@ def save_checkpoint(directory: str, model, optimizer, pgm, *, step: int, schedul
                 entries.update(cio.write_file(tmp, FULL_OPTIM, optim))
         return entries
 
-    def manifest() -> dict:
-        return dict(step=step, state_dict_type=state_dict_type, created=time.time(), torch=torch.__version__,
-                    layout=dict(pgm.config.sizes, world_size=pgm.world_size, zero3=hasattr(model, "zero3"),
-                                sequence_parallel=pgm.config.sequence_parallel),
-                    model_config=ck_files.config_dict(model), params=_param_shapes(model, pgm),
-                    optimizer=type(optimizer).__name__ if optimizer is not None else None,
-                    optimizer_groups=len(optimizer.param_groups) if optimizer is not None else 0)
+    fields = [taken.get("manifest") if isinstance(taken, dict) else None]   # (rank 0's)
 
-    return cio.atomic_save(directory, pgm, _device(model), write, manifest, keep_last)
+    def manifest() -> dict:                      # rank 0, after every rank's files are on disk
+        return dict(fields[0], created=time.time())
+
+    return write, manifest
 
 
 # -------------------------------------------------------------------------------------- load

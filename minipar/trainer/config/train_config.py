@@ -138,6 +138,9 @@ class TrainConfig:
     save_steps: int = 0                   # 0 = only at the end (when save_final_checkpoint)
     save_final_checkpoint: bool = True
     save_total_limit: Optional[int] = 2
+    # write checkpoints in a background thread: training stalls only for the copy of the state to
+    # host memory (torchtitan's checkpoint.async_mode; trainer/checkpoint/async_save.py)
+    async_save: bool = False
     resume_from_checkpoint: Optional[str] = None   # a path, or "latest"
     export_hf: bool = True                # write <output_dir>/hf at the end
     progress_bar: bool = True

@@ -34,7 +34,8 @@ KEYS = {
                                "(minipar/optim.py SCHEDULES)"),
     "evals_per_epoch": (HONOURED, "eval_steps = ceil(max_steps / (evals_per_epoch x num_epochs))"),
     "saves_per_epoch": (HONOURED, "save_steps = ceil(max_steps / (saves_per_epoch x num_epochs))"),
-    "save_steps": (HONOURED, "null: no periodic saves (only the final one), as 0"),
+    "save_steps": (HONOURED, "null: no periodic saves (only the final one), as 0; unless saves_per_epoch"),
+    "eval_steps": (HONOURED, "null: evals_per_epoch decides, or minipar's default"),
     "auto_resume_from_checkpoints": (HONOURED, "true: resume_from_checkpoint: latest"),
     # attention: the kernel choice (context_parallel/kernel_choice.py)
     "flash_attention": (HONOURED, "true: attention_backend flash"),
@@ -148,8 +149,12 @@ def fold(data: dict, notes: List[str], problems: List[str]) -> dict:
     if data.get("warmup_ratio") is not None and data.get("warmup_steps") is not None:
         problems.append(f"warmup_steps: {data['warmup_steps']} and warmup_ratio: {data['warmup_ratio']} "
                         f"both set the warmup (Axolotl refuses both too); keep one")
-    if "save_steps" in data and data["save_steps"] is None:
-        data["save_steps"] = 0                           # null: no periodic saves
+    if "save_steps" in data and data["save_steps"] is None:  # null: unset (saves_per_epoch decides),
+        data.pop("save_steps")                              # else no periodic saves
+        if data.get("saves_per_epoch") is None:
+            data["save_steps"] = 0
+    if "eval_steps" in data and data["eval_steps"] is None:  # null: unset (evals_per_epoch or the default)
+        data.pop("eval_steps")
     if "cosine_min_lr_ratio" in data:
         value = data.pop("cosine_min_lr_ratio")
         if value is not None:

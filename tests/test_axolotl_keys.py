@@ -74,7 +74,8 @@ def test_attention_keys(tmp_path):
                           ("flash_attention: false\n", "auto")]:
         assert _load(tmp_path, text)[0].attention_backend == backend, text
     cfg, notes = _load(tmp_path, "flash_attention: true\nattention_backend: math\n")
-    assert cfg.attention_backend == "math" and any("attention_backend math is set and wins" in n for n in notes)
+    assert cfg.attention_backend == "math"
+    assert any("attention_backend math is set and wins" in n for n in notes)
     with pytest.raises(ValueError, match="ask for different attention kernels"):
         _load(tmp_path, "flash_attention: true\nattn_implementation: eager\n")
 

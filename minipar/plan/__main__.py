@@ -185,7 +185,8 @@ def _global_batch(args, base: dict, world: int, cfg) -> int:
     except ValueError:
         if not args.search:
             raise
-        dp = max(1, world // ((args.cp or cfg.cp_size) * (args.tp or cfg.tp_size) * (args.pp or cfg.pp_size or 1)))
+        rest = (args.cp or cfg.cp_size) * (args.tp or cfg.tp_size) * (args.pp or cfg.pp_size or 1)
+        dp = max(1, world // rest)
     return micro * (cfg.gradient_accumulation_steps or 1) * dp
 
 

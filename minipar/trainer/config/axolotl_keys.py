@@ -125,7 +125,8 @@ def _attention(data: dict, notes: List[str], problems: List[str]) -> None:
         return
     backends = set(asked.values())
     if "attention_backend" in data:
-        return notes.append(f"{', '.join(asked)}: attention_backend {data['attention_backend']} is set and wins")
+        return notes.append(f"{', '.join(asked)}: attention_backend {data['attention_backend']} is set "
+                            f"and wins")
     if len(backends) > 1:
         return problems.append(f"{' and '.join(asked)} ask for different attention kernels "
                                f"({', '.join(sorted(backends))}); keep one, or set attention_backend")

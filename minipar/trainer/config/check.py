@@ -140,8 +140,9 @@ def check(cfg, earlier: Sequence = (), unknown: Optional[ValueError] = None) -> 
     if unknown is not None:
         if problems:                      # the unknown keys first, the valid keys' list at the very end
             head, _, valid = str(unknown).partition(" Valid keys")
-            raise ValueError(f"{head} And {len(problems)} config value{'s are' if len(problems) > 1 else ' is'}"
-                             f" wrong: " + "; ".join(str(p) for p in problems) + ". Valid keys" + valid)
+            are = "s are" if len(problems) > 1 else " is"
+            raise ValueError(f"{head} And {len(problems)} config value{are} wrong: "
+                             + "; ".join(str(p) for p in problems) + ". Valid keys" + valid)
         raise unknown
     if len(problems) == 1:
         raise problems[0]

@@ -24,7 +24,6 @@ import math
 import typing
 from typing import List, Optional, Union
 
-
 # how alike a key and a valid key must be for a "did you mean" (difflib's ratio; its default 0.6
 # offered seed for deepspeed and learning_rate for pretraining_dataset: a hint that misleads is worse
 # than none; keys of other tools have their own explanation, axolotl_keys.FOREIGN)

@@ -39,7 +39,9 @@ parameter group on every layout (simple to checkpoint and reshard). AdamW is ele
 parameters after N steps are the same on every layout.
 
 The schedule: linear warmup from lr/warmup to lr over `warmup_steps`, then half a cosine down to
-min_lr_ratio * lr at `max_steps` (the shape of Llama's and nanotron's recipes). A resume with another
+min_lr_ratio * lr at `max_steps` (the shape of Llama's and nanotron's recipes); or, by the HF
+Trainer's lr_scheduler names, a straight line down (linear), flat after the warmup
+(constant_with_warmup) or flat from the start (constant): SCHEDULES. A resume with another
 max_steps (warmup_steps, min_lr_ratio) follows THIS run's schedule from the checkpoint's step on,
 as the Hugging Face Trainer does (adopt_schedule says why and how).
 """
@@ -81,18 +83,57 @@ class WarmupCosine:
         return m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class WarmupLinear(WarmupCosine):
+    """lr_scheduler linear (the HF Trainer's): the same warmup, then a straight line from 1 to
+    min_lr_ratio (0 in HF's) at max_steps."""
+
+    def __call__(self, step: int) -> float:
+        w, s, m = self.warmup_steps, self.max_steps, self.min_lr_ratio
+        if step < w:
+            return (step + 1) / w
+        return m + (1.0 - m) * (1.0 - min(1.0, (step - w) / max(1, s - w)))
+
+
+class WarmupConstant(WarmupCosine):
+    """lr_scheduler constant_with_warmup: the same warmup, then 1 to the end."""
+
+    def __call__(self, step: int) -> float:
+        return (step + 1) / self.warmup_steps if step < self.warmup_steps else 1.0
+
+
+class Constant(WarmupCosine):
+    """lr_scheduler constant (the HF Trainer's): 1 from the first step, no warmup (HF ignores it too)."""
+
+    def __call__(self, step: int) -> float:
+        return 1.0
+
+
+# lr_scheduler (Axolotl's / the HF Trainer's names) -> the multiplier; cosine_with_min_lr is cosine
+# down to min_lr_ratio, which minipar's cosine always is (HF's plain cosine is min_lr_ratio 0)
+SCHEDULES = {"cosine": WarmupCosine, "cosine_with_min_lr": WarmupCosine, "linear": WarmupLinear,
+             "constant": Constant, "constant_with_warmup": WarmupConstant}
+
+
+def make_schedule(kind: str, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1) -> WarmupCosine:
+    """The multiplier object of lr_scheduler `kind` (one of SCHEDULES)."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"lr_scheduler {kind!r} is not supported; supported: {list(SCHEDULES)}")
+    return SCHEDULES[kind](warmup_steps, max_steps, min_lr_ratio)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int,
-                    min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
-    """LambdaLR over WarmupCosine; call scheduler.step() after each optimizer.step(). Its
-    state_dict() / load_state_dict() resume it exactly."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, max_steps, min_lr_ratio))
+                    min_lr_ratio: float = 0.1, kind: str = "cosine") -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over the schedule `kind` (WarmupCosine by default); call scheduler.step() after each
+    optimizer.step(). Its state_dict() / load_state_dict() resume it exactly (callable objects)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, make_schedule(kind, warmup_steps, max_steps,
+                                                                      min_lr_ratio))
 
 
 SCHEDULE_KEYS = ("warmup_steps", "max_steps", "min_lr_ratio")
 
 
 def adopt_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, warmup_steps: int, max_steps: int,
-                   min_lr_ratio: float = 0.1) -> Optional[str]:
+                   min_lr_ratio: float = 0.1, kind: str = "cosine") -> Optional[str]:
     """Call after scheduler.load_state_dict(checkpoint): keep the checkpoint's position (last_epoch,
     base_lrs) but THIS run's schedule, and return a note naming what changed (None if nothing did).
 
@@ -108,7 +149,7 @@ def adopt_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, warmup_steps: i
     here. One difference: HF's first resumed step still uses the rate the optimizer state saved (the
     old schedule's); minipar sets the group's rate now, so steps s+1.. are a fresh run's exactly.
     """
-    new = WarmupCosine(warmup_steps, max_steps, min_lr_ratio)
+    new = make_schedule(kind, warmup_steps, max_steps, min_lr_ratio)
     old = scheduler.lr_lambdas[0]
     changed = [f"{k} {getattr(old, k, None)} -> {getattr(new, k)}" for k in SCHEDULE_KEYS
                if getattr(old, k, None) != getattr(new, k)]

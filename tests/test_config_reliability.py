@@ -72,7 +72,7 @@ def test_float_keys_take_exponents_from_cli_and_yaml(tmp_path):
 # ------------------------------------------------------------------ 3. Axolotl configs
 def test_every_unknown_key_in_one_error(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("learnig_rate: 1e-3\nwarmup_step: 10\nflash_attention: true\nmodel:\n  hidden_siz: 64\n"
+    path.write_text("learnig_rate: 1e-3\nwarmup_step: 10\nflash_attn: true\nmodel:\n  hidden_siz: 64\n"
                     "fsdp_config:\n  fsdp_reshard_after_forwrd: true\n")
     with pytest.raises(ValueError) as info:
         load_config(str(path), ["--max_stesp", "3"])
@@ -146,8 +146,8 @@ def test_bf16_scheduler_optimizer_fsdp_keys(tmp_path):
     refused = [(["--bf16", "true", "--dtype", "float32"], "bf16: true contradicts dtype: float32"),
                (["--bf16", "false", "--dtype", "bfloat16"], "bf16: false contradicts dtype: bfloat16"),
                (["--bf16", "maybe"], "bf16 must be true, false or auto"),
-               (["--lr_scheduler", "linear"], "lr_scheduler 'linear' is not supported; "
-                                              "supported: ['cosine']"),
+               (["--lr_scheduler", "polynomial"], "lr_scheduler 'polynomial' is not supported; "
+                                                  "supported: ['cosine', "),
                (["--optimizer", "sgd"], "optimizer 'sgd' is not supported; supported: ['adamw_torch', "
                                         "'adamw_torch_fused']"),
                (["--fsdp_version", "3"], "fsdp_version 3 is not supported")]

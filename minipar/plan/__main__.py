@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from minipar.cli import fail, memory_bytes, positive_ints, within
@@ -121,7 +122,7 @@ def _layout(args, base: dict, world: int) -> Layout:
 def load(args):
     """(model, layout sizes, batch, options, default world) from a config YAML and/or --model."""
     base, world = {}, None
-    model = batch = None
+    model = batch = cfg = None
     opts = Options()
     if args.config:
         cfg = load_config(args.config)
@@ -129,7 +130,8 @@ def load(args):
         world = (cfg.dp_replicate_size * (cfg.dp_shard_size or 1) * cfg.cp_size
                  * cfg.tp_size * (cfg.pp_size or 1))
     if args.model:                          # train.py's base_model check: a Llama decoder, valid JSON
-        model = ModelShape.from_dict(read_hf_config(args.model, f"--model {args.model}", tuple(FAMILIES)))
+        path = os.path.join(args.model, "config.json") if os.path.isdir(args.model) else args.model
+        model = ModelShape.from_dict(read_hf_config(path, f"--model {args.model}", tuple(FAMILIES)))
         if not args.config:
             opts = Options(dtype="bfloat16")
     if model is None:
@@ -138,6 +140,8 @@ def load(args):
     world = args.world or world or 1
     seq = args.seq_len or (batch.sequence_len if batch else 8192)
     gbs = args.global_batch_size or (batch.global_batch_size if batch else world)
+    if gbs is None:                         # Axolotl's form: micro x accumulation x dp, as train.py's
+        gbs = _global_batch(args, base, world, cfg)
     mbs = args.micro_batch_size or (batch.micro_batch_size if batch else 1)
     batch = Batch(gbs, mbs, seq)
     flags = dict(dtype=args.dtype, prefetch=args.prefetch, sync_each_batch=args.sync_each_batch,
@@ -166,6 +170,26 @@ def load(args):
     return model, base, batch, dataclasses.replace(opts, **changes), world
 
 
+def _global_batch(args, base: dict, world: int, cfg) -> int:
+    """global_batch_size of a config that gives micro_batch_size and gradient_accumulation_steps
+    instead (trainer/config/keys.py resolve_batch): micro x accumulation x dp of the planned layout
+    (with --search, of the layout that puts every rank left by cp, tp and pp on dp)."""
+    micro = args.micro_batch_size or cfg.micro_batch_size
+    if micro is None:
+        raise ValueError(f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} without "
+                         f"global_batch_size: set micro_batch_size (or --micro-batch-size), so that global "
+                         f"= micro x accumulation x dp")
+    try:
+        lay = _layout(args, base, world)
+        dp = lay.dp_replicate * lay.dp_shard
+    except ValueError:
+        if not args.search:
+            raise
+        rest = (args.cp or cfg.cp_size) * (args.tp or cfg.tp_size) * (args.pp or cfg.pp_size or 1)
+        dp = max(1, world // rest)
+    return micro * (cfg.gradient_accumulation_steps or 1) * dp
+
+
 def _cluster(args) -> Cluster:
     """--gpu's data sheet (minipar/gpus.py), each of its fields replaced by its flag where given."""
     given = dict(peak_tflops=args.peak_tflops, hbm_gbps=args.hbm_bandwidth, intra_gbps=args.intra_bw,
@@ -180,7 +204,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m minipar.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config", nargs="?", help="a train.py config YAML (model, layout, batch, dtype)")
-    ap.add_argument("--model", help="a Hugging Face config.json (replaces the config's model)")
+    ap.add_argument("--model", help="a Hugging Face config.json, or the model directory holding it "
+                                    "(replaces the config's model)")
     ap.add_argument("--world", type=int, help="number of GPUs (default: the layout's product)")
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--gpu", choices=sorted(PRESETS), default="h100",

@@ -156,7 +156,8 @@ def _layout(cfg: TrainConfig, path: str, argv: List[str], default_config: bool,
     pconf = cfg.parallelism()
     if world == 1 and not given and any((v or 1) > 1 for v in [*pconf.sizes.values(), pconf.ep_size]):
         # `python train.py` on a config written for a torchrun launch: run it on one process
-        notes.append(f"one process: the config's parallel sizes ({_fmt(pconf.sizes)}) apply to torchrun "
+        sizes = dict(pconf.sizes, **({"ep_size": pconf.ep_size} if pconf.ep_size > 1 else {}))
+        notes.append(f"one process: the config's parallel sizes ({_fmt(sizes)}) apply to torchrun "
                      f"launches; running with all sizes 1")
         pconf = dataclasses.replace(pconf, **dict.fromkeys([*SIZE_KEYS, "ep_size"], 1))
     try:

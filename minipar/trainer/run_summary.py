@@ -60,8 +60,15 @@ def speed_lines(loop, ran, peak_mib: float, cuda: bool = False) -> list:
     mean = {k: sum(r[k] for r in steps) / len(steps) for k in steps[0]
             if k in ("tokens_per_s", "tflops_per_s", "mfu", "mfu_full_attention")}
     tp = loop.throughput
-    mfu = f", MFU {100 * mean['mfu']:.1f} % (full attention {100 * mean['mfu_full_attention']:.1f} %) " \
-          f"of {tp.peak:.3g} TFLOP/s" if "mfu" in mean else f" ({tp.peak_source})"
+    if "mfu" in mean:                     # against the final peak (a CPU's may have been raised)
+        ratio = mean["tflops_per_s"] / tp.peak
+        full = ratio * mean["mfu_full_attention"] / mean["mfu"]
+        mfu = (f", MFU {100 * ratio:.1f} % (full attention {100 * full:.1f} %) of {tp.peak:.3g} TFLOP/s "
+               f"({tp.peak_source})" if ratio <= 1 else
+               f", MFU not given: the run was faster than the peak {tp.peak:.3g} TFLOP/s ({tp.peak_source}); "
+               f"set peak_tflops to the device's real peak")
+    else:
+        mfu = f" ({tp.peak_source})"
     lines = [f"throughput (steps {steps[0]['step']}-{steps[-1]['step']}): {mean['tokens_per_s']:.0f} "
              f"tokens/s, {mean['tflops_per_s']:.3g} TFLOP/s per device{mfu}"]
     predict = getattr(loop.trainer, "predict", None)

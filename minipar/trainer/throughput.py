@@ -18,7 +18,11 @@ The peak (TFLOP/s of one device), in this order:
     a CPU                measured at start: the best of a few (1024 x 1024) matmuls in the run's
                          compute dtype, by each rank (rank 0's is logged). Ranks that share cores
                          measure while the others do, so it is the share a rank gets; on a loaded
-                         machine it is low, and the MFU reads high.
+                         machine it is low. So the measured peak is a lower bound, raised to any
+                         step's achieved TFLOP/s that exceeds it (the hardware did that much): a CPU's
+                         MFU never reads above 100 %, and the summary says when the peak was raised.
+                         A configured or tabled peak is never changed: an MFU above 100 % against it
+                         is not printed as a number, the summary names the peak as too low instead.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from minipar.gpus import gpu_peak_tflops
 from models.flops import step_flops
 
 
-def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 3) -> float:
+def measure_cpu_tflops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5) -> float:
     """TFLOP/s of the best of `repeats` (n x n) @ (n x n) matmuls (2 n^3 FLOPs each), after one warm-up."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
@@ -64,12 +68,16 @@ class Throughput:
         self.flops = step_flops(cfg.model, cfg.global_batch_size, cfg.sequence_len)
         self.world = world
         self.peak, self.peak_source = find_peak(cfg.peak_tflops, device, dtype)
+        self.measured = cfg.peak_tflops is None and device.type != "cuda"   # a lower bound, raised
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
     def of_step(self, seconds: float) -> dict:
         """{tflops_per_s, mfu, mfu_full_attention} of a step that took `seconds` (no mfu without a peak)."""
         per_device = self.flops.causal / seconds / self.world / 1e12
         out = dict(tflops_per_s=per_device)
+        if self.measured and per_device > self.peak:     # the start's measurement ran on a loaded CPU
+            self.peak = per_device
+            self.peak_source = "CPU, raised to the fastest step's rate (the start's matmul ran slower)"
         if self.peak:
             out.update(mfu=per_device / self.peak,
                        mfu_full_attention=self.flops.full / seconds / self.world / 1e12 / self.peak)

@@ -64,9 +64,10 @@ class Trainer:
         fused = dict(fused=True) if cfg.optimizer == "adamw_torch_fused" else {}   # torch's fused kernel
         self.optimizer = moptim.build_optimizer(self.model, lr=cfg.learning_rate,
                                                 weight_decay=cfg.weight_decay,
-                                                betas=(cfg.adam_beta1, cfg.adam_beta2), **fused)
+                                                betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                                                **fused)
         self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps,
-                                                cfg.min_lr_ratio)
+                                                cfg.min_lr_ratio, kind=cfg.lr_scheduler)
         self.step = compose.Step(self.parallel, self.optimizer, self.scheduler, cfg.max_grad_norm,
                                  run.num_micro_steps, overlap=cfg.pipeline_overlap_steps)
         self.batches = Batches(run, self.device)
@@ -168,6 +169,7 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.start_step}")
         # this run's max_steps / warmup / min_lr_ratio, not the checkpoint's (optim.adopt_schedule)
         cfg = self.cfg
-        note = moptim.adopt_schedule(self.scheduler, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        note = moptim.adopt_schedule(self.scheduler, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio,
+                                     kind=cfg.lr_scheduler)
         if note:
             self.log(note)

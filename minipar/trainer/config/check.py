@@ -23,7 +23,7 @@ collective: every rank refuses alike.
 from __future__ import annotations
 
 import importlib.util
-from typing import List
+from typing import List, Optional, Sequence
 
 from minipar.config import ATTENTION_BACKENDS, CP_IMPLS, CP_LAYOUTS
 from minipar.lora import adapter_shapes, add_lora, check_adapter, check_targets
@@ -38,9 +38,11 @@ from models.llama import LlamaForCausalLM
 DATASETS_ARE = "each `datasets` path is a local .jsonl, .json or .txt file (no hub names, no directories)"
 
 
-def check(cfg) -> None:
-    """Every value check that needs no world; raises once, naming every wrong key and a fix."""
-    problems: List[Exception] = []
+def check(cfg, earlier: Sequence = (), unknown: Optional[ValueError] = None) -> None:
+    """Every value check that needs no world; raises once, naming every wrong key and a fix, with
+    the problems load_config met before (`earlier`: refusals and wrong types, strings or errors)
+    and its unknown keys (`unknown`: values.unknown_keys_error's), all in ONE error."""
+    problems: List[Exception] = [e if isinstance(e, Exception) else ValueError(e) for e in earlier]
 
     def bad(message: str, kind=ValueError) -> None:
         problems.append(kind(message))
@@ -62,8 +64,10 @@ def check(cfg) -> None:
         bad(f"learning_rate must be > 0, got {cfg.learning_rate}")
     if cfg.weight_decay < 0:
         bad(f"weight_decay must be >= 0 (0: no decay), got {cfg.weight_decay}")
-    if cfg.warmup_steps < 0:
+    if cfg.warmup_steps is not None and cfg.warmup_steps < 0:
         bad(f"warmup_steps must be >= 0 (0: no warmup), got {cfg.warmup_steps}")
+    if not cfg.adam_epsilon > 0:
+        bad(f"adam_epsilon must be > 0, got {cfg.adam_epsilon}")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         bad(f"min_lr_ratio must lie in [0, 1] (the final rate as a fraction of learning_rate), "
             f"got {cfg.min_lr_ratio}")
@@ -133,6 +137,13 @@ def check(cfg) -> None:
         problem = check_option(cfg.gradient_checkpointing, cfg.selective_ac_option)
         if problem:
             bad(problem)
+    if unknown is not None:
+        if problems:                      # the unknown keys first, the valid keys' list at the very end
+            head, _, valid = str(unknown).partition(" Valid keys")
+            are = "s are" if len(problems) > 1 else " is"
+            raise ValueError(f"{head} And {len(problems)} config value{are} wrong: "
+                             + "; ".join(str(p) for p in problems) + ". Valid keys" + valid)
+        raise unknown
     if len(problems) == 1:
         raise problems[0]
     if problems:

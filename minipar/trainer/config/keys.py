@@ -48,8 +48,10 @@ import os
 from typing import List
 
 from minipar import cuda_env
+from minipar.optim import SCHEDULES
+from minipar.trainer.config.axolotl_keys import fold
 
-LR_SCHEDULERS = ("cosine",)
+LR_SCHEDULERS = tuple(SCHEDULES)
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 FSDP_VERSIONS = (1, 2)
 FSDP_LIST_ITEMS = ("full_shard", "auto_wrap")
@@ -78,37 +80,39 @@ def size_keys(data: dict) -> set:
     return {key_name(k) for k in data} & {"dp_replicate_size", "dp_shard_size", *SIZE_NAMES.values()}
 
 
-def translate(data: dict, unknown: list, notes: List[str]) -> dict:
+def translate(data: dict, unknown: list, notes: List[str], problems: List[str]) -> dict:
     """A copy of one source's mapping with Axolotl's size names renamed (tensor_parallel_size ->
-    tp_size) and `fsdp_config` (and the list form of `fsdp`) folded into minipar's `fsdp` mapping.
-    Unknown fsdp_config keys are appended to `unknown`."""
-    data = dict(data)
+    tp_size), its boilerplate folded (axolotl_keys.py) and `fsdp_config` (and the list form of
+    `fsdp`) folded into minipar's `fsdp` mapping. Unknown fsdp_config keys are appended to
+    `unknown`, refusals to `problems` (raised with every other problem of the file at once)."""
+    data = fold(dict(data), notes, problems)
     for axolotl, name in SIZE_NAMES.items():
         if axolotl not in data:
             continue
         value = data.pop(axolotl)
         if name in data and data[name] != value:
-            raise ValueError(f"{axolotl}: {value!r} contradicts {name}: {data[name]!r} (two names of one "
-                             f"size, Axolotl's and accelerate's); set one of them")
+            problems.append(f"{axolotl}: {value!r} contradicts {name}: {data[name]!r} (two names of one "
+                            f"size, Axolotl's and accelerate's); set one of them")
         data[name] = value
     fsdp = data.get("fsdp")
     if isinstance(fsdp, (list, str)):
         items = fsdp.split() if isinstance(fsdp, str) else fsdp
         bad = [i for i in items if i not in FSDP_LIST_ITEMS]
         if "offload" in bad:
-            raise ValueError("fsdp: offload (CPU offload of parameters) is not supported: minipar keeps "
-                             "parameters on the device; remove `offload`")
-        if bad:
-            raise ValueError(f"fsdp: {bad} not supported; minipar's ZeRO-3 is {list(FSDP_LIST_ITEMS)} (use "
-                             f"fsdp_config.reshard_after_forward: false for SHARD_GRAD_OP, dp_replicate_size "
-                             f"for HYBRID_SHARD, dp_shard_size: 1 for none)")
+            problems.append("fsdp: offload (CPU offload of parameters) is not supported: minipar keeps "
+                            "parameters on the device; remove `offload`")
+        elif bad:
+            problems.append(f"fsdp: {bad} not supported; minipar's ZeRO-3 is {list(FSDP_LIST_ITEMS)} (use "
+                            f"fsdp_config.reshard_after_forward: false for SHARD_GRAD_OP, dp_replicate_size "
+                            f"for HYBRID_SHARD, dp_shard_size: 1 for none)")
         data.pop("fsdp")
         fsdp = None
     config = data.pop("fsdp_config", None)
     if config is None:
         return data
     if not isinstance(config, dict):
-        raise ValueError(f"fsdp_config must be a mapping of accelerate's FSDP settings, got {config!r}")
+        problems.append(f"fsdp_config must be a mapping of accelerate's FSDP settings, got {config!r}")
+        return data
     merged = dict(fsdp) if isinstance(fsdp, dict) else {}
     ignored = []
     for raw_key, value in config.items():
@@ -119,21 +123,21 @@ def translate(data: dict, unknown: list, notes: List[str]) -> dict:
             merged[FSDP_MAPPED[key]] = value
         elif key == "offload_params":
             if value not in (False, None):
-                raise ValueError(f"fsdp_config.{raw_key}: {value!r} (CPU offload of parameters) "
-                                 f"is not supported: minipar keeps parameters and optimizer states "
-                                 f"on the device; set it to false")
+                problems.append(f"fsdp_config.{raw_key}: {value!r} (CPU offload of parameters) "
+                                f"is not supported: minipar keeps parameters and optimizer states "
+                                f"on the device; set it to false")
         elif key == "activation_checkpointing":
             if "gradient_checkpointing" in data and data["gradient_checkpointing"] != value:
-                raise ValueError(f"fsdp_config.{raw_key}: {value!r} contradicts gradient_checkpointing: "
-                                 f"{data['gradient_checkpointing']!r}; set one of them")
+                problems.append(f"fsdp_config.{raw_key}: {value!r} contradicts gradient_checkpointing: "
+                                f"{data['gradient_checkpointing']!r}; set one of them")
             data["gradient_checkpointing"] = value
         elif key == "version":
             data.setdefault("fsdp_version", value)
         elif key in FSDP_ACCEPTED:
             if value not in FSDP_ACCEPTED[key]:
-                raise ValueError(f"fsdp_config.{raw_key}: {value!r} is not supported; minipar's ZeRO-3 does "
-                                 f"{FSDP_ACCEPTED[key][0]} (for other sharding use dp_replicate_size / "
-                                 f"dp_shard_size and fsdp_config.reshard_after_forward)")
+                problems.append(f"fsdp_config.{raw_key}: {value!r} is not supported; minipar's ZeRO-3 does "
+                                f"{FSDP_ACCEPTED[key][0]} (for other sharding use dp_replicate_size / "
+                                f"dp_shard_size and fsdp_config.reshard_after_forward)")
         elif key in FSDP_NO_EFFECT:
             ignored.append(raw_key)
         else:
@@ -146,15 +150,29 @@ def translate(data: dict, unknown: list, notes: List[str]) -> dict:
     return data
 
 
-def resolve(cfg, given: set, notes: List[str]) -> None:
-    """Axolotl's keys once every source is applied; `given` holds the top-level keys the user set."""
+# a fine-tune (base_model set): what Axolotl (through the HF Trainer's TrainingArguments) uses for a
+# setting its file leaves out (axolotl/utils/schemas/training.py: weight_decay 0.0, optimizer
+# adamw_torch_fused, lr_scheduler cosine, cosine_min_lr_ratio None = down to 0; adam_* None = HF's
+# 0.9 / 0.999 / 1e-8; max_grad_norm None = HF's 1.0; core/builders/base.py: warmup
+# min(int(0.03 x steps), 100), 1 -> 2). Axolotl requires learning_rate; HF's default is 5e-5.
+AXOLOTL_DEFAULTS = dict(learning_rate=5e-5, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+                        adam_epsilon=1e-8, max_grad_norm=1.0, optimizer="adamw_torch_fused",
+                        lr_scheduler="cosine", min_lr_ratio=0.0, warmup_steps=None)
+OPTIMIZER_KEYS = tuple(AXOLOTL_DEFAULTS)
+
+
+def resolve(cfg, given, notes: List[str], problems: List[str]) -> None:
+    """Axolotl's keys once every source is applied; `given` holds the top-level keys the user set
+    (a set, or a dict key -> "file" | "flag" naming where each came from). Problems are appended
+    to `problems`, raised by load_config with every other problem of the file."""
+    origin = given if isinstance(given, dict) else dict.fromkeys(given, "file")
     if cfg.bf16 not in (None, True, False, "auto"):
-        raise ValueError(f"bf16 must be true, false or auto, got {cfg.bf16!r}")
-    if cfg.bf16 in (True, False):
+        problems.append(f"bf16 must be true, false or auto, got {cfg.bf16!r}")
+    elif cfg.bf16 in (True, False):
         want = "bfloat16" if cfg.bf16 else "float32"
         if "dtype" in given and cfg.dtype != want:
-            raise ValueError(f"bf16: {str(cfg.bf16).lower()} contradicts dtype: {cfg.dtype}; set one of them "
-                             f"(dtype: {want}, or remove bf16)")
+            problems.append(f"bf16: {str(cfg.bf16).lower()} contradicts dtype: {cfg.dtype}; set one of them "
+                            f"(dtype: {want}, or remove bf16)")
         cfg.dtype = want
     elif cfg.bf16 == "auto" and "dtype" not in given:
         import torch
@@ -165,20 +183,39 @@ def resolve(cfg, given: set, notes: List[str]) -> None:
         cfg.dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
         notes.append(f"bf16: auto -> dtype {cfg.dtype}"
                      + ("" if cfg.dtype == "bfloat16" else " (no GPU with bfloat16 here)"))
+    if cfg.warmup_ratio is not None and "warmup_steps" not in given:
+        cfg.warmup_steps = None          # derived from the ratio once max_steps is known
+    if cfg.base_model:                   # a fine-tune: Axolotl's values for what the file leaves out
+        for key, value in AXOLOTL_DEFAULTS.items():
+            if key not in given and not (key == "warmup_steps" and cfg.warmup_ratio is not None):
+                setattr(cfg, key, value)
+                origin[key] = "Axolotl default"
     if cfg.lr_scheduler not in LR_SCHEDULERS:
-        raise ValueError(f"lr_scheduler {cfg.lr_scheduler!r} is not supported; "
-                         f"supported: {list(LR_SCHEDULERS)} (linear warmup over warmup_steps, "
-                         f"then cosine decay to min_lr_ratio x learning_rate)")
+        problems.append(f"lr_scheduler {cfg.lr_scheduler!r} is not supported; "
+                        f"supported: {list(LR_SCHEDULERS)} (minipar/optim.py: warmup over warmup_steps, "
+                        f"then cosine or linear down to min_lr_ratio x learning_rate, or constant)")
     if cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {cfg.optimizer!r} is not supported; supported: {list(OPTIMIZERS)}")
+        hint = (" (8-bit and paged optimizers need bitsandbytes' GPU kernels, which minipar does not "
+                "use: write optimizer: adamw_torch_fused)"
+                if any(w in str(cfg.optimizer) for w in ("8bit", "paged", "bnb")) else "")
+        problems.append(f"optimizer {cfg.optimizer!r} is not supported; supported: {list(OPTIMIZERS)}{hint}")
     if cfg.fsdp_version is not None and cfg.fsdp_version not in FSDP_VERSIONS:
-        raise ValueError(f"fsdp_version {cfg.fsdp_version!r} is not supported; "
-                         f"supported: {list(FSDP_VERSIONS)} "
-                         f"(both mean minipar's ZeRO-3 over dp_shard_size)")
+        problems.append(f"fsdp_version {cfg.fsdp_version!r} is not supported; "
+                        f"supported: {list(FSDP_VERSIONS)} "
+                        f"(both mean minipar's ZeRO-3 over dp_shard_size)")
     if cfg.gradient_accumulation_steps is not None and cfg.gradient_accumulation_steps < 1:
-        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {cfg.gradient_accumulation_steps}")
+        problems.append(f"gradient_accumulation_steps must be >= 1, got {cfg.gradient_accumulation_steps}")
     if cfg.num_epochs is not None and not cfg.num_epochs > 0:
-        raise ValueError(f"num_epochs must be > 0, got {cfg.num_epochs}")
+        problems.append(f"num_epochs must be > 0, got {cfg.num_epochs}")
+    if cfg.warmup_ratio is not None and not 0 <= cfg.warmup_ratio < 1:
+        problems.append(f"warmup_ratio must lie in [0, 1) (a fraction of max_steps), got {cfg.warmup_ratio}")
+    for per_epoch, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
+        value = getattr(cfg, per_epoch)
+        if value is not None and value < 1:
+            problems.append(f"{per_epoch} must be >= 1, got {value}")
+        elif value is not None and steps in given:
+            problems.append(f"{per_epoch}: {value} and {steps}: {getattr(cfg, steps)} both set how often; "
+                            f"keep one (Axolotl refuses both too)")
     # the derived sizes: None until run_setup knows the dp size and the dataset
     if cfg.gradient_accumulation_steps is not None and "global_batch_size" not in given:
         cfg.global_batch_size = None
@@ -188,7 +225,43 @@ def resolve(cfg, given: set, notes: List[str]) -> None:
         notes.append(f"dataset_prepared_path {cfg.dataset_prepared_path!r} has no effect without `datasets`: "
                      f"the text file `dataset` is read as bytes at each start")
     if cfg.max_steps is None and cfg.num_epochs is None:
-        raise ValueError("max_steps is null: set max_steps, or num_epochs to derive it from the dataset size")
+        problems.append("max_steps is null: set max_steps, or num_epochs to derive it from the dataset size")
+    if cfg.base_model:
+        said = ", ".join(f"{k} {_fmt(getattr(cfg, k)) if getattr(cfg, k) is not None else '(derived)'} "
+                         f"({origin.get(k, 'minipar default')})" for k in OPTIMIZER_KEYS)
+        notes.append(f"a fine-tune of base_model: {said}")
+    resolve_schedule(cfg, notes)
+
+
+def _fmt(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def resolve_schedule(cfg, notes: List[str]) -> None:
+    """The steps that follow from max_steps once it is known (at load, or after resolve_max_steps):
+    warmup_steps from warmup_ratio (or Axolotl's default for a fine-tune), eval_steps and save_steps
+    from evals_per_epoch and saves_per_epoch. Idempotent; nothing while max_steps is unknown."""
+    S = cfg.max_steps
+    if S is None:
+        return
+    if cfg.warmup_steps is None:
+        if cfg.warmup_ratio is not None:
+            cfg.warmup_steps = max(int(cfg.warmup_ratio * S), 0)
+            how = f"int(warmup_ratio {cfg.warmup_ratio:g} x max_steps {S})"
+        else:                             # Axolotl's default warmup for a fine-tune
+            cfg.warmup_steps = min(int(0.03 * S), 100)
+            how = f"Axolotl's default min(int(0.03 x max_steps {S}), 100)"
+        cfg.warmup_steps = 2 if cfg.warmup_steps == 1 else cfg.warmup_steps   # Axolotl's 1 -> 2
+        notes.append(f"warmup_steps = {how} = {cfg.warmup_steps}")
+    epochs = cfg.num_epochs or 1.0        # steps per epoch: max_steps / num_epochs (Axolotl's default 1)
+    for per_epoch, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
+        n = getattr(cfg, per_epoch)
+        if n is not None and n >= 1:
+            value = max(1, math.ceil(S / (n * epochs)))
+            if getattr(cfg, steps) != value:
+                setattr(cfg, steps, value)
+                notes.append(f"{per_epoch} {n:g}: {steps} = ceil(max_steps {S} / ({n:g} x num_epochs "
+                             f"{epochs:g})) = {value}")
 
 
 def resolve_batch(cfg, dp: int) -> int:
@@ -244,4 +317,5 @@ def resolve_max_steps(cfg, samples_per_epoch: int, notes: List[str]) -> None:
     notes.append(f"num_epochs {cfg.num_epochs:g}: "
                  f"max_steps = ceil({cfg.num_epochs:g} x {samples_per_epoch} samples "
                  f"per epoch / global batch {cfg.global_batch_size}) = {cfg.max_steps}")
+    resolve_schedule(cfg, notes)
 

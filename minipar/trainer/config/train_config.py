@@ -29,6 +29,7 @@ from minipar.compose import LoRA, Recipe
 from minipar.config import ParallelismConfig
 from minipar.config_files import read_yaml, yaml_value
 from minipar.trainer.config import keys as config_keys
+from minipar.trainer.config.axolotl_keys import KEYS as AXOLOTL_KEYS
 
 # every value check at once, before anything is written (check.py); YAML errors in one line
 from minipar.trainer.config.check import check
@@ -76,15 +77,20 @@ class TrainConfig:
     num_epochs: Optional[float] = None    # Axolotl's: max_steps from the dataset size (max_steps wins)
     learning_rate: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
+    warmup_steps: Optional[int] = 20      # None: from warmup_ratio, or Axolotl's default for a fine-tune
+    warmup_ratio: Optional[float] = None  # Axolotl's: warmup_steps = int(ratio x max_steps) (keys.py)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
+    adam_epsilon: float = 1e-8
     max_grad_norm: Optional[float] = 1.0  # None or 0 turns clipping off
     dtype: str = "float32"                # or bfloat16: compute in bf16, fp32 master weights
     # Axolotl's: true = dtype bfloat16; auto = bf16 where the GPU has it
     bf16: Optional[Union[bool, str]] = None
-    lr_scheduler: str = "cosine"          # linear warmup, then cosine to min_lr_ratio (the one schedule)
+    # linear warmup, then cosine to min_lr_ratio; or linear, constant, constant_with_warmup,
+    # cosine_with_min_lr (minipar/optim.py SCHEDULES). A fine-tune (base_model) takes Axolotl's
+    # defaults for every optimizer and schedule key its file leaves out (keys.AXOLOTL_DEFAULTS)
+    lr_scheduler: str = "cosine"
     optimizer: str = "adamw_torch"        # or adamw_torch_fused (torch's fused AdamW kernel)
     # true (full: each layer keeps its input, runs again in backward), false, or selective
     # (models/activation_checkpoint.py), torchtitan's selective_ac_option: op (keep the matmul and
@@ -135,7 +141,10 @@ class TrainConfig:
     logging_steps: int = 10
     eval_steps: int = 50
     eval_batches: int = 4
-    save_steps: int = 0                   # 0 = only at the end (when save_final_checkpoint)
+    save_steps: int = 0                   # 0 (or null) = only at the end (when save_final_checkpoint)
+    # Axolotl's: eval_steps / save_steps = ceil(max_steps / (n x num_epochs)) once max_steps is known
+    evals_per_epoch: Optional[int] = None
+    saves_per_epoch: Optional[int] = None
     save_final_checkpoint: bool = True
     save_total_limit: Optional[int] = 2
     # write checkpoints in a background thread: training stalls only for the copy of the state to
@@ -246,25 +255,24 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
     what was derived or mapped (bf16: auto, Axolotl's no-op keys) for the run's log."""
     notes = [] if notes is None else notes
     cfg = TrainConfig()
-    explicit_model_keys, given, unknown, sources = set(), set(), [], []
+    explicit_model_keys, given, unknown, sources, problems = set(), {}, [], [], []
     if path is not None:
         if not os.path.exists(path):
             raise FileNotFoundError(f"config file {path} not found")
         data = read_yaml(path) or {}      # a tab or a syntax error: file, line and column
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a mapping of config keys")
-        sources.append(data)
+        sources.append(("file", data))
     if argv:
-        sources.append(parse_overrides(argv))
-    for data in sources:
-        data = config_keys.translate(data, unknown, notes)   # Axolotl's fsdp_config, fsdp: [full_shard]
-        given |= set(data)
-        _apply(cfg, data, unknown=unknown)
+        sources.append(("flag", parse_overrides(argv)))
+    # every problem of the file and the flags is collected, then raised as ONE error (refusals,
+    # wrong types, unknown keys, wrong values), so a file is fixed in one edit, not one run each
+    for origin, data in sources:
+        data = config_keys.translate(data, unknown, notes, problems)   # Axolotl's names and boilerplate
+        given.update(dict.fromkeys(data, origin))
+        _apply(cfg, data, unknown=unknown, problems=problems)
         explicit_model_keys |= set(data.get("model") or {}) if isinstance(data.get("model"), dict) else set()
-    if unknown:                          # Axolotl's fsdp_config is a key too, though not a field
-        raise unknown_keys_error([(k, v + ["fsdp_config", *config_keys.SIZE_NAMES] if not p else v, p)
-                                  for k, v, p in unknown])
-    config_keys.resolve(cfg, given, notes)
+    config_keys.resolve(cfg, given, notes, problems)
     # derived model fields follow the final sizes unless set explicitly: head_dim always
     # (hidden_size / num_attention_heads); the KV heads only where the heads were given, as HF's
     # rule (kv heads = heads) has it; otherwise the default model's own 2 KV heads stand
@@ -277,13 +285,19 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
             model.pop(key)
     cfg.model = LlamaConfig(**model)
     if cfg.base_model:
-        cfg.model = _base_model_config(cfg, explicit_model_keys)
+        try:
+            cfg.model = _base_model_config(cfg, explicit_model_keys)
+        except (ValueError, OSError) as err:    # said with the file's other problems
+            problems.append(err)
     cfg.model.moe_capacity_factor = cfg.moe_capacity_factor   # a training option, not config.json's
     root = REPO_ROOT
     if not os.path.isabs(cfg.dataset) and not os.path.exists(cfg.dataset) \
             and os.path.exists(os.path.join(root, cfg.dataset)):
         cfg.dataset = os.path.join(root, cfg.dataset)   # the bundled corpus, from any directory
-    check(cfg)
+    # Axolotl's fsdp_config and mapped keys count as valid names in the did-you-mean hints
+    unknown = [(k, v + ["fsdp_config", *config_keys.SIZE_NAMES, *AXOLOTL_KEYS] if not p else v, p)
+               for k, v, p in unknown]
+    check(cfg, earlier=problems, unknown=unknown_keys_error(unknown) if unknown else None)
     return cfg
 
 

@@ -24,6 +24,11 @@ import math
 import typing
 from typing import List, Optional, Union
 
+# how alike a key and a valid key must be for a "did you mean" (difflib's ratio; its default 0.6
+# offered seed for deepspeed and learning_rate for pretraining_dataset: a hint that misleads is worse
+# than none; keys of other tools have their own explanation, axolotl_keys.FOREIGN)
+HINT_CUTOFF = 0.75
+
 
 def _valid_keys(cls) -> List[str]:
     return [f.name for f in dataclasses.fields(cls)]
@@ -34,11 +39,11 @@ def unknown_keys_error(unknown: List[tuple]) -> ValueError:
     naming each with its nearest valid key, then the valid keys."""
     parts, valid_lists = [], {}
     for key, valid, prefix in unknown:
-        near = difflib.get_close_matches(key, valid, n=1)
+        near = difflib.get_close_matches(key, valid, n=1, cutoff=HINT_CUTOFF)
         hint = f" Did you mean '{prefix}{near[0]}'?" if near else ""
         parts.append((f"'{prefix}{key}'", hint))
         valid_lists[prefix] = valid
-    lists = "; ".join(f"Valid keys{' of ' + p[:-1] if p else ''}: {', '.join(v)}"
+    lists = "; ".join(f"Valid keys{' of ' + p[:-1] if p else ''}: {', '.join(dict.fromkeys(v))}"
                       for p, v in valid_lists.items())
     if len(parts) == 1:
         return ValueError(f"unknown config key {parts[0][0]}.{parts[0][1]} {lists}")
@@ -103,9 +108,11 @@ def _coerce(key: str, value, typ):
     return value                              # unions (bf16: true/false/auto) are checked where used
 
 
-def _apply(obj, updates: dict, prefix: str = "", unknown: Optional[list] = None):
+def _apply(obj, updates: dict, prefix: str = "", unknown: Optional[list] = None,
+           problems: Optional[list] = None):
     """Set the keys of `updates` on the dataclass `obj`; unknown keys are appended to `unknown`
-    (raised at once when it is None)."""
+    (raised at once when it is None), values of the wrong type to `problems` (raised at once when
+    it is None)."""
     collect = [] if unknown is None else unknown
     valid, types = _valid_keys(type(obj)), _field_types(type(obj))
     for key, value in updates.items():
@@ -115,10 +122,19 @@ def _apply(obj, updates: dict, prefix: str = "", unknown: Optional[list] = None)
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current) and not prefix:   # fsdp, model: one level of nesting
             if not isinstance(value, dict):
-                raise ValueError(f"config key '{key}' must be a mapping of "
+                err = ValueError(f"config key '{key}' must be a mapping of "
                                  f"{', '.join(_valid_keys(type(current)))}")
-            _apply(current, value, prefix=key + ".", unknown=collect)
+                if problems is None:
+                    raise err
+                problems.append(err)
+                continue
+            _apply(current, value, prefix=key + ".", unknown=collect, problems=problems)
         else:
-            setattr(obj, key, _coerce(prefix + key, value, types[key]))
+            try:
+                setattr(obj, key, _coerce(prefix + key, value, types[key]))
+            except ValueError as err:
+                if problems is None:
+                    raise
+                problems.append(err)
     if unknown is None and collect:
         raise unknown_keys_error(collect)

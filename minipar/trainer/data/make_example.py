@@ -128,8 +128,20 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for what, path in make_example(args.directory, args.seed, model=args.model).items():
         print(f"{what:>10}: {path}")
-    config = "finetune.yaml" if args.model == "llama" else "finetune_moe.yaml"
-    print(f"next: torchrun --nproc-per-node 8 train.py configs/{config}")
+    config, home = ("finetune.yaml", "out/example") if args.model == "llama" else \
+        ("finetune_moe.yaml", "out/example_moe")
+    print(f"next: {next_command(args.directory, config, home)}")
+
+
+def next_command(directory: str, config: str, home: str) -> str:
+    """The command that fine-tunes what was just written: configs/finetune*.yaml reads `home`
+    (out/example), so another directory is named by --base_model and --datasets."""
+    command = f"torchrun --nproc-per-node 8 train.py configs/{config}"
+    if os.path.normpath(directory) == os.path.normpath(home):
+        return command
+    rows = os.path.join(directory, "chat.jsonl")
+    return (f"{command} --base_model {os.path.join(directory, 'model')} "
+            f"--datasets '[{{path: {rows}, type: chat_template}}]'")
 
 
 if __name__ == "__main__":

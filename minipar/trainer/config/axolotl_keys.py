@@ -1,0 +1,191 @@
+"""Axolotl's boilerplate keys: each one honoured, noted (accepted, no effect here, said once) or
+refused (with what to write instead), by one table that the docs list (docs/finetuning.md).
+
+An Axolotl YAML carries keys that mean nothing on a CPU, or that minipar does its own way. Refusing
+them as unknown makes a user edit the file 2-4 times before it runs; ignoring them silently hides
+a difference. So each key has one row of KEYS:
+
+    honoured   mapped onto minipar's keys (flash_attention: true -> attention_backend: flash) or a
+               field of TrainConfig with the same meaning (warmup_ratio, saves_per_epoch, ...)
+    noted      accepted; one note line in the run's log says it has no effect here and why
+    refused    one problem in the file's ONE error message, with the alternative
+    foreign    keys of another tool or of work minipar does not do (deepspeed, rl): refused with
+               their own explanation instead of a misleading "did you mean" (deepspeed -> seed)
+
+fold(data, notes, problems) runs on each source's raw mapping (keys.translate calls it), before
+the keys are applied: mapped keys are rewritten, noted keys removed with their note, refused ones
+appended to `problems`. An empty value (null, [], {}) of a noted or refused key is the boilerplate
+of a template and is accepted without a word. Pure Python, no communication.
+"""
+from __future__ import annotations
+
+from typing import List
+
+HONOURED, NOTED, REFUSED = "honoured", "noted", "refused"
+
+# key -> (status, what minipar does with it). Keys that are TrainConfig fields are honoured there.
+KEYS = {
+    # the schedule and the optimizer (keys.py derives the steps once max_steps is known)
+    "warmup_ratio": (HONOURED, "warmup_steps = int(warmup_ratio x max_steps), as Axolotl"),
+    "warmup_steps": (HONOURED, "a float below 1 is a ratio (warmup_ratio), as Axolotl accepts"),
+    "cosine_min_lr_ratio": (HONOURED, "min_lr_ratio (the cosine's floor as a fraction of learning_rate)"),
+    "adam_epsilon": (HONOURED, "AdamW's eps"),
+    "lr_scheduler": (HONOURED, "cosine, cosine_with_min_lr, linear, constant, constant_with_warmup "
+                               "(minipar/optim.py SCHEDULES)"),
+    "evals_per_epoch": (HONOURED, "eval_steps = ceil(max_steps / (evals_per_epoch x num_epochs))"),
+    "saves_per_epoch": (HONOURED, "save_steps = ceil(max_steps / (saves_per_epoch x num_epochs))"),
+    "save_steps": (HONOURED, "null: no periodic saves (only the final one), as 0; unless saves_per_epoch"),
+    "eval_steps": (HONOURED, "null: evals_per_epoch decides, or minipar's default"),
+    "auto_resume_from_checkpoints": (HONOURED, "true: resume_from_checkpoint: latest"),
+    # attention: the kernel choice (context_parallel/kernel_choice.py)
+    "flash_attention": (HONOURED, "true: attention_backend flash"),
+    "sdp_attention": (HONOURED, "true: attention_backend auto (SDPA picks the kernel)"),
+    "attn_implementation": (HONOURED, "flash_attention_2 / flash_attention_3: flash; sdpa: auto; "
+                                      "eager: math"),
+    "gradient_checkpointing_kwargs": (NOTED, "use_reentrant: minipar's activation checkpointing is "
+                                             "always non-reentrant (torch.utils.checkpoint use_reentrant"
+                                             "=False)"),
+    # data
+    "pad_to_sequence_len": (NOTED, "minipar's batches are always sequence_len long (padded or packed)"),
+    "eval_sample_packing": (NOTED, "evaluation rows are prepared as the training rows (sample_packing)"),
+    "special_tokens": (NOTED, "not applied yet: minipar uses the tokenizer's own special tokens (adding "
+                              "tokens and resizing the embedding is issue 41's dataset work)"),
+    "chat_template": (HONOURED, "tokenizer_default (the tokenizer's own template) only; a named template "
+                                "is refused"),
+    "model_type": (NOTED, "the model class comes from base_model's config.json (architectures)"),
+    "tokenizer_type": (NOTED, "the tokenizer is loaded with AutoTokenizer from tokenizer_config/base_model"),
+    "is_llama_derived_model": (NOTED, "the family comes from base_model's config.json"),
+    # precision and the runtime
+    "tf32": (NOTED, "minipar computes in `dtype` (float32 or bfloat16) and does not switch TF32 matmuls "
+                    "on; a CPU has no TF32"),
+    "strict": (NOTED, "minipar always checks every key (unknown keys are refused)"),
+    "loss_watchdog_threshold": (NOTED, "no loss watchdog: a non-finite loss stops the run"),
+    "loss_watchdog_patience": (NOTED, "no loss watchdog: a non-finite loss stops the run"),
+    "save_only_model": (NOTED, "checkpoints keep the optimizer state so a resume is exact; the model "
+                               "alone is <output_dir>/hf (export_hf)"),
+    "save_safetensors": (NOTED, "checkpoints and hf/ are always safetensors"),
+    "group_by_length": (NOTED, "rows are drawn in the sampler's seeded order"),
+    "debug": (NOTED, "no debug mode"),
+    "local_rank": (NOTED, "the rank comes from torchrun's environment"),
+    "torch_compile": (NOTED, "minipar runs eager"),
+    "hf_use_auth_token": (NOTED, "minipar reads local directories only"),
+    "hub_model_id": (NOTED, "nothing is pushed to the Hub; the model is written to <output_dir>/hf"),
+    "hub_strategy": (NOTED, "nothing is pushed to the Hub"),
+    "wandb_watch": (NOTED, "gradients and parameters are not logged as wandb histograms"),
+    "wandb_log_model": (NOTED, "the model is not uploaded as a wandb artifact; it is written to "
+                               "<output_dir>/hf"),
+    "wandb_run_id": (NOTED, "the run's wandb id is wandb's own (wandb_name names it)"),
+    "logging_dir": (NOTED, "TensorBoard event files go to <output_dir>/runs"),
+    # refused: an option minipar has no code for
+    "lr_scheduler_kwargs": (REFUSED, "use min_lr_ratio (cosine_min_lr_ratio) and warmup_steps"),
+    "xformers_attention": (REFUSED, "use attention_backend (flash | efficient | math | auto)"),
+    "s2_attention": (REFUSED, "no shifted-sparse attention; use attention_backend"),
+    "early_stopping_patience": (REFUSED, "no early stopping; set max_steps"),
+    "unfrozen_parameters": (REFUSED, "train every weight (adapter: null) or LoRA (adapter: lora)"),
+}
+
+# keys of another tool or of work minipar does not do: refused with their own explanation
+FOREIGN = {
+    "deepspeed": "DeepSpeed is not used: minipar's ZeRO-3 is fsdp_version: 2 with dp_shard_size "
+                 "(ZeRO-1/2: dp_replicate_size, ZeRO-3: dp_shard_size); remove `deepspeed`",
+    "pretraining_dataset": "streamed pretraining data is not read yet: put the text in a local file as "
+                           "`datasets: [{path: FILE.jsonl, type: completion}]` (or `dataset: FILE.txt`)",
+    "rl": "preference training (rl: dpo, ...) is not supported (its own issue); remove `rl` for SFT",
+    "plugins": "Axolotl's plugins (liger, cut cross-entropy, ...) are Axolotl's code; remove `plugins`",
+    "fp16": "fp16 mixed precision is not supported: use bf16: true (or dtype: float32)",
+    "gptq": "GPTQ-quantised bases need GPU kernels minipar does not have; use a bf16 or fp32 base",
+    "peft_use_dora": "DoRA is not supported; use adapter: lora",
+    "relora_steps": "ReLoRA is not supported; use adapter: lora",
+}
+
+# attn_implementation -> attention_backend
+ATTN_IMPLEMENTATIONS = {"flash_attention_2": "flash", "flash_attention_3": "flash", "sdpa": "auto",
+                        "eager": "math", "flex_attention": "auto"}
+
+
+def _empty(value) -> bool:
+    return value is None or value == [] or value == {} or value is False
+
+
+def _attention(data: dict, notes: List[str], problems: List[str]) -> None:
+    """flash_attention / sdp_attention / attn_implementation -> attention_backend (the one key)."""
+    asked = {}
+    if data.pop("flash_attention", None):
+        asked["flash_attention: true"] = "flash"
+    if data.pop("sdp_attention", None):
+        asked["sdp_attention: true"] = "auto"
+    impl = data.pop("attn_implementation", None)
+    if impl is not None:
+        if impl not in ATTN_IMPLEMENTATIONS:
+            problems.append(f"attn_implementation {impl!r} is not known; use one of "
+                            f"{', '.join(ATTN_IMPLEMENTATIONS)} or attention_backend")
+        else:
+            asked[f"attn_implementation: {impl}"] = ATTN_IMPLEMENTATIONS[impl]
+    if not asked:
+        return
+    backends = set(asked.values())
+    if "attention_backend" in data:
+        return notes.append(f"{', '.join(asked)}: attention_backend {data['attention_backend']} is set "
+                            f"and wins")
+    if len(backends) > 1:
+        return problems.append(f"{' and '.join(asked)} ask for different attention kernels "
+                               f"({', '.join(sorted(backends))}); keep one, or set attention_backend")
+    data["attention_backend"] = backends.pop()
+    notes.append(f"{', '.join(asked)} -> attention_backend {data['attention_backend']}")
+
+
+def fold(data: dict, notes: List[str], problems: List[str]) -> dict:
+    """A copy of one source's mapping with Axolotl's boilerplate folded into minipar's keys: mapped
+    keys rewritten, noted keys removed (one note each), refused and foreign keys in `problems`."""
+    data = dict(data)
+    _attention(data, notes, problems)
+    warmup = data.get("warmup_steps")
+    if isinstance(warmup, float) and 0 < warmup < 1:   # Axolotl reads warmup_steps: 0.1 as a ratio
+        data.pop("warmup_steps")
+        if data.get("warmup_ratio") is not None:
+            problems.append(f"warmup_steps: {warmup} (a ratio) and warmup_ratio: {data['warmup_ratio']} "
+                            f"both set the warmup; keep one")
+        else:
+            data["warmup_ratio"] = warmup
+    if data.get("warmup_ratio") is not None and data.get("warmup_steps") is not None:
+        problems.append(f"warmup_steps: {data['warmup_steps']} and warmup_ratio: {data['warmup_ratio']} "
+                        f"both set the warmup (Axolotl refuses both too); keep one")
+    if "save_steps" in data and data["save_steps"] is None:  # null: unset (saves_per_epoch decides),
+        data.pop("save_steps")                              # else no periodic saves
+        if data.get("saves_per_epoch") is None:
+            data["save_steps"] = 0
+    if "eval_steps" in data and data["eval_steps"] is None:  # null: unset (evals_per_epoch or the default)
+        data.pop("eval_steps")
+    if "cosine_min_lr_ratio" in data:
+        value = data.pop("cosine_min_lr_ratio")
+        if value is not None:
+            if "min_lr_ratio" in data and data["min_lr_ratio"] != value:
+                problems.append(f"cosine_min_lr_ratio: {value} contradicts min_lr_ratio: "
+                                f"{data['min_lr_ratio']}; set one of them")
+            data["min_lr_ratio"] = value
+    if data.pop("auto_resume_from_checkpoints", None) and data.get("resume_from_checkpoint") is None:
+        data["resume_from_checkpoint"] = "latest"
+    template = data.pop("chat_template", None)
+    if template not in (None, "tokenizer_default"):
+        problems.append(f"chat_template: {template} is not available here: minipar renders chat rows with "
+                        f"the tokenizer's own template; use chat_template: tokenizer_default with a "
+                        f"tokenizer that carries the {template} template")
+    for key in [k for k in data if k in FOREIGN]:
+        value = data.pop(key)
+        if not _empty(value):
+            problems.append(f"{key}: {FOREIGN[key]}")
+    for key in [k for k in data if k in KEYS and KEYS[k][0] in (NOTED, REFUSED)]:
+        value = data.pop(key)
+        status, why = KEYS[key]
+        if _empty(value):
+            continue
+        if status == NOTED:
+            notes.append(f"{key}: {value!r} has no effect here: {why}")
+        else:
+            problems.append(f"{key} is not supported: {why}")
+    return data
+
+
+def table() -> List[tuple]:
+    """(key, status, what minipar does) rows, the foreign keys as refused: for the docs."""
+    return [(k, s, w) for k, (s, w) in KEYS.items()] + [(k, REFUSED, w) for k, w in FOREIGN.items()]

@@ -1,0 +1,216 @@
+"""Issue 41, items 1, 4, 5 and 6 (part): an Axolotl file's boilerplate keys are honoured, noted or
+refused, all refusals of a file in ONE message; Axolotl's defaults for a fine-tune, with the header
+naming where each setting came from; the planner on Axolotl's batch keys and an HF directory; the
+lr schedules by the HF Trainer's names. The configs are written for these tests in Axolotl's form.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minipar import optim as moptim
+from minipar.plan.__main__ import main as plan_main
+from minipar.trainer.config import axolotl_keys
+from minipar.trainer.config.train_config import load_config
+from minipar.trainer.data.make_example import next_command
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_hidden_layers", "2",
+        "--model.num_attention_heads", "4", "--model.num_key_value_heads", "2", "--sequence_len", "32",
+        "--global_batch_size", "4", "--progress_bar", "false", "--export_hf", "false"]
+
+
+def _load(tmp_path, text, argv=(), name="axolotl.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    notes = []
+    return load_config(str(path), list(argv), notes=notes), notes
+
+
+def _hf_dir(tmp_path):
+    """A Llama config.json (all load_config reads of base_model)."""
+    d = tmp_path / "base"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=384, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False)))
+    return str(d)
+
+
+# ------------------------------------------------------------------ key groups, checked at load
+def test_schedule_keys(tmp_path):
+    cfg, notes = _load(tmp_path, "max_steps: 200\nwarmup_ratio: 0.1\nlr_scheduler: constant_with_warmup\n"
+                                 "adam_epsilon: 1.0e-6\ncosine_min_lr_ratio: 0.05\n")
+    assert (cfg.warmup_steps, cfg.lr_scheduler, cfg.adam_epsilon, cfg.min_lr_ratio) == \
+        (20, "constant_with_warmup", 1e-6, 0.05)
+    assert "warmup_steps = int(warmup_ratio 0.1 x max_steps 200) = 20" in notes
+    cfg, _ = _load(tmp_path, "max_steps: 50\nwarmup_steps: 0.1\n")     # a float below 1 is a ratio
+    assert (cfg.warmup_ratio, cfg.warmup_steps) == (0.1, 5)
+    for kind in ("linear", "constant", "cosine_with_min_lr"):
+        assert _load(tmp_path, f"lr_scheduler: {kind}\n")[0].lr_scheduler == kind
+
+
+def test_per_epoch_and_save_keys(tmp_path):
+    cfg, notes = _load(tmp_path, "max_steps: 100\nnum_epochs: 2\nevals_per_epoch: 4\nsaves_per_epoch: 1\n"
+                                 "save_steps:\n", name="a.yaml")
+    assert cfg.max_steps == 100          # max_steps wins over num_epochs, as in Axolotl
+    assert (cfg.eval_steps, cfg.save_steps) == (13, 50), notes
+    cfg, _ = _load(tmp_path, "save_steps:\nsave_only_model: true\n")
+    assert cfg.save_steps == 0           # null: no periodic saves
+    cfg, _ = _load(tmp_path, "auto_resume_from_checkpoints: true\n")
+    assert cfg.resume_from_checkpoint == "latest"
+
+
+def test_attention_keys(tmp_path):
+    for text, backend in [("flash_attention: true\n", "flash"), ("sdp_attention: true\n", "auto"),
+                          ("attn_implementation: eager\n", "math"),
+                          ("attn_implementation: flash_attention_2\nflash_attention: true\n", "flash"),
+                          ("flash_attention: false\n", "auto")]:
+        assert _load(tmp_path, text)[0].attention_backend == backend, text
+    cfg, notes = _load(tmp_path, "flash_attention: true\nattention_backend: math\n")
+    assert cfg.attention_backend == "math"
+    assert any("attention_backend math is set and wins" in n for n in notes)
+    with pytest.raises(ValueError, match="ask for different attention kernels"):
+        _load(tmp_path, "flash_attention: true\nattn_implementation: eager\n")
+
+
+def test_noted_keys_one_note_each(tmp_path):
+    text = ("tf32: true\nstrict: false\nloss_watchdog_threshold: 5.0\nloss_watchdog_patience: 3\n"
+            "gradient_checkpointing_kwargs:\n  use_reentrant: false\nspecial_tokens:\n  pad_token: <pad>\n"
+            "wandb_watch: gradients\nwandb_log_model: checkpoint\nwandb_project:\nwandb_entity:\n"
+            "eval_sample_packing: false\npad_to_sequence_len: true\nmodel_type: AutoModelForCausalLM\n"
+            "tokenizer_type: AutoTokenizer\nchat_template: tokenizer_default\nsave_only_model: true\n")
+    cfg, notes = _load(tmp_path, text)
+    for key in ("tf32", "loss_watchdog_threshold", "loss_watchdog_patience", "gradient_checkpointing_kwargs",
+                "special_tokens", "wandb_watch", "wandb_log_model", "pad_to_sequence_len", "model_type",
+                "tokenizer_type", "save_only_model"):
+        said = [n for n in notes if n.startswith(f"{key}: ")]
+        assert len(said) == 1 and "has no effect here" in said[0], (key, notes)
+    assert not any(n.startswith("strict") for n in notes)   # false: the template's boilerplate, no word
+    assert cfg.wandb_project is None
+
+
+def test_every_refusal_of_a_file_in_one_message(tmp_path):
+    text = ("deepspeed: deepspeed_configs/zero3_bf16.json\npretraining_dataset: some/hub-name\n"
+            "fsdp_config:\n  fsdp_offload_params: true\nsave_steps:\nwarmup_steps: 0.1\n"
+            "lr_scheduler: polynomial\noptimizer: paged_adamw_8bit\nchat_template: chatml\n"
+            "learnig_rate: 1.0e-5\nmax_steps: 10\nlearning_rate: -1\n")
+    with pytest.raises(ValueError) as info:
+        _load(tmp_path, text)
+    msg = str(info.value)
+    assert msg.startswith("unknown config key 'learnig_rate'. Did you mean 'learning_rate'?"), msg
+    for part in ["deepspeed: DeepSpeed is not used", "pretraining_dataset: streamed pretraining data",
+                 "fsdp_offload_params: True (CPU offload", "lr_scheduler 'polynomial' is not supported",
+                 "optimizer 'paged_adamw_8bit' is not supported", "write optimizer: adamw_torch_fused",
+                 "chat_template: chatml is not available", "learning_rate must be > 0"]:
+        assert part in msg, (part, msg)
+    assert "save_steps" not in msg.split("Valid keys")[0] and "warmup_steps:" not in msg   # both accepted
+    assert "'seed'" not in msg and "Did you mean 'learning_rate'?" not in msg.split("deepspeed")[1]
+
+
+def test_did_you_mean_does_not_mislead():
+    with pytest.raises(ValueError) as info:
+        load_config(None, ["--deepspeed_config", "x", "--pretraining_datasets", "y"])
+    msg = str(info.value)
+    assert "Did you mean" not in msg, msg
+    with pytest.raises(ValueError, match="Did you mean 'flash_attention'"):
+        load_config(None, ["--flash_attn", "true"])
+
+
+def test_table_lists_every_key_once():
+    rows = axolotl_keys.table()
+    keys = [k for k, _, _ in rows]
+    assert len(keys) == len(set(keys)) and {"tf32", "deepspeed", "warmup_ratio"} <= set(keys)
+    assert {s for _, s, _ in rows} == {"honoured", "noted", "refused"}
+
+
+# ------------------------------------------------------------------ item 4: Axolotl's defaults
+def test_fine_tune_takes_axolotls_defaults_and_says_where_from(tmp_path):
+    base = _hf_dir(tmp_path)
+    cfg, notes = _load(tmp_path, f"base_model: {base}\nlearning_rate: 2.0e-5\nmax_steps: 100\n",
+                       ["--adam_beta1", "0.8"])
+    assert (cfg.weight_decay, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.min_lr_ratio,
+            cfg.lr_scheduler, cfg.optimizer, cfg.max_grad_norm, cfg.learning_rate) == \
+        (0.0, 0.8, 0.999, 1e-8, 0.0, "cosine", "adamw_torch_fused", 1.0, 2e-5)
+    assert cfg.warmup_steps == 3                           # min(int(0.03 x 100), 100)
+    header = [n for n in notes if n.startswith("a fine-tune of base_model")]
+    assert len(header) == 1, notes
+    for part in ["learning_rate 2e-05 (file)", "adam_beta1 0.8 (flag)", "adam_beta2 0.999 (Axolotl default)",
+                 "weight_decay 0 (Axolotl default)", "warmup_steps (derived) (Axolotl default)"]:
+        assert part in header[0], (part, header[0])
+    cfg, _ = _load(tmp_path, f"base_model: {base}\nmax_steps: 40\n")
+    assert cfg.warmup_steps == 2                           # int(1.2) = 1 -> 2, as Axolotl
+    # the default pretraining run keeps its settings
+    cfg = load_config(None, [])
+    assert (cfg.learning_rate, cfg.weight_decay, cfg.adam_beta2, cfg.warmup_steps, cfg.min_lr_ratio,
+            cfg.optimizer) == (3e-3, 0.1, 0.95, 20, 0.1, "adamw_torch")
+
+
+# ------------------------------------------------------------------ the schedules
+def test_schedules_are_callable_objects_that_resume():
+    kinds = {"linear": [0.5, 1.0, 1.0, 0.5, 0.0], "constant": [1.0] * 5,
+             "constant_with_warmup": [0.5, 1.0, 1.0, 1.0, 1.0]}
+    for kind, want in kinds.items():
+        f = moptim.make_schedule(kind, 2, 4, 0.0)
+        assert [round(f(s), 6) for s in range(5)] == want, kind
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = moptim.build_scheduler(opt, 2, 10, 0.0, kind="linear")
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    state = sched.state_dict()
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    again = moptim.build_scheduler(opt2, 2, 10, 0.0, kind="linear")
+    again.load_state_dict(state)
+    assert again.get_last_lr() == sched.get_last_lr()
+    note = moptim.adopt_schedule(again, 2, 20, 0.0, kind="linear")
+    assert "max_steps 10 -> 20" in note and math.isclose(opt2.param_groups[0]["lr"], 1 - 2 / 18)
+
+
+# ------------------------------------------------------------------ item 5: the planner
+def test_planner_reads_axolotls_batch_keys_and_an_hf_directory(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("micro_batch_size: 2\ngradient_accumulation_steps: 4\nmax_steps: 10\n"
+                    "tensor_parallel_size: 2\ndp_shard_size: 2\n")
+    assert plan_main([str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "16 x 128 tokens" in json.dumps(out) or out
+    assert plan_main([str(path)]) == 0
+    assert "batch: 16 x 128 tokens per step, micro-batch 2 row(s) x 4 step(s)" in capsys.readouterr().out
+    assert plan_main(["--model", _hf_dir(tmp_path), "--world", "2", "--tp", "2"]) == 0
+    assert "layout: dp_replicate 1 x dp_shard 1 x cp 1 x tp 2" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ item 6: small traps
+def test_make_example_hint_names_the_directory_written():
+    assert next_command("out/example", "finetune.yaml", "out/example") == \
+        "torchrun --nproc-per-node 8 train.py configs/finetune.yaml"
+    hint = next_command("/tmp/mine", "finetune.yaml", "out/example")
+    assert "--base_model /tmp/mine/model" in hint and "path: /tmp/mine/chat.jsonl" in hint
+
+
+# ------------------------------------------------------------------ one 2-step run, one process
+def test_axolotl_boilerplate_trains_two_steps(tmp_path):
+    cfg = tmp_path / "axolotl.yaml"
+    cfg.write_text("max_steps: 2\nwarmup_ratio: 0.5\nlr_scheduler: linear\nadam_epsilon: 1.0e-7\n"
+                   "flash_attention: true\ntf32: false\nstrict: false\nsaves_per_epoch: 1\n"
+                   "evals_per_epoch: 1\nspecial_tokens:\nwandb_watch:\nexpert_parallel_size: 1\n"
+                   "gradient_checkpointing: true\ngradient_checkpointing_kwargs:\n  use_reentrant: false\n"
+                   "logging_steps: 1\n")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "train.py", str(cfg), *TINY, "--output_dir", str(out),
+                           "--save_final_checkpoint", "false"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl") if '"loss"' in x]
+    steps = [r for r in rows if "lr" in r]
+    assert [r["step"] for r in steps] == [1, 2], rows
+    assert all(math.isfinite(r["loss"]) for r in steps) and steps[0]["lr"] == pytest.approx(1.5e-3)
+    assert "gradient_checkpointing_kwargs" in proc.stdout + proc.stderr

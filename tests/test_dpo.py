@@ -1,0 +1,148 @@
+"""DPO (minipar/dpo/objective.py, minipar/dpo_step.py): ln 2 at step 0, the loss and every gradient
+equal to the formula computed by a plain fp64 model, and every layout equal to one process."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import minipar
+from minipar.compose import LoRA
+from minipar.config import ParallelismConfig
+from tests.harness import run_world
+
+CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2)
+P, T = 4, 16            # pairs per global batch, tokens per row
+
+
+def pairs(step: int):
+    """Global pair rows (2P, T) [c0, r0, c1, r1, ...]: a shared prompt (labels -100), then two
+    different responses of different lengths, padded (labels -100)."""
+    from minipar.dpo_step import pair_rows
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(1, CFG["vocab_size"], (2, P, T + 1), generator=g)
+    ids[1, :, :5] = ids[0, :, :5]                                 # the prompt: 5 tokens, the same
+    labels = ids[:, :, 1:].clone()
+    labels[:, :, :4] = -100                                       # the prompt's next tokens
+    for k in range(P):                                            # the responses end at different places
+        labels[0, k, T - k:] = -100
+        labels[1, k, T - 2 * k - 1:] = -100
+    return pair_rows(ids[0, :, :-1], ids[1, :, :-1]), pair_rows(labels[0], labels[1])
+
+
+def _prepare(sizes, lora: bool, micro: int = 1, **kw):
+    from minipar.api import prepare
+    pgm = minipar.init(ParallelismConfig(**sizes))
+    recipe = dict(lora=LoRA(r=4, alpha=8.0)) if lora else {}
+    model, opt, step = prepare(dict(CFG), pgm, learning_rate=kw.pop("lr", 1e-2), micro_batches=micro,
+                               max_grad_norm=kw.pop("clip", 1.0), **recipe, **kw)
+    return model, step.step
+
+
+def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None):
+    """Per step (loss, margins, accuracy) of a few DPO steps on `sizes`."""
+    from minipar.dpo_step import DPOStep
+    model, step = _prepare(sizes, lora, micro, **(settings or {}))
+    dpo = DPOStep(step, beta=0.5, loss_type=loss_type, reference="lora" if lora else "precomputed")
+    refs = None if lora else [dpo.precompute_reference(*pairs(s)) for s in range(steps)]
+    out = []
+    for s in range(steps):
+        r = dpo(*pairs(s), ref_logps=None if lora else refs[s])
+        m = r["metrics"]
+        out.append([float(r["loss"]), float(m["rewards/margins"]), float(m["rewards/accuracies"]),
+                    float(m["logps/chosen"]), float(m["rewards/chosen"])])
+    return out
+
+
+# ------------------------------------------------------------------ step 0: ln 2
+def _step0(lora):
+    return _run({}, lora, 1)[0]
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_loss_is_ln2_at_step0_when_reference_is_policy(lora):
+    loss, margin, acc, logps_c, reward_c = run_world(_step0, 1, lora, timeout=60)[0]
+    assert loss == pytest.approx(math.log(2), abs=1e-7)
+    assert margin == 0.0 and reward_c == 0.0 and acc == 0.0
+    assert logps_c < 0
+
+
+# ------------------------------------------------------------------ the formula in fp64
+def _formula(loss_type):
+    """minipar's one-process loss and full gradients vs the DPO formula on the same weights in fp64,
+    with a reference whose log-probs differ from the policy's (so every term counts)."""
+    import torch.nn.functional as F
+
+    from minipar.dpo import dpo_losses
+    from minipar.dpo_step import DPOStep
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
+    model, step = _prepare({}, False)
+    dpo = DPOStep(step, beta=0.5, loss_type=loss_type, reference="precomputed")
+    ids, labels = pairs(0)
+    ref = torch.linspace(-60.0, -40.0, 2 * P) if loss_type == "sigmoid" else torch.linspace(-5.0, -3.0, 2 * P)
+    weights = {n: p.detach().clone() for n, p in model.model.named_parameters()}
+    micro = dpo.local(ids, labels, ref)
+    from minipar.dpo import PairLoss
+    objective = PairLoss(micro, P, model.pgm, 0.5, loss_type)
+    loss = step.backward(objective, micro)[0]
+    grads = {n: p.grad.detach().clone() for n, p in model.model.named_parameters()}
+    # the plain reference: the same decoder in fp64, one process, log_softmax and the formula
+    plain = LlamaForCausalLM(LlamaConfig.from_dict(dict(CFG)), None).double()
+    plain.load_state_dict({n: w.double() for n, w in weights.items()})
+    logits = plain(ids)
+    mask = labels != -100
+    tok = F.log_softmax(logits, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    logps = tok.sum(-1)
+    if loss_type == "ipo":
+        logps = logps / mask.sum(-1)
+    r64 = ref.double()
+    want = dpo_losses(logps[0::2], logps[1::2], r64[0::2], r64[1::2], 0.5, loss_type).mean()
+    want.backward()
+    return float(loss), float(want), grads, {n: p.grad for n, p in plain.named_parameters()}
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_loss_and_gradients_equal_the_formula_in_fp64(loss_type):
+    loss, want, grads, want_grads = run_world(_formula, 1, loss_type, timeout=60)[0]
+    assert loss == pytest.approx(want, rel=1e-6, abs=1e-7)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name].double(), g, rtol=1e-4, atol=1e-7, msg=name)
+        assert g.abs().max() > 0, name
+
+
+# ------------------------------------------------------------------ every layout = one process
+LAYOUTS = {
+    "dp_shard2": (dict(dp_shard_size=2), 1, {}),
+    "tp2_sp": (dict(tp_size=2, sequence_parallel=True), 1, {}),
+    "cp2": (dict(cp_size=2), 1, {}),
+    "pp2": (dict(pp_size=2), 2, dict(pipeline_schedule="1f1b")),
+}
+
+
+def _both(sizes, steps, micro, settings):
+    return [_run(sizes, lora, steps, micro=micro, settings=settings) for lora in (True, False)]
+
+
+def _check_layout(name, steps):
+    sizes, micro, settings = LAYOUTS[name]
+    one = run_world(_both, 1, {}, steps, micro, settings, timeout=120)[0]
+    two = run_world(_both, 2, sizes, steps, micro, settings, timeout=180)
+    assert two[0] == two[1]                                       # every rank reads the same figures
+    for mine, ref in zip(two[0], one):
+        assert torch.tensor(mine).double() == pytest.approx(torch.tensor(ref).double(), abs=1e-4, rel=1e-4)
+    assert one[0][-1][0] < one[0][0][0] and one[1][-1][0] < one[1][0][0]    # and it learns
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_equal_one_process(name):
+    _check_layout(name, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_equal_one_process_20_steps(name):
+    _check_layout(name, 20)

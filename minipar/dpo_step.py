@@ -113,7 +113,8 @@ class DPOStep:
         finally:
             model.train(was_training)
 
-    def __call__(self, input_ids, labels, ref_logps: Optional[torch.Tensor] = None, position_ids=None) -> dict:
+    def __call__(self, input_ids, labels, ref_logps: Optional[torch.Tensor] = None,
+                 position_ids=None) -> dict:
         micro = self.local(input_ids, labels, ref_logps, position_ids)
         if self.reference == "lora":
             with adapters_off(self.pm.model):

@@ -22,6 +22,6 @@ from .peft_format import (
     save_adapter,
 )
 
-__all__ = ["LoRA", "adapters_off", "add_lora", "check_targets", "lora_parameters", "lora_targets", "adapter_config",
-           "adapter_shapes", "check_adapter", "full_adapters", "load_adapters", "merge", "minipar_name",
-           "peft_key", "read_adapter_config", "save_adapter"]
+__all__ = ["LoRA", "adapters_off", "add_lora", "check_targets", "lora_parameters", "lora_targets",
+           "adapter_config", "adapter_shapes", "check_adapter", "full_adapters", "load_adapters", "merge",
+           "minipar_name", "peft_key", "read_adapter_config", "save_adapter"]

@@ -46,10 +46,11 @@ def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None):
     from minipar.dpo_step import DPOStep
     model, step = _prepare(sizes, lora, micro, **(settings or {}))
     dpo = DPOStep(step, beta=0.5, loss_type=loss_type, reference="lora" if lora else "precomputed")
-    refs = None if lora else [dpo.precompute_reference(*pairs(s)) for s in range(steps)]
+    # two batches in turn: a pair seen again must have gained (random tokens do not generalise)
+    refs = None if lora else [dpo.precompute_reference(*pairs(s)) for s in range(2)]
     out = []
     for s in range(steps):
-        r = dpo(*pairs(s), ref_logps=None if lora else refs[s])
+        r = dpo(*pairs(s % 2), ref_logps=None if lora else refs[s % 2])
         m = r["metrics"]
         out.append([float(r["loss"]), float(m["rewards/margins"]), float(m["rewards/accuracies"]),
                     float(m["logps/chosen"]), float(m["rewards/chosen"])])
@@ -163,3 +164,47 @@ def test_layouts_equal_one_process(name):
 @pytest.mark.parametrize("name", ["dp_shard2", "tp2_sp", "cp2", "pp2"])
 def test_layouts_equal_one_process_20_steps(name):
     _check_layout(name, 20)
+
+
+# ------------------------------------------------------------------ preference rows
+class _CharTokenizer:
+    """One token per character (ids 3..), a chat template of tagged turns ending in eos '$'."""
+    bos_token_id, eos_token_id, eos_token = 1, 2, "$"
+
+    def encode(self, text):
+        return [3 + ord(c) % 60 for c in text]
+
+    def encode_with_offsets(self, text):
+        return self.encode(text), [(i, i + 1) for i in range(len(text))]
+
+    def render_chat(self, messages):
+        return "".join(f"<{m['role'][0]}>{m['content']}$" for m in messages)
+
+
+def test_preference_rows_chat_and_plain_forms(tmp_path):
+    import json
+
+    from minipar.trainer.data.preference import load_pairs
+    path = tmp_path / "prefs.jsonl"
+    rows = [dict(messages=[dict(role="user", content="hi"), dict(role="assistant", content="yo"),
+                           dict(role="user", content="and?")],
+                 chosen=dict(role="assistant", content="good"),
+                 rejected=dict(role="assistant", content="bad")),
+            dict(prompt="ab", chosen="cd", rejected="efg"),
+            dict(prompt="ab", chosen="same", rejected="same")]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    ci, cl, ri, rl, notes = load_pairs(str(path), _CharTokenizer(), 40)
+    assert ci.shape == (2, 40) and "1 row(s) with chosen == rejected" in notes[0]
+    # the chat row: trained on "good$" only (not the earlier assistant turn "yo$")
+    text = "<u>hi$<a>yo$<u>and?$<a>good$"
+    trained = [text[t + 1] for t in range(len(text) - 1) if cl[0, t] != -100]
+    assert "".join(trained) == "good$"
+    assert int((rl[0] != -100).sum()) == len("bad$")
+    # the plain row: bos ab | cd eos: the labels of c, d and eos
+    assert int((cl[1] != -100).sum()) == 3 and int((rl[1] != -100).sum()) == 4
+    path.write_text(json.dumps(dict(prompt="ab", chosen="x")))
+    with pytest.raises(ValueError, match=r"prefs.jsonl:1: a preference row needs `rejected`"):
+        load_pairs(str(path), _CharTokenizer(), 40)
+    path.write_text(json.dumps(dict(prompt="a" * 50, chosen="x", rejected="y")))
+    with pytest.raises(ValueError, match="the prompt is 51 tokens, sequence_len 40"):
+        load_pairs(str(path), _CharTokenizer(), 40)

@@ -113,9 +113,14 @@ class LlamaModel(nn.Module):
         return lm_head(self.norm(h))
 
     def head_loss(self, h, lm_head, labels, num_items_in_batch):
-        """sum of the token losses (vocab-parallel cross-entropy) / num_items_in_batch."""
-        loss_sum = tpl.vocab_parallel_cross_entropy(self.local_logits(h, lm_head), labels, self.pgm.tp,
-                                                    reduction="sum")
+        """sum of the token losses (vocab-parallel cross-entropy) / num_items_in_batch; or, when
+        num_items_in_batch is a per-sequence objective (it has `sequence_loss`: minipar/dpo/
+        objective.py), its loss of this rank's per-row sums of token log-probs (b,)."""
+        logits = self.local_logits(h, lm_head)
+        if hasattr(num_items_in_batch, "sequence_loss"):
+            token_loss = tpl.vocab_parallel_cross_entropy(logits, labels, self.pgm.tp, reduction="none")
+            return num_items_in_batch.sequence_loss(-token_loss.sum(-1), labels)
+        loss_sum = tpl.vocab_parallel_cross_entropy(logits, labels, self.pgm.tp, reduction="sum")
         return loss_sum / num_items_in_batch
 
 

@@ -71,6 +71,7 @@ knows of it: a callable whose output joins its own.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -197,6 +198,22 @@ def add_lora(model: nn.Module, targets: Sequence[str], r: int, alpha: float, dro
     if missing:
         raise ValueError(f"add_lora: no Linear layer named {missing} in {type(model).__name__}")
     return adapters
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """Inside the block the model is its frozen base: every adapter leaves its Linear's
+    output_addends (so it computes nothing and sends nothing, on every rank alike) and comes back
+    after. DPO's reference with LoRA (minipar/dpo_step.py), as PEFT's disable_adapter(): no copy."""
+    saved = [(m, list(m.output_addends)) for m in model.modules()
+             if isinstance(m._modules.get("lora"), LoRA) and m.lora in m.output_addends]
+    for m, _ in saved:
+        m.output_addends.remove(m.lora)
+    try:
+        yield model
+    finally:
+        for m, addends in saved:                  # as they were, in their order
+            m.output_addends[:] = addends
 
 
 def lora_parameters(model: nn.Module) -> List[nn.Parameter]:

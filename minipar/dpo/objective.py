@@ -1,0 +1,161 @@
+"""The DPO objective: a loss of per-sequence log-probabilities, exact on every layout.
+
+Direct Preference Optimization (Rafailov et al., 2023) trains on pairs (prompt x, chosen y_c,
+rejected y_r). With pi the policy and ref a frozen reference, and log p(y | x) the SUM of the
+response tokens' log-probabilities (the prompt's labels are -100 and do not count):
+
+    pi_c, pi_r, ref_c, ref_r          (P,) one number per pair and model
+    z      = (pi_c - ref_c) - (pi_r - ref_r)                      the implicit reward margin / beta
+    sigmoid  loss_p = -log sigmoid(beta z)                         Rafailov et al., eq. 7
+    ipo      loss_p = (z - 1 / (2 beta))^2                          Azar et al. 2023, eq. 17, with
+             log p the MEAN over the response's tokens, as TRL's DPOTrainer averages them for ipo
+    loss   = mean over the P pairs of the GLOBAL batch
+
+With the reference equal to the policy, z = 0 and the sigmoid loss is ln 2 exactly.
+
+How one micro-batch is laid out: a pair is two adjacent rows, [c_0, r_0, c_1, r_1, ...] (rows,
+T), one forward for both. The row split of batch_split.py gives each rank contiguous blocks of
+rows; with an even count per micro-batch and per rank a pair never straddles two ranks
+(dpo_step.check_pair_split refuses the rest).
+
+Where the log-probabilities come from (models/llama.py head_loss): when num_items_in_batch is an
+object with a `sequence_loss` method (this file's PairLoss), the head computes the per-token
+cross-entropy with reduction "none" (vocab-parallel under tp: each tp rank gets the same (rows,
+T/cp) losses, and the backward needs no communication), sums it over this rank's tokens, and
+hands PairLoss the (rows,) partial sums of -loss = log p. Then, per layout:
+
+    tp    the per-token losses are already whole on every tp rank (the vocabulary's all-reduce
+          is inside the cross-entropy): nothing more
+    cp    each cp rank holds 2 of 2 cp chunks of every row (zigzag): its sum is a PARTIAL sum.
+          cp_sum all-reduces the (rows,) partials (forward) and all-reduces their gradient
+          (backward): every cp rank then computes the same loss_p, takes 1/cp of it, and the
+          gradient reaching each partial is the full dloss/dlogp (the sum of the cp ranks'
+          shares). Cost: 2 all-reduces of `rows` numbers per micro-batch (4 under ipo: the
+          token counts too, forward only)
+    pp    only the last stage runs the head, so only it calls PairLoss; its loss enters the
+          schedule's backward like the SFT loss
+    dp    each rank's loss is sum of its pairs' loss_p / P_global; the step sums losses and
+          gradients over dp_cp, which gives the mean over the global batch
+
+The reference log-probabilities of a micro-batch ride in its dict ("ref_logps", (rows,)), found
+by the identity of the labels tensor the head is given (the same object on every path: the
+micro-batch loop and the pipeline's executor pass batch["labels"] itself). In `record` mode the
+objective keeps the policy's log-probs instead of making a loss: the reference pass
+(dpo_step.py: LoRA's adapters off, or the full fine-tune's one pass before training).
+
+Metrics, TRL's names, over the global batch: rewards/chosen = beta (pi_c - ref_c),
+rewards/rejected = beta (pi_r - ref_r), rewards/accuracies = mean of [chosen > rejected],
+rewards/margins, logps/chosen, logps/rejected (the pairs' means).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm
+
+LOSS_TYPES = ("sigmoid", "ipo")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")
+
+
+class _CPSum(torch.autograd.Function):
+    """Sum over a group both ways: forward all-reduce, backward all-reduce (each rank's output is
+    the sum of all inputs, so each input's gradient is the sum of all outputs' gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        comm.all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, ctx.group)
+        return grad, None
+
+
+def cp_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """x summed over `group` (the cp ranks' partial sums), its gradient summed back; identity on 1 rank."""
+    return x if group.size == 1 else _CPSum.apply(x, group)
+
+
+def dpo_losses(pi_c, pi_r, ref_c, ref_r, beta: float, loss_type: str = "sigmoid") -> torch.Tensor:
+    """The per-pair loss (P,) of the module docstring (ipo: the log-probs given already averaged)."""
+    z = (pi_c - ref_c) - (pi_r - ref_r)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * z)
+    if loss_type == "ipo":
+        return (z - 1.0 / (2.0 * beta)) ** 2
+    raise ValueError(f"dpo_loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
+
+
+class PairLoss:
+    """The DPO objective of one step, passed where num_items_in_batch goes (compose.Step, the
+    pipeline's run_schedule and forward_only pass it through to the head unchanged).
+
+    micro     this rank's micro-batches (dicts with "labels" (rows, T/cp) and, unless record,
+              "ref_logps" (rows,)); n_pairs: the pairs of the GLOBAL batch; pgm: the grid."""
+
+    def __init__(self, micro: List[dict], n_pairs: int, pgm, beta: float, loss_type: str = "sigmoid",
+                 record: bool = False):
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"dpo_loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
+        self.micro, self.n_pairs, self.pgm = micro, n_pairs, pgm
+        self.beta, self.loss_type, self.record = float(beta), loss_type, record
+        self.recorded: Dict[int, torch.Tensor] = {}   # micro index -> (rows,) log-probs (record mode)
+        self.sums: Dict[int, torch.Tensor] = {}       # micro index -> the metrics' sums over its pairs
+
+    def _index(self, labels) -> int:
+        for i, mb in enumerate(self.micro):
+            if mb["labels"] is labels:
+                return i
+        raise RuntimeError("PairLoss: the head was given labels of no micro-batch of this step")
+
+    def sequence_logps(self, partial: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(rows,) log p(y | x) of whole rows from this rank's partial sums (mean per token for ipo)."""
+        logps = cp_sum(partial, self.pgm.cp)
+        if self.loss_type == "ipo":
+            count = (labels != -100).sum(-1).to(logps.dtype)
+            if self.pgm.cp.size > 1:
+                comm.all_reduce(count, self.pgm.cp)
+            logps = logps / count.clamp(min=1)
+        return logps
+
+    def sequence_loss(self, partial: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Called by the head with this rank's (rows,) partial sums of token log-probs: the micro-
+        batch's share of the step's loss (or, recording, a zero and the log-probs kept)."""
+        i = self._index(labels)
+        logps = self.sequence_logps(partial.float(), labels)
+        if self.record:
+            self.recorded[i] = logps.detach()
+            return partial.sum() * 0.0
+        ref = self.micro[i]["ref_logps"].to(logps.device, logps.dtype)
+        pi_c, pi_r, ref_c, ref_r = logps[0::2], logps[1::2], ref[0::2], ref[1::2]
+        losses = dpo_losses(pi_c, pi_r, ref_c, ref_r, self.beta, self.loss_type)
+        with torch.no_grad():
+            rc, rr = self.beta * (pi_c - ref_c), self.beta * (pi_r - ref_r)
+            self.sums[i] = torch.stack([rc.sum(), rr.sum(), (rc > rr).float().sum(), (rc - rr).sum(),
+                                        pi_c.sum(), pi_r.sum()]).double()
+        # every cp rank computes the same losses: each adds 1/cp of them (cp_sum's docstring)
+        return losses.sum() / (self.n_pairs * self.pgm.cp.size)
+
+    def metrics(self, device) -> Dict[str, torch.Tensor]:
+        """TRL's metrics of the global batch, as 0-d device tensors (read when the caller logs).
+        Collective: every rank calls it (all-reduces of 6 numbers over dp_cp and pp)."""
+        total = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
+        for s in self.sums.values():
+            total += s.to(device)
+        comm.all_reduce(total, self.pgm.dp_cp)
+        if self.pgm.pp.size > 1:                  # only the last stage ran the head
+            comm.all_reduce(total, self.pgm.pp)
+        total /= self.pgm.cp.size * self.n_pairs  # cp ranks hold the same pairs' sums
+        return {name: total[k] for k, name in enumerate(METRICS)}
+
+    def reference(self, i: int) -> Optional[torch.Tensor]:
+        """The (rows,) log-probs recorded for micro-batch i (record mode), on the last stage only."""
+        return self.recorded.get(i)

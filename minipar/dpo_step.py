@@ -1,0 +1,139 @@
+"""One DPO step on any layout: the pairs' rows split like any batch, the reference's log-probs,
+then compose.Step with the DPO objective in place of the token count. No second copy of the step.
+
+The plan, in order (Rafailov et al., 2023; TRL's DPOTrainer is the reference implementation):
+
+    rows        a global batch of P pairs is 2P rows, [c_0, r_0, c_1, r_1, ...] (B = 2P, T): chosen
+                and rejected of a pair side by side, so ONE forward runs both (TRL's
+                concatenated_forward). batch_split.local_batch cuts it as any batch: dp ranks
+                take contiguous row blocks, micro-batches contiguous blocks of those, cp ranks
+                their sequence chunks, tp ranks the same rows. A pair stays on one rank when
+                every micro-batch holds an even number of rows: check_pair_split says so before
+                any collective (the trainer counts global_batch_size in PAIRS, as TRL's batch
+                sizes do, so its rows always split evenly)
+    reference   log p_ref(y | x) per row, no gradient, one forward per micro-batch:
+                  lora         the same model with its adapters off (lora.adapters_off: PEFT's
+                               disable_adapter; no second copy, no memory; one more forward per
+                               micro-batch, about +1/3 of the step's compute)
+                  precomputed  a full fine-tune: one pass over the data before training with the
+                               starting weights (TRL's precompute_ref_log_probs), every row's
+                               number kept on every rank ((rows,) floats: nothing beside the
+                               data), no forward during training
+                the pass is compose.Step.eval_loss with a recording PairLoss: the micro-batch
+                loop, or under pp the pipeline's forward_only, whose last stage records
+    objective   minipar/dpo/objective.py PairLoss: passed where num_items_in_batch goes, it takes
+                the head's per-row sums of token log-probs (exact under tp, summed over cp) and
+                gives each micro-batch's share of the mean pair loss; compose.Step runs the
+                forwards, backwards (pp: the schedule), gradient sync, clipping and AdamW
+    metrics     TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
+                logps/chosen, logps/rejected: sums all-reduced over dp_cp and pp, one vector
+
+Communication beyond compose.Step's: the objective's all-reduces over cp (2 of `rows` numbers per
+micro-batch), the metrics' one all-reduce of 6 numbers, and with LoRA the reference forwards
+(the layout's usual forward traffic, once more per micro-batch). A precomputed reference
+all-gathers each pass batch's (rows,) log-probs over dp and sums them over pp, once before training.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from minipar import comm
+from minipar.batch_split import local_batch
+from minipar.compose import Step
+from minipar.dpo import PairLoss
+from minipar.lora import adapters_off
+
+REFERENCES = ("lora", "precomputed")
+
+
+def check_pair_split(rows: int, pgm, num_micro: int = 1) -> None:
+    """A ValueError (before any collective) unless every micro-batch of every dp rank holds whole pairs."""
+    parts = pgm.dp.size * num_micro
+    if rows % 2 or rows % parts or (rows // parts) % 2:
+        raise ValueError(
+            f"DPO: {rows} rows ({rows // 2} pairs of chosen + rejected) do not split into whole pairs over "
+            f"dp {pgm.dp.size} x {num_micro} micro-batch(es): each micro-batch needs an even number of "
+            f"rows; use a pair count that is a multiple of {parts}")
+
+
+def pair_rows(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """(P, T) and (P, T) -> (2P, T) rows c_0, r_0, c_1, r_1, ..."""
+    if chosen.shape != rejected.shape:
+        raise ValueError(f"chosen {tuple(chosen.shape)} and rejected {tuple(rejected.shape)} differ in shape")
+    return torch.stack([chosen, rejected], dim=1).flatten(0, 1)
+
+
+def check_reference(reference: str, lora: bool) -> None:
+    """The reference choice this model can hold, or a ValueError naming the ones it can."""
+    if reference not in REFERENCES:
+        raise ValueError(f"dpo reference {reference!r} is not one of {list(REFERENCES)}")
+    if reference == "lora" and not lora:
+        raise ValueError("dpo reference 'lora' (the adapters switched off) needs adapter: lora; a full "
+                         "fine-tune uses reference 'precomputed' (precompute_ref_log_probs: true)")
+
+
+class DPOStep:
+    """One DPO optimizer step of a compose.Step: `step(input_ids, labels, ref_logps=None)` on the
+    GLOBAL batch of pair rows (the same on every rank) -> dict(loss, grad_norm, lr, moe, metrics)."""
+
+    def __init__(self, step: Step, beta: float = 0.1, loss_type: str = "sigmoid", reference: str = "lora"):
+        check_reference(reference, step.pm.recipe.lora is not None)
+        self.step, self.pm, self.pgm = step, step.pm, step.pgm
+        self.beta, self.loss_type, self.reference = float(beta), loss_type, reference
+        PairLoss([], 1, self.pgm, beta, loss_type)          # the loss type checked now, on every rank
+
+    def local(self, input_ids, labels, ref_logps=None, position_ids=None) -> List[dict]:
+        """This rank's micro-batches of the global pair rows, each with its rows' "ref_logps"."""
+        B, M = input_ids.shape[0], self.step.num_micro
+        check_pair_split(B, self.pgm, M)
+        micro = [local_batch(input_ids, labels, self.pgm, m, M, device=self.pm.device,
+                             position_ids=position_ids) for m in range(M)]
+        if ref_logps is not None:
+            per = B // (self.pgm.dp.size * M)
+            for m, mb in enumerate(micro):
+                first = self.pgm.dp.rank * (B // self.pgm.dp.size) + m * per
+                mb["ref_logps"] = ref_logps[first:first + per].to(self.pm.device)
+        return micro
+
+    def record(self, micro: List[dict]) -> None:
+        """The current model's log-probs of each micro-batch's rows into mb["ref_logps"] (no
+        gradient; under pp real on the last stage, zeros elsewhere, where no head reads them)."""
+        model = self.pm.model
+        was_training = model.training
+        model.eval()
+        try:
+            for mb in micro:
+                rec = PairLoss([mb], 1, self.pgm, self.beta, self.loss_type, record=True)
+                self.step.eval_loss(mb, rec)
+                got = rec.reference(0)
+                mb["ref_logps"] = got if got is not None else \
+                    torch.zeros(mb["labels"].shape[0], device=self.pm.device)
+        finally:
+            model.train(was_training)
+
+    def __call__(self, input_ids, labels, ref_logps: Optional[torch.Tensor] = None,
+                 position_ids=None) -> dict:
+        micro = self.local(input_ids, labels, ref_logps, position_ids)
+        if self.reference == "lora":
+            with adapters_off(self.pm.model):
+                self.record(micro)
+        elif ref_logps is None:
+            raise ValueError("DPO with a precomputed reference: pass ref_logps (precompute_reference)")
+        objective = PairLoss(micro, input_ids.shape[0] // 2, self.pgm, self.beta, self.loss_type)
+        out = self.step(objective, micro)
+        out["metrics"] = objective.metrics(self.pm.device)
+        return out
+
+    @torch.no_grad()
+    def precompute_reference(self, input_ids, labels, position_ids=None) -> torch.Tensor:
+        """(rows,) reference log-probs of a global batch of pair rows with the current weights, the
+        same on every rank (one micro-batch per rank; all-gathered over dp, summed over pp)."""
+        check_pair_split(input_ids.shape[0], self.pgm, 1)
+        mb = local_batch(input_ids, labels, self.pgm, 0, 1, device=self.pm.device, position_ids=position_ids)
+        self.record([mb])
+        mine = mb["ref_logps"].float()
+        if self.pgm.pp.size > 1:                  # the last stage's numbers to every stage
+            comm.all_reduce(mine, self.pgm.pp)
+        return comm.all_gather(mine, self.pgm.dp).cpu()

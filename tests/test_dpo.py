@@ -1,0 +1,210 @@
+"""DPO (minipar/dpo/objective.py, minipar/dpo_step.py): ln 2 at step 0, the loss and every gradient
+equal to the formula computed by a plain fp64 model, and every layout equal to one process."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import minipar
+from minipar.compose import LoRA
+from minipar.config import ParallelismConfig
+from tests.harness import run_world
+
+CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2)
+P, T = 4, 16            # pairs per global batch, tokens per row
+
+
+def pairs(step: int):
+    """Global pair rows (2P, T) [c0, r0, c1, r1, ...]: a shared prompt (labels -100), then two
+    different responses of different lengths, padded (labels -100)."""
+    from minipar.dpo_step import pair_rows
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(1, CFG["vocab_size"], (2, P, T + 1), generator=g)
+    ids[1, :, :5] = ids[0, :, :5]                                 # the prompt: 5 tokens, the same
+    labels = ids[:, :, 1:].clone()
+    labels[:, :, :4] = -100                                       # the prompt's next tokens
+    for k in range(P):                                            # the responses end at different places
+        labels[0, k, T - k:] = -100
+        labels[1, k, T - 2 * k - 1:] = -100
+    return pair_rows(ids[0, :, :-1], ids[1, :, :-1]), pair_rows(labels[0], labels[1])
+
+
+def _prepare(sizes, lora: bool, micro: int = 1, **kw):
+    from minipar.api import prepare
+    pgm = minipar.init(ParallelismConfig(**sizes))
+    recipe = dict(lora=LoRA(r=4, alpha=8.0)) if lora else {}
+    model, opt, step = prepare(dict(CFG), pgm, learning_rate=kw.pop("lr", 1e-2), micro_batches=micro,
+                               max_grad_norm=kw.pop("clip", 1.0), **recipe, **kw)
+    return model, step.step
+
+
+def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None):
+    """Per step (loss, margins, accuracy) of a few DPO steps on `sizes`."""
+    from minipar.dpo_step import DPOStep
+    model, step = _prepare(sizes, lora, micro, **(settings or {}))
+    dpo = DPOStep(step, beta=0.5, loss_type=loss_type, reference="lora" if lora else "precomputed")
+    # two batches in turn: a pair seen again must have gained (random tokens do not generalise)
+    refs = None if lora else [dpo.precompute_reference(*pairs(s)) for s in range(2)]
+    out = []
+    for s in range(steps):
+        r = dpo(*pairs(s % 2), ref_logps=None if lora else refs[s % 2])
+        m = r["metrics"]
+        out.append([float(r["loss"]), float(m["rewards/margins"]), float(m["rewards/accuracies"]),
+                    float(m["logps/chosen"]), float(m["rewards/chosen"])])
+    return out
+
+
+# ------------------------------------------------------------------ step 0: ln 2
+_ONE = {}
+
+
+def _both(sizes, steps, micro, settings):
+    return [_run(sizes, lora, steps, micro=micro, settings=settings) for lora in (True, False)]
+
+
+def one_process(steps):
+    """LoRA's and the full fine-tune's figures on one process, run once per step count."""
+    if steps not in _ONE:
+        _ONE[steps] = run_world(_both, 1, {}, steps, 1, {}, timeout=120)[0]
+    return _ONE[steps]
+
+
+def test_loss_is_ln2_at_step0_when_reference_is_policy():
+    """LoRA (B = 0: the adapters off are the policy) and full (the reference precomputed from the
+    starting weights): z = 0 for every pair, so -log sigmoid(0) = ln 2, and every reward is 0."""
+    for run in one_process(3):
+        loss, margin, acc, logps_c, reward_c = run[0]
+        assert loss == pytest.approx(math.log(2), abs=1e-7)
+        assert margin == 0.0 and reward_c == 0.0 and acc == 0.0
+        assert logps_c < 0
+
+
+# ------------------------------------------------------------------ the formula in fp64
+def _formula(loss_type):
+    """minipar's one-process loss and full gradients vs the DPO formula on the same weights in fp64,
+    with a reference whose log-probs differ from the policy's (so every term counts)."""
+    import torch.nn.functional as F
+
+    from minipar.dpo import PairLoss, dpo_losses
+    from minipar.dpo_step import DPOStep
+    from models.llama import LlamaForCausalLM
+    from models.llama_config import LlamaConfig
+    model, step = _prepare({}, False)
+    dpo = DPOStep(step, beta=0.5, loss_type=loss_type, reference="precomputed")
+    ids, labels = pairs(0)
+    ref = torch.linspace(-60.0, -40.0, 2 * P) if loss_type == "sigmoid" else torch.linspace(-5.0, -3.0, 2 * P)
+    weights = {n: p.detach().clone() for n, p in model.model.named_parameters()}
+    micro = dpo.local(ids, labels, ref)
+    objective = PairLoss(micro, P, model.pgm, 0.5, loss_type)
+    loss = step.backward(objective, micro)[0]
+    grads = {n: p.grad.detach().clone() for n, p in model.model.named_parameters()}
+    # the plain reference: the same decoder in fp64, one process, log_softmax and the formula
+    plain = LlamaForCausalLM(LlamaConfig.from_dict(dict(CFG)), None).double()
+    plain.load_state_dict({n: w.double() for n, w in weights.items()})
+    logits = plain(ids)
+    mask = labels != -100
+    tok = F.log_softmax(logits, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    logps = tok.sum(-1)
+    if loss_type == "ipo":
+        logps = logps / mask.sum(-1)
+    r64 = ref.double()
+    want = dpo_losses(logps[0::2], logps[1::2], r64[0::2], r64[1::2], 0.5, loss_type).mean()
+    want.backward()
+    return float(loss), float(want), grads, {n: p.grad for n, p in plain.named_parameters()}
+
+
+def test_loss_and_gradients_equal_the_formula_in_fp64():
+    """sigmoid and ipo (log-probs averaged over each response's tokens, as TRL's ipo)."""
+    for got in run_world(_formulas, 1, timeout=60)[0]:
+        _check_formula(*got)
+
+
+def _formulas():
+    return [_formula(t) for t in ("sigmoid", "ipo")]
+
+
+def _check_formula(loss, want, grads, want_grads):
+    assert loss == pytest.approx(want, rel=1e-6, abs=1e-7)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name].double(), g, rtol=1e-4, atol=1e-7, msg=name)
+        assert g.abs().max() > 0, name
+
+
+# ------------------------------------------------------------------ every layout = one process
+LAYOUTS = {             # name: (sizes, micro-batches, settings, ranks)
+    "dp_shard2": (dict(dp_shard_size=2), 1, {}, 2),
+    "tp2_sp": (dict(tp_size=2, sequence_parallel=True), 1, {}, 2),
+    "cp2": (dict(cp_size=2), 1, {}, 2),
+    "pp2": (dict(pp_size=2), 2, dict(pipeline_schedule="1f1b"), 2),
+    # the default suite's two worlds: every dimension above, two at a time
+    "dp_shard2_tp2_sp": (dict(dp_shard_size=2, tp_size=2, sequence_parallel=True), 1, {}, 4),
+    "pp2_cp2": (dict(pp_size=2, cp_size=2), 2, dict(pipeline_schedule="1f1b"), 4),
+}
+def _check_layout(name, steps):
+    sizes, micro, settings, ranks = LAYOUTS[name]
+    one = one_process(steps)
+    many = run_world(_both, ranks, sizes, steps, micro, settings, timeout=240)
+    assert all(r == many[0] for r in many)                        # every rank reads the same figures
+    for mine, ref in zip(many[0], one):                           # LoRA, then full
+        assert torch.tensor(mine).double() == pytest.approx(torch.tensor(ref).double(), abs=1e-4, rel=1e-4)
+    for run in one:                                               # and it learns
+        assert run[-1][0] < run[0][0]
+
+
+@pytest.mark.parametrize("name", ["dp_shard2_tp2_sp", "pp2_cp2"])
+def test_layouts_equal_one_process(name):
+    _check_layout(name, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp_shard2", "tp2_sp", "cp2", "pp2"])
+def test_layouts_equal_one_process_20_steps(name):
+    _check_layout(name, 20)
+
+
+# ------------------------------------------------------------------ preference rows
+class _CharTokenizer:
+    """One token per character (ids 3..), a chat template of tagged turns ending in eos '$'."""
+    bos_token_id, eos_token_id, eos_token = 1, 2, "$"
+
+    def encode(self, text):
+        return [3 + ord(c) % 60 for c in text]
+
+    def encode_with_offsets(self, text):
+        return self.encode(text), [(i, i + 1) for i in range(len(text))]
+
+    def render_chat(self, messages):
+        return "".join(f"<{m['role'][0]}>{m['content']}$" for m in messages)
+
+
+def test_preference_rows_chat_and_plain_forms(tmp_path):
+    import json
+
+    from minipar.trainer.data.preference import load_pairs
+    path = tmp_path / "prefs.jsonl"
+    rows = [dict(messages=[dict(role="user", content="hi"), dict(role="assistant", content="yo"),
+                           dict(role="user", content="and?")],
+                 chosen=dict(role="assistant", content="good"),
+                 rejected=dict(role="assistant", content="bad")),
+            dict(prompt="ab", chosen="cd", rejected="efg"),
+            dict(prompt="ab", chosen="same", rejected="same")]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    ci, cl, ri, rl, notes = load_pairs(str(path), _CharTokenizer(), 40)
+    assert ci.shape == (2, 40) and "1 row(s) with chosen == rejected" in notes[0]
+    # the chat row: trained on "good$" only (not the earlier assistant turn "yo$")
+    text = "<u>hi$<a>yo$<u>and?$<a>good$"
+    trained = [text[t + 1] for t in range(len(text) - 1) if cl[0, t] != -100]
+    assert "".join(trained) == "good$"
+    assert int((rl[0] != -100).sum()) == len("bad$")
+    # the plain row: bos ab | cd eos: the labels of c, d and eos
+    assert int((cl[1] != -100).sum()) == 3 and int((rl[1] != -100).sum()) == 4
+    path.write_text(json.dumps(dict(prompt="ab", chosen="x")))
+    with pytest.raises(ValueError, match=r"prefs.jsonl:1: a preference row needs `rejected`"):
+        load_pairs(str(path), _CharTokenizer(), 40)
+    path.write_text(json.dumps(dict(prompt="a" * 50, chosen="x", rejected="y")))
+    with pytest.raises(ValueError, match="the prompt is 51 tokens, sequence_len 40"):
+        load_pairs(str(path), _CharTokenizer(), 40)

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..pipeline_parallel.stage import gather_over_stages
-from ..tensor_parallel import gather_tensor, shard_tensor
+from ..tensor_parallel.layers import gather_tensor, shard_tensor
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."

@@ -59,7 +59,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 def weight_gradient(x: torch.Tensor, dy: torch.Tensor, weight: Optional[torch.Tensor],

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm, default_device
-from ..tensor_parallel import gather_tensor
+from ..tensor_parallel.layers import gather_tensor
 from .schedules import SPLIT_BACKWARD, chunk_stages, stage_owners
 from .split_backward import split_weight_gradients
 

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..expert_parallel.sharding import ep_block, ep_gather, ep_shard
-from ..tensor_parallel import gather_tensor, shard_tensor
+from ..tensor_parallel.layers import gather_tensor, shard_tensor
 
 
 @dataclass(frozen=True)

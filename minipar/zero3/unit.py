@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm, comm_ledger
-from ..tensor_parallel import VocabParallelEmbedding
+from ..tensor_parallel.layers import VocabParallelEmbedding
 from .flat_param import FlatLayout
 
 # modules whose backward never reads their weight (an embedding's gradient is a scatter-add of the

@@ -3,6 +3,9 @@ the same weights: greedy tokens for each family (Llama, Qwen3, Mixtral, Qwen3-Mo
 left-padded batch, sampled tokens for the same seed (the same warpers in the same order, the same
 draw), the cache's logits equal to the training forward's full recompute at every step, and tp 2
 equal to one process. Every model is built inside a forked rank (tests/harness.py)."""
+import contextlib
+import io
+import json
 import os
 
 import pytest
@@ -11,8 +14,12 @@ import transformers
 from harness import run_world
 
 import minipar
+from minipar.generate import main
 from minipar.post.generation import Generation, generate
 from minipar.post.sampling import Sampling, warp
+from minipar.trainer.checkpoint.save_load import save_checkpoint
+from minipar.trainer.data.tokenizer import save_byte_tokenizer
+from minipar.trainer.load_model import load_model
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 
@@ -147,3 +154,44 @@ def _refused(sizes):
 def test_cp_is_refused_with_the_fix():
     msg = run_world(_refused, 2, dict(cp_size=2), timeout=60)[0]
     assert "cp_size 2" in msg and "tp_size" in msg
+
+
+def _checkpoint_any_layout(tmp):
+    """A checkpoint saved sharded on tp 2 loads on one process and generates the same tokens."""
+    pgm = minipar.init(minipar.ParallelismConfig(tp_size=2))
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg, pgm, seed=4).eval()
+    ref = generate(model, PROMPTS, Generation(max_new_tokens=5)).tokens
+    save_checkpoint(os.path.join(tmp, "step-1"), model, None, pgm, step=1)
+    return ref
+
+
+def _load_alone(tmp):
+    model, tok = load_model(os.path.join(tmp, "step-1"))
+    return generate(model, PROMPTS, Generation(max_new_tokens=5)).tokens
+
+
+def test_a_tp2_checkpoint_generates_the_same_on_one_process(tmp_path):
+    ref = run_world(_checkpoint_any_layout, 2, str(tmp_path), timeout=120)[0]
+    assert run_world(_load_alone, 1, str(tmp_path), timeout=120)[0] == ref
+
+
+def _cli(tmp, argv):
+    d = os.path.join(tmp, "hf")
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2), seed=2).save_pretrained(d)
+    save_byte_tokenizer(d)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main([d] + argv)
+    return code, buf.getvalue()
+
+
+def test_the_command_streams_one_prompt_and_batches_several(tmp_path):
+    code, one = run_world(_cli, 1, str(tmp_path), ["--prompt", "Hello", "--max-new-tokens", "6"], timeout=120)[0]
+    assert code == 0 and len(one.rstrip("\n").encode()) > 0
+    code, two = run_world(_cli, 1, str(tmp_path), ["--prompt", "Hello", "--prompt", "Hi there", "--do-sample",
+                                                   "--top-k", "5", "--max-new-tokens", "6"], timeout=120)[0]
+    rows = [json.loads(line) for line in two.splitlines()]
+    assert code == 0 and [r["prompt"] for r in rows] == ["Hello", "Hi there"]

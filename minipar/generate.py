@@ -56,11 +56,12 @@ def eos_ids(model, tokenizer) -> list:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Generate text from a minipar checkpoint or a Hugging Face directory.")
+    p = argparse.ArgumentParser(description="Generate text from a minipar checkpoint or a Hugging Face "
+                                            "directory.")
     p.add_argument("model", help="a step-N checkpoint directory or a Hugging Face model directory")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     p.add_argument("--prompts-file", help="prompts, one per line (or .jsonl with a 'prompt' field)")
-    p.add_argument("--chat", action="store_true", help="render each prompt with the tokenizer's chat template")
+    p.add_argument("--chat", action="store_true", help="render each prompt with the chat template")
     p.add_argument("--tokenizer", help="a tokenizer directory (default: the one beside the weights)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")

@@ -39,11 +39,12 @@ def hf_model(family: str, seed: int = 0):
         cfg, cls = transformers.Qwen3Config(**SHAPE, head_dim=16, intermediate_size=48), \
             transformers.Qwen3ForCausalLM
     elif family == "mixtral":
-        cfg = transformers.MixtralConfig(**SHAPE, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+        cfg = transformers.MixtralConfig(**SHAPE, intermediate_size=48, num_local_experts=4,
+                                         num_experts_per_tok=2)
         cls = transformers.MixtralForCausalLM
     else:
-        cfg = transformers.Qwen3MoeConfig(**SHAPE, head_dim=16, intermediate_size=48, moe_intermediate_size=24,
-                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        cfg = transformers.Qwen3MoeConfig(**SHAPE, head_dim=16, intermediate_size=48,
+                                          moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
                                           decoder_sparse_step=1, mlp_only_layers=[1])
         cls = transformers.Qwen3MoeForCausalLM
     model = cls(cfg).float().eval()
@@ -83,6 +84,8 @@ def _family(family, tmp, prompts, max_new):
     return ref, got.tokens
 
 
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
 PROMPTS = [[5, 17, 33, 2, 9, 40, 41], [7, 8], [60, 61, 62, 63]]
 
 
@@ -128,8 +131,8 @@ def _tp2():
     one, two = LlamaForCausalLM(cfg, None, seed=3).eval(), LlamaForCausalLM(cfg, pgm, seed=3).eval()
     assert two.model.layers[0].self_attn.local_kv_heads == 1        # the cache split by heads
     out = []
-    for g in (Generation(max_new_tokens=6),
-              Generation(max_new_tokens=6, sampling=Sampling(do_sample=True, temperature=0.8, top_k=30, seed=5))):
+    sampled = Sampling(do_sample=True, temperature=0.8, top_k=30, seed=5)
+    for g in (Generation(max_new_tokens=6), Generation(max_new_tokens=6, sampling=sampled)):
         a, b = generate(one, PROMPTS, g, record_logits=True), generate(two, PROMPTS, g, record_logits=True)
         gap = max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits))
         out.append((a.tokens, b.tokens, gap))
@@ -143,8 +146,7 @@ def test_tp2_equals_one_process():
 
 def _refused(sizes):
     pgm = minipar.init(minipar.ParallelismConfig(**sizes))
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2), pgm)
+    model = LlamaForCausalLM(LlamaConfig(**TINY), pgm)
     try:
         generate(model, PROMPTS)
     except ValueError as e:
@@ -159,8 +161,7 @@ def test_cp_is_refused_with_the_fix():
 def _checkpoint_any_layout(tmp):
     """A checkpoint saved sharded on tp 2 loads on one process and generates the same tokens."""
     pgm = minipar.init(minipar.ParallelismConfig(tp_size=2))
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+    cfg = LlamaConfig(**TINY)
     model = LlamaForCausalLM(cfg, pgm, seed=4).eval()
     ref = generate(model, PROMPTS, Generation(max_new_tokens=5)).tokens
     save_checkpoint(os.path.join(tmp, "step-1"), model, None, pgm, step=1)
@@ -179,8 +180,7 @@ def test_a_tp2_checkpoint_generates_the_same_on_one_process(tmp_path):
 
 def _cli(tmp, argv):
     d = os.path.join(tmp, "hf")
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2), seed=2).save_pretrained(d)
+    LlamaForCausalLM(LlamaConfig(**dict(TINY, vocab_size=256)), seed=2).save_pretrained(d)
     save_byte_tokenizer(d)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -189,7 +189,8 @@ def _cli(tmp, argv):
 
 
 def test_the_command_streams_one_prompt_and_batches_several(tmp_path):
-    code, one = run_world(_cli, 1, str(tmp_path), ["--prompt", "Hello", "--max-new-tokens", "6"], timeout=120)[0]
+    one_prompt = ["--prompt", "Hello", "--max-new-tokens", "6"]
+    code, one = run_world(_cli, 1, str(tmp_path), one_prompt, timeout=120)[0]
     assert code == 0 and len(one.rstrip("\n").encode()) > 0
     code, two = run_world(_cli, 1, str(tmp_path), ["--prompt", "Hello", "--prompt", "Hi there", "--do-sample",
                                                    "--top-k", "5", "--max-new-tokens", "6"], timeout=120)[0]

@@ -107,7 +107,8 @@ def generate(model, prompts: List[List[int]], g: Generation = Generation(),
     step_ids, step_valid = ids, valid
     for _ in range(g.max_new_tokens):
         if g.use_cache:
-            logits = cached_forward(model, step_ids, _positions(valid)[:, -step_ids.shape[1]:], step_valid, cache)
+            positions = _positions(valid)[:, -step_ids.shape[1]:]
+            logits = cached_forward(model, step_ids, positions, step_valid, cache)
         else:                                           # the whole sequence again, a fresh cache
             fresh = KVCache(model, b, ids.shape[1])
             logits = cached_forward(model, ids, _positions(valid), valid, fresh)

@@ -44,8 +44,8 @@ def hf_model(family: str, seed: int = 0):
         cls = transformers.MixtralForCausalLM
     else:
         cfg = transformers.Qwen3MoeConfig(**SHAPE, head_dim=16, intermediate_size=48,
-                                          moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
-                                          decoder_sparse_step=1, mlp_only_layers=[1])
+                                          moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                          norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1])
         cls = transformers.Qwen3MoeForCausalLM
     model = cls(cfg).float().eval()
     with torch.no_grad():   # larger weights: sharper distributions, fewer near-ties for greedy

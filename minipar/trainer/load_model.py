@@ -5,6 +5,8 @@ grid, with its tokenizer.
     source(path)           "checkpoint" (a manifest.json: save_load.py wrote it) or "hf" (config.json)
     load_model(path, pgm)  -> (LlamaForCausalLM on pgm: this rank's tp slice, its tokenizer)
     checkpoint_config(path) -> (LlamaConfig, the run's saved config dict)
+    load_composed(path, pgm) -> (compose.ParallelModel, compose.Step, tokenizer): on ANY layout
+                           (api.prepare's composition), for scoring (minipar/post/scoring.py)
 
 A checkpoint is resharded on load to pgm's layout (checkpoint/layout.py), so a run trained on
 dp_shard 2 x tp 2 x pp 2 generates on one process or on tp 2. A LoRA checkpoint holds the adapters
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import Optional, Tuple
 
+from minipar.api import prepare
 from minipar.lora import add_lora, check_targets, lora_targets
 from minipar.trainer.checkpoint import files as ck_files
 from minipar.trainer.checkpoint import save_load as ckpt
@@ -73,3 +76,20 @@ def load_model(path: str, pgm=None, tokenizer: Optional[str] = None):
     ckpt.load_checkpoint(path, model, None, model.pgm)      # resharded to this layout
     tok = tokenizer or run.get("tokenizer_config") or run.get("base_model")
     return model.eval(), load_tokenizer(tok if _has_tokenizer(tok) else None)
+
+
+def load_composed(path: str, pgm, tokenizer: Optional[str] = None, dtype: str = "float32"):
+    """(ParallelModel, compose.Step, tokenizer) on any layout: api.prepare's composition (ZeRO-3, tp,
+    cp, pp, ep as pgm asks), the weights from the HF directory or the checkpoint (resharded)."""
+    if source(path) == "hf":
+        pm, _, step = prepare(path, pgm, dtype=dtype)
+        tok = tokenizer or (path if _has_tokenizer(path) else None)
+        return pm, step.step, load_tokenizer(tok)
+    config, run = checkpoint_config(path)
+    if run.get("adapter") == "lora":
+        raise ValueError(f"{path} is a LoRA checkpoint (adapters only): export it merged first, "
+                         f"python -m minipar.trainer.checkpoint.export {path} HF_DIR, and score HF_DIR")
+    pm, _, step = prepare(config, pgm, dtype=dtype)
+    ckpt.load_checkpoint(path, pm.model, None, pgm)
+    tok = tokenizer or run.get("tokenizer_config") or run.get("base_model")
+    return pm, step.step, load_tokenizer(tok if _has_tokenizer(tok) else None)

@@ -68,7 +68,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        positive_ints(args, {"seq_len": "tokens", "tp": "ranks", "cp": "ranks", "pp": "stages", "ep": "ranks"})
+        positive_ints(args, {"seq_len": "tokens", "tp": "ranks", "cp": "ranks", "pp": "stages",
+                             "ep": "ranks"})
         if not (args.text or args.choices):
             raise ValueError("nothing to score: give --text FILE (perplexity) and/or --choices FILE")
         docs = read_documents(args.text) if args.text else None

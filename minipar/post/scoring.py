@@ -87,7 +87,8 @@ def split_request(tokenizer, context: str, continuation: str, prefix_id=None) ->
     cont = whole[len(ctx):]
     if not ctx:
         if prefix_id is None:
-            raise ValueError("an empty context needs an EOS token to stand for it, and this tokenizer has none")
+            raise ValueError("an empty context needs an EOS token to stand for it, and this tokenizer "
+                             "has none")
         ctx = [prefix_id]
     return ctx, cont
 

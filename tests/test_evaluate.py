@@ -5,6 +5,7 @@ request split; acc and acc_norm; perplexity; the command on an HF directory."""
 import contextlib
 import io
 import json
+import math
 import os
 
 import pytest
@@ -18,6 +19,10 @@ from minipar.evaluate import main
 from minipar.post.scoring import Scorer, multiple_choice, perplexity, split_request
 from minipar.trainer.data.batches import ByteTokenizer
 from minipar.trainer.data.tokenizer import save_byte_tokenizer
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
+from models.llama import LlamaForCausalLM
+from models.llama_config import LlamaConfig
 
 HF_CLASSES = (transformers.LlamaForCausalLM, transformers.Qwen3MoeForCausalLM)   # imported before any fork
 
@@ -108,8 +113,6 @@ def test_split_request_moves_trailing_spaces_as_lm_eval():
 
 
 def _cli(tmp):
-    from models.llama import LlamaForCausalLM
-    from models.llama_config import LlamaConfig
     d = os.path.join(tmp, "hf")
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2), seed=2).save_pretrained(d)
@@ -131,3 +134,43 @@ def test_the_command_scores_an_hf_directory(tmp_path):
     assert code == 0 and result["examples"] == len(ROWS)
     assert result["tokens"] == len("a small text file to score") - 1
     assert len(json.load(open(tmp_path / "out.json"))["logprobs"]) == len(ROWS)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(out, *extra):
+    argv = [os.path.join(ROOT, "configs", "fsdp.yaml"), "--model.hidden_size", "32",
+            "--model.intermediate_size", "64", "--model.num_hidden_layers", "2",
+            "--model.num_attention_heads", "4",
+            "--model.num_key_value_heads", "2", "--sequence_len", "32", "--global_batch_size", "4",
+            "--max_steps", "2", "--warmup_steps", "1", "--eval_steps", "2", "--eval_batches", "1",
+            "--progress_bar", "false", "--save_final_checkpoint", "false", "--export_hf", "false",
+            "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"), "--output_dir", out,
+            "--eval_prompts", '["ROMEO:", "To be"]', *extra]
+    logs = []
+    trainer = Trainer(setup_run(argv))
+    trainer.log = logs.append
+    trainer.loop.log = logs.append
+    trainer.train()
+    return logs
+
+
+def test_a_run_logs_perplexity_and_generations(tmp_path):
+    run_world(_run, 1, str(tmp_path / "one"), "--use_tensorboard", "true", timeout=120)
+    rows = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")]
+    last = rows[-1]
+    assert last["val_perplexity"] == pytest.approx(math.exp(last["val_loss"]))
+    assert [g["prompt"] for g in last["eval_generations"]] == ["ROMEO:", "To be"]
+    assert all(isinstance(g["completion"], str) for g in last["eval_generations"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # optional package
+    events = EventAccumulator(str(tmp_path / "one" / "runs"))
+    events.Reload()
+    assert "eval/perplexity" in events.Tags()["scalars"]
+
+
+def test_a_sharded_run_notes_why_it_has_no_generations(tmp_path):
+    logs = run_world(_run, 2, str(tmp_path / "two"), "--dp_shard_size", "2", timeout=120)[0]
+    assert any("eval_prompts: no generations" in line and "dp_shard_cp 2" in line for line in logs)
+    rows = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
+    assert "val_perplexity" in rows[-1] and "eval_generations" not in rows[-1]

@@ -135,6 +135,7 @@ class TrainConfig:
     logging_steps: int = 10
     eval_steps: int = 50
     eval_batches: int = 4
+    eval_prompts: Optional[List[str]] = None   # greedy generations logged at each eval (eval_samples.py)
     save_steps: int = 0                   # 0 = only at the end (when save_final_checkpoint)
     save_final_checkpoint: bool = True
     save_total_limit: Optional[int] = 2

@@ -233,3 +233,14 @@ def test_bench_async_save_quick(tmp_path):
     assert 0 <= rows["async"]["copy_s"] <= rows["async"]["stall_s"]
     with pytest.raises(SystemExit):
         bench_async_save.main(["--quick"])
+
+
+def test_bench_generate_quick(tmp_path):
+    """benchmarks/bench_generate.py in its quick mode: both variants generate every token, and the
+    table and record are written where --out says (never into benchmarks/results/)."""
+    import bench_generate
+    assert bench_generate.main(["--quick", "--out", str(tmp_path / "gen")]) == 0
+    rows = json.load(open(tmp_path / "gen.json"))["rows"]
+    assert [r["tokens"] for r in rows] == [32, 48] and all(r["cache_tok_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        bench_generate.main(["--quick"])

@@ -12,6 +12,9 @@
     prediction.py     the planner's prediction for this run's layout, for the closing summary
     lifecycle.py      the ranks agree at the start, stop together on SIGTERM, end cleanly
     metrics_file.py   metrics.jsonl (kept across a resume) and the loss curve
+    eval_samples.py   eval_prompts: a few greedy generations at each evaluation
+    load_model.py     a checkpoint of any layout or an HF directory back in memory, with its tokenizer
+                      (python -m minipar.generate and python -m minipar.evaluate)
 
 Each package's __init__ lists its own files in reading order.
 """

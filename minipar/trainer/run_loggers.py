@@ -4,6 +4,7 @@
                                place), one scalar per metric under HF's tags:
                                  train/loss  train/learning_rate  train/grad_norm  train/tokens_per_s
                                  train/tflops_per_s  train/mfu  train/mfu_full_attention  eval/loss
+                                 eval/perplexity, and eval/generations (text) with eval_prompts
                                `tensorboard --logdir <output_dir>/runs` shows them. After a resume
                                the steps past the checkpoint are purged from the view (purge_step),
                                as metrics.jsonl drops its lines past the checkpoint.
@@ -24,7 +25,8 @@ from typing import List
 # the record's key -> the tag it is logged under (HF Trainer's names)
 TAGS = dict(loss="train/loss", lr="train/learning_rate", grad_norm="train/grad_norm",
             tokens_per_s="train/tokens_per_s", tflops_per_s="train/tflops_per_s", mfu="train/mfu",
-            mfu_full_attention="train/mfu_full_attention", val_loss="eval/loss")
+            mfu_full_attention="train/mfu_full_attention", val_loss="eval/loss",
+            val_perplexity="eval/perplexity")
 
 
 class TensorBoardLogger:
@@ -38,6 +40,9 @@ class TensorBoardLogger:
         for key, tag in TAGS.items():
             if key in record:
                 self.writer.add_scalar(tag, record[key], record["step"])
+        for row in record.get("eval_generations", []):      # eval_prompts: the text, per step
+            self.writer.add_text("eval/generations", f"**{row['prompt']}**{row['completion']}",
+                                 record["step"])
         self.writer.flush()
 
     def close(self) -> None:

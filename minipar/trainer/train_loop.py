@@ -12,7 +12,9 @@ The loop owns the history (one record per step, the earlier ones of metrics.json
         train_step(step)                   loss, grad_norm, lr; tokens_per_s, tflops_per_s, mfu
                                            (throughput.py); inside the trace when profile_steps
                                            holds the step (profiling.py)
-        evaluate()                         every eval_steps and at the end (when there is val data)
+        evaluate()                         every eval_steps and at the end (when there is val data):
+                                           val_loss, val_perplexity (its exp), and with eval_prompts a
+                                           few greedy generations (eval_samples.py)
         a non-finite loss                  FloatingPointError, naming the step and the fixes
         metrics.jsonl, tqdm, the log line  rank 0 only (every logging_steps); TensorBoard and
                                            wandb too when asked for (run_loggers.py)
@@ -51,6 +53,7 @@ from minipar.mesh import describe_grid
 from minipar.trainer import lifecycle, metrics_file, run_summary
 from minipar.trainer.checkpoint import save_load as ckpt
 from minipar.trainer.data.tokenizer import save_tokenizer
+from minipar.trainer.eval_samples import eval_generations, why_not
 from minipar.trainer.profiling import StepProfiler
 from minipar.trainer.run_loggers import open_loggers
 from minipar.trainer.throughput import Throughput
@@ -71,6 +74,7 @@ class TrainLoop:
         self.profiler = StepProfiler(self.cfg.profile_steps, self.cfg.output_dir, self.pgm.global_rank,
                                      self.device, self.log)
         self.loggers = []
+        self.noted_generations = False            # eval_prompts on a layout without generation: said once
 
     def _open_metrics(self):
         if not self.is_main:
@@ -123,6 +127,9 @@ class TrainLoop:
             if cfg.eval_steps and has_val and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
                 t.settle()                        # evaluate checked weights (post_validate.py)
                 last_val = record["val_loss"] = t.evaluate()
+                record["val_perplexity"] = math.exp(min(last_val, 700.0))   # exp of the mean token loss
+                if cfg.eval_prompts:              # a few greedy generations (eval_samples.py)
+                    self._generations(record)
             if alone:                             # its loss and norm arrive a step late (overlap_steps.py)
                 if held is not None:
                     self._report(*held, bar, metrics)
@@ -176,6 +183,15 @@ class TrainLoop:
             self.log(f"exported Hugging Face model to {hf_dir}")
         run_summary.report(self, time.time() - start, last_val)
         return self.history
+
+    def _generations(self, record: dict):
+        t, note = self.trainer, why_not(self.trainer.pgm)
+        if note is None:
+            record["eval_generations"] = eval_generations(t.model, self.run.tokenizer,
+                                                          self.cfg.eval_prompts)
+        elif not self.noted_generations:
+            self.noted_generations = True
+            self.log(note)
 
     def _report(self, record: dict, sums, dt: float, bar, metrics):
         """A step's record, once its loss and grad norm are on their way (`sums()`: the step's own

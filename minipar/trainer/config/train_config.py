@@ -141,6 +141,7 @@ class TrainConfig:
     logging_steps: int = 10
     eval_steps: int = 50
     eval_batches: int = 4
+    eval_prompts: Optional[List[str]] = None   # greedy generations logged at each eval (eval_samples.py)
     save_steps: int = 0                   # 0 (or null) = only at the end (when save_final_checkpoint)
     # Axolotl's: eval_steps / save_steps = ceil(max_steps / (n x num_epochs)) once max_steps is known
     evals_per_epoch: Optional[int] = None

@@ -1,0 +1,105 @@
+"""The KV cache: generation's forward, one new position per step instead of the whole sequence again.
+
+A decoder's token t attends to the keys and values of tokens 0..t, and those never change once
+computed (causal attention: a later token cannot alter an earlier one's K or V). So generation
+keeps them. Per decoder layer, two tensors allocated once for the whole run:
+
+    k, v      (b, Hkv_local, T_max, head_dim)    Hkv_local = num_key_value_heads / tp
+    length    how many positions are filled (the same for every row: a batch is left-padded)
+    valid     (b, T_max) bool: which filled positions hold a real token (False: left padding)
+
+GQA's KV heads are cached once (Hkv, not H: a group of H / Hkv query heads reads the same cached
+head, `enable_gqa`), so the cache is H / Hkv times smaller than the queries' width. Under tensor
+parallelism each rank caches its own KV heads, the same split as k_proj / v_proj's weights: the
+cache costs no communication; the step's collectives are the forward's own (one in and one out per
+attention and MLP, the logits gathered over tp once).
+
+    prefill   the prompt (b, s0) through the layers at once: K, V of every position written to
+              [0, s0), logits of the last one
+    decode    one token per row (b, 1): its K, V written at `length`, attention of the one query
+              against [0, length]: O(length) work a step, where a recompute costs O(length^2)
+
+Memory: 2 * L * b * Hkv_local * T_max * head_dim * bytes, e.g. 128 MiB for Llama-3-8B (L 32, Hkv 8,
+head_dim 128) in bf16 at b 1, T_max 1024; 4 GiB at b 32 (and 4x that without GQA's sharing).
+
+`cached_forward` walks the layers of models/llama.py with the layers' own modules (norms,
+projections, q/k norms, RoPE, the MLP or MoE), so the weights and their tp split are the training
+model's; only the attention differs: it reads and writes the cache, with a mask that hides padding.
+The training forward (LlamaAttention.forward) is untouched. Left padding: position_ids count real
+tokens only (the first real token is at 0, as transformers' generate), and every query also sees
+itself, so a padding row never has an empty softmax (its output is never read).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.nn.functional as F
+
+from minipar import tensor_parallel as tpl
+
+from .rope import apply_rotary
+
+
+class KVCache:
+    """Per layer K and V, pre-allocated (b, Hkv_local, T_max, head_dim); see the module docstring."""
+
+    def __init__(self, model, batch: int, max_len: int, dtype=None, device=None):
+        attn = model.model.layers[0].self_attn
+        p = attn.k_proj.weight
+        dtype, device = dtype or p.dtype, device or p.device
+        shape = (batch, attn.local_kv_heads, max_len, attn.head_dim)
+        n = len(model.model.layers)
+        self.k: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.v: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.length, self.max_len = 0, max_len
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def _attention(attn, x, cos, sin, cache: KVCache, layer: int):
+    """LlamaAttention's projections and RoPE, then attention of the new positions against the cache."""
+    q, k, v = tpl.column_parallel_group(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+    b, s, _ = q.shape
+    q = q.view(b, s, attn.local_heads, attn.head_dim).transpose(1, 2)
+    k = k.view(b, s, attn.local_kv_heads, attn.head_dim).transpose(1, 2)
+    v = v.view(b, s, attn.local_kv_heads, attn.head_dim).transpose(1, 2)
+    if attn.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    start, end = cache.length, cache.length + s
+    cache.k[layer][:, :, start:end] = k
+    cache.v[layer][:, :, start:end] = v
+    keys, values = cache.k[layer][:, :, :end], cache.v[layer][:, :, :end]
+    # query i (at start + i) sees the real tokens at j <= start + i, and always itself
+    j = torch.arange(end, device=q.device)
+    i = torch.arange(start, end, device=q.device)
+    causal = j[None, :] <= i[:, None]                                       # (s, end)
+    mask = (causal[None] & cache.valid[:, None, :end]) | (j[None, None, :] == i[None, :, None])
+    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None],
+                                         enable_gqa=attn.local_heads != attn.local_kv_heads)
+    return attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.local_heads * attn.head_dim))
+
+
+@torch.no_grad()
+def cached_forward(model, input_ids, position_ids, valid, cache: KVCache, last_only: bool = True):
+    """Full logits (b, s or 1, V) of the new positions `input_ids` (b, s), whose K and V are added
+    to `cache` at [length, length + s); `valid` (b, s) marks the real tokens (False: padding).
+    model: a LlamaForCausalLM on one process or tp ranks (not sequence parallel, cp 1, pp 1)."""
+    body = model.model
+    b, s = input_ids.shape
+    if cache.length + s > cache.max_len:
+        raise ValueError(f"KV cache full: {cache.length} + {s} positions > max_len {cache.max_len}; "
+                         f"allocate the cache for the prompt plus max_new_tokens")
+    cache.valid[:, cache.length:cache.length + s] = valid
+    h = body.embed(input_ids)
+    cos, sin = body.rotary(position_ids, h.dtype)
+    for layer in body.layers:
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), cos, sin, cache, layer.layer_idx)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    cache.length += s
+    if last_only:
+        h = h[:, -1:]
+    return tpl.gather_from_tp_region(body.local_logits(h, model.lm_head), body.pgm.tp, dim=-1)

@@ -1,7 +1,9 @@
 """Axolotl's dataset formats and file types (minipar/trainer/data/formats.py, chat_format.py, sources.py):
 the labels of each format equal Axolotl's masking rules on hand-written rows, every file type reads
 the same rows, bad input keeps its one-line error, and pretraining_dataset trains 2 steps."""
+import importlib.util
 import json
+import os
 
 import pytest
 import yaml
@@ -184,7 +186,7 @@ def test_bad_input_keeps_its_one_line_error(tmp_path, tok):
     fails(_jsonl(tmp_path / "a.jsonl", rows), r"a.jsonl:2: the row has no field 'output' .*alpaca",
           type="alpaca")
     (tmp_path / "arr.json").write_text(json.dumps([CHAT, {"text": "x"}]))
-    if pytest.importorskip("datasets"):
+    if importlib.util.find_spec("datasets") is not None:      # a JSON array is read by `datasets`
         fails(tmp_path / "arr.json", r"arr.json:row 2: the row has no field 'messages'", type="chat_template")
     fails(_jsonl(tmp_path / "s.jsonl", [{"messages": [{"from": "human", "value": "x"}]}]),
           r"s.jsonl:1: message 0 must be a mapping with `role` and `content`.*message_property_mappings",
@@ -232,3 +234,19 @@ def test_pretraining_dataset_and_alpaca_train_two_steps(tmp_path, tok):
         assert len(losses) == 2 and all(x == x for x in losses)
     with pytest.raises(ValueError, match="pretraining_dataset: streamed pretraining data from 'org/web'"):
         load_config(None, ["--pretraining_dataset", "org/web"])
+
+
+def test_the_docs_yaml_examples_are_valid_entries():
+    """Every YAML block of docs/finetuning.md's Datasets section parses, and its `datasets` (or
+    pretraining_dataset) entries pass check_entries (no file is read)."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    page = open(os.path.join(root, "docs", "finetuning.md")).read()
+    section = page.split("## Datasets\n", 1)[1].split("\n## ", 1)[0]
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", section, re.S)]
+    kinds = set()
+    for block in blocks:
+        entries = block.get("datasets") or [dict(e, type="pretrain") for e in block["pretraining_dataset"]]
+        kinds |= {e["type"] for e in entries}
+        check_entries(entries)
+    assert kinds == {"completion", "chat_template", "alpaca", "input_output", "sharegpt", "pretrain"}, kinds

@@ -20,9 +20,9 @@ from minipar import tensor_parallel as tpl
 from minipar.context_parallel import zigzag_shard
 from minipar.mesh import MeshDim
 from minipar.trainer.data import batches as mdata
+from minipar.trainer.data.chat_format import chat_example
 from minipar.trainer.data.datasets import (
     Examples,
-    chat_example,
     check_entries,
     load_examples,
     split_validation,

@@ -4,7 +4,7 @@
       - path: data/chat.jsonl          {"messages": [{"role": "user", "content": "..."}, ...]}
         type: chat_template            (chat_format.py: field_messages, message_property_mappings,
                                        roles, roles_to_train, train_on_eos)
-      - path: data/share.json
+      - path: data/share.jsonl
         type: sharegpt                 the legacy form: {"conversations": [{"from": "human", "value": ..}]}
       - path: data/alpaca.parquet
         type: alpaca                   {"instruction", "input", "output"} (formats.py)
@@ -44,23 +44,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from minipar.batch_split import IGNORE_INDEX
-from minipar.trainer.data.chat_format import (  # noqa: F401  (preference.py and the tests use these)
-    TRAIN_ON_EOS,
-    _check_messages,
-    chat_example,
-    chat_row,
-    chat_spans,
-    role_map,
-)
-from minipar.trainer.data.formats import (  # noqa: F401
-    ALPACA_STYLES,
-    alpaca_row,
-    completion_example,
-    completion_row,
-    input_output_row,
-    shift_labels,
-)
-from minipar.trainer.data.sources import SOURCE_KEYS, entry_rows, read_rows  # noqa: F401
+from minipar.trainer.data.chat_format import TRAIN_ON_EOS, chat_row, role_map
+from minipar.trainer.data.formats import ALPACA_STYLES, alpaca_row, completion_row, input_output_row
+from minipar.trainer.data.sources import SOURCE_KEYS, entry_rows
 
 TYPES = ("completion", "chat_template", "sharegpt", "alpaca", "input_output", "pretrain")
 CHAT_KEYS = ("field_messages", "message_property_mappings", "message_field_role", "message_field_content",

@@ -1,7 +1,7 @@
 """Axolotl's text formats -> token ids and which of them are trained (chat rows: chat_format.py).
 
 Each format gives the ids x_0 .. x_{n-1} of one example and a flag per token, trained or not, as
-Axolotl's prompt strategies build them (axolotl/prompt_strategies/, prompt_tokenizers.py):
+Axolotl's prompt strategies build them (axolotl/prompt_strategies/ and Axolotl's prompt_tokenizers module):
 
     completion    {field: "..."}      x = [bos] text [eos], every token trained
     pretrain      {text_column: ...}  the same (pretraining_dataset's rows); a long document is cut

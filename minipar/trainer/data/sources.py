@@ -2,7 +2,7 @@
 
     path: data/chat.jsonl                one JSON object per line (read here, line by line)
     path: data/book.txt                  plain text: one example per paragraph (blank-line separated)
-    path: data/rows.json                 JSON lines, or one JSON array of objects
+    path: data/rows.jsonl                JSON lines; a json file may also hold one JSON array of objects
     path: data/rows.parquet | .arrow | .csv
     path: data/saved                     a folder written by Dataset.save_to_disk (or DatasetDict's)
     path: data/dir + data_files: [...]   the named files, of ds_type (default json)
@@ -60,8 +60,8 @@ def check_source(entry: dict, what: str = "datasets: file") -> None:
         if not data_files(entry) and not os.path.isfile(os.path.join(path, "dataset_dict.json")) \
                 and not os.path.isfile(os.path.join(path, "dataset_info.json")):
             raise ValueError(f"{what} {path!r} is a directory but not one written by save_to_disk (no "
-                             f"dataset_info.json or dataset_dict.json); name its files with data_files, or give "
-                             f"{EXPECTED}")
+                             f"dataset_info.json or dataset_dict.json); name its files with data_files, "
+                             f"or give {EXPECTED}")
         return
     check_data_file(path, what, EXPECTED)
 

@@ -15,3 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # One thread in the test process too: ranks are forked from it, and a forked OpenMP pool is unsafe.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The prepared datasets of the suite's runs (minipar/trainer/data/prepared.py's default folder) go to
+# one temporary folder, not the user's ~/.cache/minipar.
+if "MINIPAR_CACHE" not in os.environ:
+    import tempfile
+    os.environ["MINIPAR_CACHE"] = tempfile.mkdtemp(prefix="minipar-test-cache-")

@@ -20,9 +20,9 @@ from minipar import tensor_parallel as tpl
 from minipar.context_parallel import zigzag_shard
 from minipar.mesh import MeshDim
 from minipar.trainer.data import batches as mdata
+from minipar.trainer.data.chat_format import chat_example
 from minipar.trainer.data.datasets import (
     Examples,
-    chat_example,
     check_entries,
     load_examples,
     split_validation,
@@ -91,8 +91,9 @@ def test_chat_labels_train_only_assistant_turns(example):
         assert tok.decode(trained) == want, "exactly the assistant contents and their eos"
         for t, lab in enumerate(labels):             # shifted: label t is the token at t + 1
             assert lab in (-100, ids[t + 1] if t + 1 < len(ids) else None)
-        ids2, all_labels = chat_example(msgs, tok, train_on_inputs=True, where="x")
-        assert ids2 == ids and all_labels == ids[1:] + [-100]
+        ids2, all_labels = chat_example(msgs, tok, train_on_inputs=True, where="x")   # Axolotl's rule:
+        want = "".join(m["content"] + "</s>" for m in msgs)          # every turn's content and eos,
+        assert ids2 == ids and tok.decode([x for x in all_labels if x != -100]) == want   # no headers
 
 
 def test_completion_rows_jsonl_txt_and_bytes(tmp_path, example):
@@ -134,8 +135,8 @@ def test_bad_rows_name_file_and_line(tmp_path, example):
         load_config(None, ["--sample_packing", "true"])
     with pytest.raises(FileNotFoundError, match="datasets: file 'nope.jsonl' not found"):
         load_config(None, ["--datasets", "[{path: nope.jsonl, type: completion}]"])
-    with pytest.raises(ValueError, match="type 'sharegpt' is not supported"):
-        check_entries([dict(path="x.jsonl", type="sharegpt")])
+    with pytest.raises(ValueError, match="type 'oasst' is not supported; use one of"):
+        check_entries([dict(path="x.jsonl", type="oasst")])
     long = _write(tmp_path / "long.jsonl", [json.dumps({"text": "word " * 40})])
     ex = load_examples(check_entries([dict(path=long)]), tok, 32, sample_packing=True)
     assert ex.lengths().max() <= 32 and len(ex) > 1 and "cut into pieces" in ex.notes[-1]

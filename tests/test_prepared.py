@@ -32,7 +32,8 @@ def _data(tmp_path, texts=TEXTS, name="notes.jsonl"):
 
 def _cfg(tmp_path, **kw):
     base = dict(datasets=[dict(path=_data(tmp_path), type="completion")], sequence_len=48,
-                sample_packing=True, val_set_size=0.2, output_dir=str(tmp_path / "out"), ddp_timeout=30)
+                sample_packing=True, val_set_size=0.2, output_dir=str(tmp_path / "out"), ddp_timeout=30,
+                dataset_prepared_path=str(tmp_path / "out" / "prepared"))
     return TrainConfig(**{**base, **kw})
 
 
@@ -63,7 +64,8 @@ def _same(a, b):
 
 def test_dataset_prepared_path_is_a_config_key(tmp_path):
     data = _data(tmp_path)
-    for value, root in [("last_run_prepared", "last_run_prepared"), (None, str(tmp_path / "o" / "prepared"))]:
+    cache = os.path.join(os.environ["MINIPAR_CACHE"], "prepared")   # not per output_dir: keyed by content
+    for value, root in [("last_run_prepared", "last_run_prepared"), (None, cache)]:
         path = tmp_path / "c.yaml"                        # Axolotl writes `dataset_prepared_path:` (null) too
         path.write_text(yaml.safe_dump(dict(datasets=[dict(path=data, type="completion")],
                                             output_dir=str(tmp_path / "o"), dataset_prepared_path=value)))
@@ -117,11 +119,12 @@ def test_every_key_input_prepares_anew(tmp_path):
     (tmp_path / "edited.jsonl").write_text((tmp_path / "notes.jsonl").read_text())
     before = len(calls)
     prepared.load_or_prepare(edited, tok, fn)           # same bytes as notes.jsonl, another path
+    assert len(calls) == before, "the key is the content, not the path: the same bytes load"
     data_bytes = bytearray((tmp_path / "edited.jsonl").read_bytes())
     data_bytes[12] ^= 1
     (tmp_path / "edited.jsonl").write_bytes(bytes(data_bytes))
     prepared.load_or_prepare(edited, tok, fn)
-    assert len(calls) == before + 2, "a new file, then one flipped bit of it: prepared each time"
+    assert len(calls) == before + 1, "one flipped bit of it: prepared anew"
 
 
 def test_the_tokenizer_is_in_the_key(tmp_path):

@@ -19,6 +19,7 @@ of a template and is accepted without a word. Pure Python, no communication.
 """
 from __future__ import annotations
 
+import os
 from typing import List
 
 HONOURED, NOTED, REFUSED = "honoured", "noted", "refused"
@@ -46,6 +47,9 @@ KEYS = {
                                              "always non-reentrant (torch.utils.checkpoint use_reentrant"
                                              "=False)"),
     # data
+    "pretraining_dataset": (HONOURED, "local files only: each entry becomes a `datasets` entry of type "
+                                      "pretrain (text_column), read row by row and prepared once; it "
+                                      "replaces `datasets`, as in Axolotl"),
     "pad_to_sequence_len": (NOTED, "minipar's batches are always sequence_len long (padded or packed)"),
     "eval_sample_packing": (NOTED, "evaluation rows are prepared as the training rows (sample_packing)"),
     "special_tokens": (NOTED, "not applied yet: minipar uses the tokenizer's own special tokens (adding "
@@ -88,8 +92,6 @@ KEYS = {
 FOREIGN = {
     "deepspeed": "DeepSpeed is not used: minipar's ZeRO-3 is fsdp_version: 2 with dp_shard_size "
                  "(ZeRO-1/2: dp_replicate_size, ZeRO-3: dp_shard_size); remove `deepspeed`",
-    "pretraining_dataset": "streamed pretraining data is not read yet: put the text in a local file as "
-                           "`datasets: [{path: FILE.jsonl, type: completion}]` (or `dataset: FILE.txt`)",
     "rl": "preference training (rl: dpo, ...) is not supported (its own issue); remove `rl` for SFT",
     "plugins": "Axolotl's plugins (liger, cut cross-entropy, ...) are Axolotl's code; remove `plugins`",
     "fp16": "fp16 mixed precision is not supported: use bf16: true (or dtype: float32)",
@@ -134,11 +136,39 @@ def _attention(data: dict, notes: List[str], problems: List[str]) -> None:
     notes.append(f"{', '.join(asked)} -> attention_backend {data['attention_backend']}")
 
 
+def _pretraining(data: dict, notes: List[str], problems: List[str]) -> None:
+    """pretraining_dataset (a path, or a list of {path, text_column, split, name, data_files, ds_type,
+    type: pretrain}) -> `datasets` entries of type pretrain; Hub names are refused."""
+    value = data.pop("pretraining_dataset", None)
+    if _empty(value):
+        return
+    entries = []
+    for item in value if isinstance(value, list) else [value]:
+        item = dict(path=item) if isinstance(item, str) else dict(item) if isinstance(item, dict) else None
+        if item is None or not item.get("path") or not os.path.exists(str(item["path"])):
+            where = item.get("path") if item else value
+            return problems.append(f"pretraining_dataset: streamed pretraining data from {where!r} is not "
+                                   f"read: no such local file or folder (Hub names are not fetched); give "
+                                   f"a local path, e.g. pretraining_dataset: [{{path: FILE.jsonl, "
+                                   f"text_column: text}}]")
+        if item.pop("type", None) not in (None, "pretrain"):
+            return problems.append("pretraining_dataset: only type pretrain (plain text) is read")
+        if item.pop("skip", None):
+            return problems.append("pretraining_dataset: skip is not supported; cut the rows from the file")
+        item.pop("trust_remote_code", None)
+        entries.append(dict(item, type="pretrain"))
+    if data.get("datasets"):
+        notes.append("pretraining_dataset replaces `datasets` (as in Axolotl): the `datasets` entries are "
+                     "not read")
+    data["datasets"] = entries
+
+
 def fold(data: dict, notes: List[str], problems: List[str]) -> dict:
     """A copy of one source's mapping with Axolotl's boilerplate folded into minipar's keys: mapped
     keys rewritten, noted keys removed (one note each), refused and foreign keys in `problems`."""
     data = dict(data)
     _attention(data, notes, problems)
+    _pretraining(data, notes, problems)
     warmup = data.get("warmup_steps")
     if isinstance(warmup, float) and 0 < warmup < 1:   # Axolotl reads warmup_steps: 0.1 as a ratio
         data.pop("warmup_steps")

@@ -31,11 +31,11 @@ from minipar.pipeline_parallel import check_schedule, chunks_per_rank, split_lay
 from minipar.trainer.config.keys import SIZE_NAMES
 from minipar.trainer.data.batches import DATASET_IS, check_data_file
 from minipar.trainer.data.datasets import check_entries
+from minipar.trainer.data.sources import check_source
 from models.activation_checkpoint import check_option
 from models.llama import LlamaForCausalLM
 
 # what a `datasets` path must be, said with every refusal of one (data.check_data_file)
-DATASETS_ARE = "each `datasets` path is a local .jsonl, .json or .txt file (no hub names, no directories)"
 
 
 def check(cfg, earlier: Sequence = (), unknown: Optional[ValueError] = None) -> None:
@@ -180,16 +180,16 @@ def _reporting(cfg) -> List[str]:
 
 def _data_files(cfg) -> List[Exception]:
     """The problems of `dataset` and each `datasets` path: missing, a directory, or empty."""
-    paths = [("dataset file", cfg.dataset, DATASET_IS)]
     out: List[Exception] = []
+    checks = [lambda: check_data_file(cfg.dataset, "dataset file", DATASET_IS)]
     if cfg.datasets:
         try:
-            paths += [("datasets: file", e["path"], DATASETS_ARE) for e in check_entries(cfg.datasets)]
+            checks += [(lambda e=e: check_source(e)) for e in check_entries(cfg.datasets)]
         except ValueError as err:           # the list itself is malformed: its paths cannot be read
             out.append(err)
-    for what, path, expected in paths:
+    for run in checks:
         try:
-            check_data_file(path, what, expected)
+            run()
         except (ValueError, FileNotFoundError) as err:
             out.append(err)
     return out

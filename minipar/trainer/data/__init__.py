@@ -5,7 +5,11 @@ rank computes. In reading order:
                      the dp / cp split of a global batch, num_items_in_batch
     tokenizer.py     the model's tokenizer (tokenizer_config, AutoTokenizer) or the bundled bytes;
                      the byte tokenizer exported beside a byte-level model
-    datasets.py      Axolotl datasets (completion, chat_template) -> ids and labels, label masking
+    datasets.py      Axolotl `datasets` entries -> ids and labels, several mixed
+    sources.py       where the rows come from: jsonl/txt read here; JSON arrays, parquet, arrow,
+                     csv, save_to_disk folders through Hugging Face `datasets`
+    formats.py       completion, pretrain, alpaca, input_output: which tokens are trained
+    chat_format.py   chat_template / sharegpt rows: mappings, roles, roles_to_train, train_on_eos
     packing.py       rows of sequence_len: whole examples packed with document ids; the row sampler
     prepared.py      the tokenized, packed rows saved under dataset_prepared_path and found again
     example_data.py  a small offline example: a BPE tokenizer with a chat template, chat rows

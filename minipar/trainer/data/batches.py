@@ -67,7 +67,7 @@ DATASET_IS = "set `dataset` to a text file (the bundled corpus is data/shakespea
 def check_data_file(path: str, what: str = "dataset file", expected: str = "") -> None:
     """Refuse a data path that is not a non-empty regular file, saying which it is (missing, a
     directory, empty) and `expected`, what it should be: the one check of every data path (the
-    config's `dataset` and `datasets` in check.py, then load_corpus and datasets.read_rows)."""
+    config's `dataset` and `datasets` in check.py, then load_corpus and sources.read_rows)."""
     then = f"; {expected}" if expected else ""
     if os.path.isdir(path):
         raise ValueError(f"{what} {path!r} is a directory, not a file{then}")

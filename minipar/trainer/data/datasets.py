@@ -1,55 +1,58 @@
-"""Datasets as Axolotl writes them: local files -> token ids and labels, with label masking.
+"""Datasets as Axolotl writes them: entries -> token ids and labels, with label masking.
 
     datasets:
-      - path: data/chat.jsonl          one JSON object per line
-        type: chat_template            {"messages": [{"role": "user", "content": "..."}, ...]}
+      - path: data/chat.jsonl          {"messages": [{"role": "user", "content": "..."}, ...]}
+        type: chat_template            (chat_format.py: field_messages, message_property_mappings,
+                                       roles, roles_to_train, train_on_eos)
+      - path: data/share.jsonl
+        type: sharegpt                 the legacy form: {"conversations": [{"from": "human", "value": ..}]}
+      - path: data/alpaca.parquet
+        type: alpaca                   {"instruction", "input", "output"} (formats.py)
+      - path: data/io.jsonl
+        type: input_output             {"segments": [{"text": ..., "label": true|false}]}
       - path: data/notes.jsonl
         type: completion               {"text": "..."}  (`field` names another key)
       - path: data/book.txt
         type: completion               plain text: one example per paragraph (blank-line separated)
-    train_on_inputs: false             Axolotl's default: train on assistant turns only
+    pretraining_dataset: [{path: data/web.jsonl, text_column: text}]   type pretrain (config/axolotl_keys.py)
+    train_on_inputs: false             Axolotl's default: train on the responses only
     val_set_size: 0.05                 a fraction of the examples (or, >= 1, a count) held out
     sample_packing: true               packing.py: whole examples packed into sequence_len
 
+Where the rows come from (local json, jsonl, JSON arrays, parquet, arrow, csv, save_to_disk folders,
+with split, data_files, name, ds_type) is sources.py; what each format trains is formats.py and
+chat_format.py. Several entries are mixed in the order written; packing.py orders the examples.
+
 One example becomes token ids x_0 .. x_{n-1} and labels shifted by one, as the model expects
-(label[t] is the target at t, the token x_{t+1}), with -100 where nothing is trained:
+(label[t] is the target at t, the token x_{t+1}), with -100 where nothing is trained. The last label
+of an example is always -100: its next token belongs to no one, so a packed row never trains one
+example to predict the next. The loss divides by num_items_in_batch, the count of labels that are
+not -100 in the global batch, so masked tokens change neither sum nor count.
 
-    completion       x = [bos] text [eos]                 labels = x[1:] + [-100]
-    chat_template    x = the chat template's rendering    labels = x[t+1] where x[t+1] lies in an
-                                                          assistant turn's content or its end-of-turn
-                                                          text, else -100 (train_on_inputs: false)
-
-The last label of an example is always -100: its next token belongs to no one, so a packed row
-never trains one example to predict the next. The loss divides by num_items_in_batch, the count of
-labels that are not -100 in the global batch, so masked tokens change neither sum nor count.
-
-Finding the assistant turns. The conversation is rendered one message longer at a time; the text
-each message adds (the template must only append, as chat templates do) is that turn. Inside an
-assistant turn, training starts where its content starts and ends after the turn's eos token (or
-at the turn's end, if the template closes turns with another marker): the role header is masked,
-the content and its eos are trained, as Axolotl's roles_to_train: [assistant] with train_on_eos:
-turn. A token is trained when its first character (the fast tokenizer's offsets) lies in a span.
-
-Bad rows raise a ValueError naming the file and line: invalid JSON, a missing field, empty or
-malformed messages, an unknown role, no chat template, and (without packing) an example longer than
-sequence_len. Everything is read and tokenized on every rank, deterministically, before any
-collective; nothing is shuffled here (packing.py orders the examples from the seed).
+Bad rows raise a ValueError naming the file and row (its line in a JSON-lines file): invalid JSON, a
+missing field (named), empty or malformed messages, an unknown role, no chat template, and (without
+packing) an example longer than sequence_len. A bad entry (an unknown type or key) names the list of
+the supported ones. Everything is read and tokenized on every rank, deterministically, before any
+collective; nothing is shuffled here.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from minipar.batch_split import IGNORE_INDEX
-from minipar.trainer.data.batches import check_data_file
+from minipar.trainer.data.chat_format import TRAIN_ON_EOS, chat_row, role_map
+from minipar.trainer.data.formats import ALPACA_STYLES, alpaca_row, completion_row, input_output_row
+from minipar.trainer.data.sources import SOURCE_KEYS, entry_rows
 
-TYPES = ("completion", "chat_template")
-ROLES = ("system", "user", "assistant")
-ENTRY_KEYS = {"path", "type", "field", "field_messages"}
+TYPES = ("completion", "chat_template", "sharegpt", "alpaca", "input_output", "pretrain")
+CHAT_KEYS = ("field_messages", "message_property_mappings", "message_field_role", "message_field_content",
+             "roles", "roles_to_train", "train_on_eos", "train_on_eot", "field_system", "drop_system_message",
+             "chat_template")
+ENTRY_KEYS = set(SOURCE_KEYS) | set(CHAT_KEYS) | {"type", "field", "text_column"}
 
 
 @dataclass
@@ -81,160 +84,109 @@ class Examples:
 
 
 # ------------------------------------------------------------------------------ the config entries
+def _chat_settings(e: dict, kind: str, where: str) -> dict:
+    """The chat keys of one entry with Axolotl's defaults (sharegpt: conversations, from / value)."""
+    legacy = kind == "sharegpt"
+    mapping = dict(e.get("message_property_mappings") or {})
+    for key, name in (("role", "message_field_role"), ("content", "message_field_content")):
+        if e.get(name):
+            if mapping.get(key, e[name]) != e[name]:
+                raise ValueError(f"{where}: {name}: {e[name]} contradicts message_property_mappings.{key}: "
+                                 f"{mapping[key]}; keep message_property_mappings")
+            mapping[key] = e[name]
+        mapping.setdefault(key, ("from" if key == "role" else "value") if legacy else key)
+    roles = role_map(e.get("roles"))
+    eos = e.get("train_on_eos") or "turn"
+    if eos not in TRAIN_ON_EOS or e.get("train_on_eot") not in (None, eos):
+        raise ValueError(f"{where}: train_on_eos {eos!r} / train_on_eot {e.get('train_on_eot')!r}: "
+                         f"use one of "
+                         f"{TRAIN_ON_EOS}, and the same for both (the end-of-turn token is the eos here)")
+    template = e.get("chat_template")
+    if template not in (None, "tokenizer_default"):
+        raise ValueError(f"{where}: chat_template {template!r} is not available here: chat rows are rendered "
+                         f"with the tokenizer's own template (tokenizer_default)")
+    to_train = e.get("roles_to_train")
+    to_train = ["assistant"] if to_train is None else list(to_train)
+    return dict(field_messages=e.get("field_messages") or ("conversations" if legacy else "messages"),
+                message_property_mappings={k: mapping[k] for k in ("role", "content")}, roles=roles,
+                roles_to_train=[roles.get(r, r) for r in to_train], train_on_eos=eos,
+                field_system=e.get("field_system") or "system",
+                drop_system_message=bool(e.get("drop_system_message")))
+
+
 def check_entries(entries, where: str = "datasets") -> List[dict]:
-    """Structural checks of the `datasets` list (no file is read): each a mapping with a known type."""
+    """Structural checks of the `datasets` list (no file is read): each a mapping with a known type
+    and known keys; returns each entry with its settings and Axolotl's defaults filled in."""
     if not isinstance(entries, list):
         raise ValueError(f"{where} must be a list of {{path, type}} mappings, got {entries!r}")
     out = []
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or "path" not in e:
             raise ValueError(f"{where}[{i}] must be a mapping with at least `path` and `type`, got {e!r}")
-        unknown = set(e) - ENTRY_KEYS
+        at = f"{where}[{i}] ({e['path']})"
+        unknown = {k for k, v in e.items() if k not in ENTRY_KEYS and v not in (None, False, [], {})}
         if unknown:
-            raise ValueError(f"{where}[{i}] ({e['path']}): unknown keys {sorted(unknown)}; known: "
-                             f"{sorted(ENTRY_KEYS)}")
-        kind = e.get("type", "completion")
-        if kind not in TYPES:
-            raise ValueError(f"{where}[{i}] ({e['path']}): type {kind!r} is not supported; "
-                             f"use one of {TYPES}")
-        if kind == "chat_template" and str(e["path"]).endswith(".txt"):
-            raise ValueError(f"{where}[{i}]: type chat_template reads JSONL rows with `messages`, "
-                             f"not the plain "
-                             f"text file {e['path']}")
-        out.append(dict(path=str(e["path"]), type=kind, field=e.get("field", "text"),
-                        field_messages=e.get("field_messages", "messages")))
+            raise ValueError(f"{at}: unknown keys {sorted(unknown)}; known: {sorted(ENTRY_KEYS)}")
+        kind = e.get("type") or "completion"
+        base, _, style = str(kind).partition(":")
+        if base not in TYPES or (base == "alpaca" and style and style not in ALPACA_STYLES) \
+                or (style and base not in ("alpaca", "sharegpt")):
+            raise ValueError(f"{at}: type {kind!r} is not supported; use one of {TYPES} (alpaca:chat, "
+                             f"alpaca:chatml, alpaca:phi for Axolotl's other alpaca styles)")
+        if base in ("chat_template", "sharegpt") and str(e["path"]).endswith(".txt"):
+            raise ValueError(f"{at}: type {base} reads rows with `messages`, not the plain text file "
+                             f"{e['path']}")
+        entry = {k: e[k] for k in SOURCE_KEYS if e.get(k) is not None}
+        entry.update(path=str(e["path"]), type=base)
+        if base in ("completion", "pretrain"):
+            entry["field"] = e.get("field") or e.get("text_column") or "text"
+        elif base == "alpaca":
+            entry["style"] = style or "instruct"
+        elif base in ("chat_template", "sharegpt"):
+            entry.update(_chat_settings(e, base, at), type="chat_template")
+        out.append(entry)
     return out
 
 
-def read_rows(path: str) -> Iterator[Tuple[int, object]]:
-    """(line number, row): JSON rows of a .jsonl/.json file, or text paragraphs of a .txt file."""
-    check_data_file(path)
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".txt"):
-            para, start = [], 0
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    start = start or n
-                    para.append(line.rstrip("\n"))
-                elif para:
-                    yield start, "\n".join(para)
-                    para, start = [], 0
-            if para:
-                yield start, "\n".join(para)
-            return
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not valid JSON ({err.msg}); a JSONL file holds one object "
-                                 f"per line") from None
-
-
-# ------------------------------------------------------------------------------ one example
-def shift_labels(ids: List[int], trained: List[bool]) -> List[int]:
-    """labels[t] = ids[t+1] where that token is trained, else -100; the last label is -100."""
-    return [ids[t + 1] if trained[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
-
-
-def completion_example(text, tokenizer, where: str) -> Tuple[List[int], List[int]]:
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"{where}: the text must be a non-empty string, got {text!r}")
-    ids = tokenizer.encode(text)
-    if tokenizer.bos_token_id is not None:
-        ids = [tokenizer.bos_token_id] + ids
-    if tokenizer.eos_token_id is not None:
-        ids = ids + [tokenizer.eos_token_id]
-    return ids, shift_labels(ids, [True] * len(ids))
-
-
-def _check_messages(messages, where: str) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: `messages` must be a non-empty list of {{role, content}}, "
-                         f"got {messages!r}")
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"{where}: message {j} must be a mapping with `role` and `content`, got {m!r}")
-        if m["role"] not in ROLES:
-            raise ValueError(f"{where}: message {j} has unknown role {m['role']!r}; known roles: {ROLES}")
-        if not isinstance(m["content"], str):
-            raise ValueError(f"{where}: message {j} content must be a string, got {m['content']!r}")
-
-
-def chat_spans(messages, tokenizer, where: str) -> Tuple[str, List[Tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns that are trained."""
-    prev, spans = "", []
-    for j, m in enumerate(messages):
-        cur = tokenizer.render_chat(messages[: j + 1])
-        if not cur.startswith(prev):
-            raise ValueError(f"{where}: the chat template rewrites earlier turns when a message is added, so "
-                             f"the assistant turns cannot be located; use a template that only appends")
-        if m["role"] == "assistant":
-            pos = cur.find(m["content"], len(prev)) if m["content"] else len(cur)
-            if pos < 0:
-                raise ValueError(f"{where}: the chat template does not render message {j}'s content verbatim")
-            end, eos = len(cur), getattr(tokenizer, "eos_token", None)
-            k = cur.find(eos, pos + len(m["content"])) if eos else -1
-            spans.append((pos, k + len(eos) if k >= 0 else end))     # up to the turn's eos, if it has one
-        prev = cur
-    return prev, spans
-
-
-def chat_example(messages, tokenizer, train_on_inputs: bool, where: str) -> Tuple[List[int], List[int]]:
-    _check_messages(messages, where)
-    text, spans = chat_spans(messages, tokenizer, where)
-    ids, offsets = tokenizer.encode_with_offsets(text)
-    if train_on_inputs:
-        trained = [True] * len(ids)
-    else:
-        trained = [any(a <= s < b for a, b in spans) for s, _ in offsets]
-    return ids, shift_labels(ids, trained)
-
-
 # ------------------------------------------------------------------------------ all the files
+def _example(e: dict, row, tokenizer, train_on_inputs: bool, where: str) -> Tuple[List[int], List[int]]:
+    kind = e["type"]
+    if kind in ("completion", "pretrain"):
+        return completion_row(row, e["field"], tokenizer, where)
+    if kind == "alpaca":
+        return alpaca_row(row, tokenizer, train_on_inputs, where, e["style"])
+    if kind == "input_output":
+        return input_output_row(row, tokenizer, train_on_inputs, where)
+    return chat_row(row, e, tokenizer, train_on_inputs, where)
+
+
 def load_examples(entries: List[dict], tokenizer, sequence_len: int, train_on_inputs: bool = False,
                   sample_packing: bool = False, progress: bool = False) -> Examples:
-    """Read and tokenize every entry of `datasets` (checked by check_entries), in file order.
+    """Read and tokenize every entry of `datasets` (checked by check_entries), in order.
 
-    Without packing an example must fit in sequence_len (else a ValueError names it); with packing a
-    longer one is cut into sequence_len pieces, each packed as its own example. An example with no
-    trained label (e.g. a chat without an assistant turn) is left out, and counted in `notes`."""
+    Without packing an example must fit in sequence_len (else a ValueError names it), except a
+    pretrain document; with packing (or type pretrain) a longer one is cut into sequence_len pieces,
+    each its own example. An example with no trained label (e.g. a chat without an assistant turn)
+    is left out, and counted in `notes`."""
     tokens, labels, lengths, sources, untrained, cut = [], [], [], [], 0, 0
     for e in entries:
-        if e["type"] == "chat_template" and not tokenizer.has_chat_template:
+        if e["type"] == "chat_template" and not getattr(tokenizer, "has_chat_template", False):
             raise ValueError(f"{e['path']}: type chat_template needs a tokenizer with a chat template; set "
                              f"tokenizer_config (or base_model) to a tokenizer directory that has one")
-        rows = read_rows(e["path"])
+        rows = entry_rows(e)
         if progress:
             from tqdm import tqdm
             rows = tqdm(rows, desc=f"tokenizing {os.path.basename(e['path'])}", unit=" rows", leave=False)
-        for line, row in rows:
-            where = f"{e['path']}:{line}"
-            if e["type"] == "completion":
-                if isinstance(row, str):
-                    text = row
-                elif isinstance(row, dict) and e["field"] in row:
-                    text = row[e["field"]]
-                else:
-                    raise ValueError(f"{where}: the row has no field {e['field']!r} (keys: "
-                                     f"{sorted(row) if isinstance(row, dict) else type(row).__name__}); set "
-                                     f"`field` in this dataset entry")
-                ids, lab = completion_example(text, tokenizer, where)
-            else:
-                if not isinstance(row, dict) or e["field_messages"] not in row:
-                    raise ValueError(f"{where}: the row has no field {e['field_messages']!r}; "
-                                     f"a chat_template "
-                                     f"row is {{\"messages\": [{{\"role\": ..., \"content\": ...}}]}}")
-                ids, lab = chat_example(row[e["field_messages"]], tokenizer, train_on_inputs, where)
-            if len(ids) > sequence_len and not sample_packing:
+        for where, row in rows:
+            ids, lab = _example(e, row, tokenizer, train_on_inputs, where)
+            if len(ids) > sequence_len and not sample_packing and e["type"] != "pretrain":
                 raise ValueError(f"{where}: the example is {len(ids)} tokens, longer than sequence_len "
                                  f"{sequence_len}; raise sequence_len, shorten the row, or set "
                                  f"sample_packing: true (which cuts long examples into pieces)")
             bad = [i for i in ids if not 0 <= i < max(tokenizer.vocab_size, 1)]
             if bad:
                 raise ValueError(f"{where}: token id {bad[0]} is outside the tokenizer's vocabulary")
-            for a in range(0, len(ids), sequence_len):     # one piece unless packing cut a long example
+            for a in range(0, len(ids), sequence_len):     # one piece unless the example is cut
                 piece, piece_labels = ids[a:a + sequence_len], lab[a:a + sequence_len]
                 if all(x == IGNORE_INDEX for x in piece_labels):
                     untrained += 1
@@ -246,7 +198,7 @@ def load_examples(entries: List[dict], tokenizer, sequence_len: int, train_on_in
             cut += len(ids) > sequence_len
     if not lengths:
         raise ValueError(f"datasets {[e['path'] for e in entries]}: no example with a trained label "
-                         f"(train_on_inputs: false trains assistant turns only)")
+                         f"(train_on_inputs: false trains the responses only)")
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])
     notes = []
     if untrained:

@@ -22,7 +22,9 @@ from typing import List, Tuple
 import torch
 
 from minipar.batch_split import IGNORE_INDEX
-from minipar.trainer.data.datasets import _check_messages, chat_spans, read_rows, shift_labels
+from minipar.trainer.data.chat_format import _check_messages, chat_spans
+from minipar.trainer.data.formats import shift_labels
+from minipar.trainer.data.sources import read_rows
 
 
 def _side(row: dict, key: str, where: str):

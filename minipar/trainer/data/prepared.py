@@ -5,18 +5,21 @@ function of its inputs, and on a real data set (hundreds of thousands of chat ro
 tokenizer) it takes minutes. So the result is saved under a folder named by a hash of everything
 that determines it, and a later start with the same inputs loads it in seconds:
 
-    dataset_prepared_path: DIR          default <output_dir>/prepared; set a shared folder to reuse
-                                        it across runs (`last_run_prepared` is Axolotl's default)
+    dataset_prepared_path: DIR          default $MINIPAR_CACHE/prepared, else ~/.cache/minipar/prepared
+                                        ($XDG_CACHE_HOME): one folder for every run, so a new output_dir
+                                        with the same data loads what an earlier run prepared
     DIR/<key>/data.pt                   torch.save of {train, val}: each split's four row tensors
                                         (input_ids, labels, position_ids, document_ids as int32,
                                         (num_rows, sequence_len)), its packing plan and counts
     DIR/<key>/meta.json                 written last: the key, its inputs, the sha256 and size of
                                         data.pt, the run's data notes. No meta.json = not complete
 
-The key is the sha256 of cache_inputs(): the format version; the source of datasets.py,
-packing.py, tokenizer.py and batches.py (a fix to tokenization must not load old rows); every
-`datasets` entry (path, type, field, field_messages) with the sha256 of the file's bytes (every
-byte, on every rank: about a second per GB, against minutes of tokenizing); the tokenizer (the
+The key is the sha256 of cache_inputs(): the format version; the source of the data modules
+(datasets.py, sources.py, formats.py, chat_format.py, packing.py, tokenizer.py, batches.py: a fix to
+tokenization must not load old rows); every `datasets` entry's settings (type, field, the chat keys,
+split, ...) with the sha256 of each file it reads, not its path (every byte, on every rank: about a
+second per GB, against minutes of tokenizing; the same data under another path or output_dir is
+the same key); the tokenizer (the
 bytes of its tokenizer files and the transformers / tokenizers versions; the class name for the
 byte tokenizer); train_on_inputs, sequence_len, sample_packing, val_set_size and seed (which draws
 both the validation split and the packing order). The model, batch sizes and layout do not change
@@ -63,10 +66,12 @@ from minipar.trainer.checkpoint.atomic import owner_tag
 from minipar.trainer.checkpoint.verify import sha256_file
 from minipar.trainer.data.datasets import check_entries
 from minipar.trainer.data.packing import DatasetRun, PackedData
+from minipar.trainer.data.sources import source_files
 from minipar.trainer.run_lock import process_alive
 
-FORMAT_VERSION = 1
-CODE_FILES = ("datasets.py", "packing.py", "tokenizer.py", "batches.py")   # what decides the rows
+FORMAT_VERSION = 2
+CODE_FILES = ("datasets.py", "sources.py", "formats.py", "chat_format.py", "packing.py", "tokenizer.py",
+              "batches.py")   # what decides the rows
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 ROW_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
@@ -74,7 +79,23 @@ POLL_S = 0.2
 
 
 def prepared_root(cfg) -> str:
-    return cfg.dataset_prepared_path or os.path.join(cfg.output_dir, "prepared")
+    """dataset_prepared_path, else one cache shared by every run of this user: the key names the
+    content, so a new output_dir with the same data loads it instead of tokenizing again."""
+    if cfg.dataset_prepared_path:
+        return cfg.dataset_prepared_path
+    if os.environ.get("MINIPAR_CACHE"):
+        return os.path.join(os.environ["MINIPAR_CACHE"], "prepared")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "minipar", "prepared")
+
+
+def entry_inputs(entry: dict) -> dict:
+    """One `datasets` entry as the key sees it: its settings and the sha256 of each file it reads
+    (by name relative to the entry's folder, so moving the data elsewhere keeps the key)."""
+    path, files = entry["path"], source_files(entry)
+    names = [os.path.relpath(f, path) if os.path.isdir(path) else "" for f in files]
+    settings = {k: v for k, v in entry.items() if k not in ("path", "data_files")}
+    return dict(settings, files=[[n, sha256_file(f)] for n, f in zip(names, files)])
 
 
 def tokenizer_inputs(tokenizer) -> dict:
@@ -95,7 +116,7 @@ def cache_inputs(cfg, tokenizer) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     return dict(format=FORMAT_VERSION,
                 code={name: sha256_file(os.path.join(here, name)) for name in CODE_FILES},
-                datasets=[dict(e, sha256=sha256_file(e["path"])) for e in check_entries(cfg.datasets)],
+                datasets=[entry_inputs(e) for e in check_entries(cfg.datasets)],
                 tokenizer=tokenizer_inputs(tokenizer), train_on_inputs=bool(cfg.train_on_inputs),
                 sequence_len=int(cfg.sequence_len), sample_packing=bool(cfg.sample_packing),
                 val_set_size=float(cfg.val_set_size), seed=int(cfg.seed))

@@ -31,6 +31,7 @@ from minipar.pipeline_parallel import check_schedule, chunks_per_rank, split_lay
 from minipar.trainer.config.keys import SIZE_NAMES
 from minipar.trainer.data.batches import DATASET_IS, check_data_file
 from minipar.trainer.data.datasets import check_entries
+from minipar.trainer.data.preference import check_pair_entries
 from models.activation_checkpoint import check_option
 from models.llama import LlamaForCausalLM
 
@@ -184,7 +185,8 @@ def _data_files(cfg) -> List[Exception]:
     out: List[Exception] = []
     if cfg.datasets:
         try:
-            paths += [("datasets: file", e["path"], DATASETS_ARE) for e in check_entries(cfg.datasets)]
+            entries = (check_pair_entries if cfg.rl else check_entries)(cfg.datasets)   # rl: pairs
+            paths += [("datasets: file", e["path"], DATASETS_ARE) for e in entries]
         except ValueError as err:           # the list itself is malformed: its paths cannot be read
             out.append(err)
     for what, path, expected in paths:

@@ -39,12 +39,13 @@ def example(tmp_path_factory):
     return dict(model=os.path.join(d, "model"), pairs=pairs)
 
 
-def _argv(config, ex, out, steps=3, *extra):
+def _argv(config, ex, out, steps=2, *extra):
     return [os.path.join(ROOT, "configs", config), "--base_model", ex["model"],
             "--datasets", f"[{{path: {ex['pairs']}, type: chat_template}}]", "--output_dir", str(out),
             "--max_steps", str(steps), "--global_batch_size", "4", "--val_set_size", "4", "--eval_steps",
             str(steps), "--eval_batches", "1", "--save_steps", "0", "--export_hf", "false",
-            "--logging_steps", "1", "--learning_rate", "1e-2", "--warmup_steps", "0", "--progress_bar", "false",
+            "--logging_steps", "1", "--learning_rate", "1e-2", "--warmup_steps", "0",
+            "--progress_bar", "false",            "--sequence_len", "256", "--peak_tflops", "1",
             "--dp_shard_size", "1", "--tensor_parallel_size", "1", *extra]
 
 
@@ -63,11 +64,12 @@ def _close(a, b, tol=1e-4):
             assert abs(ra[k] - rb[k]) <= tol * max(1.0, abs(rb[k])), (k, ra[k], rb[k])
 
 
-@pytest.mark.parametrize("config,layout", [("dpo.yaml", ["--dp_shard_size", "2"]),
-                                           ("dpo_lora.yaml", ["--tensor_parallel_size", "2"])])
+@pytest.mark.parametrize("config,layout", [
+    ("dpo.yaml", ["--dp_shard_size", "2"]),
+    pytest.param("dpo_lora.yaml", ["--tensor_parallel_size", "2"], marks=pytest.mark.slow)])
 def test_config_one_process_equals_two_ranks(tmp_path, example, config, layout):
     one = run_world(_train, 1, _argv(config, example, tmp_path / "one"), timeout=120)[0]
-    two = run_world(_train, 2, _argv(config, example, tmp_path / "two", 3, *layout), timeout=120)
+    two = run_world(_train, 2, _argv(config, example, tmp_path / "two", 2, *layout), timeout=120)
     assert abs(one[0]["loss"] - 0.6931471805599453) < 1e-5     # the reference is the start: ln 2
     assert set(KEYS) <= set(one[-1]) and "eval_rewards/accuracies" in one[-1] and "val_loss" in one[-1]
     _close(two[0], one)
@@ -76,13 +78,21 @@ def test_config_one_process_equals_two_ranks(tmp_path, example, config, layout):
     assert "rewards/margins" in rows[0] and "eval_rewards/margins" in rows[-1]
 
 
+def test_dpo_lora_one_process(tmp_path, example):
+    """configs/dpo_lora.yaml's fast twin: the adapters-off reference is the start (B = 0): ln 2."""
+    one = run_world(_train, 1, _argv("dpo_lora.yaml", example, tmp_path / "one"), timeout=120)[0]
+    assert abs(one[0]["loss"] - 0.6931471805599453) < 1e-5 and one[0]["rewards/margins"] == 0.0
+    assert "eval_rewards/accuracies" in one[-1] and one[-1]["loss"] != one[0]["loss"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["dpo.yaml", "dpo_lora.yaml"])
 def test_resume_equals_uninterrupted(tmp_path, example, config):
     """The precomputed reference is recomputed at the start of the resumed run from the starting
     weights: the resumed steps equal the uninterrupted run's."""
-    full = run_world(_train, 1, _argv(config, example, tmp_path / "full", 4), timeout=120)[0]
-    first = _argv(config, example, tmp_path / "cut", 4, "--save_steps", "2")
+    const = ["--lr_scheduler", "constant"]       # the same rate whatever max_steps the first run had
+    full = run_world(_train, 1, _argv(config, example, tmp_path / "full", 4, *const), timeout=120)[0]
+    first = _argv(config, example, tmp_path / "cut", 4, "--save_steps", "2", *const)
     run_world(_train, 1, first + ["--max_steps", "2", "--save_final_checkpoint", "true"], timeout=120)
     rest = run_world(_train, 1, first + ["--resume_from_checkpoint", "latest"], timeout=120)[0]
     _close(rest[-2:], full[-2:], 1e-6)
@@ -94,7 +104,7 @@ def test_resume_equals_uninterrupted(tmp_path, example, config):
                                     ["--context_parallel_size", "2"], ["--pipeline_parallel_size", "2"]])
 def test_more_layouts(tmp_path, example, layout):
     one = run_world(_train, 1, _argv("dpo.yaml", example, tmp_path / "one"), timeout=120)[0]
-    two = run_world(_train, 2, _argv("dpo.yaml", example, tmp_path / "two", 3, *layout), timeout=120)
+    two = run_world(_train, 2, _argv("dpo.yaml", example, tmp_path / "two", 2, *layout), timeout=120)
     _close(two[0], one)
 
 

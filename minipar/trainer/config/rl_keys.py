@@ -39,14 +39,14 @@ def translate_rl(data: dict, problems: List[str]) -> dict:
         value = data.pop("rl_beta")
         if value is not None:
             if data.get("dpo_beta") is not None and data["dpo_beta"] != value:
-                problems.append(f"rl_beta: {value!r} contradicts dpo_beta: {data['dpo_beta']!r} (two names of "
-                                f"DPO's beta); set one of them")
+                problems.append(f"rl_beta: {value!r} contradicts dpo_beta: {data['dpo_beta']!r} (two "
+                                f"names of DPO's beta); set one of them")
             data["dpo_beta"] = value
     if data.get("rl") in RL_ALIASES:
         rl, loss = RL_ALIASES[data["rl"]]
         if data.get("dpo_loss_type", loss) != loss:
-            problems.append(f"rl: {data['rl']} contradicts dpo_loss_type: {data['dpo_loss_type']}; use rl: dpo "
-                            f"with dpo_loss_type")
+            problems.append(f"rl: {data['rl']} contradicts dpo_loss_type: {data['dpo_loss_type']}; use "
+                            f"rl: dpo with dpo_loss_type")
         data["rl"], data["dpo_loss_type"] = rl, loss
     return data
 

@@ -87,7 +87,8 @@ def preference_pairs(n: int, seed: int = 0, path: str = PLAYS) -> List[Dict]:
         other = chats[n + k][-1]["content"]
         if other == messages[-1]["content"]:
             continue
-        rows.append(dict(messages=messages[:-1], chosen=dict(role="assistant", content=messages[-1]["content"]),
+        rows.append(dict(messages=messages[:-1],
+                         chosen=dict(role="assistant", content=messages[-1]["content"]),
                          rejected=dict(role="assistant", content=other)))
     rng.shuffle(rows)
     return rows

@@ -125,9 +125,9 @@ def check_pair_entries(entries, where: str = "datasets") -> List[dict]:
             raise ValueError(f"{where}[{i}] ({e['path']}): unknown keys {sorted(unknown)} for preference "
                              f"rows (rl: dpo); known: {sorted(PAIR_ENTRY_KEYS)}")
         if e.get("type") not in PAIR_TYPES:
-            raise ValueError(f"{where}[{i}] ({e['path']}): type {e.get('type')!r} is not a preference format; "
-                             f"use chat_template (field_messages, field_chosen, field_rejected) or leave "
-                             f"`type` out for prompt / chosen / rejected rows")
+            raise ValueError(f"{where}[{i}] ({e['path']}): type {e.get('type')!r} is not a preference "
+                             f"format; use chat_template (field_messages, field_chosen, field_rejected) "
+                             f"or leave `type` out for prompt / chosen / rejected rows")
         out.append(dict(path=str(e["path"]), field_messages=e.get("field_messages", "messages"),
                         field_chosen=e.get("field_chosen", "chosen"),
                         field_rejected=e.get("field_rejected", "rejected")))

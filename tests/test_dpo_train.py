@@ -136,3 +136,28 @@ def test_bad_input_is_one_line_before_any_step(tmp_path, example):
     for name, (_, want) in cases.items():
         assert got[name] is not None and want in got[name], (name, got[name])
         assert not os.path.exists(tmp_path / name.replace(" ", "_"))        # refused before any write
+
+
+def _planned(argv):
+    import dataclasses
+
+    from minipar.plan import Cluster, Layout, plan
+    from minipar.trainer.config.train_config import load_config
+    from minipar.trainer.prediction import from_train_config
+    cfg = load_config(argv[0], argv[1:], [])
+    model, sizes, batch, opts = from_train_config(cfg)
+    layout, cluster = Layout(1, 2, 1, 1), Cluster(peak_tflops=100.0)
+    with_ref = plan(model, layout, batch, opts, cluster)["time"]
+    without = plan(model, layout, batch, dataclasses.replace(opts, dpo_reference=""), cluster)["time"]
+    return batch.global_batch_size, with_ref, without
+
+
+def test_planner_counts_the_reference(tmp_path, example):
+    """rows = 2 per pair; LoRA's reference adds one forward per micro-batch to the step's time (about
+    a third of its compute), the precomputed one nothing per step and a pass before training."""
+    rows, lora, plain = run_world(_planned, 1, _argv("dpo_lora.yaml", example, tmp_path / "l"), timeout=60)[0]
+    assert rows == 8
+    assert lora["step_s"] == pytest.approx(plain["step_s"] + lora["reference_s"])
+    assert 0.05 * plain["compute_s"] < lora["reference_s"] < 0.5 * plain["compute_s"]
+    _, pre, plain = run_world(_planned, 1, _argv("dpo.yaml", example, tmp_path / "p"), timeout=60)[0]
+    assert pre["step_s"] == pytest.approx(plain["step_s"]) and pre["reference_pass_s_per_batch"] > 0

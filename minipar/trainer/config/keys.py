@@ -51,7 +51,7 @@ from typing import List
 from minipar import cuda_env
 from minipar.optim import SCHEDULES
 from minipar.trainer.config.axolotl_keys import fold
-from minipar.trainer.config.rl_keys import rl_problems, translate_rl
+from minipar.trainer.config.rl_keys import RL_NAMES, rl_problems, translate_rl
 
 LR_SCHEDULERS = tuple(SCHEDULES)
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
@@ -73,8 +73,9 @@ SIZE_NAMES = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_si
 
 
 def key_name(key: str) -> str:
-    """The code's name of a top-level config key: tp_size for tensor_parallel_size, else the key."""
-    return SIZE_NAMES.get(key, key)
+    """The code's name of a top-level config key: tp_size for tensor_parallel_size, dpo_beta for
+    rl_beta, else the key."""
+    return SIZE_NAMES.get(key, RL_NAMES.get(key, key))
 
 
 def size_keys(data: dict) -> set:

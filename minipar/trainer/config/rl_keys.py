@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 RL_TYPES = ("dpo",)
+RL_NAMES = {"rl_beta": "dpo_beta"}      # Axolotl's name -> the code's
 RL_ALIASES = {"ipo": ("dpo", "ipo")}     # Axolotl's rl value -> (rl, dpo_loss_type)
 LOSS_TYPES = ("sigmoid", "ipo")
 

@@ -101,7 +101,8 @@ def test_resume_equals_uninterrupted(tmp_path, example, config):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--dp_shard_size", "2", "--gradient_accumulation_steps", "2",
                                      "--global_batch_size", "4", "--micro_batch_size", "null"],
-                                    ["--context_parallel_size", "2"], ["--pipeline_parallel_size", "2"]])
+                                    ["--context_parallel_size", "2"],
+                                    ["--pipeline_parallel_size", "2", "--micro_batch_size", "2"]])
 def test_more_layouts(tmp_path, example, layout):
     one = run_world(_train, 1, _argv("dpo.yaml", example, tmp_path / "one"), timeout=120)[0]
     two = run_world(_train, 2, _argv("dpo.yaml", example, tmp_path / "two", 2, *layout), timeout=120)

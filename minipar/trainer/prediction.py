@@ -37,9 +37,8 @@ def from_train_config(cfg):
                      pipeline_layers=cfg.pipeline_layers,
                      pipeline_overlap_steps=cfg.pipeline_overlap_steps, max_grad_norm=cfg.max_grad_norm)
     # rl: dpo counts pairs; the planner counts rows, 2 per pair, and the reference (reference_cost.py)
-    rows = 2 if cfg.rl else 1
-    batch = Batch(cfg.global_batch_size * rows, cfg.micro_batch_size and cfg.micro_batch_size * rows,
-                  cfg.sequence_len)
+    double = (lambda n: n if n is None or not cfg.rl else 2 * n)      # (None: derived later)
+    batch = Batch(double(cfg.global_batch_size), double(cfg.micro_batch_size), cfg.sequence_len)
     opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch,
                    reshard_after_forward=cfg.fsdp.reshard_after_forward,
                    sync_each_batch=cfg.fsdp.sync_each_batch,

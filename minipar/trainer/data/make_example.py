@@ -6,7 +6,7 @@ README's "Fine-tune a Hugging Face model".
                             (random weights, as `save_pretrained` shards them), and the tokenizer
       then: torchrun --nproc-per-node 8 train.py configs/finetune.yaml
       and preference training on out/example/preference.jsonl (48 generated pairs, chat form):
-            torchrun --nproc-per-node 2 train.py configs/dpo.yaml   (dpo_lora.yaml: LoRA)
+            torchrun --nproc-per-node 8 train.py configs/dpo.yaml   (dpo_lora.yaml: LoRA)
 
     python -m minipar.trainer.data.make_example out/example_moe --model mixtral    (or qwen3_moe)
       the same with a small mixture of experts, its experts one tensor each as on the Hub

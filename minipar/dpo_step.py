@@ -84,9 +84,11 @@ class DPOStep:
         self.beta, self.loss_type, self.reference = float(beta), loss_type, reference
         PairLoss([], 1, self.pgm, beta, loss_type)          # the loss type checked now, on every rank
 
-    def local(self, input_ids, labels, ref_logps=None, position_ids=None) -> List[dict]:
-        """This rank's micro-batches of the global pair rows, each with its rows' "ref_logps"."""
-        B, M = input_ids.shape[0], self.step.num_micro
+    def local(self, input_ids, labels, ref_logps=None, position_ids=None, num_micro: Optional[int] = None
+              ) -> List[dict]:
+        """This rank's micro-batches of the global pair rows, each with its rows' "ref_logps"
+        (num_micro: the step's unless given; an evaluation takes 1)."""
+        B, M = input_ids.shape[0], num_micro or self.step.num_micro
         check_pair_split(B, self.pgm, M)
         micro = [local_batch(input_ids, labels, self.pgm, m, M, device=self.pm.device,
                              position_ids=position_ids) for m in range(M)]

@@ -52,6 +52,7 @@ from .inputs import Batch, Layout, ModelShape, Options
 from .moe import crosses_nodes as moe_crosses_nodes
 from .moe import exposed_seconds, matmul_seconds, summary
 from .overlap import step_seconds
+from .reference_cost import reference_cost
 
 # the axes of the grid (R, S, C / u, u, T) that each group spans
 AXES = {"tp": (4,), "cp": (2, 3), "cp_ulysses": (3,), "cp_ring": (2,), "dp_shard_cp": (1, 2, 3),
@@ -156,6 +157,9 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         again = pa.recompute_shares(model, opts)[0]
         t["moe_matmul_s"] = matmul_seconds(model, layout, batch, opts, gemm, again)
         step += t["moe_s"] + t["moe_matmul_s"]
+    ref = reference_cost(model, layout, batch, opts, cluster, parts)     # rl: dpo (reference_cost.py)
+    t.update(ref)
+    step += ref.get("reference_s", 0.0)
     by_phase = peak.phases(model, layout, batch, opts, mem, act)
     total = max(by_phase.values())
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)

@@ -198,6 +198,9 @@ class Options:
     # gloo (a CPU run): reduce_scatter_tensor works on a copy of its input, so a unit's flat gradient
     # is held twice while it reduce-scatters (NCCL: never); peak.py's end of backward counts it
     reduce_scatter_copies_input: bool = False
+    # rl: dpo's reference (reference_cost.py): "" none, "lora" (adapters off: one more forward per
+    # micro-batch) or "precomputed" (one forward pass over the data before training)
+    dpo_reference: str = ""
     # how ANOTHER trainer runs the same step (time only; minipar's own runs leave them at the defaults;
     # time_model.py and overlap.py price them, each with its source): fused memory-bound kernels
     # (torch.compile, Transformer Engine); torchtitan's per-op selective AC, which recomputes every

@@ -3,7 +3,8 @@ config, for the closing summary (run_summary.py prints it beside the measured th
 
     from_train_config(cfg)        a TrainConfig as the planner's question: (ModelShape, layout sizes
                                   [with the pipeline's], Batch, Options), the model, layout, batch and
-                                  options the trainer runs
+                                  options the trainer runs; rl: dpo as rows (2 per pair) and its
+                                  reference (Options.dpo_reference: plan/reference_cost.py)
     planner_prediction(cfg, pc)   (peak TFLOP/s, the GPU's name or None) -> {tokens_per_s, mfu,
                                   memory_bytes, gpu}: minipar/plan/estimate.py's plan (per stage:
                                   plan/pipeline.py's plan_pipeline) of this layout at that peak
@@ -20,6 +21,7 @@ from minipar.gpus import PRESETS, preset_for_device
 from minipar.lora import check_targets
 from minipar.pipeline_parallel import chunks_per_rank
 from minipar.plan import Batch, Cluster, Layout, ModelShape, Options, Pipeline, plan, plan_pipeline
+from minipar.trainer.config.rl_keys import reference_of
 from models.llama import LlamaForCausalLM
 
 
@@ -34,12 +36,15 @@ def from_train_config(cfg):
                      virtual_stages=chunks_per_rank(cfg.pipeline_schedule, cfg.pipeline_virtual_stages),
                      pipeline_layers=cfg.pipeline_layers,
                      pipeline_overlap_steps=cfg.pipeline_overlap_steps, max_grad_norm=cfg.max_grad_norm)
-    batch = Batch(cfg.global_batch_size, cfg.micro_batch_size, cfg.sequence_len)
+    # rl: dpo counts pairs; the planner counts rows, 2 per pair, and the reference (reference_cost.py)
+    double = (lambda n: n if n is None or not cfg.rl else 2 * n)      # (None: derived later)
+    batch = Batch(double(cfg.global_batch_size), double(cfg.micro_batch_size), cfg.sequence_len)
     opts = Options(dtype=cfg.dtype, prefetch=cfg.fsdp.prefetch,
                    reshard_after_forward=cfg.fsdp.reshard_after_forward,
                    sync_each_batch=cfg.fsdp.sync_each_batch,
                    gradient_checkpointing=cfg.gradient_checkpointing,
                    selective_ac_option=cfg.selective_ac_option,
+                   dpo_reference=reference_of(cfg) or "",
                    **_lora(cfg))
     return model, sizes, batch, opts
 

@@ -15,8 +15,10 @@ setup_run is these steps, in this order, each one function below:
                        with all sizes 1. Then cfg.parallelism() -> ParallelismConfig, resolved
                        against the world, checked against the model and the sequence  config.py
     5. _batch          global = micro x accumulation x dp (keys.py); the pipeline's split and
-                       schedule against the micro-batches                     config/check.py
-    6. _data           the `datasets` rows (tokenized once, then loaded from dataset_prepared_path:
+                       schedule against the micro-batches; rl: dpo's pairs whole on every rank
+                       (global_batch_size counts pairs: dpo_step.check_pair_split) config/check.py
+    6. _data           rl: dpo's preference pairs (data/preference.py, read at each start), or
+                       the `datasets` rows (tokenized once, then loaded from dataset_prepared_path:
                        prepared.py, packing.py) or the byte corpus; max_steps from num_epochs
     7. _claim_output   the checkpoint to resume from exists; only now the first writes: output_dir
                        created and checked writable, and no live run holding it (rank 0 locks it,
@@ -32,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 import torch
@@ -41,12 +44,14 @@ import minipar
 from minipar import ParallelismConfig
 from minipar.config_files import read_yaml
 from minipar.context_parallel import check_ulysses
+from minipar.dpo_step import check_pair_split
 from minipar.trainer import lifecycle, run_lock
 from minipar.trainer.config import keys as config_keys
 from minipar.trainer.config.check import check_pipeline
 from minipar.trainer.config.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
 from minipar.trainer.data import batches as mdata
 from minipar.trainer.data.packing import prepare as prepare_datasets
+from minipar.trainer.data.preference import prepare_pairs
 from minipar.trainer.data.prepared import load_or_prepare
 from minipar.trainer.data.tokenizer import (
     HFTokenizer,
@@ -219,7 +224,10 @@ def _fmt(sizes: dict) -> str:
 def _batch(cfg: TrainConfig, pconf: ParallelismConfig) -> int:
     """The micro-batches per step: global = micro x accumulation x dp; with pipeline stages, the
     split and the schedule checked against them, before any group exists."""
-    num_micro = config_keys.resolve_batch(cfg, pconf.dp_replicate_size * pconf.dp_shard_size)
+    dp = pconf.dp_replicate_size * pconf.dp_shard_size
+    num_micro = config_keys.resolve_batch(cfg, dp)
+    if cfg.rl:                            # pairs: 2 rows each, a pair never split over ranks (dpo_step.py)
+        check_pair_split(2 * cfg.global_batch_size, SimpleNamespace(dp=SimpleNamespace(size=dp)), num_micro)
     if pconf.pp_size > 1:
         check_pipeline(cfg, pconf.pp_size, num_micro)
     return num_micro
@@ -230,7 +238,11 @@ def _data(cfg: TrainConfig, tokenizer, notes: list) -> Tuple[Optional[object], t
     dataset_prepared_path (one writer per node, no collective), or the byte corpus cut into windows;
     then max_steps from num_epochs and the sampler's samples per epoch."""
     datasets = None
-    if cfg.datasets:
+    if cfg.rl:                            # preference pairs (data/preference.py), the SFT rows otherwise
+        datasets = prepare_pairs(cfg, tokenizer)
+        notes.extend(datasets.notes)
+        train_tokens = val_tokens = torch.empty(0, dtype=torch.uint8)
+    elif cfg.datasets:
         progress = int(os.environ.get("RANK", 0)) == 0
         datasets = load_or_prepare(cfg, tokenizer, prepare_datasets, progress=progress)
         notes.extend(datasets.notes)

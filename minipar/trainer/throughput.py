@@ -65,7 +65,10 @@ class Throughput:
     """The FLOPs of this run's step and the peak; of_step(seconds) -> the metrics of one step."""
 
     def __init__(self, cfg, world: int, device: torch.device, dtype: torch.dtype):
-        self.flops = step_flops(cfg.model, cfg.global_batch_size, cfg.sequence_len)
+        # the rows of a step: rl: dpo counts pairs, two rows each (its reference's forward is not
+        # counted, as a recomputed forward is not: the model FLOPs of MFU)
+        self.rows = cfg.global_batch_size * (2 if getattr(cfg, "rl", None) else 1)
+        self.flops = step_flops(cfg.model, self.rows, cfg.sequence_len)
         self.world = world
         self.peak, self.peak_source = find_peak(cfg.peak_tflops, device, dtype)
         self.measured = cfg.peak_tflops is None and device.type != "cuda"   # a lower bound, raised

@@ -104,7 +104,7 @@ class TrainLoop:
         t.maybe_resume()
         metrics = self._open_metrics()
         self.loggers = open_loggers(cfg, t.start_step, self.is_main)
-        tokens_per_step = cfg.global_batch_size * cfg.sequence_len
+        tokens_per_step = self.throughput.rows * cfg.sequence_len     # rl: dpo: 2 rows per pair
         bar = tqdm(total=cfg.max_steps, initial=t.start_step, desc="train", dynamic_ncols=True,
                    disable=not (self.is_main and cfg.progress_bar))
         start, last_val = time.time(), None
@@ -123,13 +123,16 @@ class TrainLoop:
                           tokens_per_s=tokens_per_step / dt, **self.throughput.of_step(dt),
                           elapsed_s=time.time() - start)
             record.update(out.get("moe") or {})   # an MoE's aux loss, imbalance, drops (moe_metrics.py)
+            record.update(out.get("metrics") or {})   # rl: dpo's rewards/..., logps/... (TRL's names)
             has_val = self.run.datasets is None or self.run.datasets.val is not None
             if cfg.eval_steps and has_val and (done % cfg.eval_steps == 0 or done == cfg.max_steps):
                 t.settle()                        # evaluate checked weights (post_validate.py)
                 last_val = record["val_loss"] = t.evaluate()
-                record["val_perplexity"] = math.exp(min(last_val, 700.0))   # exp of the mean token loss
+                if not cfg.rl:                    # exp of the mean token loss (a DPO loss has none)
+                    record["val_perplexity"] = math.exp(min(last_val, 700.0))
                 if cfg.eval_prompts:              # a few greedy generations (eval_samples.py)
                     self._generations(record)
+                record.update(t.eval_metrics)     # rl: dpo's eval_rewards/... (dpo_run.py)
             if alone:                             # its loss and norm arrive a step late (overlap_steps.py)
                 if held is not None:
                     self._report(*held, bar, metrics)
@@ -223,7 +226,7 @@ class TrainLoop:
         if self.device.type == "cuda":
             mean = (sum(dt for *_, dt in unread) + time.time() - t0) / len(unread)
             for record, *_ in unread:
-                record.update(tokens_per_s=self.cfg.global_batch_size * self.cfg.sequence_len / mean,
+                record.update(tokens_per_s=self.throughput.rows * self.cfg.sequence_len / mean,
                               **self.throughput.of_step(mean))
         for (record, *_), row in zip(unread, rows):
             for k, v in row:
@@ -249,6 +252,9 @@ class TrainLoop:
         bar.update(1)
         if done % cfg.logging_steps == 0 or done == cfg.max_steps:
             val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+            if "rewards/accuracies" in record:    # rl: dpo
+                val += (f"  rewards/accuracies {record['rewards/accuracies']:.2f}  rewards/margins "
+                        f"{record['rewards/margins']:.4f}")
             self.log(f"step {done:>5}/{cfg.max_steps}  loss {loss:.4f}{val}  lr {record['lr']:.2e}  "
                      f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
 

@@ -7,6 +7,8 @@ each step, evaluation and checkpoints. It is built from parts it holds, not from
     self.batches         batch_source.Batches: the global batch of a step, this rank's share of
                          it, the eval batches, the sampler's checkpointed position
     self.loop            train_loop.TrainLoop(self): the run around the step; train() is its train()
+    self.dpo             rl: dpo only, dpo_run.DPORun: the DPO step around self.step, its
+                         reference, the evaluation on held-out pairs
 
 A step here is: this rank's micro-batches of the step's global batch (prepared during the last
 step), compose.Step on them, then the next step's batches prepared while the device works. The
@@ -31,6 +33,7 @@ from minipar.trainer.batch_source import Batches, eval_loss
 from minipar.trainer.checkpoint import save_load as ckpt
 from minipar.trainer.checkpoint import verify
 from minipar.trainer.checkpoint.async_save import AsyncCheckpointer
+from minipar.trainer.dpo_run import DPORun
 from minipar.trainer.prediction import planner_prediction
 from minipar.trainer.run_setup import Run
 from minipar.trainer.train_loop import TrainLoop  # the run around the step: train(), summary()
@@ -71,6 +74,9 @@ class Trainer:
         self.step = compose.Step(self.parallel, self.optimizer, self.scheduler, cfg.max_grad_norm,
                                  run.num_micro_steps, overlap=cfg.pipeline_overlap_steps)
         self.batches = Batches(run, self.device)
+        self.eval_metrics = {}                    # an evaluation's figures beside val_loss (rl: dpo)
+        # rl: dpo: DPOStep around self.step, its reference (precomputed here, before any resume)
+        self.dpo = DPORun(self) if cfg.rl else None
         self.start_step = 0
         # async_save: saves written in a background thread over a group of their own, created here
         # on every rank at the same point (checkpoint/async_save.py)
@@ -102,6 +108,8 @@ class Trainer:
         """compose.Step on this step's micro-batches; the loss and norm stay on the device (the
         loop reads them where it logs, train_loop.py)."""
         M = self.run.num_micro_steps
+        if self.dpo is not None:                  # the pairs' rows, split by DPOStep (dpo_run.py)
+            return self.dpo.step(self.batches.global_batch(step))
         n_items, micro = self.batches.step(step, M)   # prepared during the last step (batch_source.py)
         out = self.step(n_items, micro)
         self.batches.prefetch(step + 1, M)        # the next step's rows, while the GPU works on this one
@@ -113,6 +121,9 @@ class Trainer:
         self.step.settle()
 
     def evaluate(self) -> float:
+        if self.dpo is not None:                  # held-out pairs: the DPO loss, TRL's eval metrics
+            loss, self.eval_metrics = self.dpo.evaluate()
+            return loss
         return eval_loss(self.model, self.batches, self.step.eval_loss, self.step.loss_groups)
 
     # ------------------------------------------------------------------ checkpoints

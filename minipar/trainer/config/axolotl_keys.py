@@ -9,7 +9,7 @@ a difference. So each key has one row of KEYS:
                field of TrainConfig with the same meaning (warmup_ratio, saves_per_epoch, ...)
     noted      accepted; one note line in the run's log says it has no effect here and why
     refused    one problem in the file's ONE error message, with the alternative
-    foreign    keys of another tool or of work minipar does not do (deepspeed, rl): refused with
+    foreign    keys of another tool or of work minipar does not do (deepspeed, plugins): refused with
                their own explanation instead of a misleading "did you mean" (deepspeed -> seed)
 
 fold(data, notes, problems) runs on each source's raw mapping (keys.translate calls it), before
@@ -92,7 +92,6 @@ KEYS = {
 FOREIGN = {
     "deepspeed": "DeepSpeed is not used: minipar's ZeRO-3 is fsdp_version: 2 with dp_shard_size "
                  "(ZeRO-1/2: dp_replicate_size, ZeRO-3: dp_shard_size); remove `deepspeed`",
-    "rl": "preference training (rl: dpo, ...) is not supported (its own issue); remove `rl` for SFT",
     "plugins": "Axolotl's plugins (liger, cut cross-entropy, ...) are Axolotl's code; remove `plugins`",
     "fp16": "fp16 mixed precision is not supported: use bf16: true (or dtype: float32)",
     "gptq": "GPTQ-quantised bases need GPU kernels minipar does not have; use a bf16 or fp32 base",

@@ -31,11 +31,10 @@ from minipar.pipeline_parallel import check_schedule, chunks_per_rank, split_lay
 from minipar.trainer.config.keys import SIZE_NAMES
 from minipar.trainer.data.batches import DATASET_IS, check_data_file
 from minipar.trainer.data.datasets import check_entries
+from minipar.trainer.data.preference import check_pair_entries
 from minipar.trainer.data.sources import check_source
 from models.activation_checkpoint import check_option
 from models.llama import LlamaForCausalLM
-
-# what a `datasets` path must be, said with every refusal of one (data.check_data_file)
 
 
 def check(cfg, earlier: Sequence = (), unknown: Optional[ValueError] = None) -> None:
@@ -184,7 +183,8 @@ def _data_files(cfg) -> List[Exception]:
     checks = [lambda: check_data_file(cfg.dataset, "dataset file", DATASET_IS)]
     if cfg.datasets:
         try:
-            checks += [(lambda e=e: check_source(e)) for e in check_entries(cfg.datasets)]
+            entries = (check_pair_entries if cfg.rl else check_entries)(cfg.datasets)   # rl: pairs
+            checks += [(lambda e=e: check_source(e)) for e in entries]
         except ValueError as err:           # the list itself is malformed: its paths cannot be read
             out.append(err)
     for run in checks:

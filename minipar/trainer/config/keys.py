@@ -8,6 +8,7 @@ refused with the values minipar supports; none is silently ignored:
     context_parallel_size                   cp_size    name per size in the code; both names of
     pipeline_parallel_size                  pp_size    one size with different values in one
     expert_parallel_size                    ep_size    source are refused)
+    rl_beta                                 dpo_beta  (rl: ipo = rl: dpo, dpo_loss_type: ipo; rl_keys.py)
     gradient_accumulation_steps  A          global_batch_size G = micro_batch_size M x A x dp
                                             (any two of G, M, A imply the third; three that
                                              disagree are refused, naming all three and dp)
@@ -50,6 +51,7 @@ from typing import List
 from minipar import cuda_env
 from minipar.optim import SCHEDULES
 from minipar.trainer.config.axolotl_keys import fold
+from minipar.trainer.config.rl_keys import RL_NAMES, rl_problems, translate_rl
 
 LR_SCHEDULERS = tuple(SCHEDULES)
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
@@ -71,8 +73,9 @@ SIZE_NAMES = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_si
 
 
 def key_name(key: str) -> str:
-    """The code's name of a top-level config key: tp_size for tensor_parallel_size, else the key."""
-    return SIZE_NAMES.get(key, key)
+    """The code's name of a top-level config key: tp_size for tensor_parallel_size, dpo_beta for
+    rl_beta, else the key."""
+    return SIZE_NAMES.get(key, RL_NAMES.get(key, key))
 
 
 def size_keys(data: dict) -> set:
@@ -85,7 +88,7 @@ def translate(data: dict, unknown: list, notes: List[str], problems: List[str]) 
     tp_size), its boilerplate folded (axolotl_keys.py) and `fsdp_config` (and the list form of
     `fsdp`) folded into minipar's `fsdp` mapping. Unknown fsdp_config keys are appended to
     `unknown`, refusals to `problems` (raised with every other problem of the file at once)."""
-    data = fold(dict(data), notes, problems)
+    data = translate_rl(fold(dict(data), notes, problems), problems)    # rl_beta, rl: ipo (rl_keys.py)
     for axolotl, name in SIZE_NAMES.items():
         if axolotl not in data:
             continue
@@ -224,6 +227,7 @@ def resolve(cfg, given, notes: List[str], problems: List[str]) -> None:
     if cfg.dataset_prepared_path and not cfg.datasets:   # Axolotl configs carry it; said, not refused
         notes.append(f"dataset_prepared_path {cfg.dataset_prepared_path!r} has no effect without `datasets`: "
                      f"the text file `dataset` is read as bytes at each start")
+    problems.extend(rl_problems(cfg))     # rl: dpo and its keys (rl_keys.py)
     if cfg.max_steps is None and cfg.num_epochs is None:
         problems.append("max_steps is null: set max_steps, or num_epochs to derive it from the dataset size")
     if cfg.base_model:

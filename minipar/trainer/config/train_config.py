@@ -177,6 +177,14 @@ class TrainConfig:
     merge_lora: bool = False              # also write <output_dir>/merged: W0 + (alpha/r) B A
     load_in_4bit: bool = False            # refused (quantised bases need GPU kernels)
     load_in_8bit: bool = False
+    # preference training, Axolotl's and TRL's keys (config/rl_keys.py, docs/dpo.md): `datasets` rows
+    # of prompt / chosen / rejected; global_batch_size and micro_batch_size count PAIRS, as TRL's do
+    rl: Optional[str] = None              # dpo (Axolotl's rl: ipo is dpo with dpo_loss_type ipo)
+    dpo_beta: float = 0.1                 # [rl_beta] TRL's beta: the KL penalty's weight
+    dpo_loss_type: str = "sigmoid"        # sigmoid (Rafailov et al.) | ipo (Azar et al.)
+    # TRL's: the reference's log-probs computed in one pass before training. null: true for a full
+    # fine-tune, false with adapter: lora (the reference is then the base with the adapters off)
+    precompute_ref_log_probs: Optional[bool] = None
     model: LlamaConfig = field(default_factory=lambda: LlamaConfig(
         hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024))

@@ -4,6 +4,8 @@
       out/example/tokenizer/     tokenizer.json + tokenizer_config.json (AutoTokenizer loads it)
       out/example/chat.jsonl     {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
       out/example/completion.jsonl  {"text": "..."}: the same speeches as plain completion rows
+      out/example/preference.jsonl  {"messages": [...], "chosen": {...}, "rejected": {...}}: pairs for
+                                 rl: dpo (configs/dpo.yaml), Axolotl's chat_template form
 
 Everything comes from the bundled plays (data/shakespeare.txt): the tokenizer is trained on them
 with the `tokenizers` package (byte-level BPE, as Llama 3 and GPT-2 use), and each conversation
@@ -74,6 +76,24 @@ def conversations(n: int, seed: int = 0, path: str = PLAYS, max_chars: int = 240
     return rows
 
 
+def preference_pairs(n: int, seed: int = 0, path: str = PLAYS) -> List[Dict]:
+    """n preference rows in Axolotl's chat_template form: a conversation up to its last user turn,
+    the play's own reply as `chosen` and the reply of another scene as `rejected` (a preference a
+    small model can learn: the answer that follows the question)."""
+    rng = random.Random(seed + 1)
+    chats = [c["messages"] for c in conversations(2 * n, seed + 1, path)]
+    rows = []
+    for k, messages in enumerate(chats[:n]):
+        other = chats[n + k][-1]["content"]
+        if other == messages[-1]["content"]:
+            continue
+        rows.append(dict(messages=messages[:-1],
+                         chosen=dict(role="assistant", content=messages[-1]["content"]),
+                         rejected=dict(role="assistant", content=other)))
+    rng.shuffle(rows)
+    return rows
+
+
 def make_tokenizer(directory: str, vocab_size: int = 2048, path: str = PLAYS,
                    max_chars: Optional[int] = None) -> str:
     """Train a byte-level BPE of `vocab_size` tokens (the special tokens included) on the plays (their
@@ -106,8 +126,9 @@ def write_jsonl(path: str, rows: List[Dict]) -> str:
 
 
 def make_example(directory: str, num_conversations: int = 2000, vocab_size: int = 2048, seed: int = 0,
-                 tokenizer_chars: Optional[int] = None) -> Dict:
-    """Write tokenizer/, chat.jsonl and completion.jsonl under `directory`; returns their paths.
+                 tokenizer_chars: Optional[int] = None, num_preference: int = 48) -> Dict:
+    """Write tokenizer/, chat.jsonl, completion.jsonl and preference.jsonl under `directory`;
+    returns their paths.
     tokenizer_chars trains the tokenizer on the first characters of the plays only (faster)."""
     chats = conversations(num_conversations, seed)
     completions = [dict(text="\n".join(m["content"] for m in c["messages"] if m["role"] != "system"))
@@ -115,13 +136,16 @@ def make_example(directory: str, num_conversations: int = 2000, vocab_size: int 
     return dict(tokenizer=make_tokenizer(os.path.join(directory, "tokenizer"), vocab_size,
                                          max_chars=tokenizer_chars),
                 chat=write_jsonl(os.path.join(directory, "chat.jsonl"), chats),
-                completion=write_jsonl(os.path.join(directory, "completion.jsonl"), completions))
+                completion=write_jsonl(os.path.join(directory, "completion.jsonl"), completions),
+                preference=write_jsonl(os.path.join(directory, "preference.jsonl"),
+                                       preference_pairs(num_preference, seed)))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("directory", help="where to write tokenizer/, chat.jsonl, completion.jsonl")
+    parser.add_argument("directory", help="where to write tokenizer/, chat.jsonl, completion.jsonl, "
+                                          "preference.jsonl")
     parser.add_argument("--conversations", type=int, default=2000)
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)

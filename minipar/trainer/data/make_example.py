@@ -5,6 +5,8 @@ README's "Fine-tune a Hugging Face model".
       out/example/model/    config.json, model-0000k-of-0000n.safetensors + model.safetensors.index.json
                             (random weights, as `save_pretrained` shards them), and the tokenizer
       then: torchrun --nproc-per-node 8 train.py configs/finetune.yaml
+      and preference training on out/example/preference.jsonl (48 generated pairs, chat form):
+            torchrun --nproc-per-node 8 train.py configs/dpo.yaml   (dpo_lora.yaml: LoRA)
 
     python -m minipar.trainer.data.make_example out/example_moe --model mixtral    (or qwen3_moe)
       the same with a small mixture of experts, its experts one tensor each as on the Hub

@@ -1,0 +1,93 @@
+"""Preference training's keys, as Axolotl and TRL write them, and the reference each run takes.
+
+    Axolotl / TRL                         minipar (TrainConfig)
+    rl: dpo                               rl dpo: DPO on `datasets` pairs (minipar/dpo_step.py)
+    rl: ipo                               rl dpo, dpo_loss_type ipo (Axolotl's spelling of IPO)
+    rl: kto | orpo | simpo | grpo | ...   refused, naming the supported values
+    rl_beta  or  dpo_beta                 dpo_beta (one name in the code; both given and different:
+                                          refused)
+    dpo_loss_type: sigmoid | ipo          TRL's loss_type (the sigmoid loss of Rafailov et al. 2023,
+                                          or IPO of Azar et al. 2023)
+    precompute_ref_log_probs              TRL's: the reference's log-probs of every pair computed in
+                                          one pass before training
+
+The reference (docs/dpo.md has what each costs):
+
+    full fine-tune                        precomputed (the starting weights, one forward pass over
+                                          the train and held-out pairs before step 1); a frozen
+                                          second copy is not built, so precompute_ref_log_probs:
+                                          false is refused
+    adapter: lora                         the base with its adapters switched off, one more forward
+                                          per micro-batch; precompute_ref_log_probs: true precomputes
+                                          it instead (the adapters-off model before step 1)
+
+translate_rl runs on each source's raw mapping (keys.translate calls it), rl_problems once all
+sources are applied (keys.resolve). Pure Python, no communication.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+RL_TYPES = ("dpo",)
+RL_NAMES = {"rl_beta": "dpo_beta"}      # Axolotl's name -> the code's
+RL_ALIASES = {"ipo": ("dpo", "ipo")}     # Axolotl's rl value -> (rl, dpo_loss_type)
+LOSS_TYPES = ("sigmoid", "ipo")
+
+
+def translate_rl(data: dict, problems: List[str]) -> dict:
+    """rl_beta -> dpo_beta and rl: ipo -> rl: dpo + dpo_loss_type: ipo, in one source's mapping."""
+    if "rl_beta" in data:
+        value = data.pop("rl_beta")
+        if value is not None:
+            if data.get("dpo_beta") is not None and data["dpo_beta"] != value:
+                problems.append(f"rl_beta: {value!r} contradicts dpo_beta: {data['dpo_beta']!r} (two "
+                                f"names of DPO's beta); set one of them")
+            data["dpo_beta"] = value
+    if data.get("rl") in RL_ALIASES:
+        rl, loss = RL_ALIASES[data["rl"]]
+        if data.get("dpo_loss_type", loss) != loss:
+            problems.append(f"rl: {data['rl']} contradicts dpo_loss_type: {data['dpo_loss_type']}; use "
+                            f"rl: dpo with dpo_loss_type")
+        data["rl"], data["dpo_loss_type"] = rl, loss
+    return data
+
+
+def reference_of(cfg) -> Optional[str]:
+    """The DPO reference a config asks for: 'precomputed', 'lora' (adapters off), or None (no rl)."""
+    if not cfg.rl:
+        return None
+    if cfg.adapter == "lora" and not cfg.precompute_ref_log_probs:
+        return "lora"
+    return "precomputed"
+
+
+def rl_problems(cfg) -> List[str]:
+    """Every problem of the preference keys, one line each (keys.resolve adds them to the file's)."""
+    out = []
+    if cfg.rl is None:
+        given = [k for k, v in (("dpo_loss_type", cfg.dpo_loss_type != "sigmoid"),
+                                ("precompute_ref_log_probs", cfg.precompute_ref_log_probs is not None)) if v]
+        if given:
+            out.append(f"{', '.join(given)} apply to preference training only: set rl: dpo, or remove them")
+        return out
+    if cfg.rl not in RL_TYPES:
+        return [f"rl: {cfg.rl!r} is not supported; supported: {list(RL_TYPES)} (and rl: ipo, DPO with "
+                f"dpo_loss_type ipo); remove `rl` for supervised fine-tuning"]
+    if cfg.dpo_loss_type not in LOSS_TYPES:
+        out.append(f"dpo_loss_type {cfg.dpo_loss_type!r} is not supported; supported: {list(LOSS_TYPES)}")
+    if not cfg.dpo_beta > 0:
+        out.append(f"dpo_beta (rl_beta) must be > 0, got {cfg.dpo_beta}")
+    if cfg.adapter != "lora" and cfg.precompute_ref_log_probs is False:
+        out.append("precompute_ref_log_probs: false needs adapter: lora (the reference is then the base "
+                   "with the adapters off); a full fine-tune's reference is precomputed before training "
+                   "(a frozen second copy of the model is not built): set it to true or remove it")
+    if not cfg.datasets:
+        out.append("rl: dpo trains on preference pairs: set `datasets` to a JSONL file of prompt / chosen / "
+                   "rejected rows (Axolotl's chat_template form, or the plain form; docs/dpo.md)")
+    if cfg.sample_packing:
+        out.append("sample_packing: true with rl: dpo: each side of a pair is one padded row (no packing); "
+                   "set sample_packing: false")
+    if cfg.pipeline_overlap_steps:
+        out.append("pipeline_overlap_steps with rl: dpo is not supported (the pairs' metrics are summed "
+                   "over the stages every step); set it to false")
+    return out

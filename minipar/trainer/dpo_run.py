@@ -1,0 +1,102 @@
+"""rl: dpo in the trainer: the DPO step of minipar/dpo_step.py on the run's pairs, its reference,
+and the evaluation on held-out pairs. trainer.py holds one DPORun when the config has rl: dpo.
+
+    DPORun(trainer)        DPOStep(trainer.step, dpo_beta, dpo_loss_type, reference) with the
+                           reference of config/rl_keys.py's reference_of: 'lora' (the adapters
+                           switched off, one more forward per micro-batch) or 'precomputed'
+    precompute()           the precomputed reference: one forward pass over the train and held-out
+                           pairs with the STARTING weights, in batches of global_batch_size pairs
+                           (the last one filled up with pairs again, their numbers dropped), each
+                           all-gathered over dp; (P, 2) floats kept on the host of every rank in the
+                           PairData (2 floats per pair). With adapter: lora it runs with the
+                           adapters off. It runs in the constructor, at every start, BEFORE a resume
+                           loads its checkpoint: the starting weights (base_model, or the seeded
+                           initialisation) and the data are the same, so a resumed run recomputes
+                           the numbers the first run used (nothing is stored in the checkpoint)
+    step(global batch)     (2G, T) rows c_0, r_0, ... and their (2G,) reference -> DPOStep: the loss,
+                           grad norm, lr, and TRL's metrics as device tensors (train_loop.py reads
+                           them with the loss, in one copy)
+    evaluate()             the mean DPO loss over eval_batches whole batches of held-out pairs (one
+                           micro-batch per rank, forward only) and TRL's eval metrics
+                           (eval_rewards/accuracies, ...), summed like the SFT eval loss
+
+Communication beyond the step's: the reference pass's forwards and one all-gather of 2G floats
+per batch over dp (once per start); an evaluation's forwards, and per batch one all-reduce of 6
+numbers (the metrics), then one of the loss over dp_cp (and pp).
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, Tuple
+
+import torch
+
+from minipar import comm
+from minipar.dpo import METRICS, PairLoss
+from minipar.dpo_step import DPOStep
+from minipar.lora import adapters_off
+from minipar.trainer.config.rl_keys import reference_of
+
+
+class DPORun:
+    """The DPO step, its reference and its evaluation, for a trainer (trainer.py) of an rl run."""
+
+    def __init__(self, trainer):
+        self.t, self.cfg, self.pgm = trainer, trainer.cfg, trainer.pgm
+        self.reference = reference_of(self.cfg)
+        self.dpo = DPOStep(trainer.step, self.cfg.dpo_beta, self.cfg.dpo_loss_type, self.reference)
+        self.data = trainer.run.datasets              # data/preference.py PairRun: train, val
+        trainer.log(f"rl: dpo ({self.cfg.dpo_loss_type}, beta {self.cfg.dpo_beta:g}), reference: "
+                    + ("the base with the adapters off, one more forward per micro-batch"
+                       if self.reference == "lora" else "precomputed before training"))
+        if self.reference == "precomputed":
+            self.precompute()
+
+    def precompute(self) -> None:
+        t0, G = time.time(), self.cfg.global_batch_size
+        splits = [d for d in (self.data.train, self.data.val) if d is not None]
+        for data in splits:
+            out = torch.empty(data.num_rows, 2)
+            for first in range(0, data.num_rows, G):
+                index = torch.arange(first, first + G) % data.num_rows   # the last batch filled up
+                gb = data.take(index)
+                got = self._reference_pass(gb["input_ids"], gb["labels"]).view(G, 2)
+                k = min(G, data.num_rows - first)
+                out[first:first + k] = got[:k]
+            data.ref_logps = out
+        pairs = sum(d.num_rows for d in splits)
+        self.t.log(f"reference log-probs of {pairs} pairs precomputed in {time.time() - t0:.1f} s "
+                   f"(recomputed at every start from the starting weights, before a resume)")
+
+    def _reference_pass(self, ids, labels) -> torch.Tensor:
+        if self.cfg.adapter == "lora":                # the reference of a LoRA run: adapters off
+            with adapters_off(self.t.model):
+                return self.dpo.precompute_reference(ids, labels)
+        return self.dpo.precompute_reference(ids, labels)
+
+    def step(self, gb: Dict[str, torch.Tensor]) -> dict:
+        return self.dpo(gb["input_ids"], gb["labels"], gb.get("ref_logps"))
+
+    @torch.no_grad()
+    def evaluate(self) -> Tuple[float, Dict[str, float]]:
+        """(mean held-out DPO loss, {eval_rewards/...: mean}) over whole batches; collective."""
+        cfg, step, device = self.cfg, self.t.step, self.t.device
+        model = self.t.model
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
+        count = 0
+        for gb in self.data.val.batches(cfg.global_batch_size, cfg.eval_batches):
+            mb = self.dpo.local(gb["input_ids"], gb["labels"], gb.get("ref_logps"), num_micro=1)
+            if self.reference == "lora":
+                with adapters_off(model):
+                    self.dpo.record(mb)
+            model.eval()
+            objective = PairLoss(mb, cfg.global_batch_size, self.pgm, cfg.dpo_beta, cfg.dpo_loss_type)
+            total += step.eval_loss(mb[0], objective)
+            sums += torch.stack(list(objective.metrics(device).values()))
+            count += 1
+        for group in step.loss_groups:
+            comm.all_reduce(total, group)
+        model.train()
+        got = (torch.cat([total.reshape(1), sums]) / max(count, 1)).tolist()
+        return got[0], {f"eval_{name}": v for name, v in zip(METRICS, got[1:])}

@@ -1,0 +1,164 @@
+"""rl: dpo through train.py (minipar/trainer/dpo_run.py): configs/dpo.yaml (full fine-tune, the
+precomputed reference) and configs/dpo_lora.yaml (LoRA, the adapters-off reference) on a tiny
+checkpoint with make_example's generated pairs; one process equals 2 ranks (dp_shard 2, tp 2)
+within 1e-4, the metrics carry TRL's names, a resumed run equals the uninterrupted one, and bad
+input is one line before any step."""
+import json
+import os
+
+import pytest
+import torch
+from harness import run_world
+
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+        "logps/chosen", "logps/rejected")
+
+
+def _make(directory):
+    from minipar.trainer.checkpoint.save_load import copy_tokenizer
+    from minipar.trainer.data.example_data import make_example
+    from minipar.trainer.data.make_example import write_checkpoint
+    from models.llama_config import LlamaConfig
+    paths = make_example(directory, num_conversations=4, tokenizer_chars=30_000, num_preference=24)
+    model = os.path.join(directory, "model")
+    write_checkpoint(model, LlamaConfig(**TINY), seed=0, dtype=torch.float32)
+    copy_tokenizer(paths["tokenizer"], model)
+    return paths["preference"]
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("dpo-example"))
+    pairs = run_world(_make, 1, d, timeout=120)[0]     # torch only inside a forked rank
+    return dict(model=os.path.join(d, "model"), pairs=pairs)
+
+
+def _argv(config, ex, out, steps=2, *extra):
+    return [os.path.join(ROOT, "configs", config), "--base_model", ex["model"],
+            "--datasets", f"[{{path: {ex['pairs']}, type: chat_template}}]", "--output_dir", str(out),
+            "--max_steps", str(steps), "--global_batch_size", "4", "--val_set_size", "4", "--eval_steps",
+            str(steps), "--eval_batches", "1", "--save_steps", "0", "--export_hf", "false",
+            "--logging_steps", "1", "--learning_rate", "1e-2", "--warmup_steps", "0",
+            "--progress_bar", "false",            "--sequence_len", "256", "--peak_tflops", "1",
+            "--dp_shard_size", "1", "--tensor_parallel_size", "1", "--context_parallel_size", "1", *extra]
+
+
+def _train(argv):
+    torch.set_num_threads(1)
+    trainer = Trainer(setup_run(argv))
+    history = trainer.train()
+    return [{k: r[k] for k in r if k in KEYS or k.startswith("eval_") or k == "val_loss"} for r in history]
+
+
+def _close(a, b, tol=1e-4):
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys(), (ra.keys(), rb.keys())
+        for k in ra:
+            assert abs(ra[k] - rb[k]) <= tol * max(1.0, abs(rb[k])), (k, ra[k], rb[k])
+
+
+@pytest.mark.parametrize("config,layout", [
+    ("dpo.yaml", ["--dp_shard_size", "2"]),
+    pytest.param("dpo_lora.yaml", ["--tensor_parallel_size", "2"], marks=pytest.mark.slow)])
+def test_config_one_process_equals_two_ranks(tmp_path, example, config, layout):
+    one = run_world(_train, 1, _argv(config, example, tmp_path / "one"), timeout=120)[0]
+    two = run_world(_train, 2, _argv(config, example, tmp_path / "two", 2, *layout), timeout=120)
+    assert abs(one[0]["loss"] - 0.6931471805599453) < 1e-5     # the reference is the start: ln 2
+    assert set(KEYS) <= set(one[-1]) and "eval_rewards/accuracies" in one[-1] and "val_loss" in one[-1]
+    _close(two[0], one)
+    _close(two[1], one)
+    rows = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")]
+    assert "rewards/margins" in rows[0] and "eval_rewards/margins" in rows[-1]
+
+
+def test_dpo_lora_one_process(tmp_path, example):
+    """configs/dpo_lora.yaml's fast twin: the adapters-off reference is the start (B = 0): ln 2."""
+    one = run_world(_train, 1, _argv("dpo_lora.yaml", example, tmp_path / "one"), timeout=120)[0]
+    assert abs(one[0]["loss"] - 0.6931471805599453) < 1e-5 and one[0]["rewards/margins"] == 0.0
+    assert "eval_rewards/accuracies" in one[-1] and one[-1]["loss"] != one[0]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["dpo.yaml", "dpo_lora.yaml"])
+def test_resume_equals_uninterrupted(tmp_path, example, config):
+    """The precomputed reference is recomputed at the start of the resumed run from the starting
+    weights: the resumed steps equal the uninterrupted run's."""
+    const = ["--lr_scheduler", "constant"]       # the same rate whatever max_steps the first run had
+    full = run_world(_train, 1, _argv(config, example, tmp_path / "full", 4, *const), timeout=120)[0]
+    first = _argv(config, example, tmp_path / "cut", 4, "--save_steps", "2", *const)
+    run_world(_train, 1, first + ["--max_steps", "2", "--save_final_checkpoint", "true"], timeout=120)
+    rest = run_world(_train, 1, first + ["--resume_from_checkpoint", "latest"], timeout=120)[0]
+    _close(rest[-2:], full[-2:], 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--dp_shard_size", "2", "--gradient_accumulation_steps", "2",
+                                     "--global_batch_size", "4", "--micro_batch_size", "null"],
+                                    ["--context_parallel_size", "2"],
+                                    ["--pipeline_parallel_size", "2", "--micro_batch_size", "2"]])
+def test_more_layouts(tmp_path, example, layout):
+    one = run_world(_train, 1, _argv("dpo.yaml", example, tmp_path / "one"), timeout=120)[0]
+    two = run_world(_train, 2, _argv("dpo.yaml", example, tmp_path / "two", 2, *layout), timeout=120)
+    _close(two[0], one)
+
+
+def _refused(argv):
+    try:
+        setup_run(argv)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_bad_input_is_one_line_before_any_step(tmp_path, example):
+    pairs = tmp_path / "bad.jsonl"
+    pairs.write_text(json.dumps(dict(prompt="a", chosen="b")) + "\n")
+    plain = f"[{{path: {pairs}}}]"
+    long_prompt = tmp_path / "long.jsonl"
+    long_prompt.write_text(json.dumps(dict(prompt="x " * 600, chosen="b", rejected="c")) + "\n")
+    cases = {
+        "kto": (["--rl", "kto"], "rl: 'kto' is not supported; supported: ['dpo']"),
+        "lora reference": (["--precompute_ref_log_probs", "false"], "precompute_ref_log_probs: false needs "
+                                                                     "adapter: lora"),
+        "no rejected": (["--datasets", plain], "needs `rejected`"),
+        "long prompt": (["--datasets", f"[{{path: {long_prompt}}}]"], "leaves no room for a response"),
+        "beta": (["--rl_beta", "0"], "dpo_beta (rl_beta) must be > 0"),
+    }
+    argvs = {name: _argv("dpo.yaml", example, tmp_path / name.replace(" ", "_"), 3, *extra)
+             for name, (extra, _) in cases.items()}
+    got = run_world(lambda: {name: _refused(a) for name, a in argvs.items()}, 1, timeout=60)[0]
+    for name, (_, want) in cases.items():
+        assert got[name] is not None and want in got[name], (name, got[name])
+        assert not os.path.exists(tmp_path / name.replace(" ", "_"))        # refused before any write
+
+
+def _planned(argv):
+    import dataclasses
+
+    from minipar.plan import Cluster, Layout, plan
+    from minipar.trainer.config.train_config import load_config
+    from minipar.trainer.prediction import from_train_config
+    cfg = load_config(argv[0], argv[1:], [])
+    model, sizes, batch, opts = from_train_config(cfg)
+    layout, cluster = Layout(1, 2, 1, 1), Cluster(peak_tflops=100.0)
+    with_ref = plan(model, layout, batch, opts, cluster)["time"]
+    without = plan(model, layout, batch, dataclasses.replace(opts, dpo_reference=""), cluster)["time"]
+    return batch.global_batch_size, with_ref, without
+
+
+def test_planner_counts_the_reference(tmp_path, example):
+    """rows = 2 per pair; LoRA's reference adds one forward per micro-batch to the step's time (about
+    a third of its compute), the precomputed one nothing per step and a pass before training."""
+    rows, lora, plain = run_world(_planned, 1, _argv("dpo_lora.yaml", example, tmp_path / "l"), timeout=60)[0]
+    assert rows == 8
+    assert lora["step_s"] == pytest.approx(plain["step_s"] + lora["reference_s"])
+    assert 0.05 * plain["compute_s"] < lora["reference_s"] < 0.5 * plain["compute_s"]
+    _, pre, plain = run_world(_planned, 1, _argv("dpo.yaml", example, tmp_path / "p"), timeout=60)[0]
+    assert pre["step_s"] == pytest.approx(plain["step_s"]) and pre["reference_pass_s_per_batch"] > 0

@@ -194,12 +194,15 @@ def build(config, pgm, recipe: Recipe, base_model=None, device=None, log: Callab
         mode = "full" if recipe.gradient_checkpointing is True else recipe.gradient_checkpointing
         model.gradient_checkpointing = ActivationCheckpointing(mode, recipe.selective_ac_option)
     # 6. torch.compile of each decoder layer's forward: the hooks of 4 stay outside; checkpointing
-    # moves inside the compiled region (traced with the layer), so the stage no longer applies it
+    # moves inside the compiled region where the layer traces whole (then the stage no longer
+    # applies it), else stays around the layer call (regional_compile.py)
     if recipe.compile:
         layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
-        pm.compiled = compile_layers(layers, recipe.compile_backend, recipe.compile_mode,
-                                     checkpointing=model.gradient_checkpointing)
-        model.gradient_checkpointing = False
+        boundaries = pgm.tp.size > 1 or pgm.cp.size > 1 or any(m.is_moe for m in layers)
+        pm.compiled, inside = compile_layers(layers, recipe.compile_backend, recipe.compile_mode,
+                                             model.gradient_checkpointing, boundaries)
+        if inside:
+            model.gradient_checkpointing = False
     return pm
 
 

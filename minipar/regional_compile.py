@@ -19,9 +19,12 @@ ends (docs/compile.md has the picture):
                                               shapes (bincount, the splits read on the host) and
                                               the all-to-all dispatch run eagerly
         LoRA adapters                         INSIDE (output addends of the linears)
-        activation checkpointing              INSIDE: the checkpoint call is traced with the
-                                              layer (torch's checkpoint higher-order op, selective
-                                              policies included), so the hooks run once, outside
+        activation checkpointing              INSIDE where the layer has no boundary: the checkpoint
+                                              call is traced with the layer (torch's checkpoint
+                                              operator, selective policies included), so the hooks
+                                              run once, outside. With a boundary (tp, cp, MoE) it
+                                              stays OUTSIDE, around the module call, eager (full or
+                                              every n-th layer; the op policy is refused)
       ZeRO-3 post-forward hook, output hooks  free the gathered storage, arm the pre-backward gather
     DDP's gradient hooks                      on the parameters (AccumulateGrad): outside any graph
 
@@ -41,15 +44,17 @@ runs them eagerly: no kernel generation, fast to compile; the tests' choice on C
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
 
 
-def check_compile(compile: bool, backend: str, mode: Optional[str]) -> str:
-    """Why these settings cannot compile, or '' (the config check calls it on every rank)."""
+def check_compile(compile: bool, backend: str, mode: Optional[str], pipeline_schedule: str = "1f1b",
+                  checkpointing=False, selective_ac_option="op", boundaries: bool = False) -> str:
+    """Why these settings cannot compile, or '' (the config check calls it on every rank, and
+    compose.build again). boundaries: the layer holds a graph boundary (tp > 1, cp > 1, an MoE)."""
     if not compile:
         return ""
     if backend not in BACKENDS:
@@ -57,8 +62,19 @@ def check_compile(compile: bool, backend: str, mode: Optional[str]) -> str:
     if mode is not None and backend != "inductor":
         return (f"torch_compile_mode {mode!r} is an inductor setting; with torch_compile_backend "
                 f"{backend!r} leave it unset, or use inductor")
-    if not hasattr(torch, "compile"):
-        return f"compile: true needs torch.compile (torch >= 2.0); this is torch {torch.__version__}"
+    if not hasattr(torch, "compile") or not hasattr(torch, "_disable_dynamo"):
+        return f"compile: true needs torch.compile (torch >= 2.4); this is torch {torch.__version__}"
+    if pipeline_schedule in ("zb_h1", "zbv"):
+        return (f"compile: true with pipeline_schedule {pipeline_schedule}: the zero-bubble schedules "
+                f"split each linear's backward by hand (pipeline_parallel/split_backward.py keeps (x, dy) "
+                f"for a later W action), which a compiled graph cannot hold; use 1f1b or "
+                f"interleaved_1f1b, or compile: false")
+    if checkpointing == "selective" and selective_ac_option == "op" and boundaries:
+        return ("compile: true with gradient_checkpointing: selective (op) on a layer with graph "
+                "boundaries (tp > 1, cp > 1 or an MoE): the op policy runs inside the compiled region, "
+                "where torch's checkpoint operator cannot hold a graph break, and outside it its "
+                "dispatch mode cannot see the compiled ops; use gradient_checkpointing: true or an "
+                "integer selective_ac_option, or compile: false")
     return ""
 
 
@@ -116,18 +132,23 @@ def _checkpointed(policy, forward):
 
 
 def compile_layers(layers, backend: str = "inductor", mode: Optional[str] = None,
-                   checkpointing=None) -> CompileStats:
+                   checkpointing=None, boundaries: bool = False) -> Tuple[CompileStats, bool]:
     """Compile each decoder layer's forward in place (the module call and its hooks stay eager).
-    checkpointing: the model's ActivationCheckpointing (or False): moved INSIDE each compiled
-    region for the layers it applies to, so the caller must then stop applying it itself."""
-    problem = check_compile(True, backend, mode)
+    Returns the stats and whether `checkpointing` (the model's ActivationCheckpointing, or False)
+    was moved INSIDE the compiled regions, in which case the caller must stop applying it. It is
+    moved where the layer traces whole (boundaries False: torch's checkpoint operator cannot hold
+    a graph break); otherwise it stays around the module call, eager, and its recompute runs the
+    compiled forward again."""
+    mode_name = getattr(checkpointing, "mode", False) if checkpointing else False
+    problem = check_compile(True, backend, mode, checkpointing=mode_name,
+                            selective_ac_option=getattr(checkpointing, "option", "op"), boundaries=boundaries)
     if problem:
         raise ValueError(problem)
     layers = list(layers)
+    inside = bool(checkpointing) and not boundaries
     for layer in layers:
         forward = layer.forward                   # the bound eager forward
-        if checkpointing and checkpointing.applies(layer.layer_idx):
+        if inside and checkpointing.applies(layer.layer_idx):
             forward = _checkpointed(checkpointing, forward)
         layer.forward = torch.compile(forward, backend=backend, mode=mode, dynamic=False)
-    return CompileStats(backend, mode, len(layers))
-
+    return CompileStats(backend, mode, len(layers)), inside

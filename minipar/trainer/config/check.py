@@ -28,6 +28,7 @@ from typing import List
 from minipar.config import ATTENTION_BACKENDS, CP_IMPLS, CP_LAYOUTS
 from minipar.lora import adapter_shapes, add_lora, check_adapter, check_targets
 from minipar.pipeline_parallel import check_schedule, chunks_per_rank, split_layers
+from minipar.regional_compile import check_compile
 from minipar.trainer.config.keys import SIZE_NAMES
 from minipar.trainer.data.batches import DATASET_IS, check_data_file
 from minipar.trainer.data.datasets import check_entries
@@ -133,6 +134,13 @@ def check(cfg) -> None:
         problem = check_option(cfg.gradient_checkpointing, cfg.selective_ac_option)
         if problem:
             bad(problem)
+    if not isinstance(cfg.compile, bool):
+        bad(f"compile (torch_compile) must be true or false, got {cfg.compile!r}")
+    problem = check_compile(cfg.compile is True, cfg.compile_backend, cfg.compile_mode, cfg.pipeline_schedule,
+                            cfg.gradient_checkpointing, cfg.selective_ac_option,
+                            boundaries=cfg.tp_size > 1 or cfg.cp_size > 1 or moe)
+    if problem:
+        bad(problem)
     if len(problems) == 1:
         raise problems[0]
     if problems:

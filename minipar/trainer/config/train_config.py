@@ -91,6 +91,11 @@ class TrainConfig:
     # attention outputs, recompute the rest) or an integer n (every n-th layer fully checkpointed)
     gradient_checkpointing: Union[bool, str] = False
     selective_ac_option: Union[str, int] = "op"
+    # torch.compile of each decoder layer (minipar/regional_compile.py; docs/compile.md), Axolotl's
+    # [torch_compile], [torch_compile_backend] (inductor, aot_eager, eager), [torch_compile_mode]
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_mode: Optional[str] = None
     # the parallel sizes, accelerate's names (ParallelismConfig's, minipar/config.py); a YAML file or
     # the command line may write Axolotl's [in brackets], which keys.py maps onto these;
     # dp_shard_size None = the remainder of the world
@@ -185,7 +190,8 @@ class TrainConfig:
                       pipeline_virtual_stages=self.pipeline_virtual_stages,
                       pipeline_layers=self.pipeline_layers, zero3_prefetch=self.fsdp.prefetch,
                       reshard_after_forward=self.fsdp.reshard_after_forward,
-                      sync_each_batch=self.fsdp.sync_each_batch, ddp=self.ddp)
+                      sync_each_batch=self.fsdp.sync_each_batch, ddp=self.ddp, compile=self.compile,
+                      compile_backend=self.compile_backend, compile_mode=self.compile_mode)
 
     def parallelism(self) -> ParallelismConfig:
         """The grid's config (minipar/config.py): the sizes and the options of the parallel dimensions,
@@ -259,7 +265,7 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
         _apply(cfg, data, unknown=unknown)
         explicit_model_keys |= set(data.get("model") or {}) if isinstance(data.get("model"), dict) else set()
     if unknown:                          # Axolotl's fsdp_config is a key too, though not a field
-        raise unknown_keys_error([(k, v + ["fsdp_config", *config_keys.SIZE_NAMES] if not p else v, p)
+        raise unknown_keys_error([(k, v + ["fsdp_config", *config_keys.SIZE_NAMES, *config_keys.COMPILE_NAMES] if not p else v, p)
                                   for k, v, p in unknown])
     config_keys.resolve(cfg, given, notes)
     # derived model fields follow the final sizes unless set explicitly: head_dim always

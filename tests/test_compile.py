@@ -86,7 +86,8 @@ def test_dp_shard2_hooks_stay_outside_the_compiled_layer():
     ({}, TINY, dict(gradient_checkpointing="selective"), None),
     ({}, TINY, dict(gradient_checkpointing=True), None),
     (dict(tp_size=2), TINY, dict(gradient_checkpointing=True), None),
-], ids=["tp2-sp", "cp2-ring", "cp2-ulysses", "pp2", "ep2-moe", "lora", "selective-ac", "full-ac", "tp2-full-ac"])
+], ids=["tp2-sp", "cp2-ring", "cp2-ulysses", "pp2", "ep2-moe", "lora", "selective-ac", "full-ac",
+        "tp2-full-ac"])
 def test_layouts_compiled_equal_eager(sizes, model, settings, graphs):
     n = max(1, sizes.get("tp_size", 1) * sizes.get("cp_size", 1) * sizes.get("pp_size", 1)
             * sizes.get("dp_shard_size", 1))

@@ -265,8 +265,8 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
         _apply(cfg, data, unknown=unknown)
         explicit_model_keys |= set(data.get("model") or {}) if isinstance(data.get("model"), dict) else set()
     if unknown:                          # Axolotl's fsdp_config is a key too, though not a field
-        raise unknown_keys_error([(k, v + ["fsdp_config", *config_keys.SIZE_NAMES, *config_keys.COMPILE_NAMES] if not p else v, p)
-                                  for k, v, p in unknown])
+        axolotl = ["fsdp_config", *config_keys.SIZE_NAMES, *config_keys.COMPILE_NAMES]
+        raise unknown_keys_error([(k, v + axolotl if not p else v, p) for k, v, p in unknown])
     config_keys.resolve(cfg, given, notes)
     # derived model fields follow the final sizes unless set explicitly: head_dim always
     # (hidden_size / num_attention_heads); the KV heads only where the heads were given, as HF's

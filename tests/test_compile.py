@@ -94,3 +94,63 @@ def test_layouts_compiled_equal_eager(sizes, model, settings, graphs):
     out = _compare(n, sizes, model, **settings)
     print("GRAPHS", [(r["graphs"][0], r["breaks"]) for r in out])
     assert graphs is None or all(r["graphs"][0] == graphs for r in out), [r["graphs"] for r in out]
+
+
+# ------------------------------------------------------------------ the config keys and refusals
+def test_axolotl_keys_reach_the_recipe():
+    from minipar.trainer.config.train_config import load_config
+    cfg = load_config(argv=["--torch_compile", "true", "--torch_compile_backend", "aot_eager"])
+    recipe = cfg.recipe()
+    assert (recipe.compile, recipe.compile_backend, recipe.compile_mode) == (True, "aot_eager", None)
+    assert load_config(argv=["--compile", "true"]).recipe().compile
+    with pytest.raises(ValueError, match="torch_compile: True contradicts compile: False"):
+        load_config(argv=["--torch_compile", "true", "--compile", "false"])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--torch_compile_backend", "tvm"], "torch_compile_backend must be one of"),
+    (["--torch_compile_backend", "aot_eager", "--torch_compile_mode", "max-autotune"], "inductor setting"),
+    (["--pipeline_parallel_size", "2", "--pipeline_schedule", "zbv", "--dp_shard_size", "1"], "zero-bubble"),
+    (["--tensor_parallel_size", "2", "--gradient_checkpointing", "selective", "--dp_shard_size", "1"],
+     "cannot hold a graph break"),
+])
+def test_combinations_that_cannot_compile_are_refused_by_name(argv, match):
+    from minipar.trainer.config.train_config import load_config
+    with pytest.raises(ValueError, match=match):
+        load_config(argv=["--torch_compile", "true", *argv])
+
+
+def test_planner_applies_torchtitans_compile_factor():
+    """compile: true divides the step's compute (not its communication) by COMPILE_SPEEDUP, the
+    figure time_model.py cites."""
+    import dataclasses
+
+    from minipar.plan import time_model as tm
+    from minipar.plan.estimate import Cluster
+    from minipar.plan.inputs import Batch, Layout, ModelShape, Options
+    model, bf16 = ModelShape(32000, 2048, 5632, 8, 16, 4, 128), Options(dtype="bfloat16")
+    layout, batch, c = Layout(1, 4), Batch(8, 1, 1024), Cluster()
+    eager = tm.compute_seconds(model, layout, batch, bf16, c, 8, True, 1e6)
+    compiled = tm.compute_seconds(model, layout, batch, dataclasses.replace(bf16, compile=True), c, 8, True,
+                                  1e6)
+    for k in ("gemm_s", "attention_s", "memory_bound_s"):
+        assert compiled[k] == pytest.approx(eager[k] / tm.COMPILE_SPEEDUP)
+    assert compiled["optimizer_s"] == eager["optimizer_s"]
+    assert tm.COMPILE_SPEEDUP == 1.16
+
+
+def test_benchmark_quick_mode_runs(tmp_path):
+    """benchmarks/bench_compile.py --quick (1M model, 1 and 2 ranks, aot_eager) measures every row."""
+    import json
+    import subprocess
+    import sys
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = tmp_path / "quick"
+    subprocess.run([sys.executable, f"{root}/benchmarks/bench_compile.py", "--quick", "--out", str(out)],
+                   check=True, timeout=900, cwd=root)
+    rows = json.load(open(str(out) + ".json"))["rows"]
+    assert {(r["ranks"], r["variant"]) for r in rows} == {
+        (1, "minipar eager"), (1, "minipar compiled"), (2, "minipar ZeRO-3 eager"),
+        (2, "minipar ZeRO-3 compiled"), (2, "torch FSDP2 compiled"), (2, "minipar TP eager"),
+        (2, "minipar TP compiled"), (2, "DTensor TP compiled")}
+    assert all(r["rounds"][0]["compile_s"] > 0 for r in rows if "compiled" in r["variant"])

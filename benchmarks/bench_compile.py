@@ -21,6 +21,9 @@ time is EXCLUDED from it and reported on its own: dynamo's compile seconds (trac
 the backend) and the first step's wall time. The results file records the load average at the
 start and end; common.save_results refuses to write it when the machine was loaded (--quick writes
 only where --out says: the 1M model, 1 and 2 ranks, aot_eager, one step, one round; the tests).
+A variant that torch cannot run here gets a row that says why (on torch 2.13 on the CPU, DTensor TP
+with compiled layers fails in backward: a redistribute's backward is handed a plain Tensor, "'Tensor'
+object has no attribute '_local_tensor'", with aot_eager and inductor alike).
 """
 from __future__ import annotations
 
@@ -146,10 +149,16 @@ def measure(args):
             for _ in range(args.rounds):
                 for group in groups:
                     for variant in GROUPS[group]:
-                        r = run_variant(world, n, variant, size, args.steps, args.backend, timeout=1800)
+                        try:
+                            r = run_variant(world, n, variant, size, args.steps, args.backend, timeout=1800)
+                        except Exception as err:     # a variant torch cannot run here: its row says why
+                            last = [line for line in str(err).strip().splitlines() if line.strip()][-1:]
+                            r = dict(error=(last[0] if last else type(err).__name__)[:200])
+                            print(f"{size_name} {n} rank(s) {variant}: FAILED {r['error']}", flush=True)
+                        else:
+                            print(f"{size_name} {n} rank(s) {variant}: {r['step_s'] * 1e3:.1f} ms/step, "
+                                  f"first step {r['first_step_s']:.1f} s", flush=True)
                         rows.setdefault((size_name, n, variant), []).append(r)
-                        print(f"{size_name} {n} rank(s) {variant}: {r['step_s'] * 1e3:.1f} ms/step, "
-                              f"first step {r['first_step_s']:.1f} s", flush=True)
     return rows
 
 
@@ -157,10 +166,14 @@ def table(rows) -> str:
     lines = ["| size | ranks | variant | step ms (median of rounds) | / eager | compile s | first step s | "
              "graphs | graph breaks |", "|---|---|---|---|---|---|---|---|---|"]
     for (size, n, variant), rs in rows.items():
+        if any("error" in r for r in rs):
+            lines.append(f"| {size} | {n} | {variant} | failed: {rs[0].get('error', '')} | | | | | |")
+            continue
         ms = statistics.median(r["step_s"] for r in rs) * 1e3
         eager_key = (size, n, variant.rsplit(" ", 1)[0] + " eager") if variant.startswith("minipar") else \
             (size, n, "minipar ZeRO-3 eager" if "FSDP2" in variant else "minipar TP eager")
         eager = rows.get(eager_key)
+        eager = None if eager is None or any("error" in r for r in eager) else eager
         ratio = f"{ms / (statistics.median(r['step_s'] for r in eager) * 1e3):.2f}" if eager else ""
         c = rs[0]
         comp = f"{c['compile_s']:.1f}" if c.get("compile_s") is not None else ""

@@ -23,7 +23,7 @@ start and end; common.save_results refuses to write it when the machine was load
 only where --out says: the 1M model, 1 and 2 ranks, aot_eager, one step, one round; the tests).
 A variant that torch cannot run here gets a row that says why (on torch 2.13 on the CPU, DTensor TP
 with compiled layers fails in backward: a redistribute's backward is handed a plain Tensor, "'Tensor'
-object has no attribute '_local_tensor'", with aot_eager and inductor alike).
+object has no attribute '_local_tensor'", seen with aot_eager).
 """
 from __future__ import annotations
 

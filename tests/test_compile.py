@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import minipar
+from minipar import comm_ledger
 from minipar.api import prepare
 from minipar.compose import LoRA
 from minipar.config import ParallelismConfig
@@ -39,7 +40,10 @@ def _train(sizes, model, settings, steps=STEPS):
     counters (graphs after step 1 and at the end, graph breaks)."""
     pgm = minipar.init(ParallelismConfig(**sizes))
     pm, optimizer, step = prepare(LlamaConfig(**model), pgm, learning_rate=3e-3, **settings)
-    step.backward(*_batch(0))
+    with comm_ledger.ledger() as led:             # every collective, the hooks' included
+        step.backward(*_batch(0))
+    # the collectives and the markers ZeRO-3's hooks write ("zero3.forward model.layers.0", ...)
+    calls = [e if isinstance(e, str) else (e.op, e.group, e.numel) for e in led.events]
     grads = {n: p.grad.clone() for n, p in pm.model.named_parameters() if p.grad is not None}
     optimizer.zero_grad()
     losses, graphs = [], []
@@ -47,7 +51,7 @@ def _train(sizes, model, settings, steps=STEPS):
         losses.append(float(step(*_batch(i))["loss"]))
         graphs.append(pm.compiled.graphs if pm.compiled else 0)
     stats = pm.compiled
-    return dict(grads=grads, losses=losses, graphs=graphs,
+    return dict(grads=grads, calls=calls, losses=losses, graphs=graphs,
                 breaks=stats.graph_breaks if stats else 0, reasons=stats.break_reasons() if stats else [])
 
 
@@ -61,6 +65,9 @@ def _compare(n, sizes, model=TINY, backend="aot_eager", **settings):
     out = run_world(_both, n, sizes, model, settings, backend, timeout=900)
     eager, compiled = [e for e, _ in out], [c for _, c in out]
     for rank, (e, c) in enumerate(zip(eager, compiled)):
+        # the same collectives in the same order: ZeRO-3's gathers and reduce-scatters and DDP's
+        # all-reduces (their hooks fired around the compiled layer), the boundaries' own
+        assert c["calls"] == e["calls"], f"rank {rank}"
         assert e["grads"].keys() == c["grads"].keys()
         for name, g in e["grads"].items():
             torch.testing.assert_close(c["grads"][name], g, atol=1e-5, rtol=1e-5, msg=f"rank {rank} {name}")
@@ -80,6 +87,8 @@ def test_dp_shard2_hooks_stay_outside_the_compiled_layer():
     break, one graph, the same gradients (which the reduce-scatter hooks produced)."""
     out = _compare(2, dict(dp_shard_size=2))
     assert all(r["graphs"][0] == 1 and r["breaks"] == 0 for r in out), out[0]["reasons"]
+    marks = [x for x in out[0]["calls"] if isinstance(x, str)]
+    assert "zero3.forward model.layers.0" in marks and "zero3.forward_end model.layers.0" in marks, marks
 
 
 @pytest.mark.slow
@@ -93,7 +102,7 @@ def test_one_process_inductor_equals_eager():
 @pytest.mark.parametrize("sizes,model,settings,graphs", [
     # (graphs, graph breaks) per rank: dynamo's counters; a boundary splits the layer's graph (and
     # dynamo counts a break at each attempt to trace through it)
-    (dict(tp_size=2, sequence_parallel=True), TINY, {}, (10, 21)),   # 4 SP collectives + the norms' f
+    (dict(tp_size=2, sequence_parallel=True), TINY, {}, (10, 21)),   # SP's collectives, the norms' f
     (dict(cp_size=2, cp_impl="ring"), TINY, {}, (4, 3)),             # before and after attention
     (dict(cp_size=2, cp_impl="ulysses"), TINY, {}, (4, 3)),
     (dict(pp_size=2), dict(TINY, num_hidden_layers=2), dict(micro_batches=2), (1, 0)),  # one per stage

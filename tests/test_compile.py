@@ -135,14 +135,37 @@ def test_axolotl_keys_reach_the_recipe():
 @pytest.mark.parametrize("argv,match", [
     (["--torch_compile_backend", "tvm"], "torch_compile_backend must be one of"),
     (["--torch_compile_backend", "aot_eager", "--torch_compile_mode", "max-autotune"], "inductor setting"),
-    (["--pipeline_parallel_size", "2", "--pipeline_schedule", "zbv", "--dp_shard_size", "1"], "zero-bubble"),
-    (["--tensor_parallel_size", "2", "--gradient_checkpointing", "selective", "--dp_shard_size", "1"],
-     "cannot hold a graph break"),
 ])
-def test_combinations_that_cannot_compile_are_refused_by_name(argv, match):
+def test_backend_settings_that_cannot_compile_are_refused_by_name(argv, match):
     from minipar.trainer.config.train_config import load_config
     with pytest.raises(ValueError, match=match):
         load_config(argv=["--torch_compile", "true", *argv])
+
+
+def test_layouts_that_cannot_compile_are_refused_by_name():
+    """What depends on the sizes a world resolves to (run_setup.py checks it with them)."""
+    from minipar.regional_compile import check_compile
+    assert "zero-bubble" in check_compile(True, "inductor", None, "zbv")
+    assert "cannot hold a graph break" in check_compile(True, "inductor", None, "1f1b", "selective", "op",
+                                                        boundaries=True)
+    assert check_compile(True, "inductor", None, "1f1b", "selective", "op", boundaries=False) == ""
+    assert check_compile(True, "inductor", None, "1f1b", "selective", 2, boundaries=True) == ""
+
+
+def _refusal(argv):
+    from minipar.trainer.run_setup import setup_run
+    try:
+        setup_run(argv)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_the_trainer_refuses_on_every_rank_before_any_group(tmp_path):
+    argv = ["--torch_compile", "true", "--tensor_parallel_size", "2", "--dp_shard_size", "1",
+            "--gradient_checkpointing", "selective", "--output_dir", str(tmp_path)]
+    for err in run_world(_refusal, 2, argv, timeout=60, init=False):
+        assert "cannot hold a graph break" in err
 
 
 def test_planner_applies_torchtitans_compile_factor():

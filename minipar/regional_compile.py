@@ -37,6 +37,10 @@ first step and never again (`CompileStats.graphs` stays flat from step 2; tests/
 What does recompile: an evaluation (grad mode off: its own graphs, once), a new sequence length.
 Shapes are static (dynamic=False): a varying length is a recompile, not a slower symbolic graph.
 
+A layer dynamo cannot trace at all runs eagerly, and the first step's line says so: packed
+documents at cp 1 (ring attention's per-document path, a boundary) inside a checkpointed layer,
+whose checkpoint operator cannot hold that break (the layout check cannot see the data).
+
 Backends: "inductor" (the default: Triton kernels on GPU, C++ on CPU) with torch's modes
 (default, reduce-overhead, max-autotune...), or "aot_eager" (traces forward and backward but
 runs them eagerly: no kernel generation, fast to compile; the tests' choice on CPU), "eager".
@@ -113,6 +117,12 @@ class CompileStats:
 
     def line(self) -> str:
         mode = f", mode {self.mode}" if self.mode else ""
+        if self.graphs == 0:          # dynamo gave up on every frame: the layers ran as written
+            reasons = self.break_reasons()
+            why = reasons[0].strip().splitlines()[0] if reasons else "no frame traced"
+            return (f"[minipar] torch.compile ({self.backend}{mode}) of {self.layers} decoder layers "
+                    f"compiled nothing: the layers run eagerly ({why}; e.g. a graph boundary inside a "
+                    f"checkpointed layer: packed documents at cp 1 with gradient_checkpointing)")
         return (f"[minipar] torch.compile ({self.backend}{mode}) of {self.layers} decoder layers: "
                 f"{self.graphs} graphs, {self.graph_breaks} graph breaks (the collectives' "
                 f"boundaries), {self.seconds():.1f} s compiling")

@@ -205,3 +205,25 @@ def test_benchmark_quick_mode_runs(tmp_path):
     ran = [r for r in rows if "error" not in r["rounds"][0]]
     assert {r["variant"] for r in rows} - {r["variant"] for r in ran} <= {"DTensor TP compiled"}
     assert all(r["rounds"][0]["compile_s"] > 0 for r in ran if "compiled" in r["variant"])
+
+
+def _packed(compiled, checkpointing):
+    pm, _, step = prepare(LlamaConfig(**TINY), ParallelismConfig(), learning_rate=3e-3, compile=compiled,
+                          compile_backend="aot_eager", gradient_checkpointing=checkpointing)
+    ids, labels = _batch(0)
+    docs = torch.tensor([[0] * 6 + [1] * 10] * B)                       # two documents per row
+    pos = torch.cat([torch.arange(6), torch.arange(10)]).repeat(B, 1)
+    losses = [float(step(ids, labels, position_ids=pos, document_ids=docs)["loss"]) for _ in range(3)]
+    return losses, pm.compiled.line() if pm.compiled else ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_documents_compile_or_run_eagerly_saying_so(checkpointing):
+    """Packed documents at cp 1 take ring attention's per-document path, a boundary: compiled around
+    it, or, inside a checkpointed layer (whose checkpoint operator cannot hold the break), eager with
+    the first step's line saying so. The losses are eager's either way."""
+    eager, _ = run_world(_packed, 1, False, checkpointing, timeout=300)[0]
+    compiled, line = run_world(_packed, 1, True, checkpointing, timeout=300)[0]
+    assert compiled == pytest.approx(eager, abs=1e-5)
+    assert ("compiled nothing: the layers run eagerly" in line) == checkpointing, line

@@ -22,8 +22,11 @@ Building, in order (build()):
                          HSDP all-reduces over dp_replicate)                              zero3/
                          else each rank materialises its tensors, and DDP all-reduces gradients
                          over dp_cp (LoRA on ZeRO-3: the adapters, whole, by DDP)  data_parallel/
-    5. checkpointing     activation checkpointing is a setting each layer reads in forward: last,
+    5. checkpointing     activation checkpointing is a setting each layer reads in forward: late,
                          since it changes nothing that was built     models/activation_checkpoint.py
+    6. torch.compile     compile: each decoder layer's forward compiled in place, last, so that
+                         every hook above stays outside the compiled region (checkpointing moves
+                         inside it; the collectives are graph boundaries)  minipar/regional_compile.py
 
 One optimizer step (Step), B samples of T tokens, M micro-batches per rank:
 
@@ -70,10 +73,12 @@ from minipar.pipeline_parallel import (
     run_schedule,
     schedule_order,
 )
+from minipar.regional_compile import compile_layers
 from minipar.zero3 import fully_shard
 from models.activation_checkpoint import ActivationCheckpointing
 from models.llama import LlamaForCausalLM
 from models.llama_init import SeededInit, materialize
+from models.llama_layer import LlamaDecoderLayer
 from models.moe_metrics import MoEStepMetrics
 
 
@@ -103,6 +108,9 @@ class Recipe:
     reshard_after_forward: bool = True           # free a unit's gathered weights after its forward
     sync_each_batch: bool = True                 # ZeRO-3 reduce-scatters every micro-batch (or once)
     ddp: str = "bucketed"                        # or naive (one all-reduce per parameter)
+    compile: bool = False                        # torch.compile each decoder layer (regional_compile.py)
+    compile_backend: str = "inductor"            # or aot_eager, eager (no kernels: fast to compile)
+    compile_mode: Optional[str] = None           # inductor's mode: default, reduce-overhead, max-autotune
 
     @property
     def bf16(self) -> bool:
@@ -136,6 +144,7 @@ class ParallelModel:
         self.sharded = pgm.dp_shard_cp.size > 1
         self.grad_sync = None                     # DDP's wrapper, when gradients are all-reduced
         self.no_sync_owner = None                 # whose no_sync() the micro-batches before the last use
+        self.compiled = None                      # regional_compile.CompileStats when compile is on
 
     def autocast(self):
         """bf16 compute: autocast, unless ZeRO-3 already casts the gathered weights itself."""
@@ -199,6 +208,16 @@ def build(config, pgm, recipe: Recipe, base_model=None, device=None, log: Callab
     if recipe.gradient_checkpointing:
         mode = "full" if recipe.gradient_checkpointing is True else recipe.gradient_checkpointing
         model.gradient_checkpointing = ActivationCheckpointing(mode, recipe.selective_ac_option)
+    # 6. torch.compile of each decoder layer's forward: the hooks of 4 stay outside; checkpointing
+    # moves inside the compiled region where the layer traces whole (then the stage no longer
+    # applies it), else stays around the layer call (regional_compile.py)
+    if recipe.compile:
+        layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+        boundaries = pgm.tp.size > 1 or pgm.cp.size > 1 or any(m.is_moe for m in layers)
+        pm.compiled, inside = compile_layers(layers, recipe.compile_backend, recipe.compile_mode,
+                                             model.gradient_checkpointing, boundaries)
+        if inside:
+            model.gradient_checkpointing = False
     return pm
 
 
@@ -233,7 +252,10 @@ class Step:
         if self.alone is not None:
             return self.alone(n_items, micro)
         loss, moe = self.backward(n_items, micro)
-        return dict(loss=loss, **self.tail(), moe=moe)
+        out = dict(loss=loss, **self.tail(), moe=moe)
+        if self.pm.compiled is not None and self.pgm.global_rank == 0:
+            self.pm.compiled.report_once(print)   # the first step compiled every graph
+        return out
 
     def settle(self) -> None:
         """Check the last optimistic update of a stage stepping alone (post_validate.py)."""

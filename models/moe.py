@@ -36,6 +36,11 @@ plain tp every rank sees whole micro-batches and drops exactly what one process 
 The load-balancing loss is in models/moe_aux.py; this layer records what it needs in
 `router_stats`: the copies each expert was chosen for (before any cap), the sum over its tokens of
 the router probabilities (with gradient), and T.
+
+Under torch.compile (compile: true, minipar/regional_compile.py) MoEFeedForward.forward is a graph
+BOUNDARY (minipar/graph_boundary.py): routing's shapes depend on the data (bincount, the capacity
+cut, the expert runs read on the host, the all-to-all's splits), so the whole feed-forward, router,
+dispatch, experts and combine, runs eagerly; the attention half of the layer is compiled.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ import torch.nn.functional as F
 
 from minipar import tensor_parallel as tpl
 from minipar.expert_parallel import combine, dispatch
+from minipar.graph_boundary import graph_boundary
 from minipar.mesh import ProcessGroupManager
 
 from .llama_config import LlamaConfig
@@ -125,6 +131,7 @@ class MoEFeedForward(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights, experts
 
+    @graph_boundary
     def forward(self, x):
         b, s, d = x.shape
         x = x.reshape(b * s, d)

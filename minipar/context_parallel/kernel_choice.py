@@ -134,6 +134,8 @@ class AttentionLog:
         self.entries: List[Tuple[str, str, str]] = []
 
     def note(self, path: str, kind: str, reason: str, fallback: bool = False) -> None:
+        if torch.compiler.is_compiling():   # traced once by torch.compile: a print would break the
+            return                          # graph; the eager boundaries (ring, Ulysses) still note
         entry = (path, kind, reason)
         if entry in self.entries:
             return

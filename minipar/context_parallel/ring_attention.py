@@ -62,6 +62,10 @@ block, no communication.
 The call takes its tensors, its group and the real settings (causal, scale, layout, the kernel
 asked for, the documents); what a benchmark or a test turns or reads (overlap off, the score
 counts, the kernel log) goes in one optional RingKnobs.
+
+Under torch.compile (compile: true) ring_attention is a graph BOUNDARY (minipar/graph_boundary.py):
+the hops, the per-block kernels, the host-side document schedule and the hand-written backward run
+eagerly between the compiled graphs of the layer before and after attention.
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ import torch
 
 from .. import comm
 from ..config import CP_LAYOUTS
+from ..graph_boundary import graph_boundary
 from .document_attention import block_backward, block_forward
 from .documents import Documents
 from .fused_attention import _choose, default_scale
@@ -262,6 +267,7 @@ class _RingAttention(torch.autograd.Function):
         return (dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)) + (None,) * 4
 
 
+@graph_boundary
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal: bool = True,
                    scale: Optional[float] = None, *, layout: str = "zigzag", impl: str = "auto",
                    document_ids=None, knobs: Optional[RingKnobs] = None) -> torch.Tensor:

@@ -51,6 +51,9 @@ which holds exactly when u divides Hq. So a head count is refused only when u do
 (ValueError; check_ulysses says so before any collective). The repeats cost f times the K/V bytes
 and memory, which is why they are not made when u divides Hkv. The sequence: T divisible by 2C
 (zigzag), as for ring attention.
+
+Under torch.compile (compile: true) ulysses_attention is a graph BOUNDARY
+(minipar/graph_boundary.py): the all-to-alls and the inner ring run eagerly.
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ import torch
 
 from .. import comm
 from ..config import CP_LAYOUTS
+from ..graph_boundary import graph_boundary
 from ..mesh import MeshDim
 from .fused_attention import default_scale
 from .layouts import sequence_positions
@@ -200,6 +204,7 @@ def check_ulysses(num_heads: int, num_kv_heads: int, tp: int, cp: int, u: int) -
 
 
 # ------------------------------------------------------------------------------- attention
+@graph_boundary
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grp, ring=None, *,
                       layout: str = "zigzag", causal: bool = True,
                       document_ids=None, scale: Optional[float] = None,

@@ -45,6 +45,9 @@ the host (a sync on a GPU), so a step of a model whose every parameter trains re
 
     bucket k = [ grad p0 | grad p1 | ... | used p0, used p1, ... ]   --all-reduce(sum)-->
                p.grad = the summed slice where used > 0, else None
+
+Under torch.compile (compile: true) the hooks stay outside every compiled region: they fire at each
+parameter's AccumulateGrad, after the compiled backward of its layer has produced the gradient.
 """
 from __future__ import annotations
 

@@ -68,6 +68,9 @@ ignored_params; docs/finetuning.md). And it is one of the Linear's `output_adden
 (minipar/tensor_parallel/layers.py's seams): the layer adds lora(x) to its local output, for a
 row-parallel layer to the partial sum before the reduction. That is all the tensor-parallel layer
 knows of it: a callable whose output joins its own.
+
+Under torch.compile (compile: true) the adapters are inside the compiled region of their layer
+(traced with the linear they add to); their f at tp > 1 is a graph boundary, as the layer's own.
 """
 from __future__ import annotations
 

@@ -191,6 +191,9 @@ class Options:
     # models/activation_checkpoint.py, counted by activation_bytes.py's activations and recompute_shares
     gradient_checkpointing: Union[bool, str] = False
     selective_ac_option: Union[str, int] = "op"
+    # compile: true (minipar/regional_compile.py): the decoder layers' compute at time_model.py's
+    # COMPILE_SPEEDUP (torchtitan's measured gain)
+    compile: bool = False
     # adapter: lora (minipar/lora/): rank r > 0 on these projections; the base frozen (no gradient,
     # no optimizer state), the adapters whole over dp. 0: every weight trained
     lora_r: int = 0

@@ -61,6 +61,14 @@ activation_checkpoint.py, `_get_custom_policy`: "Save all compute/comm ops, exce
 mm/linear") recomputes the 2nd, 4th and 6th of a Llama layer's seven matmuls (wq, wk, wv, wo, w1,
 w3, w2): k, o and the up projection run again in the backward, on top of the cheap ops.
 
+compile: true (minipar/regional_compile.py, Options.compile): the compute of the step (GEMMs,
+attention, memory-bound work; not the optimizer, not the communication) divided by COMPILE_SPEEDUP =
+1.16, the gain torchtitan measured from torch.compile alone (Llama 3 8B on 8 H100s, FSDP, bf16:
++16 % tokens/s; Liang et al., "TorchTitan", 2024, and issue 40 of this project, which quotes it).
+A factor, not a model: it is an end-to-end figure of one run, stated where it is applied;
+benchmarks/bench_compile.py measures minipar's own on the machine at hand. fused_kernels (above) is
+the first-principles alternative for another trainer's fused kernels.
+
 Collectives: wire bytes (collective_counts.py's wire_bytes: the ring algorithms' (p - 1) / p factors) over the
 group's bandwidth (`--intra-bw` inside a node, `--inter-bw` across), plus a latency of `hops x alpha`
 per call: hops = p - 1 for all-gather, reduce-scatter and all-to-all, 2 (p - 1) for all-reduce, 1 for
@@ -74,6 +82,8 @@ from typing import Dict
 from .activation_bytes import recompute_shares
 from .collective_counts import wire_bytes
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
+
+COMPILE_SPEEDUP = 1.16    # torchtitan: torch.compile, Llama 3 8B, 8 H100s (module docstring)
 
 HOPS = {"all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1, "all_to_all": lambda p: p - 1,
         "all_reduce": lambda p: 2 * (p - 1), "send": lambda p: 1, "send_recv": lambda p: 1,
@@ -153,6 +163,8 @@ def compute_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Optio
     if opts.distributed_optimizer and not layout.sharded:     # Megatron's: each dp rank steps its 1/dp
         local_elements /= layout.sizes()["dp_cp"]
     optimizer = local_elements * (32 + (6 if e == 2 else 0)) / hbm
+    if opts.compile:                     # torchtitan's measured gain (the module docstring)
+        gemm, attention, memory_bound = (x / COMPILE_SPEEDUP for x in (gemm, attention, memory_bound))
     return dict(gemm_s=gemm, attention_s=attention, memory_bound_s=memory_bound, optimizer_s=optimizer,
                 compute_s=gemm + attention + memory_bound + optimizer, layer_forward_s=forward,
                 layer_backward_s=(heavy - 1) * (gemm_f + attn_f) + (cheap - 1) * mem_f + redo,

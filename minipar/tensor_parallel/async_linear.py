@@ -45,6 +45,10 @@ hide behind and is simply waited for (the overlap moves to the pipeline: W fills
 Under autocast the forward's matmuls run in the autocast dtype; the backward, which autocast
 does not see, casts W and X to the gradient's dtype itself and returns each gradient in its
 input's dtype, as autocast's own backward would.
+
+Under torch.compile (compile: true) async_column_parallel is a graph BOUNDARY
+(minipar/graph_boundary.py): its Function, with the async collective and the overlapped backward,
+runs eagerly between two compiled graphs.
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
+from ..graph_boundary import graph_boundary
 from .mappings import SEQ_DIM
 
 
@@ -118,6 +123,7 @@ class AsyncColumnParallelLinear(torch.autograd.Function):
         return (grad_x.to(x.dtype), None, None, None, None, *grad_w, *grad_b)
 
 
+@graph_boundary
 def async_column_parallel(x: torch.Tensor, weights: Sequence[torch.Tensor], tp, sequence_parallel: bool,
                           biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
                           defer: Optional[Sequence[Callable]] = None):

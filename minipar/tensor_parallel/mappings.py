@@ -22,12 +22,20 @@ done once for the q, k, v (or gate, up) that read the same x; sequence_parallel_
 replicated weight used on a sequence shard (a norm's) through f, so that its gradient, computed
 from s/tp tokens per rank, is summed over tp. The all-reduces work in place, so f's backward and
 g's forward reduce a copy: autograd may hand the same buffer to another branch, or have saved it.
+
+Under torch.compile (compile: true, minipar/regional_compile.py) each of these Functions is a
+deliberate graph BOUNDARY, not traced: `_boundary` (minipar/graph_boundary.py) runs the
+Function eagerly between two compiled graphs, forward and backward.
+Tracing them would need functional collectives in place of comm.py's (the ledger, the named
+failures, the profiler spans are host-side Python); a layer at tp > 1 costs two graph breaks per
+collective point instead (tp 1 calls nothing, so it breaks nothing).
 """
 from __future__ import annotations
 
 import torch
 
 from .. import comm
+from ..graph_boundary import graph_boundary
 
 SEQ_DIM = 1   # activations are (batch, seq, hidden)
 
@@ -119,28 +127,34 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return comm.all_gather(grad, ctx.tp, gather_dim=SEQ_DIM), None
 
 
+@graph_boundary
+def _boundary(function, *args):
+    """function.apply(*args), never traced by torch.compile: a graph break (module docstring)."""
+    return function.apply(*args)
+
+
 def copy_to_tp_region(x, tp):
-    return CopyToTPRegion.apply(x, tp) if tp.size > 1 else x
+    return _boundary(CopyToTPRegion, x, tp) if tp.size > 1 else x
 
 
 def reduce_from_tp_region(x, tp):
-    return ReduceFromTPRegion.apply(x, tp) if tp.size > 1 else x
+    return _boundary(ReduceFromTPRegion, x, tp) if tp.size > 1 else x
 
 
 def gather_from_tp_region(x, tp, dim=-1):
-    return GatherFromTPRegion.apply(x, tp, dim) if tp.size > 1 else x
+    return _boundary(GatherFromTPRegion, x, tp, dim) if tp.size > 1 else x
 
 
 def scatter_to_tp_region(x, tp, dim=-1):
-    return ScatterToTPRegion.apply(x, tp, dim) if tp.size > 1 else x
+    return _boundary(ScatterToTPRegion, x, tp, dim) if tp.size > 1 else x
 
 
 def gather_from_sequence_parallel_region(x, tp):
-    return GatherFromSequenceParallelRegion.apply(x, tp) if tp.size > 1 else x
+    return _boundary(GatherFromSequenceParallelRegion, x, tp) if tp.size > 1 else x
 
 
 def reduce_scatter_to_sequence_parallel_region(x, tp):
-    return ReduceScatterToSequenceParallelRegion.apply(x, tp) if tp.size > 1 else x
+    return _boundary(ReduceScatterToSequenceParallelRegion, x, tp) if tp.size > 1 else x
 
 
 def enter_tp_region(x, tp, sequence_parallel: bool):

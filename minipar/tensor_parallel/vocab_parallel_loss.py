@@ -11,6 +11,9 @@ stability), then the sum of exponentials and the target logit (only its owner ho
 add 0), both in one all-reduce SUM of 2N numbers. The backward needs no communication:
 d loss_n / d z_nv = softmax_nv - [v == target], and each rank holds its slice of the softmax.
 Megatron-LM's vocab-parallel cross-entropy (Shoeybi et al., 2019).
+
+Under torch.compile (compile: true) the loss is in no compiled region: the regions are the decoder
+layers (minipar/regional_compile.py), and the loss runs eagerly after them, its all-reduces as written.
 """
 from __future__ import annotations
 

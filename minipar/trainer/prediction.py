@@ -43,7 +43,7 @@ def from_train_config(cfg):
                    reshard_after_forward=cfg.fsdp.reshard_after_forward,
                    sync_each_batch=cfg.fsdp.sync_each_batch,
                    gradient_checkpointing=cfg.gradient_checkpointing,
-                   selective_ac_option=cfg.selective_ac_option,
+                   selective_ac_option=cfg.selective_ac_option, compile=cfg.compile,
                    dpo_reference=reference_of(cfg) or "",
                    **_lora(cfg))
     return model, sizes, batch, opts

@@ -45,6 +45,7 @@ from minipar import ParallelismConfig
 from minipar.config_files import read_yaml
 from minipar.context_parallel import check_ulysses
 from minipar.dpo_step import check_pair_split
+from minipar.regional_compile import check_compile
 from minipar.trainer import lifecycle, run_lock
 from minipar.trainer.config import keys as config_keys
 from minipar.trainer.config.check import check_pipeline
@@ -175,6 +176,14 @@ def _layout(cfg: TrainConfig, path: str, argv: List[str], default_config: bool,
                                  resolved.tp_size, resolved.cp_size, resolved.cp_ulysses_size)
         if problems:
             raise ValueError(f"cp_impl {resolved.cp_impl}: " + "; ".join(problems))
+    # compile: the combinations that cannot compile on the sizes this world runs (regional_compile.py)
+    problem = check_compile(cfg.compile is True, cfg.compile_backend, cfg.compile_mode,
+                            cfg.pipeline_schedule if resolved.pp_size > 1 else "1f1b",
+                            cfg.gradient_checkpointing, cfg.selective_ac_option,
+                            boundaries=resolved.tp_size > 1 or resolved.cp_size > 1
+                            or cfg.model.num_local_experts > 0)
+    if problem:
+        raise ValueError(problem)
     if cfg.sequence_len > cfg.model.max_position_embeddings:
         raise ValueError(f"sequence_len {cfg.sequence_len} exceeds model.max_position_embeddings "
                          f"{cfg.model.max_position_embeddings}")

@@ -81,6 +81,11 @@ Zero3 is this file's gathering and freeing plus two parts it builds and owns: `g
 tensors <-> shards). Its public methods delegate to them, one line each, so callers see one
 manager (model.zero3.no_sync(), model.zero3.full_state_dict(), ...), as FSDP2 gives its
 sharded module set_requires_gradient_sync and the state-dict calls.
+
+Under torch.compile (compile: true, minipar/regional_compile.py) only a unit's forward is compiled;
+these hooks are the module call's and the tensors', so they run eagerly around the compiled code,
+and the gathered views are graph inputs (tests/test_compile.py checks the same gathers, frees and
+reduce-scatters, in the same order, compiled and eager).
 """
 from __future__ import annotations
 

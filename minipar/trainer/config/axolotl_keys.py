@@ -71,7 +71,6 @@ KEYS = {
     "group_by_length": (NOTED, "rows are drawn in the sampler's seeded order"),
     "debug": (NOTED, "no debug mode"),
     "local_rank": (NOTED, "the rank comes from torchrun's environment"),
-    "torch_compile": (NOTED, "minipar runs eager"),
     "hf_use_auth_token": (NOTED, "minipar reads local directories only"),
     "hub_model_id": (NOTED, "nothing is pushed to the Hub; the model is written to <output_dir>/hf"),
     "hub_strategy": (NOTED, "nothing is pushed to the Hub"),

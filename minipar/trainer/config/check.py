@@ -28,6 +28,7 @@ from typing import List, Optional, Sequence
 from minipar.config import ATTENTION_BACKENDS, CP_IMPLS, CP_LAYOUTS
 from minipar.lora import adapter_shapes, add_lora, check_adapter, check_targets
 from minipar.pipeline_parallel import check_schedule, chunks_per_rank, split_layers
+from minipar.regional_compile import check_compile
 from minipar.trainer.config.keys import SIZE_NAMES
 from minipar.trainer.data.batches import DATASET_IS, check_data_file
 from minipar.trainer.data.datasets import check_entries
@@ -136,6 +137,12 @@ def check(cfg, earlier: Sequence = (), unknown: Optional[ValueError] = None) -> 
         problem = check_option(cfg.gradient_checkpointing, cfg.selective_ac_option)
         if problem:
             bad(problem)
+    if not isinstance(cfg.compile, bool):
+        bad(f"compile (torch_compile) must be true or false, got {cfg.compile!r}")
+    # the backend and mode here; what depends on the sizes a world resolves to, in run_setup.py
+    problem = check_compile(cfg.compile is True, cfg.compile_backend, cfg.compile_mode)
+    if problem:
+        bad(problem)
     if unknown is not None:
         if problems:                      # the unknown keys first, the valid keys' list at the very end
             head, _, valid = str(unknown).partition(" Valid keys")

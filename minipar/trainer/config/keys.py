@@ -72,6 +72,11 @@ SIZE_NAMES = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_si
               "pipeline_parallel_size": "pp_size", "expert_parallel_size": "ep_size"}
 
 
+# Axolotl's torch.compile keys -> minipar's (minipar/regional_compile.py), renamed as the sizes are
+COMPILE_NAMES = {"torch_compile": "compile", "torch_compile_backend": "compile_backend",
+                 "torch_compile_mode": "compile_mode"}
+
+
 def key_name(key: str) -> str:
     """The code's name of a top-level config key: tp_size for tensor_parallel_size, dpo_beta for
     rl_beta, else the key."""
@@ -89,13 +94,13 @@ def translate(data: dict, unknown: list, notes: List[str], problems: List[str]) 
     `fsdp`) folded into minipar's `fsdp` mapping. Unknown fsdp_config keys are appended to
     `unknown`, refusals to `problems` (raised with every other problem of the file at once)."""
     data = translate_rl(fold(dict(data), notes, problems), problems)    # rl_beta, rl: ipo (rl_keys.py)
-    for axolotl, name in SIZE_NAMES.items():
+    for axolotl, name in {**SIZE_NAMES, **COMPILE_NAMES}.items():
         if axolotl not in data:
             continue
         value = data.pop(axolotl)
         if name in data and data[name] != value:
             problems.append(f"{axolotl}: {value!r} contradicts {name}: {data[name]!r} (two names of one "
-                            f"size, Axolotl's and accelerate's); set one of them")
+                            f"setting, Axolotl's and minipar's); set one of them")
         data[name] = value
     fsdp = data.get("fsdp")
     if isinstance(fsdp, (list, str)):

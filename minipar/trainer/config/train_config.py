@@ -97,6 +97,11 @@ class TrainConfig:
     # attention outputs, recompute the rest) or an integer n (every n-th layer fully checkpointed)
     gradient_checkpointing: Union[bool, str] = False
     selective_ac_option: Union[str, int] = "op"
+    # torch.compile of each decoder layer (minipar/regional_compile.py; docs/compile.md), Axolotl's
+    # [torch_compile], [torch_compile_backend] (inductor, aot_eager, eager), [torch_compile_mode]
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_mode: Optional[str] = None
     # the parallel sizes, accelerate's names (ParallelismConfig's, minipar/config.py); a YAML file or
     # the command line may write Axolotl's [in brackets], which keys.py maps onto these;
     # dp_shard_size None = the remainder of the world
@@ -206,7 +211,8 @@ class TrainConfig:
                       pipeline_virtual_stages=self.pipeline_virtual_stages,
                       pipeline_layers=self.pipeline_layers, zero3_prefetch=self.fsdp.prefetch,
                       reshard_after_forward=self.fsdp.reshard_after_forward,
-                      sync_each_batch=self.fsdp.sync_each_batch, ddp=self.ddp)
+                      sync_each_batch=self.fsdp.sync_each_batch, ddp=self.ddp, compile=self.compile,
+                      compile_backend=self.compile_backend, compile_mode=self.compile_mode)
 
     def parallelism(self) -> ParallelismConfig:
         """The grid's config (minipar/config.py): the sizes and the options of the parallel dimensions,
@@ -304,7 +310,8 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
             and os.path.exists(os.path.join(root, cfg.dataset)):
         cfg.dataset = os.path.join(root, cfg.dataset)   # the bundled corpus, from any directory
     # Axolotl's fsdp_config and mapped keys count as valid names in the did-you-mean hints
-    unknown = [(k, v + ["fsdp_config", *config_keys.SIZE_NAMES, *AXOLOTL_KEYS] if not p else v, p)
+    unknown = [(k, v + ["fsdp_config", *config_keys.SIZE_NAMES, *config_keys.COMPILE_NAMES, *AXOLOTL_KEYS]
+                if not p else v, p)
                for k, v, p in unknown]
     check(cfg, earlier=problems, unknown=unknown_keys_error(unknown) if unknown else None)
     return cfg

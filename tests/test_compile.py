@@ -1,0 +1,229 @@
+"""compile: true (minipar/regional_compile.py) equals eager on every layout, compiles every graph in
+the first step only, and breaks its graphs only at the collectives' boundaries.
+
+Each case runs the same model, batches and layout twice, eagerly and compiled, and compares on
+every rank: the first step's gradients (fp32, 1e-5) and a few steps' losses (1e-4). The backend is
+aot_eager (dynamo's tracing and AOT autograd's joint graph, run by the eager kernels: the compiled
+path without inductor's C++ compile, which takes minutes on a 2-core CPU) in
+test_one_process_compiled_equals_eager_without_graph_breaks and
+test_dp_shard2_hooks_stay_outside_the_compiled_layer (a one-layer model); inductor in the slow
+test_one_process_inductor_equals_eager.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minipar
+from minipar import comm_ledger
+from minipar.api import prepare
+from minipar.compose import LoRA
+from minipar.config import ParallelismConfig
+from models.llama_config import LlamaConfig
+from tests.harness import run_world
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2)
+MOE = dict(TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+           router_aux_loss_coef=0.05)
+B, T, STEPS = 4, 16, 4
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, TINY["vocab_size"], (B, T + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _train(sizes, model, settings, steps=STEPS):
+    """On each rank: the first step's local gradients, the losses of `steps` steps, and the compile
+    counters (graphs after step 1 and at the end, graph breaks)."""
+    pgm = minipar.init(ParallelismConfig(**sizes))
+    pm, optimizer, step = prepare(LlamaConfig(**model), pgm, learning_rate=3e-3, **settings)
+    with comm_ledger.ledger() as led:             # every collective, the hooks' included
+        step.backward(*_batch(0))
+    # the collectives and the markers ZeRO-3's hooks write ("zero3.forward model.layers.0", ...)
+    calls = [e if isinstance(e, str) else (e.op, e.group, e.numel) for e in led.events]
+    grads = {n: p.grad.clone() for n, p in pm.model.named_parameters() if p.grad is not None}
+    optimizer.zero_grad()
+    losses, graphs = [], []
+    for i in range(steps):
+        losses.append(float(step(*_batch(i))["loss"]))
+        graphs.append(pm.compiled.graphs if pm.compiled else 0)
+    stats = pm.compiled
+    return dict(grads=grads, calls=calls, losses=losses, graphs=graphs,
+                breaks=stats.graph_breaks if stats else 0, reasons=stats.break_reasons() if stats else [])
+
+
+def _both(sizes, model, settings, backend):
+    """Eager, then compiled, in one world (dynamo's counters see the compiled run only)."""
+    return _train(sizes, model, settings), _train(sizes, model, dict(settings, compile=True,
+                                                                       compile_backend=backend))
+
+
+def _compare(n, sizes, model=TINY, backend="aot_eager", **settings):
+    out = run_world(_both, n, sizes, model, settings, backend, timeout=900)
+    eager, compiled = [e for e, _ in out], [c for _, c in out]
+    for rank, (e, c) in enumerate(zip(eager, compiled)):
+        # the same collectives in the same order: ZeRO-3's gathers and reduce-scatters and DDP's
+        # all-reduces (their hooks fired around the compiled layer), the boundaries' own
+        assert c["calls"] == e["calls"], f"rank {rank}"
+        assert e["grads"].keys() == c["grads"].keys()
+        for name, g in e["grads"].items():
+            torch.testing.assert_close(c["grads"][name], g, atol=1e-5, rtol=1e-5, msg=f"rank {rank} {name}")
+        assert c["losses"] == pytest.approx(e["losses"], abs=1e-4, rel=1e-4)
+        # every graph compiled in the first forward/backward; none after (step 2 on: flat)
+        assert len(set(c["graphs"])) == 1, f"rank {rank} recompiled: graphs per step {c['graphs']}"
+    return compiled
+
+
+def test_one_process_compiled_equals_eager_without_graph_breaks():
+    out = _compare(1, {})[0]
+    assert out["graphs"][0] == 1 and out["breaks"] == 0, out["reasons"]
+
+
+def test_dp_shard2_hooks_stay_outside_the_compiled_layer():
+    """ZeRO-3's gather/free hooks are module hooks, the compiled region the layer's forward: no
+    break, one graph, the same gradients (which the reduce-scatter hooks produced)."""
+    out = _compare(2, dict(dp_shard_size=2))
+    assert all(r["graphs"][0] == 1 and r["breaks"] == 0 for r in out), out[0]["reasons"]
+    marks = [x for x in out[0]["calls"] if isinstance(x, str)]
+    assert "zero3.forward model.layers.0" in marks and "zero3.forward_end model.layers.0" in marks, marks
+
+
+@pytest.mark.slow
+def test_one_process_inductor_equals_eager():
+    """Inductor itself (C++ kernels on the CPU: minutes here), one process."""
+    out = _compare(1, {}, backend="inductor")[0]
+    assert out["graphs"][0] == 1 and out["breaks"] == 0, out["reasons"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes,model,settings,graphs", [
+    # (graphs, graph breaks) per rank: dynamo's counters; a boundary splits the layer's graph (and
+    # dynamo counts a break at each attempt to trace through it)
+    (dict(tp_size=2, sequence_parallel=True), TINY, {}, (10, 21)),   # SP's collectives, the norms' f
+    (dict(cp_size=2, cp_impl="ring"), TINY, {}, (4, 3)),             # before and after attention
+    (dict(cp_size=2, cp_impl="ulysses"), TINY, {}, (4, 3)),
+    (dict(pp_size=2), dict(TINY, num_hidden_layers=2), dict(micro_batches=2), (1, 0)),  # one per stage
+    (dict(dp_shard_size=2, ep_size=2), MOE, {}, (2, 2)),             # attention; the MoE a boundary
+    ({}, TINY, dict(lora=LoRA(r=4, alpha=8.0)), (1, 0)),
+    ({}, TINY, dict(gradient_checkpointing="selective"), (1, 0)),    # the checkpoint inside the graph
+    ({}, TINY, dict(gradient_checkpointing=True), (1, 0)),
+    (dict(tp_size=2), TINY, dict(gradient_checkpointing=True), (9, 15)),   # checkpoint outside
+], ids=["tp2-sp", "cp2-ring", "cp2-ulysses", "pp2", "ep2-moe", "lora", "selective-ac", "full-ac",
+        "tp2-full-ac"])
+def test_layouts_compiled_equal_eager(sizes, model, settings, graphs):
+    n = max(1, sizes.get("tp_size", 1) * sizes.get("cp_size", 1) * sizes.get("pp_size", 1)
+            * sizes.get("dp_shard_size", 1))
+    out = _compare(n, sizes, model, **settings)
+    assert all((r["graphs"][0], r["breaks"]) == graphs for r in out), \
+        [(r["graphs"][0], r["breaks"]) for r in out] + out[0]["reasons"]
+
+
+# ------------------------------------------------------------------ the config keys and refusals
+def test_axolotl_keys_reach_the_recipe():
+    from minipar.trainer.config.train_config import load_config
+    cfg = load_config(argv=["--torch_compile", "true", "--torch_compile_backend", "aot_eager"])
+    recipe = cfg.recipe()
+    assert (recipe.compile, recipe.compile_backend, recipe.compile_mode) == (True, "aot_eager", None)
+    assert load_config(argv=["--compile", "true"]).recipe().compile
+    with pytest.raises(ValueError, match="torch_compile: True contradicts compile: False"):
+        load_config(argv=["--torch_compile", "true", "--compile", "false"])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--torch_compile_backend", "tvm"], "torch_compile_backend must be one of"),
+    (["--torch_compile_backend", "aot_eager", "--torch_compile_mode", "max-autotune"], "inductor setting"),
+])
+def test_backend_settings_that_cannot_compile_are_refused_by_name(argv, match):
+    from minipar.trainer.config.train_config import load_config
+    with pytest.raises(ValueError, match=match):
+        load_config(argv=["--torch_compile", "true", *argv])
+
+
+def test_layouts_that_cannot_compile_are_refused_by_name():
+    """What depends on the sizes a world resolves to (run_setup.py checks it with them)."""
+    from minipar.regional_compile import check_compile
+    assert "zero-bubble" in check_compile(True, "inductor", None, "zbv")
+    assert "cannot hold a graph break" in check_compile(True, "inductor", None, "1f1b", "selective", "op",
+                                                        boundaries=True)
+    assert check_compile(True, "inductor", None, "1f1b", "selective", "op", boundaries=False) == ""
+    assert check_compile(True, "inductor", None, "1f1b", "selective", 2, boundaries=True) == ""
+
+
+def _refusal(argv):
+    from minipar.trainer.run_setup import setup_run
+    try:
+        setup_run(argv)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_the_trainer_refuses_on_every_rank_before_any_group(tmp_path):
+    argv = ["--torch_compile", "true", "--tensor_parallel_size", "2", "--dp_shard_size", "1",
+            "--gradient_checkpointing", "selective", "--output_dir", str(tmp_path)]
+    for err in run_world(_refusal, 2, argv, timeout=60, init=False):
+        assert "cannot hold a graph break" in err
+
+
+def test_planner_applies_torchtitans_compile_factor():
+    """compile: true divides the step's compute (not its communication) by COMPILE_SPEEDUP, the
+    figure time_model.py cites."""
+    import dataclasses
+
+    from minipar.plan import time_model as tm
+    from minipar.plan.estimate import Cluster
+    from minipar.plan.inputs import Batch, Layout, ModelShape, Options
+    model, bf16 = ModelShape(32000, 2048, 5632, 8, 16, 4, 128), Options(dtype="bfloat16")
+    layout, batch, c = Layout(1, 4), Batch(8, 1, 1024), Cluster()
+    eager = tm.compute_seconds(model, layout, batch, bf16, c, 8, True, 1e6)
+    compiled = tm.compute_seconds(model, layout, batch, dataclasses.replace(bf16, compile=True), c, 8, True,
+                                  1e6)
+    for k in ("gemm_s", "attention_s", "memory_bound_s"):
+        assert compiled[k] == pytest.approx(eager[k] / tm.COMPILE_SPEEDUP)
+    assert compiled["optimizer_s"] == eager["optimizer_s"]
+    assert tm.COMPILE_SPEEDUP == 1.16
+
+
+@pytest.mark.slow
+def test_benchmark_quick_mode_runs(tmp_path):
+    """benchmarks/bench_compile.py --quick (1M model, 1 and 2 ranks, aot_eager) measures every row."""
+    import json
+    import subprocess
+    import sys
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = tmp_path / "quick"
+    subprocess.run([sys.executable, f"{root}/benchmarks/bench_compile.py", "--quick", "--out", str(out)],
+                   check=True, timeout=900, cwd=root)
+    rows = json.load(open(str(out) + ".json"))["rows"]
+    assert {(r["ranks"], r["variant"]) for r in rows} == {
+        (1, "minipar eager"), (1, "minipar compiled"), (2, "minipar ZeRO-3 eager"),
+        (2, "minipar ZeRO-3 compiled"), (2, "torch FSDP2 compiled"), (2, "minipar TP eager"),
+        (2, "minipar TP compiled"), (2, "DTensor TP compiled")}
+    ran = [r for r in rows if "error" not in r["rounds"][0]]
+    assert {r["variant"] for r in rows} - {r["variant"] for r in ran} <= {"DTensor TP compiled"}
+    assert all(r["rounds"][0]["compile_s"] > 0 for r in ran if "compiled" in r["variant"])
+
+
+def _packed(compiled, checkpointing):
+    pm, _, step = prepare(LlamaConfig(**TINY), ParallelismConfig(), learning_rate=3e-3, compile=compiled,
+                          compile_backend="aot_eager", gradient_checkpointing=checkpointing)
+    ids, labels = _batch(0)
+    docs = torch.tensor([[0] * 6 + [1] * 10] * B)                       # two documents per row
+    pos = torch.cat([torch.arange(6), torch.arange(10)]).repeat(B, 1)
+    losses = [float(step(ids, labels, position_ids=pos, document_ids=docs)["loss"]) for _ in range(3)]
+    return losses, pm.compiled.line() if pm.compiled else ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_documents_compile_or_run_eagerly_saying_so(checkpointing):
+    """Packed documents at cp 1 take ring attention's per-document path, a boundary: compiled around
+    it, or, inside a checkpointed layer (whose checkpoint operator cannot hold the break), eager with
+    the first step's line saying so. The losses are eager's either way."""
+    eager, _ = run_world(_packed, 1, False, checkpointing, timeout=300)[0]
+    compiled, line = run_world(_packed, 1, True, checkpointing, timeout=300)[0]
+    assert compiled == pytest.approx(eager, abs=1e-5)
+    assert ("compiled nothing: the layers run eagerly" in line) == checkpointing, line

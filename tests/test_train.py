@@ -74,9 +74,10 @@ def _pipelined(path):
 
 # the pipeline layouts need more layers than TINY's 2: tests/test_pipeline.py runs them; the
 # mixture of experts is another model than the reference's: tests/test_moe_train.py runs moe.yaml;
-# lora.yaml (a base_model run, like finetune.yaml) is tests/test_lora_hf.py's
+# lora.yaml (a base_model run, like finetune.yaml) is tests/test_lora_hf.py's; dpo.yaml and
+# dpo_lora.yaml (base_model runs on make_example's preference set) tests/test_dpo_train.py's
 CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
-                 if not p.endswith(("default.yaml", "finetune.yaml", "lora.yaml", "moe.yaml"))
+                 if not p.endswith(("default.yaml", "finetune.yaml", "lora.yaml", "moe.yaml", "dpo.yaml"))
                  and not _pipelined(p))
 
 

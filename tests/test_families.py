@@ -195,3 +195,15 @@ def test_transformer_layer_cls_to_wrap_names_the_family(tmp_path, kind, layer, o
     else:
         with pytest.raises(ValueError, match=r"only \[Qwen2DecoderLayer, LlamaDecoderLayer\] units"):
             load_config(str(path))
+
+
+def test_lora_on_phi3s_fused_projections_is_refused(tmp_path):
+    """transformers' Phi-3 has no q/k/v or gate/up module for PEFT to put the adapters on."""
+    path = tmp_path / "c.yaml"
+    lora = "adapter: lora\nlora_r: 8\nlora_alpha: 16\n"
+    path.write_text(f"model:\n  model_type: phi3\n{lora}lora_target_linear: true\n")
+    with pytest.raises(ValueError, match=r"adapter: lora on \['q_proj', 'k_proj', 'v_proj', 'gate_proj', "
+                                         r"'up_proj'\] of a phi3 model"):
+        load_config(str(path))
+    path.write_text(f"model:\n  model_type: phi3\n{lora}lora_target_modules: [o_proj, down_proj]\n")
+    assert load_config(str(path)).lora_target_modules == ["o_proj", "down_proj"]

@@ -250,6 +250,11 @@ def _lora(cfg) -> List[str]:
                                 LlamaForCausalLM.lora_target_modules)
     except ValueError as err:
         return out + [str(err)]
+    fused = [t for t in targets if t in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")]
+    if cfg.model.model_type == "phi3" and fused:
+        out.append(f"adapter: lora on {fused} of a phi3 model: transformers' Phi-3 fuses them (qkv_proj, "
+                   f"gate_up_proj) where minipar keeps them apart, so PEFT could not load the adapter; "
+                   f"use lora_target_modules: [o_proj, down_proj], or a full fine-tune")
     if cfg.lora_model_dir and not out:
         model = LlamaForCausalLM(cfg.model, device="meta")
         add_lora(model, targets, cfg.lora_r, cfg.lora_alpha, device="meta")

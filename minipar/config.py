@@ -243,12 +243,6 @@ class ParallelismConfig:
                 problems.append(f"sequence_parallel needs the local sequence length "
                                 f"(sequence_len / cp_size = "
                                 f"{sequence_len // cp}) divisible by tp_size={tp}: change sequence_len")
-        window = getattr(model_config, "attention_window", None)     # LlamaConfig's sliding window
-        windows = [w for w in map(window, range(model_config.num_hidden_layers)) if w] if window else []
-        if sequence_len is not None and cp > 1 and windows and min(windows) < sequence_len:
-            problems.append(f"sliding_window={min(windows)} < sequence_len={sequence_len}: context "
-                            f"parallelism does not apply a sliding window; use cp_size 1, or a "
-                            f"sequence_len of at most {min(windows)}")
         problems += self.expert_problems(model_config)
         if problems:
             raise ValueError("the model cannot be split with " + self._describe() + ":\n  - "

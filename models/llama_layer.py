@@ -32,9 +32,10 @@ q/k/v biases (Qwen2's qkv_bias), q/k norms (Qwen3), partial RoPE (Phi-3) and a s
 (Mistral, Phi-3, Qwen2's windowed layers: `attention_window`). A window W lets query i see keys
 max(0, i-W+1)..i: a band of the causal mask. It binds only when the sequence is longer than W;
 then one process and tp (whose ranks hold whole sequences of some heads) run it as a dense (s, s)
-band mask in SDPA, packed documents at cp 1 as the band AND the block-diagonal mask; under
-context parallelism (ring, Ulysses) it is refused with a ValueError, raised on every rank at the
-first layer (the ring's blocks would need the band too): use cp 1, or sequence_len <= W.
+band mask in SDPA, packed documents at cp 1 as the band AND the block-diagonal mask, and context
+parallelism (whatever cp_impl) as the all-gather of K/V over cp with the band of the true
+positions (minipar/context_parallel/window_attention.py). A window that does not bind changes
+nothing: every path runs as without one.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 
 from minipar import tensor_parallel as tpl
 from minipar.context_parallel import Documents, RingKnobs, choose_kernel, ring_attention, ulysses_attention
+from minipar.context_parallel.window_attention import window_attention
 from minipar.mesh import MeshDim, ProcessGroupManager
 
 from .llama_config import LlamaConfig
@@ -159,11 +161,9 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         pgm, log, backend = self.pgm, self.attention_log, self.backend
         band = self.window is not None and self.window < s * pgm.cp.size     # the window binds
-        if band and pgm.cp.size > 1:         # the same shapes on every rank: all raise here
-            raise ValueError(f"sliding_window={self.window} < the sequence length {s * pgm.cp.size}: "
-                             f"context parallelism (cp_size={pgm.cp.size}) does not apply a sliding "
-                             f"window; use cp_size 1, or sequences of at most {self.window} tokens")
-        if band:                             # the band mask (and the documents', if packed)
+        if band and pgm.cp.size > 1:         # K/V all-gathered over cp, one band mask (any cp_impl)
+            out = window_attention(q, k, v, pgm.cp, self.window, self.cp_layout, document_ids)
+        elif band:                           # the band mask (and the documents', if packed)
             ids = document_ids.local if isinstance(document_ids, Documents) else document_ids
             out = causal_attention(q, k, v, ids, backend, log, window=self.window)
         elif pgm.cp.size > 1 and self.cp_impl == "ring":

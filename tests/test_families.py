@@ -17,6 +17,7 @@ from harness import run_world
 
 import minipar
 from minipar import ParallelismConfig
+from minipar.context_parallel import shard_sequence
 from minipar.trainer.config.train_config import load_config
 from models.hf_checkpoint import HFCheckpoint
 from models.hf_names import to_hub
@@ -112,6 +113,46 @@ def test_sliding_window_under_packing_is_each_document_alone(tmp_path):
     run_world(_packed_window, 1, str(tmp_path), timeout=60)
 
 
+def _window_under_cp(tmp, cp_impl, packed):
+    """cp 2: each rank's share of the loss and of every gradient; their sums are one process's."""
+    torch.set_num_threads(1)
+    ids = _ids()
+    docs = torch.tensor([[0] * 10 + [1] * 14] * 2) if packed else None
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None].expand(2, -1) if packed else \
+        torch.arange(24)[None].expand(2, -1)
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    if packed:
+        targets[:, 9] = -100                         # the last token of a document predicts nothing
+    if dist.get_rank() == 0:
+        _hf_model("mistral-window").save_pretrained(f"{tmp}/hf")
+        one = LlamaForCausalLM.from_pretrained(f"{tmp}/hf")
+        loss = one(ids, position_ids=pos, labels=targets, document_ids=docs)
+        loss.backward()
+        torch.save((loss.detach(), {n: p.grad for n, p in one.named_parameters()}), f"{tmp}/ref.pt")
+    dist.barrier()
+    pgm = minipar.init(ParallelismConfig(cp_size=2, cp_impl=cp_impl).resolve(2))
+    model = LlamaForCausalLM.from_pretrained(f"{tmp}/hf", pgm)
+    share = [shard_sequence(t, 1, pgm.cp) if t is not None else None for t in (ids, pos, targets, docs)]
+    loss = model(share[0], position_ids=share[1], labels=share[2], document_ids=share[3])
+    loss.backward()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)                            # the cp ranks' shares summed, as DDP would
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    if dist.get_rank() == 0:
+        ref_loss, ref = torch.load(f"{tmp}/ref.pt")
+        torch.testing.assert_close(loss, ref_loss, atol=0, rtol=1e-5)
+        for name, p in model.named_parameters():
+            want = ref[name]
+            assert want.norm() > 0 and (p.grad - want).norm() <= 1e-5 * want.norm(), name
+
+
+@pytest.mark.parametrize("cp_impl,packed", [("ring", False), ("ulysses", True)],
+                         ids=["ring", "ulysses-packed"])
+def test_sliding_window_under_context_parallelism(tmp_path, cp_impl, packed):
+    run_world(_window_under_cp, 2, str(tmp_path), cp_impl, packed, timeout=90)
+
+
 def _on_layout(variant, tmp, sizes):
     """Rank 0 writes the checkpoint and transformers' logits; every rank loads on the layout and
     exports; rank 0 reloads the export in transformers."""
@@ -175,11 +216,6 @@ def test_family_configs_read_and_refused():
     for extra, message in refused:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             LlamaConfig.from_dict(dict(base, **extra))
-    # context parallelism is refused when a window binds, before any world exists
-    window = LlamaConfig(**dict(base, model_type="mistral", sliding_window=8))
-    ParallelismConfig(cp_size=2).validate_model(window, 8)
-    with pytest.raises(ValueError, match="sliding_window=8 < sequence_len=16: context parallelism"):
-        ParallelismConfig(cp_size=2).validate_model(window, 16)
 
 
 @pytest.mark.parametrize("kind,layer,ok", [("qwen2", "Qwen2DecoderLayer", True),

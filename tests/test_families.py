@@ -37,16 +37,20 @@ VARIANTS = {
     "phi3-partial-rope": ("Phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                         "partial_rotary_factor": 0.5})),
 }
+# transformers' classes resolved here, before any fork: its lazy modules imported once, inherited
+# by every rank instead of imported again in each (no torch op runs for it)
+CLASSES = {prefix: (getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM"))
+           for prefix, _ in VARIANTS.values()}
 
 
 def _hf_class(variant):
-    return getattr(transformers, VARIANTS[variant][0] + "ForCausalLM")
+    return CLASSES[VARIANTS[variant][0]][1]
 
 
 def _hf_model(variant, seed=0):
     prefix, extra = VARIANTS[variant]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, prefix + "Config")(**{**SHAPE, **extra})
+    cfg = CLASSES[prefix][0](**{**SHAPE, **extra})
     hf = _hf_class(variant)(cfg).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():

@@ -8,17 +8,21 @@ tensors) with the same logits, and the export reloads in transformers with them 
 torch runs inside forked ranks (tests/harness.py): the test process itself runs no torch op.
 """
 import json
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import transformers
 from harness import run_world
+from test_hf_load import ROOT, TINY, _corpus, _tiny_tokenizer
 
 import minipar
 from minipar import ParallelismConfig
 from minipar.context_parallel import shard_sequence
 from minipar.trainer.config.train_config import load_config
+from minipar.trainer.run_setup import setup_run
+from minipar.trainer.trainer import Trainer
 from models.hf_checkpoint import HFCheckpoint
 from models.hf_names import to_hub
 from models.llama import LlamaForCausalLM
@@ -47,10 +51,10 @@ def _hf_class(variant):
     return CLASSES[VARIANTS[variant][0]][1]
 
 
-def _hf_model(variant, seed=0):
+def _hf_model(variant, seed=0, **overrides):
     prefix, extra = VARIANTS[variant]
     torch.manual_seed(seed)
-    cfg = CLASSES[prefix][0](**{**SHAPE, **extra})
+    cfg = CLASSES[prefix][0](**{**SHAPE, **extra, **overrides})
     hf = _hf_class(variant)(cfg).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -247,3 +251,34 @@ def test_lora_on_phi3s_fused_projections_is_refused(tmp_path):
         load_config(str(path))
     path.write_text(f"model:\n  model_type: phi3\n{lora}lora_target_modules: [o_proj, down_proj]\n")
     assert load_config(str(path)).lora_target_modules == ["o_proj", "down_proj"]
+
+
+# ------------------------------------------------------------------ train.py on a family's checkpoint
+def _write_base(directory):
+    torch.set_num_threads(1)
+    _hf_model("mistral-window", vocab_size=384).save_pretrained(directory)
+    _tiny_tokenizer(directory)                       # base_model is also the tokenizer
+
+
+def _train(argv):
+    torch.set_num_threads(1)
+    return [(r["loss"], r["grad_norm"]) for r in Trainer(setup_run(argv)).train()]
+
+
+def test_mistral_window_trains_under_cp2_like_one_process(tmp_path):
+    """train.py, base_model a Mistral with a window of 8 on sequences of 32: cp 2 (the windowed
+    layers' K/V all-gathered) follows one process's losses and gradient norms."""
+    base = str(tmp_path / "base")
+    run_world(_write_base, 1, base, timeout=60)
+
+    def argv(out, cp):
+        return [os.path.join(ROOT, "configs", "finetune.yaml"), "--base_model", base, "--output_dir",
+                str(tmp_path / out), "--max_steps", "3", "--export_hf", "false", *TINY, "--dataset",
+                _corpus(), "--dp_shard_size", "1", "--context_parallel_size", str(cp),
+                "--tensor_parallel_size", "1"]
+    ref = run_world(_train, 1, argv("one", 1), timeout=120)[0]
+    got = run_world(_train, 2, argv("two", 2), timeout=120)
+    for curve in got:
+        assert len(curve) == len(ref) == 3
+        for (a, ga), (b, gb) in zip(ref, curve):
+            assert abs(a - b) <= 1e-4 * abs(a) and abs(ga - gb) <= 1e-4 * abs(ga), (ref, curve)

@@ -1,6 +1,7 @@
 """The reference models built from minipar's parallel layers: llama.py, the Llama decoder with
 Hugging Face's parameter names (TP and CP inside it; DDP and ZeRO-3 wrap it from outside);
 llama_layer.py, one decoder layer (attention, the MLP or a mixture of experts);
-llama_config.py, its shape and config.json keys; rope.py, the rotary position tables; llama_init.py,
-meta-device construction filled from a seed or a checkpoint; kv_cache.py, generation's K/V cache and
-the cached forward through the same layers."""
+llama_config.py, its shape, config.json keys and the families' named differences (Qwen2's q/k/v
+biases, sliding windows, Phi-3's partial RoPE, Qwen3's q/k norms, the experts); rope.py, the rotary
+position tables; llama_init.py, meta-device construction filled from a seed or a checkpoint;
+kv_cache.py, generation's K/V cache and the cached forward through the same layers."""

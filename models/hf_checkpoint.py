@@ -3,7 +3,8 @@ written back (save_pretrained: the whole model, gathered tensor by tensor and wr
 rank 0 into shards as they fill, models/hf_shards.py).
 
     base_model/
-      config.json                                  -> LlamaConfig (Llama, Qwen3, Mixtral, Qwen3-MoE;
+      config.json                                  -> LlamaConfig (Llama, Qwen2/2.5, Mistral,
+                                                      Phi-3/4, Qwen3, Mixtral, Qwen3-MoE;
                                                       architecture and RoPE checked)
       model.safetensors                            one file, or the sharded form:
       model-00001-of-00002.safetensors ...         + model.safetensors.index.json {"weight_map":
@@ -22,6 +23,8 @@ and under ZeRO-3 it reads only the tensors that overlap its flat shard (zero3's 
 An MoE checkpoint stores one tensor per expert and projection, minipar one stacked (E, ...) tensor
 per projection (the names: models/hf_names.py): the reader stacks the experts, reading only those
 of an expert-parallel rank's share when asked for one, and save_pretrained writes them back one by one.
+Phi-3's fused qkv_proj / gate_up_proj are read part by part (a part's tp slice is a run of the
+fused tensor's rows) and fused again on export.
 Each read opens the file, copies the slice and closes it again, so the memory map never keeps pages
 of tensors that belong to other ranks resident (benchmarks/bench_load.py measures the peak).
 
@@ -49,7 +52,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from minipar.config_files import read_json
-from models.hf_names import hub_name, hub_shapes, stacked_expert
+from models.hf_names import fused_rows, hub_name, hub_shape_map, stacked_expert
 from models.hf_shards import INDEX, MAX_SHARD_BYTES, SINGLE, HeldBytes, ShardWriter, hub_items
 from models.llama_config import FAMILIES, LlamaConfig
 
@@ -155,8 +158,8 @@ class HFCheckpoint:
     def check(self, model) -> None:
         """Refuse (ValueError) a checkpoint whose tensors are not exactly this model's parameters.
         `model` may be built on the meta device; its tp_full_shape are compared. Local, no collective."""
-        want = {hub: shape for n, p in model.named_parameters()              # tied weights once
-                for hub, shape in hub_shapes(n, tuple(p.tp_full_shape), self.config.model_type)}
+        want = hub_shape_map(((n, tuple(p.tp_full_shape)) for n, p in model.named_parameters()),  # tied once
+                             self.config.model_type)
         where = f"base_model {self.directory!r}"
         missing = sorted(set(want) - set(self.tensors))
         ignorable = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
@@ -198,21 +201,32 @@ class SlicedReader:
             first, count = experts if experts is not None else (0, full_shape[0])
             return torch.stack([self._read(hub_name(name, kind, j), full_shape[1:], None)
                                 for j in range(first, first + count)])
+        fused = fused_rows(name, self.ckpt.config)     # Phi-3's q/k/v, gate/up: rows of one tensor
+        if fused is not None:
+            return self._read(fused[0], full_shape, tp_split_dim, row0=fused[1])
         return self._read(hub_name(name, kind), full_shape, tp_split_dim)
 
-    def _read(self, name: str, full_shape, tp_split_dim: Optional[int]) -> torch.Tensor:
+    def _read(self, name: str, full_shape, tp_split_dim: Optional[int], row0: Optional[int] = None
+              ) -> torch.Tensor:
+        """This rank's tp slice of tensor `name` (of full_shape), or, with row0, of its rows
+        [row0, row0 + full_shape[0]) (a part of a fused tensor)."""
         path, shape, _ = self.ckpt.tensors[name]
-        if tuple(shape) != tuple(full_shape):
-            raise ValueError(f"{path}: {name} has shape {shape}, the model expects {tuple(full_shape)}")
+        full_shape = tuple(full_shape)
+        fits = shape == full_shape if row0 is None else \
+            (shape[1:] == full_shape[1:] and row0 + full_shape[0] <= shape[0])
+        if not fits:
+            raise ValueError(f"{path}: {name} has shape {shape}, the model expects {full_shape}")
+        index = [slice(None)] * len(shape)
+        lo = row0 or 0
+        if row0 is not None:
+            index[0] = slice(row0, row0 + full_shape[0])
+        if tp_split_dim is not None and self.tp.size > 1:
+            n = full_shape[tp_split_dim] // self.tp.size
+            lo = lo if tp_split_dim == 0 else 0
+            index[tp_split_dim] = slice(lo + self.tp.rank * n, lo + (self.tp.rank + 1) * n)
         with safe_open(path, framework="pt") as f:   # opened per tensor: the map is released at once
             sl = f.get_slice(name)
-            if tp_split_dim is None or self.tp.size == 1:
-                t = sl[:]
-            else:
-                n = shape[tp_split_dim] // self.tp.size
-                index = [slice(None)] * len(shape)
-                index[tp_split_dim] = slice(self.tp.rank * n, (self.tp.rank + 1) * n)
-                t = sl[tuple(index)]
+            t = sl[tuple(index)] if any(i != slice(None) for i in index) else sl[:]
         self.bytes_read += t.numel() * t.element_size()
         return t.to(self.device)
 

@@ -37,7 +37,7 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 from safetensors.torch import save_file
 
-from models.hf_names import hub_name, stacked_expert
+from models.hf_names import hub_tensors
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 MAX_SHARD_BYTES = 5 * 10 ** 9        # the Hub's "5GB" (huggingface_hub's MAX_SHARD_SIZE)
@@ -74,16 +74,11 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 def hub_items(items: Iterable[Tuple[str, torch.Tensor]], model_type: str, tied: bool):
     """(minipar name, full tensor) -> (Hub name, tensor): stacked experts cut into one per expert,
-    lm_head.weight left out when tied (as transformers saves it). One at a time, as they come."""
-    for name, t in items:
-        if tied and name == "lm_head.weight":
-            continue
-        if stacked_expert(name):
-            for j in range(t.shape[0]):
-                yield hub_name(name, model_type, j), t[j]
-        else:
-            yield hub_name(name, model_type), t
-        del t
+    Phi-3's q/k/v and gate/up fused (models/hf_names.py hub_tensors: a fused tensor holds its parts
+    until the last arrives), lm_head.weight left out when tied (as transformers saves it). One at a
+    time, as they come."""
+    kept = ((name, t) for name, t in items if not (tied and name == "lm_head.weight"))
+    yield from hub_tensors(kept, model_type)
 
 
 class ShardWriter:

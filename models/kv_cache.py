@@ -77,6 +77,8 @@ def _attention(attn, x, cos, sin, cache: KVCache, layer: int):
     j = torch.arange(end, device=q.device)
     i = torch.arange(start, end, device=q.device)
     causal = j[None, :] <= i[:, None]                                       # (s, end)
+    if attn.window is not None:                   # a sliding window: keys i-W+1..i only
+        causal = causal & (j[None, :] > i[:, None] - attn.window)
     mask = (causal[None] & cache.valid[:, None, :end]) | (j[None, None, :] == i[None, :, None])
     out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None],
                                          enable_gqa=attn.local_heads != attn.local_kv_heads)

@@ -89,7 +89,7 @@ class LlamaModel(nn.Module):
 
     def rotary(self, position_ids, dtype):
         cfg = self.config
-        return rotary_tables(position_ids, cfg.head_dim, cfg.rope_theta, dtype, cfg.rope_scaling)
+        return rotary_tables(position_ids, cfg.rotary_dim, cfg.rope_theta, dtype, cfg.rope_scaling)
 
     def run_layers(self, h, cos, sin, layers, document_ids=None, checkpointing=False):
         """h through `layers` (decoder layers of this body), in order. checkpointing: an

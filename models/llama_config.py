@@ -6,9 +6,17 @@ checkpoint's config (transformers 4 writes rope_theta and rope_scaling, 5 rope_p
 hidden size (or head_dim is given), query heads are a multiple of KV heads (GQA), token ids are
 integers, and rope_scaling is None or Llama 3.1's (models/rope.py applies it).
 
-One config, four families (`model_type`), because they share one decoder (models/llama.py):
+One config, seven families (`model_type`), because they share one decoder (models/llama.py); each
+differs from Llama's by a few named properties, read by the layers (models/llama_layer.py):
 
     llama       the dense decoder
+    qwen2       + biases on q/k/v_proj (never on o_proj: `qkv_bias`); Qwen2.5 too. A sliding window
+                only with use_sliding_window, on the layers from max_window_layers on (layer_types)
+    mistral     Llama's layer; sliding_window W (or null) on every layer: query i sees keys
+                max(0, i-W+1)..i (`attention_window`)
+    phi3        Llama's layer (Phi-3, Phi-4); its checkpoint fuses qkv_proj and gate_up_proj (cut on
+                load, fused on export: models/hf_names.py); RoPE on the first head_dim *
+                partial_rotary_factor channels only (`rotary_dim`); sliding_window as Mistral's
     qwen3       + q_norm / k_norm (RMSNorm over each head, before RoPE) and its own head_dim
     mixtral     the feed-forward of every layer is a mixture of experts (models/moe.py):
                 num_local_experts E SwiGLU experts of intermediate_size, num_experts_per_tok k
@@ -22,7 +30,8 @@ router_aux_loss_coef weighs the load-balancing loss in the objective (0 leaves i
 transformers, output_router_logits is not needed to train with it). moe_capacity_factor is a
 training option, not a config.json key: None is dropless; c caps each expert at
 ceil(c * T * k / E) of a forward's T tokens (models/moe.py). What the families allow and minipar
-does not (a sliding window, router jitter noise, shared experts) is refused by name.
+does not (a sliding window outside qwen2/mistral/phi3, router jitter noise, shared experts,
+longrope and other RoPE scalings, dropout) is refused by name.
 """
 from __future__ import annotations
 
@@ -65,6 +74,13 @@ class LlamaConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: List[int] = dataclasses.field(default_factory=list)
     moe_capacity_factor: Optional[float] = None   # not in config.json: a training option
+    # sliding-window attention (WINDOWED families only; see attention_window) and Phi-3's partial RoPE
+    sliding_window: Optional[int] = None
+    use_sliding_window: Optional[bool] = None     # qwen2's switch (transformers' default false)
+    max_window_layers: Optional[int] = None       # qwen2: layers i >= this are windowed (default 28)
+    layer_types: Optional[List[str]] = None       # qwen2: "sliding_attention" | "full_attention" per layer
+    partial_rotary_factor: float = 1.0            # phi3: RoPE on the first head_dim * factor channels
+    original_max_position_embeddings: Optional[int] = None   # phi3: kept for the export only
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -84,6 +100,7 @@ class LlamaConfig:
                 raise ValueError(f"{key}={ids!r}: a token id is an integer >= 0 "
                                  f"(or, for eos, a list of them), or null")
         self._check_moe()
+        self._check_family()
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             missing = [k for k in LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
@@ -120,6 +137,57 @@ class LlamaConfig:
             raise ValueError(f"model_type {self.model_type!r} is dense but num_local_experts="
                              f"{self.num_local_experts}: use model_type mixtral or qwen3_moe")
 
+    def _check_family(self):
+        """The per-family settings: a window only where the family has one, qwen2's layer_types."""
+        kind, W = self.model_type, self.sliding_window
+        if W is not None and (isinstance(W, bool) or not isinstance(W, int) or W < 1):
+            raise ValueError(f"sliding_window={W!r}: a window is a number of tokens >= 1, or null")
+        if kind in ("qwen2", "mistral", "phi3") and (self.attention_bias or self.mlp_bias):
+            fixed = "q/k/v only" if kind == "qwen2" else "none"
+            raise ValueError(f"model_type {kind!r} fixes its biases ({fixed}): attention_bias="
+                             f"{self.attention_bias}, mlp_bias={self.mlp_bias} must be false")
+        if kind == "qwen2":
+            if not self.use_sliding_window:
+                self.sliding_window = None            # as transformers' Qwen2Config: the switch rules
+            if self.max_window_layers is None:
+                self.max_window_layers = 28           # transformers' default
+            n = self.num_hidden_layers
+            if self.layer_types is None:
+                self.layer_types = ["sliding_attention" if self.sliding_window is not None
+                                    and i >= self.max_window_layers else "full_attention" for i in range(n)]
+            kinds = ("sliding_attention", "full_attention")
+            if len(self.layer_types) != n or any(t not in kinds for t in self.layer_types):
+                raise ValueError(f"layer_types={self.layer_types}: one of {kinds} per layer ({n} layers)")
+        else:
+            self.use_sliding_window = self.max_window_layers = self.layer_types = None
+            if W is not None and kind not in ("mistral", "phi3"):
+                raise ValueError(f"model_type {kind!r} has no sliding window here (sliding_window={W}): "
+                                 f"set it to null, or use model_type mistral, phi3 or qwen2")
+        rotary = self.head_dim * self.partial_rotary_factor
+        if self.partial_rotary_factor != 1.0 and (kind != "phi3" or not 0 < rotary <= self.head_dim
+                                                 or int(rotary) % 2):
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor}: only phi3 rotates part of "
+                             f"each head, an even number of channels of head_dim={self.head_dim}")
+
+    def attention_window(self, i: int) -> Optional[int]:
+        """The sliding window W of decoder layer i (None: full causal attention): every layer of a
+        mistral or phi3 model with sliding_window set, qwen2's "sliding_attention" layers."""
+        if self.sliding_window is None:
+            return None
+        if self.model_type == "qwen2":
+            return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+        return self.sliding_window
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on q/k/v_proj: attention_bias (which also biases o_proj), or always for Qwen2."""
+        return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head RoPE rotates (the first ones; Phi-3's partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     @property
     def qk_norm(self) -> bool:
         """Qwen3's RMSNorm of each query and key head before RoPE."""
@@ -139,8 +207,16 @@ class LlamaConfig:
         d = dict(d)
         kind = d.get("model_type", "llama")
         unsupported = []
-        if d.get("sliding_window") is not None and d.get("use_sliding_window", kind != "qwen3_moe"):
-            unsupported.append(f"sliding_window={d['sliding_window']} (attention here is full causal)")
+        if kind not in WINDOWED:
+            if d.get("sliding_window") is not None and d.get("use_sliding_window", kind != "qwen3_moe"):
+                unsupported.append(f"sliding_window={d['sliding_window']} (attention here is full causal)")
+            for key in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"):
+                d.pop(key, None)                  # off (use_sliding_window false): ignored, as transformers
+        elif kind == "mistral":
+            d.setdefault("sliding_window", 4096)  # transformers' MistralConfig default
+        if kind in WINDOWED:                      # minipar trains without dropout
+            unsupported += [f"{key}={d[key]} (set it to 0)" for key in ("attention_dropout", "resid_pdrop",
+                                                                          "embd_pdrop") if d.get(key)]
         if d.get("router_jitter_noise"):
             unsupported.append(f"router_jitter_noise={d['router_jitter_noise']} (set it to 0)")
         if d.get("shared_expert_intermediate_size"):
@@ -152,10 +228,14 @@ class LlamaConfig:
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         if "rope_theta" not in d and "rope_theta" in rope:
             d["rope_theta"] = rope["rope_theta"]
+        if "partial_rotary_factor" in rope:      # transformers 5 keeps it in rope_parameters
+            d.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in ("default", None, "llama3"):
-            raise ValueError(f"rope_type {kind!r} is not supported: only default RoPE and 'llama3'")
-        d["rope_scaling"] = (dict({k: v for k, v in rope.items() if k not in ("rope_theta", "type")},
+            raise ValueError(f"rope_type {kind!r} is not supported: only default RoPE and 'llama3' "
+                             f"(Phi-3's longrope / su / yarn: use a checkpoint with rope_scaling null)")
+        d["rope_scaling"] = (dict({k: v for k, v in rope.items()
+                                   if k not in ("rope_theta", "type", "partial_rotary_factor")},
                                   rope_type="llama3") if kind == "llama3" else None)
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in fields})
@@ -167,6 +247,18 @@ class LlamaConfig:
                  torch_dtype="float32", rope_scaling=scaling,
                  rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta})
         del d["moe_capacity_factor"]                  # a training option, not the model's
+        family_keys = {"qwen2": ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"),
+                       "mistral": ("sliding_window",),
+                       "phi3": ("sliding_window", "partial_rotary_factor",
+                                "original_max_position_embeddings")}
+        for key in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+                    "partial_rotary_factor", "original_max_position_embeddings"):
+            if key not in family_keys.get(self.model_type, ()) or d[key] is None and key != "sliding_window":
+                del d[key]
+        if self.model_type in WINDOWED:               # biases fixed by the family, not config keys
+            del d["attention_bias"], d["mlp_bias"]
+        if self.model_type == "phi3":                 # transformers 5 reads it from rope_parameters
+            d["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
         moe_keys = ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                     "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers")
         if self.model_type == "mixtral":              # its experts are intermediate_size wide
@@ -182,4 +274,10 @@ class LlamaConfig:
 
 # model_type -> the transformers class a config.json of that family names
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+            "phi3": "Phi3ForCausalLM"}
+# the families whose attention may have a sliding window (LlamaConfig.attention_window)
+WINDOWED = ("qwen2", "mistral", "phi3")
+# model_type -> transformers' decoder-layer class: what Axolotl's transformer_layer_cls_to_wrap
+# names; every one is minipar's LlamaDecoderLayer (models/llama_layer.py), the ZeRO-3 unit
+DECODER_LAYERS = {kind: arch.replace("ForCausalLM", "DecoderLayer") for kind, arch in FAMILIES.items()}

@@ -7,9 +7,10 @@ activation checkpointing recomputes and a pipeline stage holds a run of (models/
                                      per rank; one input collective for the three (f, or SP's
                                      all-gather; column_parallel_group)
       q, k = q_norm(q), k_norm(k)    Qwen3 only: an RMSNorm over each head, before RoPE
-      attention                      RoPE at the true positions, then causal attention of the local
-                                     heads: plain (cp 1), ring attention over pgm.cp, Ulysses' two
-                                     all-to-alls, or both (USP) -> (b, s, heads/tp * head_dim)
+      attention                      RoPE at the true positions (Phi-3: on the first rotary_dim
+                                     channels), then causal attention of the local heads: plain
+                                     (cp 1), ring attention over pgm.cp, Ulysses' two all-to-alls,
+                                     or both (USP) -> (b, s, heads/tp * head_dim)
       h = h + o_proj(attention)      RowParallelLinear: partial sums -> all-reduce over tp (g; SP:
                                      reduce-scatter)
       n = post_attention_layernorm(h)
@@ -25,10 +26,21 @@ So a dense layer costs tp two collectives in and two out in forward (their mirro
 backward), each of the residual stream's size b s d. The stream has the parameters' dtype: fp32
 under autocast (bf16 matmul outputs), bf16 when ZeRO-3 gathers bf16 weights. With document_ids (b,
 s) the causal mask is block-diagonal: a packed row computes what its examples alone do.
+
+The families differ in small named ways, read from the config at build (models/llama_config.py):
+q/k/v biases (Qwen2's qkv_bias), q/k norms (Qwen3), partial RoPE (Phi-3) and a sliding window
+(Mistral, Phi-3, Qwen2's windowed layers: `attention_window`). A window W lets query i see keys
+max(0, i-W+1)..i: a band of the causal mask. It binds only when the sequence is longer than W;
+then one process and tp (whose ranks hold whole sequences of some heads) run it as a dense (s, s)
+band mask in SDPA, packed documents at cp 1 as the band AND the block-diagonal mask, and context
+parallelism (whatever cp_impl) as the all-gather of K/V over cp with the band of the true
+positions (minipar/context_parallel/window_attention.py). A window that does not bind changes
+nothing: every path runs as without one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -36,6 +48,7 @@ import torch.nn.functional as F
 
 from minipar import tensor_parallel as tpl
 from minipar.context_parallel import Documents, RingKnobs, choose_kernel, ring_attention, ulysses_attention
+from minipar.context_parallel.window_attention import window_attention
 from minipar.mesh import MeshDim, ProcessGroupManager
 
 from .llama_config import LlamaConfig
@@ -80,18 +93,21 @@ _SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"
                   "math": "MATH"}
 
 
-def causal_attention(q, k, v, document_ids=None, backend: str = "auto", log=None):
+def causal_attention(q, k, v, document_ids=None, backend: str = "auto", log=None, window=None):
     """Plain causal attention of one full (local) sequence, grouped-query: q (b, H, s, d), k/v
     (b, Hkv, s, d). K/V are repeated to the query heads (enable_gqa needs torch >= 2.5). backend
     (attention_backend) other than auto forces SDPA's kernel (torch.nn.attention.sdpa_kernel); the
     choice is noted in `log`. With document_ids (b, s) the mask is block-diagonal causal: a token
     sees the earlier tokens of its own document only (every row still sees itself, so no row is
     empty). That dense (b, 1, s, s) mask is the reference the packed path (LlamaAttention with
-    `Documents`) is tested against; the model never builds it."""
+    `Documents`) is tested against; the model never builds it, but for a sliding `window` W that
+    binds (W < s): then the mask also keeps keys i-W+1..i only (the band), with or without ids."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    if document_ids is None:
+    s = q.shape[2]
+    band = window is not None and window < s
+    if document_ids is None and not band:
         kind, reason = choose_kernel(backend, q.device, q.dtype, q.shape[-1], path="sdpa")
         if log is not None:
             log.note("cp 1", kind, reason)
@@ -100,14 +116,17 @@ def causal_attention(q, k, v, document_ids=None, backend: str = "auto", log=None
         from torch.nn.attention import SDPBackend, sdpa_kernel  # torch >= 2.3
         with sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[backend])):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    s = q.shape[2]
-    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_() & \
-        (document_ids[:, :, None] == document_ids[:, None, :])
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_()
+    if band:
+        mask = mask.triu_(1 - window)[None]          # j > i - W: the window's band
+    if document_ids is not None:
+        mask = mask & (document_ids[:, :, None] == document_ids[:, None, :])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, settings: LayerSettings):
+    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, settings: LayerSettings,
+                 window: Optional[int] = None):
         super().__init__()
         tp, sp, overlap = pgm.tp, settings.sequence_parallel, settings.tp_async_overlap
         self.pgm, self.sp, self.head_dim = pgm, sp, config.head_dim
@@ -117,7 +136,8 @@ class LlamaAttention(nn.Module):
         self.local_heads = config.num_attention_heads // tp.size
         self.local_kv_heads = config.num_key_value_heads // tp.size
         d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
-        col = dict(bias=bias, sequence_parallel=sp, async_overlap=overlap)
+        self.window = window               # the sliding window of this layer (None: full causal)
+        col = dict(bias=config.qkv_bias, sequence_parallel=sp, async_overlap=overlap)   # Qwen2: q/k/v only
         self.q_proj = tpl.ColumnParallelLinear(d, config.num_attention_heads * hd, tp, **col)
         self.k_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
         self.v_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
@@ -140,7 +160,13 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         pgm, log, backend = self.pgm, self.attention_log, self.backend
-        if pgm.cp.size > 1 and self.cp_impl == "ring":
+        band = self.window is not None and self.window < s * pgm.cp.size     # the window binds
+        if band and pgm.cp.size > 1:         # K/V all-gathered over cp, one band mask (any cp_impl)
+            out = window_attention(q, k, v, pgm.cp, self.window, self.cp_layout, document_ids)
+        elif band:                           # the band mask (and the documents', if packed)
+            ids = document_ids.local if isinstance(document_ids, Documents) else document_ids
+            out = causal_attention(q, k, v, ids, backend, log, window=self.window)
+        elif pgm.cp.size > 1 and self.cp_impl == "ring":
             out = ring_attention(q, k, v, pgm.cp, causal=True, layout=self.cp_layout,
                                  document_ids=document_ids, impl=backend, knobs=RingKnobs(log=log))
         elif pgm.cp.size > 1:                # Ulysses over cp_ulysses, the ring over cp_ring (USP)
@@ -180,7 +206,7 @@ class LlamaDecoderLayer(nn.Module):
         sp = settings.sequence_parallel
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
-        self.self_attn = LlamaAttention(config, pgm, settings)
+        self.self_attn = LlamaAttention(config, pgm, settings, config.attention_window(layer_idx))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
         self.is_moe = config.is_moe_layer(layer_idx)     # the mixture of experts, or the dense MLP
         self.mlp = MoEFeedForward(config, pgm, sp) if self.is_moe else LlamaMLP(config, pgm, settings)

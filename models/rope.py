@@ -8,6 +8,10 @@ pairs channel i with channel i + d/2 (not 2i with 2i + 1), which is what checkpo
     cos, sin (b, s, d)     of position_ids (b, s) x inv_freq, repeated for both halves
     rope(x)                x * cos + rotate_half(x) * sin,  rotate_half([x1, x2]) = [-x2, x1]
 
+Partial RoPE (Phi-3's partial_rotary_factor f): the tables are built for r = head_dim * f channels
+(theta ** (-arange(0, r, 2) / r)), and only the first r channels of each head rotate; the other
+head_dim - r pass through unchanged (apply_rotary reads r from the tables' width).
+
 The tables are built from the TRUE positions: under context parallelism a rank holds chunks of
 the sequence out of order (zigzag), under packing positions restart at each example, and the
 pipeline's stages rebuild the same tables from the same position_ids. No communication.
@@ -37,7 +41,8 @@ def llama3_inv_freq(inv_freq, scaling: dict):
 
 
 def rotary_tables(position_ids, head_dim, theta, dtype, rope_scaling: Optional[dict] = None):
-    """cos, sin of shape (b, s, head_dim) at the given (true) positions, HF's rotate-half layout."""
+    """cos, sin of shape (b, s, head_dim) at the given (true) positions, HF's rotate-half layout
+    (head_dim: the rotated channels, models/llama_config.py rotary_dim)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
     if rope_scaling:
         inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
@@ -52,6 +57,10 @@ def _rotate_half(x):
 
 
 def apply_rotary(x, cos, sin):
-    """x (b, heads, s, d); cos/sin (b, s, d)."""
+    """x (b, heads, s, d); cos/sin (b, s, r), r <= d: the first r channels rotate, the rest pass."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    if r < x.shape[-1]:                  # partial RoPE
+        rot, rest = x[..., :r], x[..., r:]
+        return torch.cat([(rot * cos + _rotate_half(rot) * sin).to(x.dtype), rest], dim=-1)
     return (x * cos + _rotate_half(x) * sin).to(x.dtype)   # keep bf16 under autocast

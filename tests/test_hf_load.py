@@ -305,7 +305,7 @@ def test_refuses_before_any_collective(tmp_path, checkpoints, case, match):
     index_path = os.path.join(base, "model.safetensors.index.json")
     index = json.load(open(index_path))
     if case == "architecture":
-        _edit_config(base, architectures=["MistralForCausalLM"], model_type="mistral")
+        _edit_config(base, architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox")   # (Mistral loads)
     elif case == "rope":
         _edit_config(base, rope_scaling=dict(rope_type="yarn", factor=4.0), rope_parameters=None)
     elif case == "shape":

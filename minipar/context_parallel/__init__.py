@@ -18,6 +18,8 @@
                         the ring repeats), with causal and document masks
     fused_attention.py  a dense block on torch's fused kernels (their aten schemas checked before
                         use) or the reference math
+    window_attention.py a sliding window across cp ranks: K/V all-gathered, one band mask of the
+                        true positions (window_attention; Mistral's, Phi-3's, Qwen2's windows)
 
     from minipar.context_parallel import ring_attention, ulysses_attention, zigzag_shard
 """

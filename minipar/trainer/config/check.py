@@ -36,6 +36,7 @@ from minipar.trainer.data.preference import check_pair_entries
 from minipar.trainer.data.sources import check_source
 from models.activation_checkpoint import check_option
 from models.llama import LlamaForCausalLM
+from models.llama_config import DECODER_LAYERS
 
 
 def check(cfg, earlier: Sequence = (), unknown: Optional[ValueError] = None) -> None:
@@ -84,8 +85,13 @@ def check(cfg, earlier: Sequence = (), unknown: Optional[ValueError] = None) -> 
     if cfg.fsdp.state_dict_type not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
         bad(f"fsdp.state_dict_type must be SHARDED_STATE_DICT or FULL_STATE_DICT, "
             f"got {cfg.fsdp.state_dict_type!r}")
-    if cfg.fsdp.wrap != ["LlamaDecoderLayer"]:
-        bad(f"fsdp.wrap: only [LlamaDecoderLayer] units are known, got {cfg.fsdp.wrap}")
+    # Axolotl's transformer_layer_cls_to_wrap: the model family's decoder-layer class (Qwen2DecoderLayer,
+    # ...), or minipar's own LlamaDecoderLayer, which every family's layer is here
+    kind = cfg.model.model_type
+    accepted = list(dict.fromkeys([DECODER_LAYERS.get(kind, "LlamaDecoderLayer"), "LlamaDecoderLayer"]))
+    if not cfg.fsdp.wrap or any(c not in accepted for c in cfg.fsdp.wrap):
+        bad(f"fsdp.wrap: only [{', '.join(accepted)}] units are known (the decoder layer of model_type "
+            f"{kind!r}), got {cfg.fsdp.wrap}")
     if cfg.ddp not in ("naive", "bucketed"):
         bad(f"ddp must be naive or bucketed, got {cfg.ddp!r}")
     if cfg.cp_layout not in CP_LAYOUTS:
@@ -244,6 +250,11 @@ def _lora(cfg) -> List[str]:
                                 LlamaForCausalLM.lora_target_modules)
     except ValueError as err:
         return out + [str(err)]
+    fused = [t for t in targets if t in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")]
+    if cfg.model.model_type == "phi3" and fused:
+        out.append(f"adapter: lora on {fused} of a phi3 model: transformers' Phi-3 fuses them (qkv_proj, "
+                   f"gate_up_proj) where minipar keeps them apart, so PEFT could not load the adapter; "
+                   f"use lora_target_modules: [o_proj, down_proj], or a full fine-tune")
     if cfg.lora_model_dir and not out:
         model = LlamaForCausalLM(cfg.model, device="meta")
         add_lora(model, targets, cfg.lora_r, cfg.lora_alpha, device="meta")

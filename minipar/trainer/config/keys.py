@@ -27,7 +27,8 @@ refused with the values minipar supports; none is silently ignored:
     fsdp_config:                            fsdp: (accelerate's names, with or without `fsdp_`)
       reshard_after_forward                   fsdp.reshard_after_forward
       state_dict_type                         fsdp.state_dict_type
-      transformer_layer_cls_to_wrap           fsdp.wrap
+      transformer_layer_cls_to_wrap           fsdp.wrap: the model family's decoder layer (Qwen2DecoderLayer,
+                                              ...) or LlamaDecoderLayer, all minipar's one layer class
       activation_checkpointing                gradient_checkpointing
       offload_params: true                    refused: minipar keeps parameters on the device
       auto_wrap_policy, sharding_strategy,    accepted where they name what minipar does

@@ -46,7 +46,8 @@ from minipar import comm
 from minipar.batch_split import check_batch_split, count_label_tokens, local_batch
 from minipar.compose import ParallelModel, Recipe, Step, build
 from minipar.config import ParallelismConfig
-from minipar.optim import build_optimizer, build_scheduler
+from minipar.lr_schedule import build_scheduler
+from minipar.optim import build_optimizer
 from models.hf_checkpoint import HFCheckpoint
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from minipar import optim as moptim
+from minipar import lr_schedule
 from minipar.plan.__main__ import main as plan_main
 from minipar.trainer.config import axolotl_keys
 from minipar.trainer.config.train_config import load_config
@@ -157,20 +157,20 @@ def test_schedules_are_callable_objects_that_resume():
     kinds = {"linear": [0.5, 1.0, 1.0, 0.5, 0.0], "constant": [1.0] * 5,
              "constant_with_warmup": [0.5, 1.0, 1.0, 1.0, 1.0]}
     for kind, want in kinds.items():
-        f = moptim.make_schedule(kind, 2, 4, 0.0)
+        f = lr_schedule.make_schedule(kind, 2, 4, 0.0)
         assert [round(f(s), 6) for s in range(5)] == want, kind
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=1.0)
-    sched = moptim.build_scheduler(opt, 2, 10, 0.0, kind="linear")
+    sched = lr_schedule.build_scheduler(opt, 2, 10, 0.0, kind="linear")
     for _ in range(4):
         opt.step()
         sched.step()
     state = sched.state_dict()
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
-    again = moptim.build_scheduler(opt2, 2, 10, 0.0, kind="linear")
+    again = lr_schedule.build_scheduler(opt2, 2, 10, 0.0, kind="linear")
     again.load_state_dict(state)
     assert again.get_last_lr() == sched.get_last_lr()
-    note = moptim.adopt_schedule(again, 2, 20, 0.0, kind="linear")
+    note = lr_schedule.adopt_schedule(again, 2, 20, 0.0, kind="linear")
     assert "max_steps 10 -> 20" in note and math.isclose(opt2.param_groups[0]["lr"], 1 - 2 / 18)
 
 

@@ -14,7 +14,7 @@ import torch
 from harness import run_world
 
 import minipar
-from minipar import ParallelismConfig, ProcessGroupManager, batch_split, comm
+from minipar import ParallelismConfig, ProcessGroupManager, batch_split, comm, lr_schedule
 from minipar import optim as moptim
 from minipar.trainer.checkpoint import atomic as cio
 from minipar.trainer.checkpoint import files as ck_files
@@ -37,7 +37,7 @@ def _setup(shape, zero3, seed=0, tied=False):
         from minipar.zero3 import fully_shard
         fully_shard(model, pgm)
     opt = moptim.build_optimizer(model, lr=1e-2, weight_decay=0.1)
-    return model, opt, moptim.build_scheduler(opt, 2, 20), pgm
+    return model, opt, lr_schedule.build_scheduler(opt, 2, 20), pgm
 
 
 def _grad_sync(model, pgm):

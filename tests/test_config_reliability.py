@@ -324,13 +324,14 @@ class _RunsCode:
 
 
 def _tiny_checkpoint(path):
+    from minipar import lr_schedule
     from minipar import optim as moptim
     from models.llama import LlamaForCausalLM
     from models.llama_config import LlamaConfig
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=1, num_attention_heads=2))
     opt = moptim.build_optimizer(model, lr=1e-3)
-    sched = moptim.build_scheduler(opt, 1, 10)
+    sched = lr_schedule.build_scheduler(opt, 1, 10)
     ck.save_checkpoint(str(path), model, opt, model.pgm, step=1, scheduler=sched,
                        extra=dict(step=1, note="x"))
     return model, opt, sched

@@ -11,7 +11,8 @@ import minipar
 from minipar import ParallelismConfig
 from minipar import optim as moptim
 from minipar import tensor_parallel as tpl
-from minipar.optim import WarmupCosine, build_optimizer, build_scheduler, clip_grad_norm_, complement
+from minipar.lr_schedule import WarmupCosine, build_scheduler
+from minipar.optim import build_optimizer, clip_grad_norm_, complement
 
 
 # --------------------------------------------------------------------------------------- schedule

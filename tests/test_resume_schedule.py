@@ -1,7 +1,7 @@
 """A resume that changes the plan: raising max_steps on resume follows the NEW schedule.
 
 LambdaLR.load_state_dict writes the saved lambda's settings back, so without
-optim.adopt_schedule a run of 6 steps resumed to 12 kept the 6-step cosine and sat at the minimum
+lr_schedule.adopt_schedule a run of 6 steps resumed to 12 kept the 6-step cosine and sat at the minimum
 rate for steps 7..12, with no word. The reference is the Hugging Face Trainer (the scheduler is
 built from the new arguments, the saved state only moves it to the checkpoint's step): the lr of
 steps 7..12 is a fresh 12-step run's, and a note names both lengths. The summary counts the steps
@@ -16,7 +16,7 @@ import pytest
 import torch
 from harness import run_world
 
-from minipar import optim as moptim
+from minipar import lr_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.hidden_size", "32", "--model.intermediate_size", "64", "--model.num_hidden_layers", "1",
@@ -66,20 +66,20 @@ def test_adopt_schedule_keeps_the_position_and_takes_the_new_settings():
     """The unit: load a 6-step scheduler's state into a 12-step one, at step 6."""
     p = torch.nn.Parameter(torch.zeros(2))
     old_opt = torch.optim.SGD([p], lr=1.0)
-    old = moptim.build_scheduler(old_opt, 2, 6, 0.1)
+    old = lr_schedule.build_scheduler(old_opt, 2, 6, 0.1)
     for _ in range(6):
         old_opt.step()
         old.step()
     opt = torch.optim.SGD([p], lr=1.0)
-    new = moptim.build_scheduler(opt, 2, 12, 0.1)
+    new = lr_schedule.build_scheduler(opt, 2, 12, 0.1)
     opt.load_state_dict(old_opt.state_dict())
     new.load_state_dict(old.state_dict())
     assert new.lr_lambdas[0].max_steps == 6            # what LambdaLR's load does by itself
-    note = moptim.adopt_schedule(new, 2, 12, 0.1)
+    note = lr_schedule.adopt_schedule(new, 2, 12, 0.1)
     assert "max_steps 6 -> 12" in note
-    expected = moptim.WarmupCosine(2, 12, 0.1)
+    expected = lr_schedule.WarmupCosine(2, 12, 0.1)
     assert opt.param_groups[0]["lr"] == pytest.approx(expected(6)) and new.get_last_lr() == [expected(6)]
     opt.step()
     new.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(expected(7))
-    assert moptim.adopt_schedule(new, 2, 12, 0.1) is None     # nothing changed: no note
+    assert lr_schedule.adopt_schedule(new, 2, 12, 0.1) is None     # nothing changed: no note

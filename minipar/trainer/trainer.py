@@ -26,7 +26,7 @@ import time
 from tqdm import tqdm
 
 import minipar
-from minipar import compose
+from minipar import compose, lr_schedule
 from minipar import optim as moptim
 from minipar.trainer import host_memory
 from minipar.trainer.batch_source import Batches, eval_loss
@@ -69,7 +69,7 @@ class Trainer:
                                                 weight_decay=cfg.weight_decay,
                                                 betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                                                 **fused)
-        self.scheduler = moptim.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps,
+        self.scheduler = lr_schedule.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps,
                                                 cfg.min_lr_ratio, kind=cfg.lr_scheduler)
         self.step = compose.Step(self.parallel, self.optimizer, self.scheduler, cfg.max_grad_norm,
                                  run.num_micro_steps, overlap=cfg.pipeline_overlap_steps)
@@ -178,9 +178,9 @@ class Trainer:
         self.batches.load_state_dict(extra["sampler"])
         self.start_step = int(extra["step"])
         self.log(f"resumed from {path} at step {self.start_step}")
-        # this run's max_steps / warmup / min_lr_ratio, not the checkpoint's (optim.adopt_schedule)
+        # this run's max_steps / warmup / min_lr_ratio, not the checkpoint's (lr_schedule.adopt_schedule)
         cfg = self.cfg
-        note = moptim.adopt_schedule(self.scheduler, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio,
+        note = lr_schedule.adopt_schedule(self.scheduler, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio,
                                      kind=cfg.lr_scheduler)
         if note:
             self.log(note)

@@ -50,7 +50,7 @@ import os
 from typing import List
 
 from minipar import cuda_env
-from minipar.optim import SCHEDULES
+from minipar.lr_schedule import SCHEDULES
 from minipar.trainer.config.axolotl_keys import fold
 from minipar.trainer.config.rl_keys import RL_NAMES, rl_problems, translate_rl
 

@@ -89,6 +89,7 @@ def test_lora_chat_finetune_on_hf_checkpoint_exports_peft_and_merged(tmp_path, c
         merged.eval()
         torch.testing.assert_close(merged(input_ids=IDS).logits, logits, atol=1e-5, rtol=1e-5)
     assert transformers.AutoTokenizer.from_pretrained(str(out / "merged")) is not None
+    assert transformers.AutoTokenizer.from_pretrained(str(out)) is not None   # the adapter's directory too
     # the checkpoint holds the adapters and their AdamW states only; the export command merges it
     manifest = json.load(open(out / "step-2" / "manifest.json"))
     assert manifest["params"] and all(".lora.lora_" in n for n in manifest["params"])

@@ -38,8 +38,6 @@ import torch.nn.functional as F
 
 from minipar import tensor_parallel as tpl
 
-from .rope import apply_rotary
-
 
 class KVCache:
     """Per layer K and V, pre-allocated (b, Hkv_local, T_max, head_dim); see the module docstring."""
@@ -61,14 +59,8 @@ class KVCache:
 
 def _attention(attn, x, cos, sin, cache: KVCache, layer: int):
     """LlamaAttention's projections and RoPE, then attention of the new positions against the cache."""
-    q, k, v = tpl.column_parallel_group(x, (attn.q_proj, attn.k_proj, attn.v_proj))
-    b, s, _ = q.shape
-    q = q.view(b, s, attn.local_heads, attn.head_dim).transpose(1, 2)
-    k = k.view(b, s, attn.local_kv_heads, attn.head_dim).transpose(1, 2)
-    v = v.view(b, s, attn.local_kv_heads, attn.head_dim).transpose(1, 2)
-    if attn.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    q, k, v = attn.project(x, cos, sin)               # the training layer's own projections and RoPE
+    b, s = q.shape[0], q.shape[2]
     start, end = cache.length, cache.length + s
     cache.k[layer][:, :, start:end] = k
     cache.v[layer][:, :, start:end] = v

@@ -150,7 +150,9 @@ class LlamaAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.attention_log = None          # LlamaModel's AttentionLog, shared by the layers
 
-    def forward(self, x, cos, sin, document_ids=None):
+    def project(self, x, cos, sin):
+        """q (b, H/tp, s, d), k and v (b, Hkv/tp, s, d): the projections (one input collective for
+        the three), the q/k norms of a family that has them, RoPE. Generation's cache reuses it."""
         q, k, v = tpl.column_parallel_group(x, (self.q_proj, self.k_proj, self.v_proj))   # one collective
         b, s, _ = q.shape
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
@@ -158,7 +160,11 @@ class LlamaAttention(nn.Module):
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, document_ids=None):
+        q, k, v = self.project(x, cos, sin)
+        b, s = q.shape[0], q.shape[2]
         pgm, log, backend = self.pgm, self.attention_log, self.backend
         band = self.window is not None and self.window < s * pgm.cp.size     # the window binds
         if band and pgm.cp.size > 1:         # K/V all-gathered over cp, one band mask (any cp_impl)

@@ -195,38 +195,48 @@ def _curve_after(history, step):
     return [h for h in history if h[0] > step]
 
 
-def test_kill_and_resume_same_and_other_layouts(tmp_path):
+# (ranks, the run's layout, the other layout it resumes on, steps, save every, killed at): the slow
+# case is the 8-rank 3D default run; its fast twin kills a dp_shard 2 run sooner and resumes on tp 2
+KILL_CASES = {
+    "8-ranks": (8, ["--dp_shard_size", "2"], ["--dp_shard_size", "4", "--context_parallel_size", "1"],
+                20, 5, 12),
+    "2-ranks": (2, ["--dp_shard_size", "2", "--context_parallel_size", "1", "--tensor_parallel_size", "1"],
+                ["--dp_shard_size", "1", "--context_parallel_size", "1", "--tensor_parallel_size", "2"],
+                8, 3, 7),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param("8-ranks", marks=pytest.mark.slow), "2-ranks"])
+def test_kill_and_resume_same_and_other_layouts(tmp_path, case):
+    n, layout, other_layout, steps, every, kill_at = KILL_CASES[case]
+    last = (kill_at - 1) // every * every          # the newest checkpoint before the kill
     out = tmp_path / "run"
-    save = ["--save_steps", "5", "--save_total_limit", "5"]
-    # uninterrupted, on dp_shard 2 x cp 2 x tp 2 (8 ranks)
-    fulls = run_world(_train, 8, _argv("default.yaml", tmp_path / "full", "--dp_shard_size", "2"),
-                      timeout=600)
+    run = ["--max_steps", str(steps), *layout]
+    save = ["--save_steps", str(every), "--save_total_limit", "5"]
+    # uninterrupted
+    fulls = run_world(_train, n, _argv("default.yaml", tmp_path / "full", *run), timeout=600)
     full = fulls[0]
     assert all(f == full for f in fulls), "every rank logs the same (all-reduced) curve"
-    # the same run killed at step 12: checkpoints step-5 and step-10 exist
+    # the same run killed at step kill_at: the checkpoints before it exist
     with pytest.raises(RankError, match="killed"):
-        run_world(_train_until_killed, 8, _argv("default.yaml", out, "--dp_shard_size", "2", *save), 12,
-                  timeout=600)
-    assert {"step-5", "step-10"} <= set(os.listdir(out))
+        run_world(_train_until_killed, n, _argv("default.yaml", out, *run, *save), kill_at, timeout=600)
+    assert {f"step-{s}" for s in range(every, last + 1, every)} <= set(os.listdir(out))
     resume = ["--resume_from_checkpoint", "latest"]
     # resumed on the same layout: the same curve, step for step
-    for same in run_world(_train, 8, _argv("default.yaml", out, "--dp_shard_size", "2", *resume),
-                          timeout=600):
-        assert [h[0] for h in _curve_after(same, 10)] == list(range(11, 21))
-        for a, b in zip(_curve_after(full, 10), _curve_after(same, 10)):
+    for same in run_world(_train, n, _argv("default.yaml", out, *run, *resume), timeout=600):
+        assert [h[0] for h in _curve_after(same, last)] == list(range(last + 1, steps + 1))
+        for a, b in zip(_curve_after(full, last), _curve_after(same, last)):
             assert abs(a[1] - b[1]) <= 1e-6 * abs(a[1]), (a, b)
-    # resumed from step-10 on another layout (4 shards x tp 2) and on one process
-    step10 = str(out / "step-10")
-    other = run_world(_train, 8, _argv("default.yaml", tmp_path / "other", "--dp_shard_size", "4",
-                                       "--context_parallel_size", "1", "--resume_from_checkpoint", step10),
-                      timeout=600)
-    single = run_world(_train, 1,
-                       _argv("default.yaml", tmp_path / "single1", "--resume_from_checkpoint", step10),
-                       timeout=600)[0]
+    # resumed from the last checkpoint on another layout and on one process
+    saved = str(out / f"step-{last}")
+    other = run_world(_train, n, _argv("default.yaml", tmp_path / "other", "--max_steps", str(steps),
+                                       *other_layout, "--resume_from_checkpoint", saved), timeout=600)
+    single = run_world(_train, 1, _argv("default.yaml", tmp_path / "single1", "--max_steps", str(steps),
+                                        "--resume_from_checkpoint", saved), timeout=600)[0]
     for resumed in (*other, single):                 # every rank of the other layout
-        got = _curve_after(resumed, 10)
-        assert [h[0] for h in got] == list(range(11, 21))
-        for a, b in zip(_curve_after(full, 10), got):
+        got = _curve_after(resumed, last)
+        assert [h[0] for h in got] == list(range(last + 1, steps + 1))
+        for a, b in zip(_curve_after(full, last), got):
             assert abs(a[1] - b[1]) <= 1e-4 * abs(a[1]), (a, b)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -41,7 +40,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
-from common import MB, run_variant, save_results  # noqa: E402
+from common import MB, Measurement, run_variant  # noqa: E402
 
 from minipar.trainer.run_setup import setup_run  # noqa: E402
 from minipar.trainer.trainer import Trainer  # noqa: E402
@@ -158,22 +157,17 @@ def main(argv=None):
     if args.steps < 2 * args.save_every:
         ap.error(f"--steps {args.steps} must be at least 2 x --save-every ({args.save_every}): a save and "
                  f"plain steps to compare it with")
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    run = Measurement("bench_async_save.py", argv)
     rows = measure(args)
-    load_end = os.getloadavg()[0]
-    command = "python benchmarks/bench_async_save.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    run.done()
     head = ["# The stall of a checkpoint, sync against async (benchmarks/bench_async_save.py)", "",
-            f"`{command.strip()}`: {'a toy' if args.quick else 'SmolLM-135M'} shape, {args.layers} layers, "
+            f"`{run.command}`: {'a toy' if args.quick else 'SmolLM-135M'} shape, {args.layers} layers, "
             f"dp_shard {args.ranks} (ZeRO-3), {args.seq} tokens per rank per step, fp32, a save every "
             f"{args.save_every} of {args.steps} steps (shards and AdamW states, save_total_limit 1); the "
             f"slowest rank, medians, the least stalled of {args.rounds} interleaved round(s). CPU, gloo, 1 "
-            f"torch thread per forked rank, torch {torch.__version__}, {cores} cores ({platform.machine()}), "
-            f"load average {load:.1f} at the start and {load_end:.1f} at the end.", ""]
+            f"torch thread per forked rank, {run.machine()}", ""]
     md = "\n".join(head + [table(rows), ""])
-    print("\n" + md)
-    record = dict(command=command.strip(), load_start=load, load_end=load_end, cores=cores,
-                  torch=torch.__version__, rows=[dict(variant=n, **r) for n, r in rows.items()])
-    return save_results(args.out, md, record, load, cores, args.quick)
+    return run.save(args.out, md, args.quick, rows=[dict(variant=n, **r) for n, r in rows.items()])
 
 
 if __name__ == "__main__":

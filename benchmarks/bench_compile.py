@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
-from common import SIZES, run_variant, save_results, timed_world  # noqa: E402
+from common import SIZES, Measurement, run_variant, timed_world  # noqa: E402
 
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "compile")
 GROUPS = {"one": ["minipar eager", "minipar compiled"],
@@ -200,23 +199,18 @@ def main(argv=None):
         args.sizes, args.ranks, args.backend, args.steps, args.rounds = ["1M"], [1, 2], "aot_eager", 1, 1
     if min(args.steps, args.rounds, *args.ranks) < 1:
         ap.error("--steps, --rounds and --ranks must be >= 1")
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    run = Measurement("bench_compile.py", argv)
     rows = measure(args)
-    load_end = os.getloadavg()[0]
-    command = "python benchmarks/bench_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    run.done()
     head = ["# torch.compile: compiled / eager, and against FSDP2 and DTensor compiled "
             "(benchmarks/bench_compile.py)", "",
-            f"`{command.strip()}`: backend {args.backend}, fp32, {args.steps} timed step(s) after 2 "
+            f"`{run.command}`: backend {args.backend}, fp32, {args.steps} timed step(s) after 2 "
             f"warm-up steps (the first compiles: compile time excluded from the step time, reported beside "
-            f"it), {args.rounds} interleaved round(s); CPU, gloo, 1 torch thread per forked rank, torch "
-            f"{torch.__version__}, {cores} cores ({platform.machine()}), load average {load:.1f} at the "
-            f"start and {load_end:.1f} at the end. '/ eager': against minipar eager on the same layout.", ""]
+            f"it), {args.rounds} interleaved round(s); CPU, gloo, 1 torch thread per forked rank, "
+            f"{run.machine()} '/ eager': against minipar eager on the same layout.", ""]
     md = "\n".join(head + [table(rows), ""])
-    print("\n" + md)
-    record = dict(command=command.strip(), backend=args.backend, load_start=load, load_end=load_end,
-                  cores=cores, torch=torch.__version__,
-                  rows=[dict(size=s, ranks=n, variant=v, rounds=rs) for (s, n, v), rs in rows.items()])
-    return save_results(args.out, md, record, load, cores, args.quick)
+    return run.save(args.out, md, args.quick, backend=args.backend,
+                    rows=[dict(size=s, ranks=n, variant=v, rounds=rs) for (s, n, v), rs in rows.items()])
 
 
 if __name__ == "__main__":

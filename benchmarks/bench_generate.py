@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
-
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
-from common import SIZES, save_results  # noqa: E402
+from common import SIZES, Measurement  # noqa: E402
 from harness import run_world  # noqa: E402
 
 from minipar.post.generation import Generation, generate  # noqa: E402
@@ -83,20 +80,15 @@ def main(argv=None):
         args.size, args.lengths, args.rounds = "1M", [32, 48], 1
     if min([args.batch, args.rounds] + args.lengths) < 1 or min(args.lengths) <= PROMPT:
         ap.error(f"--batch and --rounds must be >= 1 and every --lengths value > the prompt's {PROMPT}")
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    run = Measurement("bench_generate.py", argv)
     rows = run_world(_measure, 1, args.size, args.batch, args.lengths, args.rounds, timeout=900)[0]
-    load_end = os.getloadavg()[0]
-    command = "python benchmarks/bench_generate.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    run.done()
     md = "\n".join([
         "# Generation with and without the KV cache (benchmarks/bench_generate.py)", "",
-        f"`{command.strip()}`: the {args.size} model ({SIZES[args.size].n_params / 1e6:.1f} M parameters), "
+        f"`{run.command}`: the {args.size} model ({SIZES[args.size].n_params / 1e6:.1f} M parameters), "
         f"batch {args.batch}, a {PROMPT}-token prompt, greedy, fp32, one process with 1 torch thread; best "
-        f"of {args.rounds} round(s); torch {torch.__version__}, {cores} cores ({platform.machine()}), load "
-        f"average {load:.1f} at the start and {load_end:.1f} at the end.", "", table(rows), ""])
-    print("\n" + md)
-    record = dict(command=command.strip(), load_start=load, load_end=load_end, cores=cores,
-                  torch=torch.__version__, rows=rows)
-    return save_results(args.out, md, record, load, cores, args.quick)
+        f"of {args.rounds} round(s); {run.machine()}", "", table(rows), ""])
+    return run.save(args.out, md, args.quick, rows=rows)
 
 
 if __name__ == "__main__":

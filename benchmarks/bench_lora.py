@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
-from common import MB, SIZES, run_variant, save_results, timed_world  # noqa: E402
+from common import MB, SIZES, Measurement, run_variant, timed_world  # noqa: E402
 
 from minipar import comm_ledger  # noqa: E402
 from minipar.trainer.run_setup import setup_run  # noqa: E402
@@ -144,25 +143,19 @@ def main(argv=None):
         args.lora_r, args.steps, args.rounds = 4, 1, 1
     if min(args.dp_shard, args.cp, args.tp, args.lora_r, args.steps, args.rounds) < 1:
         ap.error("--dp-shard, --cp, --tp, --lora-r, --steps and --rounds must be >= 1")
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    run = Measurement("bench_lora.py", argv)
     rows = measure(args)
-    load_end = os.getloadavg()[0]
+    run.done()
     size = SIZES[args.size]
-    command = "python benchmarks/bench_lora.py " + " ".join(argv if argv is not None else sys.argv[1:])
     head = ["# LoRA against a full fine-tune (benchmarks/bench_lora.py)", "",
-            f"`{command.strip()}`: the {args.size} model ({size.n_params / 1e6:.1f} M parameters), dp_shard "
+            f"`{run.command}`: the {args.size} model ({size.n_params / 1e6:.1f} M parameters), dp_shard "
             f"{args.dp_shard} x cp {args.cp} x tp {args.tp}, {size.rows} x {size.seq} tokens per dp rank per "
             f"step, fp32; LoRA r={args.lora_r}, alpha={2 * args.lora_r} on every projection. Median of "
             f"{args.steps} step(s), best of {args.rounds} round(s); CPU, gloo, 1 torch thread per forked "
-            f"rank, "
-            f"torch {torch.__version__}, {cores} cores ({platform.machine()}), load average {load:.1f} at "
-            f"the start and {load_end:.1f} at the end. Bytes are exact (the tensors, the comm ledger); "
+            f"rank, {run.machine()} Bytes are exact (the tensors, the comm ledger); "
             f"peak MiB is resident memory above the rank's baseline.", ""]
     md = "\n".join(head + [table(rows), ""])
-    print("\n" + md)
-    record = dict(command=command.strip(), load_start=load, load_end=load_end, cores=cores,
-                  torch=torch.__version__, rows=[dict(variant=n, **r) for n, r in rows.items()])
-    return save_results(args.out, md, record, load, cores, args.quick)
+    return run.save(args.out, md, args.quick, rows=[dict(variant=n, **r) for n, r in rows.items()])
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -133,6 +134,32 @@ def spread(values):
 def local_bytes(t) -> int:
     t = t.to_local() if hasattr(t, "to_local") else t
     return t.numel() * t.element_size()
+
+
+class Measurement:
+    """One benchmark's run as its results file states it: the command, this machine, and the load
+    average read before the work and after it (a results file from a loaded machine is refused)."""
+
+    def __init__(self, script: str, argv=None):
+        self.command = f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+        self.command = self.command.strip()
+        self.load, self.cores, self.load_end = os.getloadavg()[0], os.cpu_count() or 1, None
+
+    def done(self) -> None:
+        self.load_end = os.getloadavg()[0]
+
+    def machine(self) -> str:
+        """The sentence every results file ends its header with."""
+        return (f"torch {torch.__version__}, {self.cores} cores ({platform.machine()}), load average "
+                f"{self.load:.1f} at the start and {self.load_end:.1f} at the end.")
+
+    def save(self, out: str, md: str, quick: bool, **fields) -> int:
+        """Print the table, then save_results it with the record: the command, the loads, the
+        machine and `fields` (the rows)."""
+        print("\n" + md)
+        record = dict(command=self.command, load_start=self.load, load_end=self.load_end, cores=self.cores,
+                      torch=torch.__version__, **fields)
+        return save_results(out, md, record, self.load, self.cores, quick)
 
 
 def save_results(out: str, md: str, record: dict, load: float, cores: int, quick: bool) -> int:

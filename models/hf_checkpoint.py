@@ -53,10 +53,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from minipar.config_files import read_json
-from models.hf_config import activation_problem
+from models.hf_config import FAMILIES, activation_problem
 from models.hf_names import fused_rows, hub_name, hub_shape_map, stacked_expert
 from models.hf_shards import INDEX, MAX_SHARD_BYTES, SINGLE, HeldBytes, ShardWriter, hub_items
-from models.llama_config import FAMILIES, LlamaConfig
+from models.llama_config import LlamaConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}

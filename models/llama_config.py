@@ -53,9 +53,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Union
 
 from .config_checks import check_family, check_moe, check_rope_scaling
-
-# the family tables live with config.json's keys; imported from here too (DECODER_LAYERS: the trainer)
-from .hf_config import DECODER_LAYERS, FAMILIES, GEMMA, LAYER_TYPED, WINDOWED, from_hf_dict, to_hf_dict  # noqa: F401
+from .hf_config import GEMMA, LAYER_TYPED, from_hf_dict, to_hf_dict  # the family tables, config.json's keys
 
 
 @dataclass

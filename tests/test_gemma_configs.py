@@ -16,8 +16,9 @@ from minipar import ParallelismConfig
 from minipar.plan.__main__ import main as plan_main
 from minipar.plan.inputs import ModelShape
 from minipar.trainer.config.train_config import load_config
+from models.hf_config import FAMILIES
 from models.llama import LlamaForCausalLM
-from models.llama_config import FAMILIES, LlamaConfig
+from models.llama_config import LlamaConfig
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2)

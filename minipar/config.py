@@ -243,6 +243,13 @@ class ParallelismConfig:
                 problems.append(f"sequence_parallel needs the local sequence length "
                                 f"(sequence_len / cp_size = "
                                 f"{sequence_len // cp}) divisible by tp_size={tp}: change sequence_len")
+        cap = getattr(model_config, "attention_softcap", None)     # Gemma 2's attn_logit_softcapping
+        if cap is not None and self.attention_backend in ("flash", "efficient", "cudnn"):
+            problems.append(f"attention_backend {self.attention_backend} cannot soft-cap attention logits "
+                            f"(model_type {model_config.model_type!r}, attn_logit_softcapping={cap}): no "
+                            f"fused kernel takes the cap; use attention_backend auto or math (Axolotl: "
+                            f"flash_attention false, attn_implementation eager), which compute its scores "
+                            f"explicitly")
         problems += self.expert_problems(model_config)
         if problems:
             raise ValueError("the model cannot be split with " + self._describe() + ":\n  - "

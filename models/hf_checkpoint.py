@@ -4,8 +4,9 @@ rank 0 into shards as they fill, models/hf_shards.py).
 
     base_model/
       config.json                                  -> LlamaConfig (Llama, Qwen2/2.5, Mistral,
-                                                      Phi-3/4, Qwen3, Mixtral, Qwen3-MoE;
-                                                      architecture and RoPE checked)
+                                                      Phi-3/4, Qwen3, Gemma 2, Gemma 3 text,
+                                                      Mixtral, Qwen3-MoE; architecture, activation
+                                                      and RoPE checked: models/hf_config.py)
       model.safetensors                            one file, or the sharded form:
       model-00001-of-00002.safetensors ...         + model.safetensors.index.json {"weight_map":
       model.safetensors.index.json                     {tensor name: file name}}
@@ -35,7 +36,7 @@ bf16/fp16/fp32, a config.json or shard index that is not JSON (the file, line an
 .safetensors file that is truncated or damaged (its header does not parse or does not cover the
 file: safetensors checks that much; flipped bytes inside a tensor go unseen, there is no checksum).
 Each says what to do: re-download or re-export the model. The one architecture check (model_type
-and class of a family minipar builds, silu) is read_hf_config's, which the planner's --model uses
+and class of a family minipar builds, its activation) is read_hf_config's, which the planner's --model uses
 too (Llama only there).
 
 Tied embeddings: the model has one `model.embed_tokens.weight`; a checkpoint that also stores
@@ -52,9 +53,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from minipar.config_files import read_json
+from models.hf_config import FAMILIES, activation_problem
 from models.hf_names import fused_rows, hub_name, hub_shape_map, stacked_expert
 from models.hf_shards import INDEX, MAX_SHARD_BYTES, SINGLE, HeldBytes, ShardWriter, hub_items
-from models.llama_config import FAMILIES, LlamaConfig
+from models.llama_config import LlamaConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -81,8 +83,9 @@ def read_hf_config(path: str, where: str, families=("llama",)) -> dict:
         names = ", ".join(f"{FAMILIES[f]} (model_type {f!r})" for f in families)
         raise ValueError(f"{where} is a {'/'.join(map(str, archs))} (model_type {kind!r}); minipar "
                          f"loads only {names} checkpoints here")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {d['hidden_act']!r}; the Llama MLP here is SwiGLU (silu)")
+    problem = activation_problem(d)        # SwiGLU's silu, or Gemma's GeGLU (gelu_pytorch_tanh)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
     return d
 
 

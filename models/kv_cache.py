@@ -23,8 +23,10 @@ Memory: 2 * L * b * Hkv_local * T_max * head_dim * bytes, e.g. 128 MiB for Llama
 head_dim 128) in bf16 at b 1, T_max 1024; 4 GiB at b 32 (and 4x that without GQA's sharing).
 
 `cached_forward` walks the layers of models/llama.py with the layers' own modules (norms,
-projections, q/k norms, RoPE, the MLP or MoE), so the weights and their tp split are the training
-model's; only the attention differs: it reads and writes the cache, with a mask that hides padding.
+projections, q/k norms, RoPE, the MLP or MoE, Gemma's sandwich norms through the layer's own
+add_attention / add_feed_forward), so the weights and their tp split are the training model's; only
+the attention differs: it reads and writes the cache, with a mask that hides padding (and Gemma 2's
+capped logits through the same masked_attention as training's).
 The training forward (LlamaAttention.forward) is untouched. Left padding: position_ids count real
 tokens only (the first real token is at 0, as transformers' generate), and every query also sees
 itself, so a padding row never has an empty softmax (its output is never read).
@@ -34,9 +36,9 @@ from __future__ import annotations
 from typing import List
 
 import torch
-import torch.nn.functional as F
 
 from minipar import tensor_parallel as tpl
+from minipar.context_parallel.masked_attention import masked_attention
 
 
 class KVCache:
@@ -72,8 +74,7 @@ def _attention(attn, x, cos, sin, cache: KVCache, layer: int):
     if attn.window is not None:                   # a sliding window: keys i-W+1..i only
         causal = causal & (j[None, :] > i[:, None] - attn.window)
     mask = (causal[None] & cache.valid[:, None, :end]) | (j[None, None, :] == i[None, :, None])
-    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None],
-                                         enable_gqa=attn.local_heads != attn.local_kv_heads)
+    out = masked_attention(q, keys.to(q.dtype), values.to(q.dtype), mask[:, None], attn.softcap)
     return attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.local_heads * attn.head_dim))
 
 
@@ -91,8 +92,9 @@ def cached_forward(model, input_ids, position_ids, valid, cache: KVCache, last_o
     h = body.embed(input_ids)
     cos, sin = body.rotary(position_ids, h.dtype)
     for layer in body.layers:
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), cos, sin, cache, layer.layer_idx)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = layer.add_attention(h, _attention(layer.self_attn, layer.input_layernorm(h), cos, sin, cache,
+                                              layer.layer_idx))
+        h = layer.add_feed_forward(h)
     cache.length += s
     if last_only:
         h = h[:, -1:]

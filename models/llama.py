@@ -6,8 +6,10 @@
         h = h + o_proj(attn(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))   n = input_layernorm(h)
         h = h + down_proj(silu(gate_proj(n)) * up_proj(n))                  n = post_attention_layernorm(h)
             or h + moe(n), the mixture of experts (models/moe.py), in Mixtral's and Qwen3-MoE's layers;
-            Qwen3's q and k go through q_norm / k_norm (RMSNorm per head) before RoPE
-      norm                    RMSNorm
+            Qwen3's q and k go through q_norm / k_norm (RMSNorm per head) before RoPE; Gemma's
+            layers norm each sublayer's output too (sandwich norms) and scale its embeddings by
+            sqrt(d) (the family's named differences: models/llama_config.py)
+      norm                    RMSNorm (Gemma 2: then the logits soft-capped, c * tanh(logits / c))
       lm_head                 ColumnParallelLinear (vocab rows) -> local logits (b, s, V/tp)
       loss                    vocab_parallel_cross_entropy: sum over tokens / num_items_in_batch
                               (+ an MoE's load-balancing loss, models/moe_aux.py)
@@ -78,18 +80,29 @@ class LlamaModel(nn.Module):
         self.embed_tokens = tpl.VocabParallelEmbedding(config.vocab_size, config.hidden_size, pgm.tp, sp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, pgm, i, settings)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp, offset=config.norm_offset)
         # which attention kernel each path ran, printed once per run (rank 0; other ranks their fallbacks)
         self.attention_log = AttentionLog(echo=pgm.global_rank == 0)
         for layer in self.layers:
             layer.self_attn.attention_log = self.attention_log
 
     def embed(self, input_ids):
-        return self.embed_tokens(input_ids)
+        """The embedding rows of input_ids; Gemma's times sqrt(hidden_size), the scale rounded to the
+        embedding's dtype first, as transformers does (sqrt(3072) = 55.43 is 55.5 in bf16)."""
+        h = self.embed_tokens(input_ids)
+        scale = self.config.embedding_scale
+        return h if scale is None else h * torch.tensor(scale, dtype=h.dtype, device=h.device)
 
     def rotary(self, position_ids, dtype):
+        """cos, sin (b, s, rotary_dim) at the true positions; for Gemma 3 (rope_kinds 2) stacked
+        (2, b, s, rotary_dim): the global layers' (rope_theta, rope_scaling), then the local ones'
+        (rope_local_base_freq, unscaled). Each layer picks its own (LlamaAttention.project)."""
         cfg = self.config
-        return rotary_tables(position_ids, cfg.rotary_dim, cfg.rope_theta, dtype, cfg.rope_scaling)
+        tables = rotary_tables(position_ids, cfg.rotary_dim, cfg.rope_theta, dtype, cfg.rope_scaling)
+        if cfg.rope_kinds == 1:
+            return tables
+        local = rotary_tables(position_ids, cfg.rotary_dim, cfg.rope_local_base_freq, dtype)
+        return torch.stack([tables[0], local[0]]), torch.stack([tables[1], local[1]])
 
     def run_layers(self, h, cos, sin, layers, document_ids=None, checkpointing=False):
         """h through `layers` (decoder layers of this body), in order. checkpointing: an
@@ -109,8 +122,12 @@ class LlamaModel(nn.Module):
         return h
 
     def local_logits(self, h, lm_head):
-        """Final norm, then this rank's vocabulary rows: (b, s, V/tp), never the full logits."""
-        return lm_head(self.norm(h))
+        """Final norm, then this rank's vocabulary rows: (b, s, V/tp), never the full logits.
+        Gemma's final_logit_softcapping c (Gemma 2's 30): c * tanh(logits / c), elementwise, so each rank caps
+        its own rows before the vocab-parallel loss (no communication)."""
+        logits = lm_head(self.norm(h))
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def head_loss(self, h, lm_head, labels, num_items_in_batch):
         """sum of the token losses (vocab-parallel cross-entropy) / num_items_in_batch; or, when

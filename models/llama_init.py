@@ -22,9 +22,10 @@ measurement: docs/finetuning.md, benchmarks/bench_load.py).
 
 Random initialisation stays layout-independent. The values are those of a single generator seeded
 with `seed` drawing every FULL tensor in parameter order (normal(0, initializer_range) for
-matrices, ones for norms, zeros for biases), each then sliced for this rank; every layout therefore
-starts from the same weights. A rank may ask in another order (ZeRO-3's root unit holds the
-embedding AND the lm_head, drawn first and last): SeededInit records the generator state at the
+matrices, ones for norms -- zeros for Gemma's, which scale by 1 + weight -- zeros for biases),
+each then sliced for this rank; every layout therefore starts from the same weights. A rank may
+ask in another order (ZeRO-3's root unit holds the embedding AND the lm_head, drawn first and
+last): SeededInit records the generator state at the
 start of every tensor it has passed, and to reach a later tensor it draws (and drops) the ones in
 between, one full tensor at a time; a tensor before the frontier is redrawn from its recorded state.
 """
@@ -46,6 +47,8 @@ class SeededInit:
         self.tp = tp if tp is not None else model.pgm.tp
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.std = model.config.initializer_range
+        # a norm's identity: weight 1, or 0 where it scales by (1 + weight) (Gemma's norm_offset)
+        self.norm_fill = "zeros" if getattr(model.config, "norm_offset", False) else "ones"
         self.order: Sequence[Tuple[str, tuple]] = [(n, tuple(p.tp_full_shape))
                                                    for n, p in model.named_parameters()]   # tied once
         self.index = {n: i for i, (n, _) in enumerate(self.order)}
@@ -53,11 +56,10 @@ class SeededInit:
         self.next = 0                                    # the tensor self.gen would draw next
         self.states: Dict[int, torch.Tensor] = {0: self.gen.get_state()}
 
-    @staticmethod
-    def _kind(name: str, shape) -> str:
+    def _kind(self, name: str, shape) -> str:
         if name.endswith(".bias"):
             return "zeros"
-        return "ones" if len(shape) == 1 else "normal"   # 1-D weights are the RMSNorm scales
+        return self.norm_fill if len(shape) == 1 else "normal"   # 1-D weights are the RMSNorm scales
 
     def _draw(self, i: int, gen: torch.Generator) -> torch.Tensor:
         full = torch.empty(self.order[i][1], device="cpu")

@@ -6,7 +6,7 @@ activation checkpointing recomputes and a pipeline stage holds a run of (models/
       q, k, v = q_proj(n), ...       ColumnParallelLinear: heads/tp query heads, kv_heads/tp KV heads
                                      per rank; one input collective for the three (f, or SP's
                                      all-gather; column_parallel_group)
-      q, k = q_norm(q), k_norm(k)    Qwen3 only: an RMSNorm over each head, before RoPE
+      q, k = q_norm(q), k_norm(k)    Qwen3 and Gemma 3 only: an RMSNorm over each head, before RoPE
       attention                      RoPE at the true positions (Phi-3: on the first rotary_dim
                                      channels), then causal attention of the local heads: plain
                                      (cp 1), ring attention over pgm.cp, Ulysses' two all-to-alls,
@@ -18,6 +18,16 @@ activation checkpointing recomputes and a pipeline stage holds a run of (models/
                                      intermediate/tp columns per rank, one collective in, one out
           or h + moe(n), the mixture of experts (models/moe.py), in Mixtral's and Qwen3-MoE's layers
 
+Gemma's layer ("sandwich" norms: every sublayer's output normed too, before its residual add):
+      h = h + post_attention_layernorm(o_proj(attention(input_layernorm(h))))
+      h = h + post_feedforward_layernorm(down_proj(gelu_tanh(gate_proj(n)) * up_proj(n)))
+                                     n = pre_feedforward_layernorm(h)                  (GeGLU)
+  its norms scale by (1 + weight) in fp32 (the weight starts at 0), its q is scaled by
+  sqrt(head_dim / query_pre_attn_scalar) after RoPE (so every kernel's 1/sqrt(head_dim) gives
+  Gemma's 1/sqrt(query_pre_attn_scalar), one multiply instead of a scale through every path),
+  and Gemma 3's local layers read their own RoPE table (rope_local_base_freq). Under SP the two
+  extra norms sit on sequence shards like the others: their weights' gradients summed over tp.
+
 The layers take their parallel settings when built (LayerSettings: sequence parallelism, async TP
 overlap, the cp implementation and layout, the attention kernel), read once from the
 ParallelismConfig by the model's constructor (models/llama.py); a forward never reads the config.
@@ -28,19 +38,23 @@ under autocast (bf16 matmul outputs), bf16 when ZeRO-3 gathers bf16 weights. Wit
 s) the causal mask is block-diagonal: a packed row computes what its examples alone do.
 
 The families differ in small named ways, read from the config at build (models/llama_config.py):
-q/k/v biases (Qwen2's qkv_bias), q/k norms (Qwen3), partial RoPE (Phi-3) and a sliding window
-(Mistral, Phi-3, Qwen2's windowed layers: `attention_window`). A window W lets query i see keys
-max(0, i-W+1)..i: a band of the causal mask. It binds only when the sequence is longer than W;
-then one process and tp (whose ranks hold whole sequences of some heads) run it as a dense (s, s)
-band mask in SDPA, packed documents at cp 1 as the band AND the block-diagonal mask, and context
-parallelism (whatever cp_impl) as the all-gather of K/V over cp with the band of the true
-positions (minipar/context_parallel/window_attention.py). A window that does not bind changes
-nothing: every path runs as without one.
+q/k/v biases (Qwen2's qkv_bias), q/k norms (Qwen3, Gemma 3), partial RoPE (Phi-3), a sliding
+window (Mistral, Phi-3, Qwen2's and Gemma's windowed layers: `attention_window`), Gemma's norms,
+GeGLU, query scale and Gemma 2's attention-logit soft-cap (`attention_softcap`). A window W lets
+query i see keys max(0, i-W+1)..i: a band of the causal mask. It binds only when the sequence is
+longer than W; then one process and tp (whose ranks hold whole sequences of some heads) run it as
+a dense (s, s) band mask in SDPA, packed documents at cp 1 as the band AND the block-diagonal
+mask, and context parallelism (whatever cp_impl) as the all-gather of K/V over cp with the band of
+the true positions (minipar/context_parallel/window_attention.py). A window that does not bind changes
+nothing: every path runs as without one. A soft-capped layer (Gemma 2) always takes the masked
+path, whatever the window: its scores are computed explicitly (the dense mask's SDPA call becomes
+minipar/context_parallel/masked_attention.py's capped scores), at cp 1 with or without packed
+documents, and under cp (any cp_impl) as window_attention's all-gather of K/V with the causal
+(or band) mask of the true positions: no fused, ring or Ulysses kernel can hold the cap.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -48,6 +62,7 @@ import torch.nn.functional as F
 
 from minipar import tensor_parallel as tpl
 from minipar.context_parallel import Documents, RingKnobs, choose_kernel, ring_attention, ulysses_attention
+from minipar.context_parallel.masked_attention import masked_attention
 from minipar.context_parallel.window_attention import window_attention
 from minipar.mesh import MeshDim, ProcessGroupManager
 
@@ -74,26 +89,30 @@ class LayerSettings:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, in fp32 (as HF). The weight is replicated over tp."""
+    """x / rms(x) * weight, in fp32 (as HF). The weight is replicated over tp. offset (Gemma):
+    x / rms(x) * (1 + weight), the product in fp32 before the cast back, the weight starting at 0."""
 
-    def __init__(self, hidden_size, eps, tp, sequence_parallel=False):
+    def __init__(self, hidden_size, eps, tp, sequence_parallel=False, offset=False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if offset else torch.ones(hidden_size))
         self.weight.tp_split_dim, self.weight.tp_full_shape = None, (hidden_size,)
-        self.eps, self.tp, self.sequence_parallel = eps, tp, sequence_parallel
+        self.eps, self.tp, self.sequence_parallel, self.offset = eps, tp, sequence_parallel, offset
 
     def forward(self, x):
         dtype = x.dtype
         x = x.to(torch.promote_types(dtype, torch.float32))   # fp32 at least, as HF
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return tpl.sequence_parallel_weight(self.weight, self.tp, self.sequence_parallel) * x.to(dtype)
+        weight = tpl.sequence_parallel_weight(self.weight, self.tp, self.sequence_parallel)
+        if self.offset:                      # Gemma: (x * (1 + w)) in fp32, then x's dtype
+            return (x * (1.0 + weight.float())).to(dtype)
+        return weight * x.to(dtype)
 
 
 _SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                   "math": "MATH"}
 
 
-def causal_attention(q, k, v, document_ids=None, backend: str = "auto", log=None, window=None):
+def causal_attention(q, k, v, document_ids=None, backend: str = "auto", log=None, window=None, softcap=None):
     """Plain causal attention of one full (local) sequence, grouped-query: q (b, H, s, d), k/v
     (b, Hkv, s, d). K/V are repeated to the query heads (enable_gqa needs torch >= 2.5). backend
     (attention_backend) other than auto forces SDPA's kernel (torch.nn.attention.sdpa_kernel); the
@@ -101,13 +120,15 @@ def causal_attention(q, k, v, document_ids=None, backend: str = "auto", log=None
     sees the earlier tokens of its own document only (every row still sees itself, so no row is
     empty). That dense (b, 1, s, s) mask is the reference the packed path (LlamaAttention with
     `Documents`) is tested against; the model never builds it, but for a sliding `window` W that
-    binds (W < s): then the mask also keeps keys i-W+1..i only (the band), with or without ids."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    binds (W < s): then the mask also keeps keys i-W+1..i only (the band), with or without ids;
+    and for soft-capped logits (`softcap`, Gemma 2), which take explicit scores under that mask
+    (minipar/context_parallel/masked_attention.py) whatever the window and documents."""
     s = q.shape[2]
     band = window is not None and window < s
-    if document_ids is None and not band:
+    if document_ids is None and not band and softcap is None:
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         kind, reason = choose_kernel(backend, q.device, q.dtype, q.shape[-1], path="sdpa")
         if log is not None:
             log.note("cp 1", kind, reason)
@@ -118,15 +139,19 @@ def causal_attention(q, k, v, document_ids=None, backend: str = "auto", log=None
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_()
     if band:
-        mask = mask.triu_(1 - window)[None]          # j > i - W: the window's band
+        mask = mask.triu_(1 - window)          # j > i - W: the window's band
+    mask = mask[None]
     if document_ids is not None:
         mask = mask & (document_ids[:, :, None] == document_ids[:, None, :])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+    if softcap is not None and log is not None:
+        log.note("cp 1", "explicit", f"attention logits soft-capped at {softcap}: no fused kernel "
+                                      f"takes the cap")
+    return masked_attention(q, k, v, mask[:, None], softcap)
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, settings: LayerSettings,
-                 window: Optional[int] = None):
+                 layer_idx: int = 0):
         super().__init__()
         tp, sp, overlap = pgm.tp, settings.sequence_parallel, settings.tp_async_overlap
         self.pgm, self.sp, self.head_dim = pgm, sp, config.head_dim
@@ -136,23 +161,29 @@ class LlamaAttention(nn.Module):
         self.local_heads = config.num_attention_heads // tp.size
         self.local_kv_heads = config.num_key_value_heads // tp.size
         d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.window = window               # the sliding window of this layer (None: full causal)
+        self.window = config.attention_window(layer_idx)   # this layer's sliding window (None: full causal)
+        self.softcap = config.attention_softcap             # Gemma 2's logit cap (None: none)
+        self.query_scale = config.query_scale               # Gemma's query_pre_attn_scalar, on q
+        self.rope_table = config.rope_table(layer_idx)      # Gemma 3: the global (0) or local (1) RoPE
         col = dict(bias=config.qkv_bias, sequence_parallel=sp, async_overlap=overlap)   # Qwen2: q/k/v only
         self.q_proj = tpl.ColumnParallelLinear(d, config.num_attention_heads * hd, tp, **col)
         self.k_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
         self.v_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
         self.o_proj = tpl.RowParallelLinear(config.num_attention_heads * hd, d, tp, bias=bias,
                                             sequence_parallel=sp)
-        if config.qk_norm:          # Qwen3: RMSNorm over each head of q and k, before RoPE
+        if config.qk_norm:          # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE
             # a tp rank holds some heads only, so the weight's gradient is summed over tp, as under SP
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps, tp, sequence_parallel=True)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps, tp, sequence_parallel=True)
+            norm = dict(sequence_parallel=True, offset=config.norm_offset)
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, tp, **norm)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, tp, **norm)
         self.qk_norm = config.qk_norm
         self.attention_log = None          # LlamaModel's AttentionLog, shared by the layers
 
     def project(self, x, cos, sin):
         """q (b, H/tp, s, d), k and v (b, Hkv/tp, s, d): the projections (one input collective for
-        the three), the q/k norms of a family that has them, RoPE. Generation's cache reuses it."""
+        the three), the q/k norms of a family that has them, RoPE (cos, sin: the model's tables,
+        stacked per kind for Gemma 3, of which this layer reads its own), Gemma's query scale.
+        Generation's cache reuses it."""
         q, k, v = tpl.column_parallel_group(x, (self.q_proj, self.k_proj, self.v_proj))   # one collective
         b, s, _ = q.shape
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
@@ -160,18 +191,25 @@ class LlamaAttention(nn.Module):
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        if self.rope_table is not None:
+            cos, sin = cos[self.rope_table], sin[self.rope_table]
+        q = apply_rotary(q, cos, sin)
+        if self.query_scale != 1.0:           # the kernels' 1/sqrt(head_dim) -> 1/sqrt(query_pre_attn_scalar)
+            q = q * self.query_scale
+        return q, apply_rotary(k, cos, sin), v
 
     def forward(self, x, cos, sin, document_ids=None):
         q, k, v = self.project(x, cos, sin)
         b, s = q.shape[0], q.shape[2]
         pgm, log, backend = self.pgm, self.attention_log, self.backend
         band = self.window is not None and self.window < s * pgm.cp.size     # the window binds
-        if band and pgm.cp.size > 1:         # K/V all-gathered over cp, one band mask (any cp_impl)
-            out = window_attention(q, k, v, pgm.cp, self.window, self.cp_layout, document_ids)
-        elif band:                           # the band mask (and the documents', if packed)
+        masked = band or self.softcap is not None     # a dense mask (capped logits: explicit scores)
+        window = self.window if band else None
+        if masked and pgm.cp.size > 1:       # K/V all-gathered over cp, one mask (any cp_impl)
+            out = window_attention(q, k, v, pgm.cp, window, self.cp_layout, document_ids, self.softcap)
+        elif masked:                         # the band mask (and the documents', if packed)
             ids = document_ids.local if isinstance(document_ids, Documents) else document_ids
-            out = causal_attention(q, k, v, ids, backend, log, window=self.window)
+            out = causal_attention(q, k, v, ids, backend, log, window=window, softcap=self.softcap)
         elif pgm.cp.size > 1 and self.cp_impl == "ring":
             out = ring_attention(q, k, v, pgm.cp, causal=True, layout=self.cp_layout,
                                  document_ids=document_ids, impl=backend, knobs=RingKnobs(log=log))
@@ -190,8 +228,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)): SwiGLU (silu), or Gemma's GeGLU (tanh GELU)."""
+
     def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, settings: LayerSettings):
         super().__init__()
+        self.tanh_gelu = config.activation == "gelu_pytorch_tanh"
         tp, sp = pgm.tp, settings.sequence_parallel
         self.tp, self.sp = tp, sp
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -202,7 +243,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         gate, up = tpl.column_parallel_group(x, (self.gate_proj, self.up_proj))   # one collective
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -211,12 +253,32 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         sp = settings.sequence_parallel
         self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
-        self.self_attn = LlamaAttention(config, pgm, settings, config.attention_window(layer_idx))
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp)
+
+        def norm():
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp, offset=config.norm_offset)
+        self.input_layernorm = norm()
+        self.self_attn = LlamaAttention(config, pgm, settings, layer_idx)
+        self.post_attention_layernorm = norm()   # Gemma: the attention's output; else the MLP's input
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:                        # Gemma: the MLP's input and output norms
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.is_moe = config.is_moe_layer(layer_idx)     # the mixture of experts, or the dense MLP
         self.mlp = MoEFeedForward(config, pgm, sp) if self.is_moe else LlamaMLP(config, pgm, settings)
 
     def forward(self, h, cos, sin, document_ids=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, document_ids)
+        h = self.add_attention(h, self.self_attn(self.input_layernorm(h), cos, sin, document_ids))
+        return self.add_feed_forward(h)
+
+    def add_attention(self, h, attention_out):
+        """The residual add of the attention's output (normed first in a sandwich family).
+        Generation's cache (models/kv_cache.py) calls it and add_feed_forward with its own attention."""
+        if self.sandwich:
+            return h + self.post_attention_layernorm(attention_out)
+        return h + attention_out
+
+    def add_feed_forward(self, h):
+        """h + the MLP (or MoE) of h's norm; in a sandwich family its output normed too."""
+        if self.sandwich:
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         return h + self.mlp(self.post_attention_layernorm(h))

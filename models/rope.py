@@ -1,16 +1,21 @@
-"""Rotary position embeddings (RoPE), with Llama 3.1's frequency scaling, in Hugging Face's layout.
+"""Rotary position embeddings (RoPE), with Llama 3.1's and linear frequency scaling, in Hugging Face's layout.
 
 Su et al., "RoFormer" (2021): a position p rotates each pair of a query's (and key's) channels by
 the angle p x theta^(-2i/d), so the score q_p . k_t depends on p - t only. HF's "rotate half" layout
 pairs channel i with channel i + d/2 (not 2i with 2i + 1), which is what checkpoints expect:
 
-    inv_freq (d/2,)        theta ** (-arange(0, d, 2) / d)   (llama3: long wavelengths stretched)
+    inv_freq (d/2,)        theta ** (-arange(0, d, 2) / d)   (llama3: long wavelengths stretched;
+                                                             linear: every one divided by factor)
     cos, sin (b, s, d)     of position_ids (b, s) x inv_freq, repeated for both halves
     rope(x)                x * cos + rotate_half(x) * sin,  rotate_half([x1, x2]) = [-x2, x1]
 
 Partial RoPE (Phi-3's partial_rotary_factor f): the tables are built for r = head_dim * f channels
 (theta ** (-arange(0, r, 2) / r)), and only the first r channels of each head rotate; the other
 head_dim - r pass through unchanged (apply_rotary reads r from the tables' width).
+
+Gemma 3 builds two sets of tables per forward: its global layers rotate with rope_theta (and
+rope_scaling), its local (sliding-window) layers with rope_local_base_freq and no scaling
+(models/llama.py stacks them; each layer reads its own: LlamaConfig.rope_table).
 
 The tables are built from the TRUE positions: under context parallelism a rank holds chunks of
 the sequence out of order (zigzag), under packing positions restart at each example, and the
@@ -44,7 +49,9 @@ def rotary_tables(position_ids, head_dim, theta, dtype, rope_scaling: Optional[d
     """cos, sin of shape (b, s, head_dim) at the given (true) positions, HF's rotate-half layout
     (head_dim: the rotated channels, models/llama_config.py rotary_dim)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
-    if rope_scaling:
+    if rope_scaling and rope_scaling.get("rope_type") == "linear":   # positions / factor
+        inv_freq = inv_freq / rope_scaling["factor"]
+    elif rope_scaling:
         inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
     freqs = position_ids.float().unsqueeze(-1) * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)

@@ -18,8 +18,11 @@
                         the ring repeats), with causal and document masks
     fused_attention.py  a dense block on torch's fused kernels (their aten schemas checked before
                         use) or the reference math
-    window_attention.py a sliding window across cp ranks: K/V all-gathered, one band mask of the
-                        true positions (window_attention; Mistral's, Phi-3's, Qwen2's windows)
+    window_attention.py a sliding window (or soft-capped logits) across cp ranks: K/V all-gathered,
+                        one mask of the true positions (window_attention; Mistral's, Phi-3's,
+                        Qwen2's, Gemma's windows; Gemma 2's capped layers)
+    masked_attention.py attention under one dense boolean mask: SDPA, or explicit scores when the
+                        logits are soft-capped (masked_attention; Gemma 2)
 
     from minipar.context_parallel import ring_attention, ulysses_attention, zigzag_shard
 """

@@ -1,9 +1,12 @@
-"""Sliding-window attention across cp ranks: the keys and values all-gathered, one band mask.
+"""Sliding-window (or soft-capped) attention across cp ranks: the keys and values all-gathered, one mask.
 
-A sliding window W (Mistral, Phi-3, Qwen2's windowed layers) lets the query at position i see the
-keys at max(0, i-W+1)..i only. The ring (ring_attention.py) and Ulysses schedule whole blocks of the
-causal triangle and merge them by log-sum-exp; their blocks know documents, not distances. So when a
-window binds (W < the sequence length T) the windowed layers take the simplest exact route instead,
+A sliding window W (Mistral, Phi-3, Qwen2's and Gemma's windowed layers) lets the query at position
+i see the keys at max(0, i-W+1)..i only. The ring (ring_attention.py) and Ulysses schedule whole
+blocks of the causal triangle and merge them by log-sum-exp; their blocks know documents, not
+distances, and their merge cannot hold Gemma 2's soft-capped logits (masked_attention.py: the cap
+sits between the scores and the softmax, where no fused block kernel lets anything in). So when a
+window binds (W < the sequence length T), or a layer caps its logits, the layer takes the simplest
+exact route instead,
 the all-gather form of context parallelism (Llama 3's, for its document masks): each rank gathers
 every rank's K/V and attends its own L = T/cp queries against all T keys with one dense mask.
 
@@ -12,8 +15,10 @@ every rank's K/V and attends its own L = T/cp queries against all T keys with on
     (zigzag: chunks c and 2cp-1-c), so the mask is built from the TRUE positions of both sides:
 
         mask[i, j] = pos_k[j] <= pos_q[i]  and  pos_k[j] > pos_q[i] - W   (and the same document)
+                     (no window, W None: the causal part alone)
 
     out (B, Hq, L, D) = softmax(q k^T / sqrt(D) + mask) v           one SDPA call, GQA broadcast
+                        (soft-capped: explicit scores, masked_attention.py)
 
 Packed documents (`Documents`, documents.py) add their block-diagonal mask from the host's ids of
 every share (no communication: Documents holds the whole sequence). The positions are the sequence
@@ -29,13 +34,14 @@ The window's saving (only W keys per query) is not taken here: exactness first.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..tensor_parallel.mappings import gather_from_sequence_parallel_region
 from .documents import Documents
 from .layouts import shard_sequence
+from .masked_attention import masked_attention
 
 __all__ = ["window_positions", "window_attention"]
 
@@ -47,11 +53,13 @@ def window_positions(seq_len: int, cp_size: int, layout: str, device=None) -> to
                       for r in range(cp_size)])
 
 
-def window_attention(q, k, v, cp, window: int, layout: str = "zigzag", documents=None) -> torch.Tensor:
-    """Causal attention with a sliding `window` of this rank's queries q (B, Hq, L, D) over the
-    whole sequence, whose K/V k, v (B, Hkv, L, D) are split over `cp` in `layout`. documents: a
-    `Documents` of the packed micro-batch, or None. Collective over cp (every rank calls it)."""
-    b, hq, L, d = q.shape
+def window_attention(q, k, v, cp, window: Optional[int], layout: str = "zigzag", documents=None,
+                     softcap: Optional[float] = None) -> torch.Tensor:
+    """Causal attention with a sliding `window` (None: none) of this rank's queries q (B, Hq, L, D)
+    over the whole sequence, whose K/V k, v (B, Hkv, L, D) are split over `cp` in `layout`.
+    documents: a `Documents` of the packed micro-batch, or None; softcap: the attention-logit cap
+    (Gemma 2), or None. Collective over cp (every rank calls it)."""
+    L = q.shape[2]
     n = cp.size
     # (B, L, 2, Hkv, D): the sequence on dim 1, where the sequence-parallel gather concatenates
     kv = torch.stack([k, v], dim=2).permute(0, 3, 2, 1, 4)
@@ -59,7 +67,9 @@ def window_attention(q, k, v, cp, window: int, layout: str = "zigzag", documents
     keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
     pos_k = window_positions(L * n, n, layout, q.device)
     pos_q = pos_k[cp.rank * L:(cp.rank + 1) * L]
-    mask = (pos_k[None] <= pos_q[:, None]) & (pos_k[None] > pos_q[:, None] - window)    # (L, T)
+    mask = pos_k[None] <= pos_q[:, None]                                                  # (L, T)
+    if window is not None:
+        mask = mask & (pos_k[None] > pos_q[:, None] - window)
     if documents is not None:
         if not isinstance(documents, Documents):
             raise ValueError("window_attention: documents must be a Documents (documents.py) under cp")
@@ -67,7 +77,4 @@ def window_attention(q, k, v, cp, window: int, layout: str = "zigzag", documents
         mask = mask[None] & (ids[:, cp.rank * L:(cp.rank + 1) * L, None] == ids[:, None, :])
     else:
         mask = mask[None]
-    groups = hq // keys.shape[1]
-    if groups > 1:
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
+    return masked_attention(q, keys, values, mask[:, None], softcap)

@@ -30,7 +30,7 @@ from minipar.trainer.config.train_config import load_config
 from minipar.trainer.prediction import from_train_config
 from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
-from models.llama_config import FAMILIES
+from models.hf_config import FAMILIES
 
 from .estimate import Cluster, plan
 from .inputs import OTHER_TRAINER_FIELDS, Batch, Layout, ModelShape, Options

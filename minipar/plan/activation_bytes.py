@@ -65,7 +65,14 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     mlp = mlp_activations(model, layout, batch, e) if model.is_moe else 4 * e * n * f // T
     # autocast's bf16 weight casts: q, k, v, o (and gate, up, down), saved by their matmuls
     weights = e * (d * (2 * H + 2 * K) * D + (0 if model.is_moe else 3 * d * f // T)) if autocast else 0
+    if m.capped_attention:    # Gemma 2's explicit scores (masked_attention.py): tanh's output and the
+        # probabilities' cast in e, the fp32 softmax, over every key of the sequence (all-gathered
+        # under cp), instead of the kernels' lse; and the gathered, repeated K/V under cp (not measured)
+        S = s * C
+        attention += b * H * s * S * (2 * e + 4) - 4 * b * H * s + (2 * e * b * H * S * D if C > 1 else 0)
     layer = norm(3) + norm(1 if model.is_moe else 2) + attention + mlp + weights
+    if m.sandwich_norms:      # Gemma's norms of the attention's and the MLP's outputs (their reader,
+        layer += 2 * norm(0)  # the residual add, saves nothing; counted as a norm's own, not measured)
     root = 8 * n + 2 * pe * n * D                       # ids (int64; under tp the local ids), cos, sin
     if T > 1:
         root += n                                       # the mask of ids outside the vocab shard

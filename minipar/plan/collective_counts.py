@@ -72,7 +72,8 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
             add("reduce_scatter", "tp", 1 + fg - skipped, stream)
             add("reduce_scatter", "tp", rows + ac, act)
             if not lora:
-                add("all_reduce", "tp", 2 * L + 1, d * pe)  # norm weight grads (they saw n / tp tokens)
+                # the norm weights' grads (they saw n / tp tokens)
+                add("all_reduce", "tp", m.norms_per_layer * L + 1, d * pe)
         else:           # fwd: embedding, o_proj, down_proj; bwd: the f before qkv, gate/up, lm_head
             add("all_reduce", "tp", 1 + fg - skipped, stream)   # embedding's g, the f's backward
             add("all_reduce", "tp", rows + ac, act)             # the rows' g, forward and recompute

@@ -51,7 +51,9 @@ class ModelShape:
     num_key_value_heads: int
     head_dim: int
     tie_word_embeddings: bool = False
-    qk_norm: bool = False                 # Qwen3: a (D,) RMSNorm weight for q and one for k per layer
+    qk_norm: bool = False                 # Qwen3, Gemma 3: a (D,) RMSNorm weight for q, one for k per layer
+    sandwich_norms: bool = False          # Gemma: two more (d,) norms per layer (the MLP's in and out)
+    capped_attention: bool = False        # Gemma 2: soft-capped scores, computed explicitly (no fused kernel)
     # a mixture of experts (models/moe.py; minipar/plan/moe.py counts it): E experts of width F,
     # top-k per token, in the layers `moe_layers` (Mixtral: all); 0 experts is dense
     num_local_experts: int = 0
@@ -59,6 +61,11 @@ class ModelShape:
     moe_intermediate_size: int = 0
     moe_layers: Tuple[int, ...] = ()
     norm_topk_prob: bool = False
+
+    @property
+    def norms_per_layer(self) -> int:
+        """The (d,) RMSNorms of a decoder layer: input and post-attention, and Gemma's two more."""
+        return 4 if self.sandwich_norms else 2
 
     @property
     def is_moe(self) -> bool:
@@ -78,15 +85,20 @@ class ModelShape:
                              f"config.json has them (configs/models/llama-3.1-8b.json)")
         heads = d["num_attention_heads"]
         kind = d.get("model_type") or "llama"
-        moe = {}
+        moe, extra = {}, {}
         if kind in ("mixtral", "qwen3_moe"):     # the trainer's own reading: E, k, F and which layers
             c = LlamaConfig.from_dict(d)
             moe = dict(num_local_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
                        moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
                        moe_layers=tuple(i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)))
+        elif kind in ("gemma2", "gemma3_text"):  # the trainer's reading: Gemma's defaults (head_dim, tied)
+            c = LlamaConfig.from_dict(d)
+            d = dict(d, head_dim=c.head_dim, tie_word_embeddings=c.tie_word_embeddings)
+            extra = dict(sandwich_norms=True, capped_attention=c.attention_softcap is not None)
         return cls(d["vocab_size"], d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], heads,
                    d.get("num_key_value_heads") or heads, d.get("head_dim") or d["hidden_size"] // heads,
-                   bool(d.get("tie_word_embeddings", False)), kind in ("qwen3", "qwen3_moe"), **moe)
+                   bool(d.get("tie_word_embeddings", False)), kind in ("qwen3", "qwen3_moe", "gemma3_text"),
+                   **moe, **extra)
 
     def tensors(self, tp: int, ep: int = 1) -> Tuple[List[int], List[int], List[int]]:
         """TP-local element counts of (root-before-layers, one layer, root-after-layers) tensors,
@@ -94,7 +106,7 @@ class ModelShape:
         stacked experts, 3 x (E/ep, F, d), not split over tp (minipar/plan/moe.py)."""
         d, f, D, V = self.hidden_size, self.intermediate_size, self.head_dim, self.vocab_size
         q, kv = self.num_attention_heads * D // tp, self.num_key_value_heads * D // tp
-        layer = [d, d * q, d * kv, d * kv, q * d] + [D, D] * self.qk_norm + [d]
+        layer = [d, d * q, d * kv, d * kv, q * d] + [D, D] * self.qk_norm + [d] + [d, d] * self.sandwich_norms
         if self.is_moe:
             E, F = self.num_local_experts, self.moe_intermediate_size
             layer += [E * d] + [E // ep * F * d] * 3

@@ -35,8 +35,8 @@ from minipar.trainer.data.datasets import check_entries
 from minipar.trainer.data.preference import check_pair_entries
 from minipar.trainer.data.sources import check_source
 from models.activation_checkpoint import check_option
+from models.hf_config import DECODER_LAYERS
 from models.llama import LlamaForCausalLM
-from models.llama_config import DECODER_LAYERS
 
 
 def check(cfg, earlier: Sequence = (), unknown: Optional[ValueError] = None) -> None:

@@ -31,6 +31,7 @@ if ROOT not in sys.path:
 import minipar  # noqa: E402
 from benchmarks.thread_world import run_threads  # noqa: E402
 from minipar import ParallelismConfig, comm, comm_ledger  # noqa: E402
+from minipar.context_parallel.block_kernel import BlockKernel  # noqa: E402
 from minipar.context_parallel.layouts import zigzag_shard  # noqa: E402
 from minipar.context_parallel.ring_attention import ring_attention  # noqa: E402
 
@@ -64,7 +65,7 @@ def _ring_rank(cp, q, k, v, docs, dtype):
     pgm = minipar.init(ParallelismConfig(cp_size=cp))
     local = [zigzag_shard(x.detach(), 2, pgm.cp).to(dtype).requires_grad_() for x in (q, k, v)]
     ids = None if docs is None else zigzag_shard(docs, 1, pgm.cp).to(q.device)
-    out = ring_attention(*local, pgm.cp, document_ids=ids)
+    out = ring_attention(*local, pgm.cp, BlockKernel(documents=ids))
     out.float().pow(2).sum().backward()      # a loss that weighs every output element differently
     return [out.detach().float()] + [x.grad.float() for x in local], pgm.cp
 

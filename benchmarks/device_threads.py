@@ -101,7 +101,7 @@ def ring_step(device: torch.device, small: bool = False) -> dict:
 def _zero3_train(device, cfg, steps, shard):
     from minipar.mesh import ProcessGroupManager
     from minipar.optim import build_optimizer
-    from minipar.zero3 import fully_shard
+    from minipar.zero3 import ShardedStateDicts, fully_shard
     from models.llama import LlamaForCausalLM
     from models.llama_config import LlamaConfig
     pgm = minipar.init(ParallelismConfig(dp_shard_size=2)) if shard else ProcessGroupManager.local()
@@ -120,8 +120,8 @@ def _zero3_train(device, cfg, steps, shard):
             loss = model(rows, labels=rows, num_items_in_batch=n)
             loss.backward()
         if step == 0:
-            grads = model.zero3.full_from_shards([p.grad for p in model.zero3.shards]) if shard else \
-                {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+            grads = (ShardedStateDicts(model.zero3).full_from_shards([p.grad for p in model.zero3.shards])
+                     if shard else {name: p.grad.detach().clone() for name, p in model.named_parameters()})
         opt.step()
         opt.zero_grad(set_to_none=True)
         total = loss.detach().double()

@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from .. import comm, default_device
 from ..tensor_parallel.layers import gather_tensor
+from ..zero3.state_dicts import ShardedStateDicts
 from .p2p_plan import exchange_plan, forward_plan
 from .schedules import SPLIT_BACKWARD, chunk_stages, schedule_order, stage_owners
 from .side_vectors import NoSide, SideVectors
@@ -196,7 +197,7 @@ class PipelineStage(nn.Module):
 
     def _own_full_items(self, meter):
         if getattr(self, "zero3", None) is not None:
-            yield from self.zero3.state_dicts.iter_full([s.detach() for s in self.zero3.shards], meter)
+            yield from ShardedStateDicts(self.zero3).iter_full([s.detach() for s in self.zero3.shards], meter)
             return
         for n, p in self.named_parameters():
             t = gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp)

@@ -40,7 +40,7 @@ def packed_ids(t: int, doc: int = DOC) -> torch.Tensor:
 
 
 def _cell(variant: str, t: int, steps: int):
-    from minipar.context_parallel import Documents, ring_attention
+    from minipar.context_parallel import BlockKernel, Documents, ring_attention
     from minipar.mesh import MeshDim
     from models.llama_layer import causal_attention
 
@@ -55,9 +55,9 @@ def _cell(variant: str, t: int, steps: int):
             if variant == "sdpa mask":
                 out = causal_attention(*x, ids)
             elif variant == "ring dense":
-                out = ring_attention(*x, alone, document_ids=ids)
+                out = ring_attention(*x, alone, BlockKernel(documents=ids))
             else:
-                out = ring_attention(*x, alone, document_ids=Documents(ids))
+                out = ring_attention(*x, alone, BlockKernel(documents=Documents(ids)))
             out.backward(dout)
         return step, None
     return timed_world(build, steps, warmup=1)

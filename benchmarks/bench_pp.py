@@ -13,7 +13,7 @@ For each schedule (afab, 1f1b, interleaved_1f1b with v = 2, zb_h1, zbv), p stage
 micro-batches: one Llama of p x 2 x --layers-per-chunk decoder layers for every schedule (so 1F1B's
 stage is two of zbv's or the interleaved schedule's chunks), split with
 minipar.pipeline_parallel.build_stage, one step run by run_schedule on p forked gloo ranks (one
-torch thread each). Per stage, from the executor's hooks (hooks.py's Recorder) and the comm ledger:
+torch thread each). Per stage, from the executor's hooks (recorder.py's Recorder) and the comm ledger:
 
     bubble       1 - (time in F / B / W compute) / (step time)
     ideal        the same action lists through simulate.simulate with each stage's own mean t_F,

@@ -83,7 +83,7 @@ def sdpa_gqa(q, k, v):
 def cp_world(variant, size, steps):
     import minipar
     from minipar import ParallelismConfig, comm_ledger
-    from minipar.context_parallel import RingKnobs, ring_attention, zigzag_shard
+    from minipar.context_parallel import BlockKernel, RingKnobs, ring_attention, zigzag_shard
     from minipar.context_parallel.ulysses import ulysses_attention
     state = {}
 
@@ -108,7 +108,7 @@ def cp_world(variant, size, steps):
 
             if impl == "ring":
                 def attend(x):
-                    return ring_attention(*x, cp, causal=True, layout=layout,
+                    return ring_attention(*x, cp, BlockKernel(), causal=True, layout=layout,
                                           knobs=RingKnobs(overlap=overlap))
             else:                                           # the groups the trainer's attention uses
                 def attend(x):

@@ -31,6 +31,7 @@ if ROOT not in sys.path:
 import minipar  # noqa: E402
 from benchmarks.thread_world import run_threads  # noqa: E402
 from minipar import ParallelismConfig, comm, comm_ledger  # noqa: E402
+from minipar.context_parallel.block_kernel import BlockKernel  # noqa: E402
 from minipar.context_parallel.layouts import zigzag_shard  # noqa: E402
 from minipar.context_parallel.ring_attention import ring_attention  # noqa: E402
 
@@ -64,7 +65,7 @@ def _ring_rank(cp, q, k, v, docs, dtype):
     pgm = minipar.init(ParallelismConfig(cp_size=cp))
     local = [zigzag_shard(x.detach(), 2, pgm.cp).to(dtype).requires_grad_() for x in (q, k, v)]
     ids = None if docs is None else zigzag_shard(docs, 1, pgm.cp).to(q.device)
-    out = ring_attention(*local, pgm.cp, document_ids=ids)
+    out = ring_attention(*local, pgm.cp, BlockKernel(documents=ids))
     out.float().pow(2).sum().backward()      # a loss that weighs every output element differently
     return [out.detach().float()] + [x.grad.float() for x in local], pgm.cp
 
@@ -100,7 +101,7 @@ def ring_step(device: torch.device, small: bool = False) -> dict:
 def _zero3_train(device, cfg, steps, shard):
     from minipar.mesh import ProcessGroupManager
     from minipar.optim import build_optimizer
-    from minipar.zero3 import fully_shard
+    from minipar.zero3 import ShardedStateDicts, fully_shard
     from models.llama import LlamaForCausalLM
     from models.llama_config import LlamaConfig
     pgm = minipar.init(ParallelismConfig(dp_shard_size=2)) if shard else ProcessGroupManager.local()
@@ -119,8 +120,8 @@ def _zero3_train(device, cfg, steps, shard):
             loss = model(rows, labels=rows, num_items_in_batch=n)
             loss.backward()
         if step == 0:
-            grads = model.zero3.full_from_shards([p.grad for p in model.zero3.shards]) if shard else \
-                {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+            grads = (ShardedStateDicts(model.zero3).full_from_shards([p.grad for p in model.zero3.shards])
+                     if shard else {name: p.grad.detach().clone() for name, p in model.named_parameters()})
         opt.step()
         opt.zero_grad(set_to_none=True)
         total = loss.detach().double()

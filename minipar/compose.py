@@ -238,7 +238,7 @@ class Step:
         if self.pipelined:
             r, pp = pm.recipe, pm.pgm.pp
             self.order = schedule_order(r.pipeline_schedule, pp.size, num_micro, pp.rank, r.chunks)
-            # the sends and receives of every slot, paired so that NCCL cannot deadlock (p2p.py)
+            # the sends and receives of every slot, paired so that NCCL cannot deadlock (p2p_plan.py)
             self.plan = exchange_plan(r.pipeline_schedule, pp.size, num_micro, r.chunks, pp.rank,
                                       side=pm.model.pipeline_aux is not None)
             # what crosses stages has the compute dtype: bf16 in a bf16 run (half the bytes)

@@ -50,6 +50,7 @@ from minipar import tensor_parallel as tpl
 from minipar.context_parallel import AttentionLog, Documents, sequence_positions
 from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.mesh import ProcessGroupManager
+from minipar.zero3 import ShardedStateDicts
 
 from .activation_checkpoint import ActivationCheckpointing  # full, or selective (per op / every n-th)
 from .hf_checkpoint import HFCheckpoint, save_pretrained  # HF's files: the reader and the writer
@@ -220,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         """{HF name: full tensor}, gathered over tp (and over the ZeRO-3 shards if sharded).
         Collective: every rank must call it."""
         if getattr(self, "zero3", None) is not None:
-            return self.zero3.full_state_dict()
+            return ShardedStateDicts(self.zero3).full_state_dict()
         return dict(self.full_state_items())
 
     def full_state_items(self, meter=None):
@@ -229,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         the host. Collective: every rank must take every item. `meter`: an accounting hook
         (models/hf_shards.py HeldBytes) shown every tensor made."""
         if getattr(self, "zero3", None) is not None:
-            yield from self.zero3.state_dicts.iter_full([s.detach() for s in self.zero3.shards], meter)
+            yield from ShardedStateDicts(self.zero3).iter_full([s.detach() for s in self.zero3.shards], meter)
             return
         for n, p in self.named_parameters():
             yield n, owned_full(p, self.pgm, meter)
@@ -238,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
     def load_full_state_dict(self, full: dict, source: str = "state dict"):
         """Slice full HF tensors into this rank's shards. Refuses missing keys and wrong shapes."""
         if getattr(self, "zero3", None) is not None:
-            return self.zero3.load_full_state_dict(full)
+            return ShardedStateDicts(self.zero3).load_full_state_dict(full)
         params = dict(self.named_parameters())
         missing = sorted(set(params) - set(full))
         if missing:

@@ -61,7 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minipar import tensor_parallel as tpl
-from minipar.context_parallel import Documents, RingKnobs, choose_kernel, ring_attention, ulysses_attention
+from minipar.context_parallel import BlockKernel, Documents, choose_kernel, ring_attention, ulysses_attention
 from minipar.context_parallel.masked_attention import masked_attention
 from minipar.context_parallel.window_attention import window_attention
 from minipar.mesh import MeshDim, ProcessGroupManager
@@ -210,18 +210,17 @@ class LlamaAttention(nn.Module):
         elif masked:                         # the band mask (and the documents', if packed)
             ids = document_ids.local if isinstance(document_ids, Documents) else document_ids
             out = causal_attention(q, k, v, ids, backend, log, window=window, softcap=self.softcap)
-        elif pgm.cp.size > 1 and self.cp_impl == "ring":
-            out = ring_attention(q, k, v, pgm.cp, causal=True, layout=self.cp_layout,
-                                 document_ids=document_ids, impl=backend, knobs=RingKnobs(log=log))
+        elif pgm.cp.size > 1 and self.cp_impl == "ring":      # the ring runs the block kernel chosen here
+            out = ring_attention(q, k, v, pgm.cp, BlockKernel(backend, document_ids, log=log), causal=True,
+                                 layout=self.cp_layout)
         elif pgm.cp.size > 1:                # Ulysses over cp_ulysses, the ring over cp_ring (USP)
             out = ulysses_attention(q, k, v, pgm.cp_ulysses, pgm.cp_ring, layout=self.cp_layout,
-                                    document_ids=document_ids, impl=backend, knobs=RingKnobs(log=log))
+                                    document_ids=document_ids, impl=backend, log=log)
         elif isinstance(document_ids, Documents):
             # packed documents at cp 1: the whole sequence as the one causal block of a ring of one
             # rank, which runs per document (or one varlen call): no (s, s) mask
             alone = MeshDim("cp_alone", [pgm.global_rank], pgm.global_rank, None)
-            out = ring_attention(q, k, v, alone, causal=True, document_ids=document_ids, impl=backend,
-                                 knobs=RingKnobs(log=log))
+            out = ring_attention(q, k, v, alone, BlockKernel(backend, document_ids, log=log), causal=True)
         else:
             out = causal_attention(q, k, v, document_ids, backend, log)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))

@@ -11,6 +11,7 @@ import torch
 from minipar.api import prepare
 from minipar.config import ParallelismConfig
 from minipar.tensor_parallel.layers import gather_tensor
+from minipar.zero3 import ShardedStateDicts
 from tests.harness import run_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,7 +78,7 @@ def _grads(which, path):
     if which == "minipar":
         model, _, step = prepare(path, ParallelismConfig(dp_shard_size=2))
         step.backward(ids[:, :-1], ids[:, 1:])      # the global batch; no loss scaling by the user
-        sd = model.model.zero3.state_dicts
+        sd = ShardedStateDicts(model.model.zero3)
         return sd.full_from_shards([s.grad for s in sd.shards])
     import transformers
     try:

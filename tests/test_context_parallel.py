@@ -8,6 +8,7 @@ import minipar
 from minipar import ParallelismConfig, comm, comm_ledger
 from minipar import tensor_parallel as tpl
 from minipar.context_parallel import (
+    BlockKernel,
     RingKnobs,
     ring_attention,
     ring_schedule,
@@ -48,7 +49,8 @@ def _attention_cases(cp_size, cases, tp_size=1, chunk=4):
         local = [zigzag_shard(x, 2, cp).clone().requires_grad_() for x in (q, k, v)]
         stats = {}
         with comm_ledger.ledger() as led:
-            out = ring_attention(*local, cp, causal, impl=impl, knobs=RingKnobs(overlap=overlap, stats=stats))
+            out = ring_attention(*local, cp, BlockKernel(impl), causal,
+                                 knobs=RingKnobs(overlap=overlap, stats=stats))
             out.backward(zigzag_shard(dout, 2, cp))
         name = f"case {n} (causal={causal}, Hq={hq}, Hkv={hkv}, D={d}, {impl}, {dtype}, overlap={overlap})"
         want = [zigzag_shard(x, 2, cp) for x in [ref.detach()] + [x.grad for x in full]]
@@ -142,7 +144,7 @@ def _document_cases(cp_size, tp_size, impls=("fused", "torch")):
         ref.backward(dout)
         local = [zigzag_shard(x, 2, cp).clone().requires_grad_() for x in (q, k, v)]
         with comm_ledger.ledger() as led:
-            out = ring_attention(*local, cp, causal=True, impl=impl, document_ids=zigzag_shard(docs, 1, cp))
+            out = ring_attention(*local, cp, BlockKernel(impl, zigzag_shard(docs, 1, cp)), causal=True)
             out.backward(zigzag_shard(dout, 2, cp))
         try:
             for got, want, what in zip([out] + [x.grad for x in local], [ref] + [x.grad for x in full],
@@ -185,7 +187,7 @@ def test_ring_attention_cp1_is_local_causal_attention():
     q, k, v = (torch.randn(2, h, 12, 16, generator=g).requires_grad_() for h in (4, 2, 2))   # odd halves ok
     for impl in ("fused", "torch"):
         with comm_ledger.ledger() as led:
-            out = ring_attention(q, k, v, cp, causal=True, impl=impl)
+            out = ring_attention(q, k, v, cp, BlockKernel(impl), causal=True)
             grads = torch.autograd.grad(out.sum(), (q, k, v))
         assert led.count() == 0, "cp size 1 must not communicate"
         qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
@@ -225,12 +227,13 @@ def test_bad_lengths_raise_before_communicating():
         zigzag_unshard(torch.zeros(1, 5), 1, cp)
     q, k = torch.zeros(1, 4, 5, 8), torch.zeros(1, 2, 5, 8)
     with pytest.raises(ValueError, match="local length 5 is odd"):
-        ring_attention(q, k, k, cp)
+        ring_attention(q, k, k, cp, BlockKernel())
     with pytest.raises(ValueError, match=r"kv heads \(3\) must divide q heads \(4\)"):
-        ring_attention(torch.zeros(1, 4, 4, 8), torch.zeros(1, 3, 4, 8), torch.zeros(1, 3, 4, 8), cp)
+        ring_attention(torch.zeros(1, 4, 4, 8), torch.zeros(1, 3, 4, 8), torch.zeros(1, 3, 4, 8), cp,
+                       BlockKernel())
     with pytest.raises(ValueError, match="impl"):
         ring_attention(torch.zeros(1, 4, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), cp,
-                       impl="x")
+                       BlockKernel(impl="x"))
     assert zigzag_shard(torch.zeros(1, 7), 1, _dim(1)).shape == (1, 7), "cp size 1 takes any length"
 
 

@@ -701,8 +701,6 @@ def test_suite_claim_check_can_fail():
 # ------------------------------------------ the reading path: compose.py first, techniques in <= 4 files
 PLUMBING = {"minipar.mesh", "minipar.comm", "minipar.comm_calls", "minipar.comm_ledger", "minipar.config",
             "minipar.graph_boundary"}
-# measured and said so in docs/README.md; a technique leaves this list once it is within four files
-OVER_FOUR = {"Pipeline parallelism": 6, "Context parallelism (ring)": 7, "ZeRO-3 / FSDP": 11}
 
 
 def _reach(graph, entry):
@@ -733,14 +731,14 @@ def _technique_rows():
 
 def test_each_technique_reads_top_to_bottom_in_the_files_listed():
     """docs/README.md's files per technique are exactly what the entry point reaches in the import
-    graph (so the list cannot drift from the code), and at most four, but for the named exceptions."""
+    graph (so the list cannot drift from the code), and at most four."""
     from tests.import_graph import modules
     graph = modules()
     for technique, entry, files, count in _technique_rows():
         reached = _reach(graph, _module(entry))
         assert {_module(f) for f in files} == reached, (technique, sorted(reached))
         assert count == len(files), technique
-        assert count <= 4 or OVER_FOUR.get(technique) == count, (technique, count)
+        assert count <= 4, (technique, count)
 
 
 def test_compose_is_the_first_file_of_the_reading_order():

@@ -47,14 +47,14 @@ def _read(path):
 def _export_world(root):
     """pp 2 x dp_shard 2, ZeRO-3 on each stage: one export in one file, one in LIMIT-byte shards."""
     from minipar.pipeline_parallel import build_stage
-    from minipar.zero3 import fully_shard
+    from minipar.zero3 import ShardedStateDicts, fully_shard
     pgm = minipar.init(ParallelismConfig(dp_shard_size=2, pp_size=2))
     stage = build_stage(LlamaForCausalLM(LlamaConfig(**CFG), pgm, seed=0), pgm)
     fully_shard(stage, pgm)
     meter = HeldBytes()
     one = save_pretrained(stage, os.path.join(root, "one"))
     many = save_pretrained(stage, os.path.join(root, "many"), max_shard_bytes=LIMIT, meter=meter)
-    units = [u.layout.padded_numel * u.shard.element_size() for u in stage.zero3.state_dicts.units]
+    units = [u.layout.padded_numel * u.shard.element_size() for u in ShardedStateDicts(stage.zero3).units]
     # gloo's worker thread may drop its reference to the last broadcast tensor a moment after the
     # call returned (seen under load): give it up to 2 s before counting what outlives the export
     for _ in range(200):

@@ -18,6 +18,7 @@ from minipar.batch_split import local_batch
 from minipar.mesh import ProcessGroupManager
 from minipar.optim import build_optimizer
 from minipar.tensor_parallel import gather_tensor
+from minipar.zero3 import ShardedStateDicts
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 
@@ -26,7 +27,7 @@ STEPS = 3
 
 def _grads(model):
     if getattr(model, "zero3", None) is not None:
-        return model.zero3.full_from_shards([p.grad for p in model.zero3.shards])
+        return ShardedStateDicts(model.zero3).full_from_shards([p.grad for p in model.zero3.shards])
     return {n: gather_tensor(p.grad, p.tp_split_dim, model.pgm.tp) for n, p in model.named_parameters()}
 
 

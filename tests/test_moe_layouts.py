@@ -38,7 +38,7 @@ from minipar.batch_split import local_batch
 from minipar.expert_parallel import ep_gather
 from minipar.pipeline_parallel import ScheduleHooks, build_stage, run_schedule, schedule_order
 from minipar.pipeline_parallel.stage import gather_over_stages
-from minipar.zero3 import fully_shard
+from minipar.zero3 import ShardedStateDicts, fully_shard
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 from models.moe_metrics import MoEStepMetrics
@@ -82,7 +82,8 @@ def _model(config, pgm):
 def _full(model, pgm, grads=False):
     """{name: full tensor} of the weights or their gradients, gathered over everything."""
     if getattr(model, "zero3", None) is not None:
-        full = model.zero3.full_from_shards([s.grad if grads else s.detach() for s in model.zero3.shards])
+        full = ShardedStateDicts(model.zero3).full_from_shards([s.grad if grads else s.detach()
+                                                                for s in model.zero3.shards])
     else:
         full = {n: ep_gather(tpl.gather_tensor(p.grad if grads else p.detach(), p.tp_split_dim, pgm.tp),
                              getattr(p, "ep_split_dim", None), pgm.ep).clone()

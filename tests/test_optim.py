@@ -396,11 +396,11 @@ def _fsdp_norm(which):
     model, rank = _hf_llama(), dist.get_rank()
     ids = torch.randint(0, 2048, (4, 65), generator=torch.Generator().manual_seed(100 + rank))
     if which == "minipar":
-        from minipar.zero3 import fully_shard
+        from minipar.zero3 import ShardedStateDicts, fully_shard
         pgm = minipar.init(ParallelismConfig(dp_shard_size=2))
         fully_shard(model, pgm, unit_classes=LlamaDecoderLayer)
         (model(ids[:, :-1], labels=ids[:, 1:]).loss / 2).backward()      # its reduce-scatter sums
-        sd = model.zero3.state_dicts
+        sd = ShardedStateDicts(model.zero3)
         full = sd.full_from_shards([s.grad for s in sd.shards])
         return float(clip_grad_norm_(model.parameters(), 1.0, pgm)), full
     try:

@@ -9,7 +9,14 @@ import torch
 
 import minipar
 from minipar import ParallelismConfig
-from minipar.context_parallel import Documents, choose_kernel, ring_attention, ring_schedule, zigzag_shard
+from minipar.context_parallel import (
+    BlockKernel,
+    Documents,
+    choose_kernel,
+    ring_attention,
+    ring_schedule,
+    zigzag_shard,
+)
 from minipar.context_parallel import document_attention as da
 from minipar.context_parallel.block_attention import reference_backward, reference_forward
 from minipar.context_parallel.documents import classify_block, cumulative_lengths, runs
@@ -116,7 +123,7 @@ def test_one_process_packed_equals_dense_sdpa_fp64():
     alone = MeshDim("cp_alone", [0], 0, None)
     got_x = [x.clone().requires_grad_() for x in (q, k, v)]
     ref_x = [x.clone().requires_grad_() for x in (q, k, v)]
-    got = ring_attention(*got_x, alone, document_ids=Documents(ids))
+    got = ring_attention(*got_x, alone, BlockKernel(documents=Documents(ids)))
     ref = causal_attention(*ref_x, ids)
     got.backward(dout)
     ref.backward(dout)
@@ -138,7 +145,7 @@ def _ring_fp64(cp_size, cp_impl):
         for docs in (zigzag_shard(ids, 1, pgm.cp), Documents.gather(zigzag_shard(ids, 1, pgm.cp), pgm.cp)):
             x = [y.clone().requires_grad_() for y in (q, k, v)]
             if cp_impl == "ring":
-                out = ring_attention(*x, pgm.cp, document_ids=docs)
+                out = ring_attention(*x, pgm.cp, BlockKernel(documents=docs))
             else:
                 out = ulysses_attention(*x, pgm.cp_ulysses, pgm.cp_ring, document_ids=docs)
             out.backward(dout)

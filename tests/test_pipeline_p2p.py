@@ -1,4 +1,4 @@
-"""Pipeline p2p traffic that NCCL cannot deadlock (minipar/pipeline_parallel/p2p.py).
+"""Pipeline p2p traffic that NCCL cannot deadlock (minipar/pipeline_parallel/p2p.py, p2p_plan.py).
 
 A real gloo run of the trainer records, on every rank, each batch_isend_irecv it posts and each
 wait (tests/nccl_replay.py's Recording, installed as the pipeline's transport); nccl_replay.replay
@@ -84,7 +84,7 @@ def _old_posting(name, p, m, v):
 
 
 def _planned_posting(name, p, m, v, side=False, steps=1):
-    """The events the executor makes from p2p.exchange_plan (post a slot's exchanges, wait on one
+    """The events the executor makes from p2p_plan.exchange_plan (post a slot's exchanges, wait on one
     when the next action needs a tag it receives, wait on the rest at the end), `steps` steps."""
     traces = {}
     for r in range(p):

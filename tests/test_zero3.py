@@ -15,7 +15,7 @@ from minipar import ParallelismConfig, comm, comm_ledger
 from minipar.mesh import ProcessGroupManager
 from minipar.optim import build_optimizer
 from minipar.tensor_parallel import gather_tensor
-from minipar.zero3 import fully_shard
+from minipar.zero3 import ShardedStateDicts, fully_shard
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
 from models.llama_layer import LlamaDecoderLayer
@@ -67,7 +67,7 @@ def _train(pgm, steps=5, cfg=None, shard=True, micro=1, ckpt=False, dtype=None, 
 
 def _full_grads(model):
     if getattr(model, "zero3", None) is not None:
-        return model.zero3.full_from_shards([p.grad for p in model.zero3.shards])
+        return ShardedStateDicts(model.zero3).full_from_shards([p.grad for p in model.zero3.shards])
     return {n: gather_tensor(p.grad, p.tp_split_dim, model.pgm.tp) for n, p in model.named_parameters()}
 
 
@@ -199,7 +199,7 @@ def _bf16_world(shape):
               num_items_in_batch=(labels != -100).sum()).backward()
     out["dtypes"] = {(r.op, r.dtype) for r in led.records}
     out["shard_dtypes"] = {p.dtype for p in model.parameters()} | {p.grad.dtype for p in model.parameters()}
-    out["grads"] = model.zero3.full_from_shards([p.grad for p in model.zero3.shards])
+    out["grads"] = ShardedStateDicts(model.zero3).full_from_shards([p.grad for p in model.zero3.shards])
     return out
 
 
@@ -379,7 +379,8 @@ def _toy_train(pgm=None, steps=4):
             grads = _full_grads(model) if pgm is not None else plain
         opt.step()
         opt.zero_grad()
-    params = model.zero3.full_state_dict() if pgm is not None else dict(model.named_parameters())
+    params = (ShardedStateDicts(model.zero3).full_state_dict() if pgm is not None
+              else dict(model.named_parameters()))
     return dict(params={k: v.detach().clone() for k, v in params.items()}, marks=marks, grads=grads)
 
 
@@ -413,15 +414,16 @@ def _state_world(shape, directory, full=None, load=False):
         ckpt.load_checkpoint(directory, model, None, pgm)         # saved on another layout
         return dict(full=model.full_state_dict())
     if full is not None:
-        model.load_full_state_dict(full)                         # delegates to model.zero3
+        model.load_full_state_dict(full)                         # through ShardedStateDicts(model.zero3)
     ids, labels = _batch(0)
     model(_rows(ids, pgm, 0, 1), labels=_rows(labels, pgm, 0, 1),
           num_items_in_batch=(labels != -100).sum()).backward()
     # per-element labels, cut into this rank's shard the way the weights are
     tags = lambda f: {s.name: torch.full(s.full_shape, float(f(s))) for u in z.units for s in u.layout.slots}
-    split = z.shards_from_full(tags(lambda s: s.tp_split_dim is not None))
-    one_d = z.shards_from_full(tags(lambda s: len(s.local_shape) < 2))
-    real = z.shards_from_full(tags(lambda s: True))
+    sd = ShardedStateDicts(z)
+    split = sd.shards_from_full(tags(lambda s: s.tp_split_dim is not None))
+    one_d = sd.shards_from_full(tags(lambda s: len(s.local_shape) < 2))
+    real = sd.shards_from_full(tags(lambda s: True))
     for p, sp, od, rl in zip(z.shards, split, one_d, real):
         for segs, tag in ((p.tp_split_segments, sp), (p.no_decay_segments, od)):
             mask = torch.zeros(p.numel(), dtype=torch.bool)

@@ -1,6 +1,9 @@
 """Context parallelism: the sequence split over cp ranks, attention as ring attention, Ulysses or both.
 
-    ring_attention.py   the ring schedule, the forward merge and hand-written backward
+    ring_attention.py   the ring schedule, the forward merge and hand-written backward; the block
+                        kernel is handed in
+    block_kernel.py     that kernel, the caller's choice (BlockKernel): plain, or cut by packed
+                        documents (host boundaries, or device ids that travel with K/V)
     ulysses.py          DeepSpeed-Ulysses: all-to-alls from the sequence split to a head split and
                         back (sequence_to_heads, heads_to_sequence), attention of the whole
                         sequence per head; USP: Ulysses inside groups of u ranks, the ring across
@@ -24,15 +27,17 @@
     masked_attention.py attention under one dense boolean mask: SDPA, or explicit scores when the
                         logits are soft-capped (masked_attention; Gemma 2)
 
-    from minipar.context_parallel import ring_attention, ulysses_attention, zigzag_shard
+    from minipar.context_parallel import BlockKernel, ring_attention, ulysses_attention, zigzag_shard
+    out = ring_attention(q, k, v, pgm.cp, BlockKernel(impl="auto", documents=docs), layout="zigzag")
 """
+from .block_kernel import BlockKernel
 from .documents import Documents
 from .kernel_choice import AttentionLog, KernelChoice, choose_kernel
 from .layouts import sequence_positions, shard_sequence, zigzag_positions, zigzag_shard, zigzag_unshard
 from .ring_attention import RingKnobs, ring_attention, ring_schedule, schedule_score_elements
 from .ulysses import check_ulysses, heads_to_sequence, ring_order, sequence_to_heads, ulysses_attention
 
-__all__ = ["Documents", "AttentionLog", "KernelChoice", "choose_kernel",
+__all__ = ["BlockKernel", "Documents", "AttentionLog", "KernelChoice", "choose_kernel",
            "RingKnobs", "ring_attention", "ring_schedule", "schedule_score_elements", "sequence_positions",
            "shard_sequence", "zigzag_positions",
            "zigzag_shard", "zigzag_unshard",

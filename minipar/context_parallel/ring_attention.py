@@ -44,24 +44,21 @@ Cost per step of one layer, per rank, bytes on the wire (L = T/cp local tokens, 
     backward  cp-1 hops of K and V again, plus cp-1 hops of fp32 dK and dV (2 * B * Hkv * L * D * 4)
     compute   per step B * Hq * L * L/2 scores (the diagonal step L * L), overlapped with the hop
 
-Packed sequences (document_ids). When one row holds several examples, attention must also stay
-inside an example: a query sees a key only if both carry the same document id. Given `Documents`
-(documents.py: the whole sequence's ids on the host, made once per micro-batch), every block of the
-schedule is classified on the host, without communication: skipped, run whole, or cut into
-per-document sub-blocks (document_attention.py: one varlen flash call on CUDA, one dense call per
-document elsewhere); no (L, L) mask. Given device ids (B, L) instead, they travel round the ring with
-their K/V (one more small message per hop, B * L ids) and each block is masked densely: the
-reference the first way is tested against. The causal schedule is unchanged: it works on sequence
-order, and the documents only remove pairs from it.
+The block kernel is the caller's (block_kernel.py's BlockKernel, handed in): what attends one
+query block to one visiting K/V block and returns (o_b, l_b), and its backward. This file only
+runs the schedule, moves K/V, merges and sends the dK/dV home; which kernel runs (fused or the
+reference math), the softmax scale, and packed documents (a query sees a key only within its
+example: each block classified on the host and skipped, run whole or cut per document; or device
+ids that travel round the ring with K/V, `kernel.travelling`) are the kernel's. The causal schedule
+is the same either way: it works on sequence order, and documents only remove pairs from it.
 
-GQA: K/V travel with their Hkv heads; the Hq/Hkv query heads of a group are folded or broadcast
-per block (fused_attention.py, block_attention.py), so repeated K/V never cross the ring.
-Non-causal attention: every step is a full unmasked block. cp.size == 1: just the local causal
-block, no communication.
+GQA: K/V travel with their Hkv heads; the kernel folds or broadcasts the Hq/Hkv query heads of a
+group per block, so repeated K/V never cross the ring. Non-causal attention: every step is a full
+unmasked block. cp.size == 1: just the local causal block, no communication (how packed documents
+run at cp 1: a ring of one rank whose one block the documents cut).
 
-The call takes its tensors, its group and the real settings (causal, scale, layout, the kernel
-asked for, the documents); what a benchmark or a test turns or reads (overlap off, the score
-counts, the kernel log) goes in one optional RingKnobs.
+The call takes its tensors, its group, its kernel and the layout; what a benchmark or a test turns
+or reads (overlap off, the score counts) goes in one optional RingKnobs.
 
 Under torch.compile (compile: true) ring_attention is a graph BOUNDARY (minipar/graph_boundary.py):
 the hops, the per-block kernels, the host-side document schedule and the hand-written backward run
@@ -78,18 +75,11 @@ import torch
 from .. import comm
 from ..config import CP_LAYOUTS
 from ..graph_boundary import graph_boundary
-from .document_attention import block_backward, block_forward
-from .documents import Documents
-from .fused_attention import _choose, default_scale
-from .kernel_choice import IMPLS, AttentionLog
 
 __all__ = ["ring_attention", "ring_schedule", "schedule_score_elements", "Block", "RingKnobs"]
 
 # Local slices [q0, q1) of the queries and [k0, k1) of the visiting K/V block, and the mask.
 Block = namedtuple("Block", "q0 q1 k0 k1 causal")
-# The settings of one call, checked by ring_attention: the mask, the softmax scale, the layout of
-# the shares, the kernel asked for (kernel_choice.IMPLS) and the host's Documents (or None).
-_Ring = namedtuple("_Ring", "causal scale layout impl host")
 
 
 @dataclass
@@ -97,8 +87,6 @@ class RingKnobs:
     """What a benchmark or a test may turn or read; none changes the result."""
     overlap: bool = True                   # each hop runs while the block computes (False: wait first)
     stats: Optional[dict] = None           # gets "score_elements" (and "backward_score_elements") added
-    log: Optional[AttentionLog] = None     # the kernel each call ran, noted (kernel_choice.AttentionLog)
-
 
 
 # ----------------------------------------------------------------------------------- the schedule
@@ -160,89 +148,69 @@ def _count(stats, key, steps):
         stats[key] = stats.get(key, 0) + sum(_block_elements(b) for blocks in steps for b in blocks)
 
 
-def _hop(kv, docs, cp, overlap):
-    """Start the next hop of the K/V message (and of its document ids): (next kv, next docs, works)."""
+def _hop(kv, ids, cp, overlap):
+    """Start the next hop of the K/V message (and of the kernel's travelling ids): (next kv, next ids,
+    works)."""
     nxt = torch.empty_like(kv)
-    nxt_docs = None if docs is None else torch.empty_like(docs)
-    works = list(comm.ring_shift([kv] if docs is None else [kv, docs],
-                                 [nxt] if docs is None else [nxt, nxt_docs], cp))
+    nxt_ids = None if ids is None else torch.empty_like(ids)
+    works = list(comm.ring_shift([kv] if ids is None else [kv, ids],
+                                 [nxt] if ids is None else [nxt, nxt_ids], cp))
     if not overlap:
         _finish(works)
-    return nxt, nxt_docs, works
-
-
-def _documents(docs, host, kv_docs, cp, src, b):
-    """The documents of block b (the K/V of rank src) as block_forward takes them: (q_doc, k_doc,
-    classification). Host `Documents`: the block's classification, made once per micro-batch (and
-    the device ids only for a "dense" one); device ids: this rank's rows and the travelling columns."""
-    if host is not None:
-        cls = host.block(cp.rank, src, cp.size, b.q0, b.q1, b.k0, b.k1, b.causal)
-        if cls.kind != "dense":
-            return None, None, cls
-        device = host.local.device if host.local is not None else "cpu"
-        return (host.device_share(cp.rank, cp.size, device)[:, b.q0:b.q1],
-                host.device_share(src, cp.size, device)[:, b.k0:b.k1], None)
-    if docs is None:
-        return None, None, None
-    return docs[:, b.q0:b.q1], kv_docs[:, b.k0:b.k1], None
+    return nxt, nxt_ids, works
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, docs, cp, ring: _Ring, knobs: RingKnobs):
-        n, scale, impl, host, log = cp.size, ring.scale, ring.impl, ring.host, knobs.log
-        steps = ring_schedule(q.shape[2], n, cp.rank, ring.causal, ring.layout)
-        kind = _choose(impl, q, log)                            # once per call: every block the same
+    def forward(ctx, q, k, v, cp, blocks, causal: bool, layout: str, knobs: RingKnobs):
+        n = cp.size
+        steps = ring_schedule(q.shape[2], n, cp.rank, causal, layout)
         acc = torch.promote_types(q.dtype, torch.float32)      # fp32, or fp64 for fp64 inputs
         out = q.new_zeros(q.shape, dtype=acc)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
-        kv, kv_docs = torch.stack([k, v]), docs      # one message per hop (and device ids beside it)
+        kv, ids = torch.stack([k, v]), blocks.travelling      # one message per hop (and ids beside it)
         kernel_ctx = []
-        for i, blocks in enumerate(steps):
-            works, nxt, nxt_docs = [], None, None
+        for i, step in enumerate(steps):
+            works, nxt, nxt_ids = [], None, None
             if i + 1 < n:                        # the next block's hop runs while this one computes
-                nxt, nxt_docs, works = _hop(kv, kv_docs, cp, knobs.overlap)
+                nxt, nxt_ids, works = _hop(kv, ids, cp, knobs.overlap)
             step_ctx = []
-            for b in blocks:
-                q_doc, k_doc, cls = _documents(docs, host, kv_docs, cp, (cp.rank - i) % n, b)
-                o_b, l_b, kc = block_forward(q[:, :, b.q0:b.q1], kv[0, :, :, b.k0:b.k1],
-                                             kv[1, :, :, b.k0:b.k1], b.causal, scale, impl,
-                                             q_doc, k_doc, docs=cls, kind=kind, log=log)
-                if o_b is not None:              # None: no pair of this block shares a document
+            for b in step:
+                o_b, l_b, kc = blocks.forward(q[:, :, b.q0:b.q1], kv[0, :, :, b.k0:b.k1],
+                                              kv[1, :, :, b.k0:b.k1], b, (cp.rank - i) % n, ids)
+                if o_b is not None:              # None: no pair of this block may attend
                     _merge(out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], o_b, l_b)
                 step_ctx.append(kc)
             kernel_ctx.append(step_ctx)
             _finish(works)
             if nxt is not None:
-                kv, kv_docs = nxt, nxt_docs
+                kv, ids = nxt, nxt_ids
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.cp, ctx.steps, ctx.scale, ctx.kernel_ctx = cp, steps, scale, kernel_ctx
-        ctx.host, ctx.knobs = host, knobs
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.steps, ctx.blocks, ctx.kernel_ctx, ctx.knobs = cp, steps, blocks, kernel_ctx, knobs
         _count(knobs.stats, "score_elements", steps)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, docs = ctx.saved_tensors
-        cp, n, steps, scale, host = ctx.cp, ctx.cp.size, ctx.steps, ctx.scale, ctx.host
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, n, steps, blocks = ctx.cp, ctx.cp.size, ctx.steps, ctx.blocks
         dout = dout.contiguous()
         acc = lse.dtype
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         home = torch.zeros((2,) + tuple(k.shape), dtype=acc, device=k.device)   # my dK, dV
-        kv, kv_docs = torch.stack([k, v]), docs
+        kv, ids = torch.stack([k, v]), blocks.travelling
         incoming, in_works = None, []            # the travelling dK/dV of the block held, one hop behind
-        for i, blocks in enumerate(steps):
-            works, nxt, nxt_docs = [], None, None
+        for i, step in enumerate(steps):
+            works, nxt, nxt_ids = [], None, None
             if i + 1 < n:
-                nxt, nxt_docs, works = _hop(kv, kv_docs, cp, ctx.knobs.overlap)
+                nxt, nxt_ids, works = _hop(kv, ids, cp, ctx.knobs.overlap)
             part = home if i == 0 else torch.zeros_like(home)
-            for b, kc in zip(blocks, ctx.kernel_ctx[i]):
-                q_doc, k_doc, cls = _documents(docs, host, kv_docs, cp, (cp.rank - i) % n, b)
-                grads = block_backward(
-                    dout[:, :, b.q0:b.q1], q[:, :, b.q0:b.q1], kv[0, :, :, b.k0:b.k1], kv[1, :, :, b.k0:b.k1],
-                    out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], b.causal, scale, kc, q_doc, k_doc,
-                    docs=cls, log=ctx.knobs.log)
+            for b, kc in zip(step, ctx.kernel_ctx[i]):
+                grads = blocks.backward(
+                    kc, dout[:, :, b.q0:b.q1], q[:, :, b.q0:b.q1], kv[0, :, :, b.k0:b.k1],
+                    kv[1, :, :, b.k0:b.k1], out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1], b, (cp.rank - i) % n,
+                    ids)
                 if grads is None:                # an empty block: no gradient
                     continue
                 dq[:, :, b.q0:b.q1] += grads[0]
@@ -259,31 +227,27 @@ class _RingAttention(torch.autograd.Function):
                     _finish(in_works)
             _finish(works)
             if nxt is not None:
-                kv, kv_docs = nxt, nxt_docs
+                kv, ids = nxt, nxt_ids
         if n > 1:
             _finish(in_works)
             home.add_(incoming)
         _count(ctx.knobs.stats, "backward_score_elements", steps)
-        return (dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)) + (None,) * 4
+        return (dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)) + (None,) * 5
 
 
 @graph_boundary
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal: bool = True,
-                   scale: Optional[float] = None, *, layout: str = "zigzag", impl: str = "auto",
-                   document_ids=None, knobs: Optional[RingKnobs] = None) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, kernel, causal: bool = True, *,
+                   layout: str = "zigzag", knobs: Optional[RingKnobs] = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, which is split over `cp` (pgm.cp).
 
     q (B, Hq, L, D), k and v (B, Hkv, L, D) with Hkv dividing Hq, L = T / cp.size tokens in the
     zigzag layout (zigzag_shard), or contiguous chunks with layout="contiguous" (for comparison).
-    Returns (B, Hq, L, D) in q's dtype. impl picks the block kernel ("auto", "fused", "torch");
-    knobs (RingKnobs): overlap=False waits for each hop before computing (for the benchmark); a dict
-    as `stats` gets "score_elements" (and "backward_score_elements") added, per batch row and head
-    (the schedule's blocks, counted whether or not a document mask empties them); `log` notes the
-    kernel used (kernel_choice.AttentionLog). document_ids (B, L),
-    in the same layout as q, restricts attention to pairs of the same document (packed examples):
-    a `Documents` (documents.py, the host's boundaries: skipped, whole, per-document or varlen
-    blocks, no (L, L) mask) or a device tensor (the dense mask per block, the ids travelling with
-    K/V: the reference the Documents path is tested against). impl: kernel_choice.IMPLS.
+    Returns (B, Hq, L, D) in q's dtype. kernel: what attends each block (block_kernel.py's
+    BlockKernel: the kernel asked for, the scale, packed documents, the log it notes its choice
+    in), bound here to this call. knobs (RingKnobs): overlap=False waits for each hop before
+    computing (for the benchmark); a dict as `stats` gets "score_elements" (and
+    "backward_score_elements") added, per batch row and head (the schedule's blocks, counted
+    whether or not documents empty them).
     """
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"ring_attention: q must be (B, Hq, L, D) and k, v (B, Hkv, L, D) of one shape; got "
@@ -294,26 +258,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp, causal
                          f"length and head_dim, and kv heads ({hkv}) must divide q heads ({hq})")
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise ValueError(f"ring_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
-    if layout not in CP_LAYOUTS or impl not in IMPLS:
-        raise ValueError(f"ring_attention: layout must be one of {CP_LAYOUTS} and impl one of {IMPLS}; got "
-                         f"layout={layout!r}, impl={impl!r}")
+    if layout not in CP_LAYOUTS:
+        raise ValueError(f"ring_attention: layout must be one of {CP_LAYOUTS}, got layout={layout!r}")
     if causal and layout == "zigzag" and cp.size > 1 and q.shape[2] % 2:
         raise ValueError(f"ring_attention: the local length {q.shape[2]} is odd, but a zigzag share is two "
                          f"equal chunks: shard a sequence of length divisible by 2 * cp_size = {2 * cp.size} "
                          f"with zigzag_shard")
-    host = None
-    if isinstance(document_ids, Documents):
-        host, document_ids = document_ids, None
-        if tuple(host.shape) != (b, n * cp.size):
-            raise ValueError(f"ring_attention: Documents of shape {tuple(host.shape)} do not cover the "
-                             f"sequence (B, L * cp) = {(b, n * cp.size)}")
-        if cp.size > 1 and host.layout != layout:
-            raise ValueError(f"ring_attention: Documents cut in the {host.layout} layout, the ring runs "
-                             f"{layout}: build them with the layout the data was sharded in")
-    if document_ids is not None:
-        if tuple(document_ids.shape) != (b, n) or document_ids.dtype.is_floating_point:
-            raise ValueError(f"ring_attention: document_ids must be integer ids of shape (B, L) = {(b, n)}, "
-                             f"got {document_ids.dtype} {tuple(document_ids.shape)}")
-        document_ids = document_ids.to(q.device).contiguous()
-    ring = _Ring(causal, default_scale(q.shape[-1], scale), layout, impl, host)
-    return _RingAttention.apply(q, k, v, document_ids, cp, ring, knobs if knobs is not None else RingKnobs())
+    blocks = kernel.bind(q, cp, layout)          # its own checks (the documents), its kernel chosen
+    return _RingAttention.apply(q, k, v, cp, blocks, causal, layout, RingKnobs() if knobs is None else knobs)

@@ -68,7 +68,9 @@ from .. import comm
 from ..config import CP_LAYOUTS
 from ..graph_boundary import graph_boundary
 from ..mesh import MeshDim
+from .block_kernel import BlockKernel
 from .fused_attention import default_scale
+from .kernel_choice import AttentionLog
 from .layouts import sequence_positions
 from .ring_attention import RingKnobs, ring_attention
 
@@ -208,14 +210,16 @@ def check_ulysses(num_heads: int, num_kv_heads: int, tp: int, cp: int, u: int) -
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grp, ring=None, *,
                       layout: str = "zigzag", causal: bool = True,
                       document_ids=None, scale: Optional[float] = None,
-                      impl: str = "auto", knobs: Optional[RingKnobs] = None) -> torch.Tensor:
+                      impl: str = "auto", knobs: Optional[RingKnobs] = None,
+                      log: Optional[AttentionLog] = None) -> torch.Tensor:
     """Attention of this rank's tokens over the whole sequence, Ulysses over `grp`, ring over `ring`.
 
     q (B, Hq, L, D), k and v (B, Hkv, L, D), document_ids (B, L): this cp rank's share in `layout`
     over the whole cp group, cp rank c = ring.rank * u + grp.rank (u = grp.size). ring None or of
-    size 1: pure Ulysses. Returns (B, Hq, L, D) in q's dtype. impl and knobs go to ring_attention
-    (the block kernel; RingKnobs: score counts of the heads and tokens this rank attends, the
-    kernel noted, the inner ring's overlap).
+    size 1: pure Ulysses. Returns (B, Hq, L, D) in q's dtype. impl, scale, the documents and log
+    make the inner ring's block kernel (block_kernel.py's BlockKernel: the kernel asked for, noted in
+    log); knobs go to ring_attention (RingKnobs: score counts of the heads and tokens this rank
+    attends, the inner ring's overlap).
     document_ids: a `Documents` (the host's boundaries of the whole sequence: the inner ring asks it
     for its ring rank's share, no exchange of ids) or this rank's (B, L) device ids (all-gathered
     over the group and reordered, then masked densely).
@@ -229,8 +233,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grp, ri
     if ring is None:
         ring = MeshDim("cp_ring", [grp.global_rank], grp.global_rank, None)
     if u == 1:
-        return ring_attention(q, k, v, ring, causal, scale, layout=layout, impl=impl,
-                              document_ids=document_ids, knobs=knobs)
+        return ring_attention(q, k, v, ring, BlockKernel(impl, document_ids, scale, log), causal,
+                              layout=layout, knobs=knobs)
     f = kv_repeats(hq, hkv, u)
     if (q.shape[0], n, q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
         raise ValueError(f"ulysses_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, "
@@ -250,6 +254,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grp, ri
     if torch.is_tensor(document_ids):
         docs = comm.all_gather(document_ids.to(q.device).contiguous(), grp, gather_dim=1)
         docs = docs if order is None else docs.index_select(1, order)
-    out = ring_attention(qh, kh, vh, ring, causal, default_scale(q.shape[-1], scale), layout=layout,
-                         impl=impl, document_ids=docs, knobs=knobs)
+    kernel = BlockKernel(impl, docs, default_scale(q.shape[-1], scale), log)
+    out = ring_attention(qh, kh, vh, ring, kernel, causal, layout=layout, knobs=knobs)
     return heads_to_sequence(out, grp, order)

@@ -4,14 +4,13 @@
                   uneven splits, then a regroup per local expert) and combine (the reverse), each an
                   autograd Function whose backward is the reverse exchange
     sharding.py   where the experts' weights live: E/ep per ep rank (ep_block, ep_shard, ep_gather), and their
-                  ZeRO-3 flat buffer of their own, sharded over edp (split_experts, for zero3/)
+                  ZeRO-3 flat buffer of their own, sharded over edp (zero3/wrap.py cuts it out)
 
     from minipar.expert_parallel import dispatch, combine
     local, local_counts, handle = dispatch(tokens_sorted, counts, pgm.ep)
     out_sorted = combine(experts(local, local_counts), handle)
 """
 from .dispatch import DispatchHandle, combine, dispatch
-from .sharding import ep_block, ep_gather, ep_shard, is_expert, split_experts
+from .sharding import ep_block, ep_gather, ep_shard, is_expert
 
-__all__ = ["DispatchHandle", "combine", "dispatch", "ep_block", "ep_gather", "ep_shard", "is_expert",
-           "split_experts"]
+__all__ = ["DispatchHandle", "combine", "dispatch", "ep_block", "ep_gather", "ep_shard", "is_expert"]

@@ -15,9 +15,10 @@ and the HF reader see the whole tensor's shape, and every consumer cuts the same
 
 ZeRO-3 (minipar/zero3/). The n members of an ep group hold different experts, so they cannot share
 one flat buffer; the D/n ranks of dp_shard_cp that hold the SAME experts (mesh.py's edp group) can.
-So fully_shard puts a unit's expert parameters in a second flat buffer of their own (`split_experts`
-below), sharded over edp, while the attention, norms and router stay in the unit's buffer over
-dp_shard_cp. Per MoE layer and micro-batch, with X = the bytes of this rank's E/n experts:
+So fully_shard (zero3/wrap.py) puts a unit's expert parameters, those that carry ep_split_dim, in
+a second flat buffer of their own, sharded over edp, while the attention, norms and router stay in
+the unit's buffer over dp_shard_cp. Per MoE layer and micro-batch, with X = the bytes of this
+rank's E/n experts:
 
     all-gather       X over edp, twice (forward, backward), wire (D/n - 1)/(D/n) X each
     reduce-scatter   X over edp, once: the gradient of an expert is the sum over every token routed
@@ -32,7 +33,7 @@ the experts are replicated like every other weight, and DDP all-reduces them wit
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -69,10 +70,3 @@ def ep_gather(local: torch.Tensor, ep_split_dim: Optional[int], ep) -> torch.Ten
     if ep_split_dim is None or ep is None or ep.size == 1:
         return local
     return comm.all_gather(local.contiguous(), ep, gather_dim=ep_split_dim)
-
-
-def split_experts(params: List[Tuple[str, object]], refs: list) -> Tuple[tuple, tuple]:
-    """A ZeRO-3 unit's (params, refs) -> ((the rest), (the expert parameters)), order kept."""
-    rest = [(pr, r) for pr, r in zip(params, refs) if not is_expert(pr[1])]
-    experts = [(pr, r) for pr, r in zip(params, refs) if is_expert(pr[1])]
-    return tuple(map(list, zip(*rest))) or ([], []), tuple(map(list, zip(*experts))) or ([], [])

@@ -1,15 +1,18 @@
 """Pipeline parallelism: the decoder's layers cut into stages along pgm.pp, micro-batches flowing
 through them forward and their gradients flowing back.
 
-    stage.py      which layers a stage holds (the split rule, pipeline_layers), the stage module
-    p2p.py        the sends and receives between neighbours, paired in exchanges NCCL cannot deadlock
+    executor.py   runs an action list: receive, compute, send, one step, calling the caller's hooks
+                  (ScheduleHooks); reads with schedules.py and p2p.py, and is handed the rest
     schedules.py  AFAB, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V as per-rank action lists, their
                   minimum micro-batch counts, which rank holds which virtual stage, which action sends
+    p2p.py        the sends and receives between neighbours (StageLink), as the plan says
+    p2p_plan.py   that plan: the exchanges each rank posts before each action, which NCCL cannot deadlock
     simulate.py   the action lists on an ideal machine: bubbles, the closed forms, chunks held
+    stage.py      which layers a stage holds (the split rule, pipeline_layers), the stage module; what
+                  it hands the executor (its plan, its side vectors)
     split_backward.py  the Linears' backward split into B (dL/dx) and a later W (dL/dW)
     side_vectors.py  what a model's loss needs carried besides h (an MoE's aux loss), riding with it
-    hooks.py      what a caller adds to a step: the data-parallel reduction point, the benchmark's Recorder
-    executor.py   runs an action list: receive, compute, send, one step, calling the hooks
+    recorder.py   the benchmark's Recorder: what a step really did (a ScheduleHooks)
     overlap_steps.py  stages that step without waiting for each other (pipeline_overlap_steps),
                   post_validate.py their clipping, checked a step late
 
@@ -17,10 +20,11 @@ through them forward and their gradients flowing back.
     stage = build_stage(LlamaForCausalLM(config, pgm), pgm)          # before fully_shard/replicate
     loss = run_schedule(stage, schedule_order("1f1b", pgm.pp.size, m, pgm.pp.rank), pgm, batches, n)
 """
-from .executor import forward_only, run_schedule
-from .hooks import Recorder, ScheduleHooks
+from .executor import ScheduleHooks, forward_only, run_schedule
 from .overlap_steps import OverlapSteps
-from .p2p import Exchange, exchange_plan, forward_plan, plan_exchanges
+from .p2p import Exchange
+from .p2p_plan import exchange_plan, forward_plan, plan_exchanges
+from .recorder import Recorder
 from .schedules import (
     SCHEDULES,
     SPLIT_BACKWARD,

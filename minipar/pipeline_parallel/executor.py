@@ -14,10 +14,17 @@
         W(c, m):  stage.weight_grads.weight_grads((c, m)): every queued dW, accumulated through
                   autograd into the parameters' .grad; the kept x and dy are freed
 
-A model whose loss needs more than h between stages declares it (stage.pipeline_aux: an MoE's
-load-balancing loss); its small side vectors ride with h and dL/dh (side_vectors.py): the
-executor calls side.after_forward after each F and side.before_backward before each B, and
-knows nothing of what they hold.
+What the executor is handed, rather than knowing (so it reads alone, with p2p.py and schedules.py):
+
+    plan          this rank's exchanges, slot by slot (p2p_plan.py): the composition makes it once
+                  (minipar/compose.py); left out, the stage is asked for its own schedule's
+                  (stage.exchange_plan)
+    side vectors  what a model's loss needs carried between stages besides h (stage.pipeline_aux:
+                  an MoE's load-balancing loss); the stage hands over their mover
+                  (stage.side_vectors: side_vectors.py), which the executor calls after each F
+                  (side.after_forward) and before each B (side.before_backward), knowing nothing
+                  of what they hold
+    hooks         what a caller adds to a step, below
 
 A stage keeps (x, out) and everything autograd saved between F(c, m) and B(c, m), and the
 linears' inputs and output gradients until W(c, m): that is the activation memory the schedules
@@ -26,27 +33,63 @@ exactly when the data it needs has not been computed yet: the bubble.
 
 Gradient accumulation over the m micro-batches: parameters used by several micro-batches add up
 their gradients. Data parallelism must reduce once per step, not per micro-batch: the caller's
-hooks (hooks.py, ScheduleHooks.before_backward(action, last)), called before every B and W, learn
-which is this rank's last gradient action of the step (the last W under a zero-bubble schedule,
-the last B where its W's have nothing to compute, a frozen base's: the caller keeps DDP and
-ZeRO-3 in no_sync until then, and that action's gradients trigger their reduction of everything,
-once). The loss (sum over micro-batches of sum / num_items_in_batch) is returned on the last
-stage, zero elsewhere: the caller sums it over dp_cp and pp. The same hooks see every receive
-(wait) and every compute (computed): the benchmark's Recorder (hooks.py) draws and measures them.
+hooks (ScheduleHooks.before_backward(action, last)), called before every B and W, learn which is
+this rank's last gradient action of the step (the last W under a zero-bubble schedule, the last B
+where its W's have nothing to compute, a frozen base's: the caller keeps DDP and ZeRO-3 in no_sync
+until then, and that action's gradients trigger their reduction of everything, once). The loss
+(sum over micro-batches of sum / num_items_in_batch) is returned on the last stage, zero
+elsewhere: the caller sums it over dp_cp and pp.
+
+The hook points, on the one ScheduleHooks run_schedule is given (each a no-op by default; wait
+just receives). No hook communicates, so a hook cannot change what the ranks exchange:
+
+    step_begins(freed_by, store)     before the first action: which action kind frees a micro-batch's
+                                     activations ("B", or "W" under a split backward) and the
+                                     WeightGradStore (split_backward.py) or None
+    wait(receive, *args)             every blocking receive goes through it: receive(*args), returned
+    before_backward(action, last)    before every B and W; last: this rank's final gradient action
+    computed(action, start, end)     after every compute, with its perf_counter span
+    step_ends()                      after the last exchange of the step has finished
+
+Two uses: data parallelism (minipar/compose.py: ScheduleHooks(before_backward=...), the no_sync
+above), and the benchmark's Recorder (recorder.py: the spans of every compute and every wait,
+this rank's real bubble).
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from .. import comm
-from .hooks import ScheduleHooks
-from .p2p import StageLink, activation_shape, exchange_plan, forward_plan
-from .schedules import Action, schedule_order
-from .side_vectors import NoSide, SideVectors, side_sizes
+from .p2p import StageLink, activation_shape
+from .schedules import Action
+
+
+class ScheduleHooks:
+    """The hook points of run_schedule (the module docstring), each a no-op; subclass to observe
+    (recorder.py's Recorder), or pass before_backward."""
+
+    def __init__(self, before_backward: Optional[Callable[[Action, bool], None]] = None):
+        self._before_backward = before_backward
+
+    def step_begins(self, freed_by: str, store) -> None:
+        pass
+
+    def wait(self, receive: Callable, *args):
+        return receive(*args)
+
+    def before_backward(self, action: Action, last: bool) -> None:
+        if self._before_backward is not None:
+            self._before_backward(action, last)
+
+    def computed(self, action: Action, start: float, end: float) -> None:
+        pass
+
+    def step_ends(self) -> None:
+        pass
 
 
 def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, torch.Tensor]],
@@ -55,19 +98,21 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
                  plan: Optional[list] = None, transport=comm) -> torch.Tensor:
     """One training step's forwards and backwards of `stage` in the order `order`; returns this
     rank's share of the loss (a float64 0-d tensor; zero off the last stage). hooks: what the
-    caller adds (hooks.py; None: nothing); plan: this rank's exchanges (p2p.exchange_plan; None:
-    computed here for the stage's schedule, whose order `order` must then be); transport: what
-    posts and waits (comm; a test may record through it)."""
+    caller adds (ScheduleHooks; None: nothing); plan: this rank's exchanges (p2p_plan.exchange_plan;
+    None: the stage's own, stage.exchange_plan, whose schedule `order` must then be); transport:
+    what posts and waits (comm; a test may record through it)."""
     m, hooks = len(micro_batches), hooks if hooks is not None else ScheduleHooks()
     device = micro_batches[0]["input_ids"].device
-    aux = stage.pipeline_aux                    # the model's side vectors, or None
     if plan is None:
-        plan = _own_plan(stage, order, pgm, m, side=aux is not None)
+        plan = stage.exchange_plan(order, m)
+    aux = stage.pipeline_aux                    # what the model's loss needs besides h, or None
     link = StageLink(pgm, activation_shape(micro_batches[0], pgm, stage.config.hidden_size,
                                            stage.sequence_parallel), act_dtype,
-                     device, m, stage.owner, plan, side_sizes=side_sizes(aux), transport=transport)
-    # each micro-batch's share of the step's objective weighs the side vectors' loss term
-    side = NoSide() if aux is None else SideVectors(stage, link, hooks.wait, 1.0 / (pgm.dp.size * m), device)
+                     device, m, stage.owner, plan, transport=transport,
+                     side_sizes=(0, 0) if aux is None else (aux.size, aux.back_size))
+    # their mover (side_vectors.py), from the stage; each micro-batch's share of the step's
+    # objective, 1 / (dp x m), weighs their loss term
+    side = stage.side_vectors(link, hooks.wait, 1.0 / (pgm.dp.size * m), device)
     store = stage.weight_grads                  # a WeightGradStore when the backward is split
     split = any(a.kind == "W" for a in order)
     if split and store is None:
@@ -126,22 +171,13 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
     return loss
 
 
-def _own_plan(stage, order: List[Action], pgm, m: int, side: bool) -> list:
-    """The exchanges of `order`, which must be the stage's own schedule's (p2p.exchange_plan)."""
-    p, v = pgm.pp.size, stage.num_chunks
-    if list(order) != schedule_order(stage.schedule, p, m, pgm.pp.rank, v):
-        raise ValueError(f"run_schedule: this order is not {stage.schedule}'s for pp {p}, m {m}: pass "
-                         f"plan=p2p.plan_exchanges(<every rank's order>, ...)[rank]")
-    return exchange_plan(stage.schedule, p, m, v, pgm.pp.rank, side=side)
-
-
 @torch.no_grad()
 def forward_only(stage, pgm, micro_batch: Dict[str, torch.Tensor], num_items_in_batch, *,
                  act_dtype: torch.dtype = torch.float32, autocast=contextlib.nullcontext,
                  transport=comm) -> torch.Tensor:
     """Evaluation: one micro-batch through every virtual stage, no backward; returns this rank's
-    loss share (float64; zero off the last stage)."""
-    plan = forward_plan(stage.schedule, pgm.pp.size, stage.num_chunks, pgm.pp.rank)
+    loss share (float64; zero off the last stage). The exchanges: the stage's (stage.forward_plan)."""
+    plan = stage.forward_plan()
     shape = activation_shape(micro_batch, pgm, stage.config.hidden_size, stage.sequence_parallel)
     link = StageLink(pgm, shape, act_dtype, micro_batch["input_ids"].device, 1, stage.owner, plan,
                      transport=transport)

@@ -14,7 +14,9 @@ computes the vectors; this file only moves them). Per micro-batch and stage boun
 
 They ride in the same exchanges as h and dL/dh (p2p.py's SIDE_FORWARD / SIDE_BACKWARD tags, planned
 with side=True), so they cost 2E + 1 and E + 1 floats per boundary and micro-batch, and no message
-of their own. NoSide is the model without such a need: nothing received, added or sent.
+of their own. NoSide is the model without such a need: nothing received, added or sent. The stage
+makes one or the other for each step (stage.py's PipelineStage.side_vectors) and hands it to the
+executor, which calls it after each F and before each B.
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ class NoSide:
 
 class SideVectors(NoSide):
     """The side vectors of one step of `stage` (its pipeline_aux), moved over `link` (p2p.StageLink);
-    `wait` is the receive wrapper (ScheduleHooks.wait); weight each micro-batch's share of the step's
-    objective (1 / (dp x m))."""
+    `wait` is the receive wrapper (executor.py's ScheduleHooks.wait); weight each micro-batch's share
+    of the step's objective (1 / (dp x m))."""
 
     def __init__(self, stage, link, wait: Callable, weight: float, device):
         self.stage, self.aux, self.link, self.wait = stage, stage.pipeline_aux, link, wait
@@ -71,8 +73,3 @@ class SideVectors(NoSide):
                 grads.append(None)
         if not stage.is_first_virtual(chunk):
             self.link.send_side_backward(back, vs - 1, micro)
-
-
-def side_sizes(aux) -> Tuple[int, int]:
-    """The lengths of the forward and backward side vectors of a model's pipeline_aux (None: none)."""
-    return (aux.size, aux.back_size) if aux is not None else (0, 0)

@@ -43,7 +43,10 @@ import torch.nn as nn
 
 from .. import comm, default_device
 from ..tensor_parallel.layers import gather_tensor
-from .schedules import SPLIT_BACKWARD, chunk_stages, stage_owners
+from ..zero3.state_dicts import ShardedStateDicts
+from .p2p_plan import exchange_plan, forward_plan
+from .schedules import SPLIT_BACKWARD, chunk_stages, schedule_order, stage_owners
+from .side_vectors import NoSide, SideVectors
 from .split_backward import split_weight_gradients
 
 
@@ -160,6 +163,24 @@ class PipelineStage(nn.Module):
         """The decoder layers of model chunk `chunk`, in order."""
         return [self.model.layers[str(i)] for i in self.chunks[chunk]]
 
+    # ------------------------------------------------------------------ what the executor is handed
+    def exchange_plan(self, order: list, num_micro: int) -> list:
+        """This rank's exchanges (p2p_plan.py) for `order`, which must be this stage's schedule's."""
+        p, v, rank = self.pgm.pp.size, self.num_chunks, self.pgm.pp.rank
+        if list(order) != schedule_order(self.schedule, p, num_micro, rank, v):
+            raise ValueError(f"run_schedule: this order is not {self.schedule}'s for pp {p}, m {num_micro}: "
+                             f"pass plan=p2p_plan.plan_exchanges(<every rank's order>, ...)[rank]")
+        return exchange_plan(self.schedule, p, num_micro, v, rank, side=self.pipeline_aux is not None)
+
+    def forward_plan(self) -> list:
+        """This rank's exchanges of one micro-batch forward through every chunk (an evaluation)."""
+        return forward_plan(self.schedule, self.pgm.pp.size, self.num_chunks, self.pgm.pp.rank)
+
+    def side_vectors(self, link, wait, weight: float, device):
+        """The mover of this step's side vectors over `link` (side_vectors.py), or NoSide when the
+        model's loss needs only h."""
+        return NoSide() if self.pipeline_aux is None else SideVectors(self, link, wait, weight, device)
+
     # ------------------------------------------------------------------ whole-model state dicts
     def full_state_dict(self) -> dict:
         """{HF name: full CPU tensor} of the WHOLE model on every rank: each stage gathers its own
@@ -176,7 +197,7 @@ class PipelineStage(nn.Module):
 
     def _own_full_items(self, meter):
         if getattr(self, "zero3", None) is not None:
-            yield from self.zero3.state_dicts.iter_full([s.detach() for s in self.zero3.shards], meter)
+            yield from ShardedStateDicts(self.zero3).iter_full([s.detach() for s in self.zero3.shards], meter)
             return
         for n, p in self.named_parameters():
             t = gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp)

@@ -5,8 +5,8 @@ edp = S C / ep (the ranks holding the same experts: their ZeRO-3 shard group), n
 micro-batch (n / T under sequence parallelism: the MoE sees the norms' tokens), N = n k copies.
 
 Memory. Each MoE layer's experts are 3 stacked tensors, (E/ep, F, d) each on this rank (not split
-over tp), in a ZeRO-3 unit of their own sharded over edp (zero3/wrap.py cuts it out with
-expert_parallel/sharding.py's split_experts):
+over tp), in a ZeRO-3 unit of their own sharded over edp (zero3/wrap.py cuts it out: the
+parameters that carry ep_split_dim, expert_parallel/sharding.py):
 
     expert elements per rank and layer   ceil(3 (E/ep) F d / edp)       (padded, as every flat shard)
 

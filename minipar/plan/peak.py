@@ -30,7 +30,7 @@ phases:
                                                                      its concatenation
     layer backward   S + H' + W + A - sm - a + 2 U             + g   the first layer's, when its pieces'
                                                                      gradients are concatenated
-                                                                     (flat_param.py's split); tied,
+                                                                     (unit.py's split); tied,
                                                                      S + R + H + W + A - sm + g as it
                                                                      starts (it gathers its window
                                                                      before the root is freed)

@@ -7,7 +7,7 @@ between chunks whose units differ. zero3/shard_manager.py learns a forward and a
 from the last pass it saw and prefetches the next `prefetch` units of it; when the next pass runs
 other units (the other chunk), the prefetched ones are freed unused and gathered again later.
 A closed formula would have to guess all that; this file runs the hooks' own decisions
-(minipar/zero3/gather_policy.py's GatherPolicy, the one shard_manager.py asks) on the planner's
+(minipar/zero3/shard_manager.py's GatherPolicy, the one its hooks ask) on the planner's
 units, and only does the gathering and freeing by name:
 
     root pre-forward      free every unit; the pass's seen list restarts
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from minipar.zero3.gather_policy import GatherPolicy
+from minipar.zero3.shard_manager import GatherPolicy
 
 from .model import Unit
 

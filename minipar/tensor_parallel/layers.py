@@ -226,6 +226,10 @@ class RowParallelLinear(_TPLinear):
 class VocabParallelEmbedding(nn.Module):
     """Rows [rank * V/tp, (rank+1) * V/tp) of the table; the partial lookups are summed over tp."""
 
+    # a lookup: its weight's gradient is a scatter-add of the output gradient, never reading the
+    # weight, so ZeRO-3 need not gather it again for backward (zero3/unit.py asks)
+    backward_reads_weight = False
+
     def __init__(self, num_embeddings, embedding_dim, tp, sequence_parallel=False):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.tp = num_embeddings, embedding_dim, tp

@@ -1,53 +1,8 @@
-"""ZeRO-3 (FSDP): shard parameters, gradients and optimizer states over dp_shard_cp; gather a unit
-only while it computes. This file is the manager's hooks, which run the gathers and frees that
-gather_policy.py decides (prefetch, the learned orders); wrap.py's fully_shard cuts a model into
-units and attaches it.
-
-Rajbhandari et al., "ZeRO" (2020), stage 3; the unit-by-unit schedule of PyTorch FSDP (Zhao et
-al., 2023) and FSDP2. Each unit (the embedding, each decoder layer; the root unit holds what is
-left: the final norm and lm_head, and the embedding too when tied to lm_head) keeps its parameters
-in one flat buffer (minipar/zero3/flat_param.py), and rank r of the N ranks of pgm.dp_shard_cp
-keeps only shard r of it, an fp32 nn.Parameter: the only parameter that model.parameters()
-yields, so the optimizer holds states for 1/N of the model.
-
-    shard (P/N,) fp32 --all-gather--> flat (P,) param_dtype --split/view--> q_proj.weight, ...
-                                        | forward / backward of the unit
-    shard.grad (P/N,) <--reduce-scatter-- flat.grad (P,) reduce_dtype     (+ all-reduce over
-                                                                           dp_replicate: HSDP)
-One step, unit by unit (prefetch = 1; "AG" is an async all-gather, "RS" a reduce-scatter):
-
-    forward   root: AG root, AG emb | emb: AG L0, compute, free | L0: AG L1, compute, free | ...
-              root (norm, lm_head, loss) computes last and is NOT freed: it is the first unit of
-              backward, so it stays gathered into it (FSDP2's default for its root)
-    backward  root: AG L(n-1) | L(n-1): AG L(n-2), compute, RS, free | ... | L0 | emb: RS
-              the embedding is not gathered for backward: its gradient is a scatter-add of the
-              output gradient and never reads the weight (unit.py's LOOKUPS)
-              root's RS and free come as soon as its gradient is complete (right after lm_head's
-              and the norm's backward); a RS is waited for when the next one starts, then
-              all-reduced over dp_replicate (HSDP); the end-of-backward callback waits for the rest
-              a root that holds the embedding too (tied to lm_head) completes its gradient only
-              at the embedding's backward, the last; its buffer is freed earlier, as soon as its
-              other modules (the norm, lm_head) have their inputs' gradients: the lookup left
-              never reads it (at SmolLM-135M's shape, 108 MiB less at the end of backward)
-
-Communication per micro-batch and rank, exact: a unit's bytes are its PADDED flat buffer,
-B_u = ceil(numel_u / N) * N elements (numel_u summed over its tp-local tensors) times the element
-size. P = sum_u B_u in param_dtype, G = sum_u B_u in reduce_dtype, P_root = B_root in param_dtype
-(norm + lm_head untied; embedding + norm + lm_head tied), N = dp_shard_cp size, R = dp_replicate:
-
-    all-gather      2 P - P_root - P_emb per forward+backward: every unit twice, the root and an
-                    untied embedding unit once (P_emb = B_emb in param_dtype; 0 when tied, the
-                    embedding then being in the root); wire (N-1)/N of that;
-                    reshard_after_forward=False: P (every unit once)
-    reduce-scatter  G per synced backward, wire (N-1)/N; under no_sync() (grad_reduce.py) none:
-                    M micro-batches cost G once per step instead of M G
-    HSDP            an all-reduce of the shard gradients, G/N, wire 2 (G/N)(R-1)/R, per synced backward
-
-These are the bytes of torch FSDP2 with its defaults, whose root (embedding, norm, lm_head) is
-gathered once too. Memory per rank: the fp32 shards, their grads and AdamW states, plus the gathered
-buffers: the root from the start of forward to its backward, and 1 + prefetch other units at a
-time; under no_sync() also the unsharded accumulated gradients (G, from the first micro-batch's
-backward to the last one's).
+"""ZeRO-3's shard manager, Zero3, which wrap.py's fully_shard attaches as `model.zero3`: the hooks
+that gather a unit before its forward and its backward, prefetch the next ones, free it after, and
+hand its gradient on to the reduction (grad_reduce.py); and GatherPolicy, the pure rule that says
+which units each hook gathers and frees. What one step does and costs, unit by unit, is wrap.py's
+docstring; a unit's buffers and collectives are unit.py's.
 
 How the hooks find their moments, for any model:
   - before forward:  a forward pre-hook on the unit module gathers (waits for a prefetched
@@ -65,22 +20,40 @@ How the hooks find their moments, for any model:
   - end of backward: a callback queued on the autograd engine waits for the outstanding
     reduce-scatters, so when loss.backward() returns the shard gradients are final (queued by the
     first of these hooks to fire: a pipeline's W pass only reaches the post-accumulate-grad one).
-Prefetching follows the execution orders (`prefetch` units ahead; 0 turns it off). Before the
-first step they are a static guess, the registration order forward and its reverse (root first)
-backward, so step 1 prefetches too; each forward and backward records the order it really ran and
-replaces the guess when it differs (a model that runs units out of order, or skips one). Which
-units each hook gathers and frees, and the learned orders, are gather_policy.py's GatherPolicy, a
-pure state machine the planner replays too (minipar/plan/zero3_replay.py).
+
+Which units each hook gathers and frees is GatherPolicy's (below): pure, no tensor, no process
+group, so the planner replays the very decisions a run makes (minipar/plan/zero3_replay.py):
+
+    event                    answer                                    (units[0] is the root)
+    pre_forward(u)           free: every unit when u is the root (a new pass: a forward left
+                             without backward may have gathered stale shards); gather: u, and if
+                             u runs where the learned forward order expects it, the next
+                             `prefetch` units of that order (0 turns prefetching off)
+    post_forward(u, grad)    free: u (reshard_after_forward, or no grad: no backward will come);
+                             at the root, the pass's end: every other unit (prefetched but unused
+                             too), never the root while grad is on; the forward order relearned
+    start_backward()         a new backward pass: its seen list restarts
+    pre_backward(u)          gather: as pre_forward on the backward order; nothing for a unit
+                             whose backward reads no weight (an embedding)
+    end_backward()           free: every unit; the backward order relearned if the pass differed
+                             (a pass that gathered nothing, a pipeline's W, teaches nothing)
+
+Before the first step the orders are a static guess, so step 1 prefetches too: forward in
+registration order, backward its reverse with the root first (the loss is its output). A model
+that runs its units in another order, or skips one, is learned after its first pass. Under
+pipeline parallelism the passes alternate between model chunks, and each relearns the order from
+the other (plan/zero3_replay.py counts what that costs). Units are compared by identity where a
+position is checked and by `==` where a pass is compared with the learned order.
+
 Activation checkpointing re-runs a unit's forward inside its backward: the hooks see that the unit
 is already in its backward and leave its gathered parameters alone. A unit unused in a step is
 never reduced (a learned prefetch may still gather it; it is freed again at the end of backward).
 A unit's buffers, and how a gather refills the very storage autograd saved, are unit.py's.
 
-Zero3 is this file's gathering and freeing plus two parts it builds and owns: `grads`
-(grad_reduce.py: the reduce-scatters, no_sync, HSDP) and `state_dicts` (state_dicts.py: full
-tensors <-> shards). Its public methods delegate to them, one line each, so callers see one
-manager (model.zero3.no_sync(), model.zero3.full_state_dict(), ...), as FSDP2 gives its
-sharded module set_requires_gradient_sync and the state-dict calls.
+Zero3 is this file's gathering and freeing plus the gradient side it builds and owns, `grads`
+(grad_reduce.py: the reduce-scatters, no_sync, HSDP), whose switches it passes on
+(model.zero3.no_sync(), set_requires_gradient_sync, as FSDP2 gives its sharded module). Full
+tensors <-> shards are a view its users make of it (state_dicts.py: ShardedStateDicts(model.zero3)).
 
 Under torch.compile (compile: true, minipar/regional_compile.py) only a unit's forward is compiled;
 these hooks are the module call's and the tensors', so they run eagerly around the compiled code,
@@ -89,15 +62,73 @@ reduce-scatters, in the same order, compiled and eager).
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
 from .. import comm_ledger
-from .gather_policy import GatherPolicy
 from .grad_reduce import GradientReduction
-from .state_dicts import ShardedStateDicts
-from .unit import LOOKUPS, AfterBackward, Unit
+from .unit import AfterBackward, Unit, backward_reads_weight
+
+
+# ------------------------------------------------------------------ the policy (pure)
+def gather_with(order: Sequence, position: int, unit, prefetch: int) -> list:
+    """The units to gather when `unit` runs as the position-th of its pass: itself first, and, if
+    the learned order has it there, the next `prefetch` units of that order (in flight while it
+    computes)."""
+    ahead = order[position + 1:position + 1 + prefetch] if position < len(order) and order[position] is unit \
+        else []
+    return [unit] + list(ahead)
+
+
+class GatherPolicy:
+    """The decisions of ZeRO-3's hooks over the units (root first), and the learned orders (the
+    table of the module docstring)."""
+
+    def __init__(self, units: Sequence, prefetch: int, reshard_after_forward: bool,
+                 gather_for_backward: Callable[[object], bool]):
+        self.units, self.root = list(units), units[0]
+        self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        self.gather_for_backward = gather_for_backward
+        self.forward_order: List = list(units)
+        self.backward_order: List = [self.root] + [u for u in reversed(self.units[1:])
+                                                   if gather_for_backward(u)]
+        self._fwd_seen: List = []
+        self._bwd_seen: List = []
+
+    def pre_forward(self, u) -> Tuple[list, list]:
+        """(free, gather) before u's forward: the root starts a pass and frees everything first."""
+        free = []
+        if u is self.root:
+            self._fwd_seen = []
+            free = list(self.units)
+        self._fwd_seen.append(u)
+        return free, gather_with(self.forward_order, len(self._fwd_seen) - 1, u, self.prefetch)
+
+    def post_forward(self, u, grad: bool = True) -> list:
+        """What to free after u's forward (grad: autograd records, so a backward will come)."""
+        if u is not self.root:
+            return [u] if self.reshard_after_forward or not grad else []
+        free = [v for v in self.units if (v is not self.root and self.reshard_after_forward) or not grad]
+        if grad and self._fwd_seen != self.forward_order:
+            self.forward_order = list(self._fwd_seen)           # relearn: this pass ran otherwise
+        return free
+
+    def start_backward(self) -> None:
+        self._bwd_seen = []
+
+    def pre_backward(self, u) -> list:
+        """What to gather before u's backward (nothing where its backward reads no weight)."""
+        if not self.gather_for_backward(u):
+            return []
+        self._bwd_seen.append(u)
+        return gather_with(self.backward_order, len(self._bwd_seen) - 1, u, self.prefetch)
+
+    def end_backward(self) -> list:
+        """What to free when the backward pass ends: everything (prefetched but unused, or kept)."""
+        if self._bwd_seen and self._bwd_seen != self.backward_order:
+            self.backward_order = list(self._bwd_seen)          # relearn (a W pass gathers nothing)
+        return list(self.units)
 
 
 def _tensors(out):
@@ -114,17 +145,14 @@ def _tensors(out):
 class Zero3:
     """The shard manager that fully_shard attaches as `model.zero3`: the hooks that gather and
     free the units as `policy` (a GatherPolicy: the learned orders) decides, the memory count;
-    `grads` (a GradientReduction) for the gradient side and `state_dicts` (a ShardedStateDicts)
-    for full tensors <-> shards."""
+    `grads` (a GradientReduction) for the gradient side."""
 
     def __init__(self, model, pgm, units: List[Unit], param_names, prefetch, reshard_after_forward):
         self.model, self.pgm, self.units, self.root = model, pgm, units, units[0]
         self.grads = GradientReduction(units, pgm)
-        self.state_dicts = ShardedStateDicts(units, param_names, pgm)
-        # owned by state_dicts, shared here: the checkpoint and the tests read them from the manager
-        self.shards = self.state_dicts.shards    # what the optimizer steps: the non-empty units'
-        self.param_names = self.state_dicts.param_names      # HF names in model order (tied once)
-        # which units each hook gathers and frees, the learned orders: a pure policy (gather_policy.py)
+        self.shards = [u.shard for u in units if not u.empty]   # what the optimizer steps
+        self.param_names = list(param_names)     # HF names in model order (tied once)
+        # which units each hook gathers and frees, the learned orders: the pure policy above
         self.policy = GatherPolicy(units, prefetch, reshard_after_forward, lambda u: u.gather_for_backward)
         self._backward_running = False
         self.peak_gathered_bytes = 0
@@ -132,7 +160,7 @@ class Zero3:
         # modules (the final norm, lm_head: its "heads"); once their inputs' gradients are complete
         # it is freed, instead of at the end of backward, where the embedding's gradient completes it
         modules = {id(m): m for refs in self.root.refs for m, _ in refs}
-        heads = [m for m in modules.values() if type(m) not in LOOKUPS]
+        heads = [m for m in modules.values() if backward_reads_weight(m)]
         self._free_root_early = len(heads) < len(modules)
         self._heads_pending, self._heads_unknown = 0, False
         for m in heads if self._free_root_early else ():
@@ -154,22 +182,6 @@ class Zero3:
 
     def accumulated_grad_bytes(self) -> int:
         return self.grads.accumulated_grad_bytes()
-
-    # the state dicts (state_dicts.py); tensor lists follow self.shards
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        return self.state_dicts.full_state_dict()
-
-    def load_full_state_dict(self, full: Dict[str, torch.Tensor], source: str = "state dict"):
-        self.state_dicts.load_full_state_dict(full, source)
-
-    def sharded_state_dict(self) -> dict:
-        return self.state_dicts.sharded_state_dict()
-
-    def full_from_shards(self, tensors) -> Dict[str, torch.Tensor]:
-        return self.state_dicts.full_from_shards(tensors)
-
-    def shards_from_full(self, full: Dict[str, torch.Tensor], source: str = "state dict") -> list:
-        return self.state_dicts.shards_from_full(full, source)
 
     # ------------------------------------------------------------------ memory accounting
     def gathered_units(self) -> List[str]:

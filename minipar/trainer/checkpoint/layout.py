@@ -3,7 +3,7 @@ again for any other layout: the resharding under save_load.py.
 
 A rank's tensors are a list of segments: contiguous runs of the TP-local flat view of a named
 (HF) parameter. A plain or TP parameter is one segment covering it; a ZeRO-3 flat shard (this
-rank's [start, stop) of a unit's padded flat buffer, see flat_param.py) is one segment per tensor
+rank's [start, stop) of a unit's padded flat buffer, see zero3/unit.py) is one segment per tensor
 it overlaps:
 
     unit flat buffer   [ q (tp-local, 32) | norm (8) | k (16) | pad 4 ]   offsets 0, 32, 40, 56
@@ -36,6 +36,7 @@ import torch
 
 from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.tensor_parallel import gather_tensor, shard_tensor
+from minipar.zero3 import ShardedStateDicts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +63,8 @@ class Segment:
 def _tensors(model, pgm):
     """(local tensor, its segments, [(name, full shape)] of the tensors whose states it carries)
     for every tensor the optimizer sees. A ZeRO-3 shard is stepped as a whole, so it carries every
-    tensor of its unit; its segments come from the manager's sharded_state_dict(): each tensor's
-    offset in the padded flat buffer, intersected with this rank's [start, stop). Only trained
+    tensor of its unit; its segments come from the manager's sharded state dict (ShardedStateDicts):
+    each tensor's offset in the padded flat buffer, intersected with this rank's [start, stop). Only trained
     tensors: a frozen base (LoRA's) is rebuilt from its source (the seed, base_model), so a LoRA
     checkpoint holds the adapters and their optimizer states; under ZeRO-3 those adapters are plain
     parameters outside the flat buffers, whole on every rank of dp_shard_cp."""
@@ -73,7 +74,7 @@ def _tensors(model, pgm):
     if manager is None:
         yield from _plain(plain, pgm)
         return
-    sd = manager.sharded_state_dict()
+    sd = ShardedStateDicts(manager).sharded_state_dict()
     for shard, unit in zip(manager.shards, sd["units"].values()):   # both: the non-empty units, in order
         if not shard.requires_grad:
             continue
@@ -214,7 +215,8 @@ def _gather_full(model, pgm, local: dict) -> Dict[str, torch.Tensor]:
     its weights (over tp, and over dp_shard_cp under ZeRO-3). Collective."""
     manager = getattr(model, "zero3", None)
     if manager is not None:                  # each to the host as it is gathered, in model order
-        full = {n: t.cpu() for n, t in manager.state_dicts.iter_full([local[s] for s in manager.shards])}
+        items = ShardedStateDicts(manager).iter_full([local[s] for s in manager.shards])
+        full = {n: t.cpu() for n, t in items}
         return {n: full[n] for n in manager.param_names}
     return {n: ep_gather(gather_tensor(local[p].contiguous(), getattr(p, "tp_split_dim", None), pgm.tp),
                          getattr(p, "ep_split_dim", None), pgm.ep).cpu().clone()

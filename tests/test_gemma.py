@@ -250,9 +250,9 @@ def test_greedy_generation_equals_transformers(tmp_path, variant):
 
 
 # ------------------------------------------------------------------ train.py on a Gemma 2 checkpoint
-def _write_base(directory):
+def _write_base(directory, variant, overrides):
     torch.set_num_threads(1)
-    _hf_model("gemma2-window", vocab_size=384).save_pretrained(directory)
+    _hf_model(variant, vocab_size=384, **overrides).save_pretrained(directory)
     _tiny_tokenizer(directory)                       # base_model is also the tokenizer
 
 
@@ -261,20 +261,37 @@ def _train(argv):
     return [(r["loss"], r["grad_norm"]) for r in Trainer(setup_run(argv)).train()]
 
 
-def test_gemma2_trains_under_tp2_sequence_parallel_like_one_process(tmp_path):
-    """train.py, base_model a Gemma 2 (window 8 on sequences of 32, capped logits): tp 2 with
-    sequence parallelism (the sandwich norms' weights on sequence shards, their gradients summed
-    over tp) follows one process's losses and gradient norms."""
-    base = str(tmp_path / "base")
-    run_world(_write_base, 1, base, timeout=60)
+# (the base, its config overrides, the layout's flags and ranks):
+#   tp2-sp      Gemma 2, window 8 on sequences of 32, capped logits: the sandwich norms' weights on
+#               sequence shards, their gradients summed over tp
+#   pp2         an untied Gemma 3 (a tied embedding cannot be cut between stages) under 1F1B: the
+#               scaled embedding on the first stage, the capped logits on the last
+#   lora-shard2 LoRA on a Gemma 2 base sharded by ZeRO-3 over 2 ranks
+LORA = ["--adapter", "lora", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_linear", "true"]
+TRAIN_LAYOUTS = {    # name: (the base, its overrides, settings of both runs, the layout's sizes, ranks)
+    "tp2-sp": ("gemma2-window", {}, ["--sequence_parallel", "true"], ["--tensor_parallel_size", "2"], 2),
+    "pp2": ("gemma3-window", dict(tie_word_embeddings=False), ["--micro_batch_size", "1"],
+            ["--pipeline_parallel_size", "2"], 2),
+    "lora-shard2": ("gemma2-window", {}, LORA, ["--dp_shard_size", "2"], 2),
+}
 
-    def argv(out, tp):
+
+@pytest.mark.parametrize("layout", TRAIN_LAYOUTS)
+def test_gemma_trains_on_a_layout_like_one_process(tmp_path, layout):
+    """train.py with a Gemma base_model follows one process's losses and gradient norms."""
+    variant, overrides, settings, layout_sizes, ranks = TRAIN_LAYOUTS[layout]
+    base = str(tmp_path / "base")
+    run_world(_write_base, 1, base, variant, overrides, timeout=60)
+
+    def argv(out, extra):
+        sizes = {"--dp_shard_size": "1", "--context_parallel_size": "1", "--tensor_parallel_size": "1",
+                 "--pipeline_parallel_size": "1"}
+        sizes.update(zip(extra[::2], extra[1::2]))
         return [os.path.join(ROOT, "configs", "finetune.yaml"), "--base_model", base, "--output_dir",
                 str(tmp_path / out), "--max_steps", "3", "--export_hf", "false", *TINY, "--dataset",
-                _corpus(), "--dp_shard_size", "1", "--context_parallel_size", "1",
-                "--tensor_parallel_size", str(tp), "--sequence_parallel", str(tp > 1).lower()]
-    ref = run_world(_train, 1, argv("one", 1), timeout=120)[0]
-    got = run_world(_train, 2, argv("two", 2), timeout=120)
+                _corpus(), *settings, *[x for kv in sizes.items() for x in kv]]
+    ref = run_world(_train, 1, argv("one", []), timeout=120)[0]
+    got = run_world(_train, ranks, argv("many", layout_sizes), timeout=120)
     for curve in got:
         assert len(curve) == len(ref) == 3
         for (a, ga), (b, gb) in zip(ref, curve):

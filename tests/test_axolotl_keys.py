@@ -99,7 +99,7 @@ def test_noted_keys_one_note_each(tmp_path):
 def test_every_refusal_of_a_file_in_one_message(tmp_path):
     text = ("deepspeed: deepspeed_configs/zero3_bf16.json\npretraining_dataset: some/hub-name\n"
             "fsdp_config:\n  fsdp_offload_params: true\nsave_steps:\nwarmup_steps: 0.1\n"
-            "lr_scheduler: polynomial\noptimizer: paged_adamw_8bit\nchat_template: chatml\n"
+            "lr_scheduler: polynomial\noptimizer: paged_adamw_8bit\nchat_template: command_a_rag\n"
             "learnig_rate: 1.0e-5\nmax_steps: 10\nlearning_rate: -1\n")
     with pytest.raises(ValueError) as info:
         _load(tmp_path, text)
@@ -108,7 +108,7 @@ def test_every_refusal_of_a_file_in_one_message(tmp_path):
     for part in ["deepspeed: DeepSpeed is not used", "pretraining_dataset: streamed pretraining data",
                  "fsdp_offload_params: True (CPU offload", "lr_scheduler 'polynomial' is not supported",
                  "optimizer 'paged_adamw_8bit' is not supported", "write optimizer: adamw_torch_fused",
-                 "chat_template: chatml is not available", "learning_rate must be > 0"]:
+                 "chat_template: command_a_rag is not available", "learning_rate must be > 0"]:
         assert part in msg, (part, msg)
     assert "save_steps" not in msg.split("Valid keys")[0] and "warmup_steps:" not in msg   # both accepted
     assert "'seed'" not in msg and "Did you mean 'learning_rate'?" not in msg.split("deepspeed")[1]

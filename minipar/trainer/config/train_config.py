@@ -320,7 +320,7 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
         except (ValueError, OSError) as err:    # said with the file's other problems
             problems.append(err)
     cfg.model.moe_capacity_factor = cfg.moe_capacity_factor   # a training option, not config.json's
-    problems.extend(tokenizer_key_problems(cfg, notes) + class_problems(cfg, notes))   # special_tokens, model_type
+    problems.extend(tokenizer_key_problems(cfg, notes) + class_problems(cfg, notes))   # tokens, model_type
     root = REPO_ROOT
     if not os.path.isabs(cfg.dataset) and not os.path.exists(cfg.dataset) \
             and os.path.exists(os.path.join(root, cfg.dataset)):

@@ -4,4 +4,6 @@ llama_layer.py, one decoder layer (attention, the MLP or a mixture of experts);
 llama_config.py, its shape, config.json keys and the families' named differences (Qwen2's q/k/v
 biases, sliding windows, Phi-3's partial RoPE, Qwen3's q/k norms, the experts); rope.py, the rotary
 position tables; llama_init.py, meta-device construction filled from a seed or a checkpoint;
+hf_checkpoint.py, a Hugging Face directory read slice by slice, resize_vocab.py its vocabulary
+resized for added tokens, hf_classes.py Axolotl's model_type / tokenizer_type checked against it;
 kv_cache.py, generation's K/V cache and the cached forward through the same layers."""

@@ -54,7 +54,8 @@ KEYS = {
     "eval_sample_packing": (NOTED, "evaluation rows are prepared as the training rows (sample_packing)"),
     "special_tokens": (HONOURED, "bos/eos/pad/unk_token and additional_special_tokens added to the "
                                  "tokenizer, the base's embedding (and untied lm_head) resized when it "
-                                 "has fewer rows, the model config's ids set (data/special_tokens.py)"),
+                                 "has fewer rows, the model config's ids set "
+                                 "(minipar/trainer/data/special_tokens.py)"),
     "tokens": (HONOURED, "added to the tokenizer, the embedding resized as for special_tokens"),
     "added_tokens_overrides": (HONOURED, "{id: text}: the tokenizer's added tokens renamed, ids kept"),
     "resize_token_embeddings_to_32x": (HONOURED, "a resized vocabulary rounded up to a multiple of 32"),
@@ -64,7 +65,7 @@ KEYS = {
     "chat_template": (HONOURED, "tokenizer_default, tokenizer_default_fallback_<name>, jinja "
                                 "(chat_template_jinja), or a name: chatml, qwen_25, llama3, mistral_v1, "
                                 "mistral_v2v3, mistral_v3_tekken, gemma, gemma3, phi_3, phi_35, phi_4, "
-                                "alpaca (data/chat_templates.py); saved with the tokenizer"),
+                                "alpaca (minipar/trainer/data/chat_templates.py); saved with the tokenizer"),
     "chat_template_jinja": (HONOURED, "the template of chat_template: jinja (a Jinja string or a file)"),
     "model_type": (HONOURED, "checked against base_model's config.json architectures (AutoModelForCausalLM "
                              "or the family's class); a mismatch is refused (models/hf_classes.py)"),

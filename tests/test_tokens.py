@@ -277,3 +277,77 @@ def test_model_and_tokenizer_types_checked_against_the_checkpoint(tmp_path, base
     assert "write model_type: AutoModelForCausalLM or LlamaForCausalLM" in msg
     assert "tokenizer_type: Qwen2TokenizerFast does not match the tokenizer of" in msg
     assert "chat_template: vicuna is not available here" in msg
+
+
+# ------------------------------------------------------------------ per entry, overrides, a 2-step run
+def test_a_datasets_entry_names_its_own_template(tmp_path, chat_tok):
+    from minipar.trainer.data.datasets import check_entries, load_examples
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(dict(messages=CHAT3)) + "\n")
+    tok = run_tokenizer(dict(tokenizer_config=chat_tok, special_tokens=SPECIAL, tokens=ADDED))
+    entries = check_entries([dict(path=str(path), type="chat_template", chat_template="chatml"),
+                             dict(path=str(path), type="chat_template")])
+    ex = load_examples(entries, tok, 256)
+    assert tok.decode(ex.example(0)[0].tolist()) == tok.render_chat(CHAT3, TEMPLATES["chatml"])
+    assert tok.decode(ex.example(1)[0].tolist()).startswith("<s><|system|>\n")    # the tokenizer's own
+    with pytest.raises(ValueError, match=r"datasets\[0\] .*chat_template: vicuna is not available here"):
+        check_entries([dict(path=str(path), type="chat_template", chat_template="vicuna")])
+
+
+def test_added_tokens_overrides_rename_without_new_rows(tmp_path, chat_tok):
+    tok = run_tokenizer(dict(tokenizer_config=chat_tok, added_tokens_overrides={3: "<|im_start|>",
+                                                                               "4": "<|im_end|>"}))
+    assert tok.vocab_size == 300 and tok.encode("<|im_start|>x<|im_end|>")[::2] == [3, 4]
+    assert tok.tok.convert_ids_to_tokens([3, 4, 5]) == ["<|im_start|>", "<|im_end|>", "<|assistant|>"]
+    tok.save_pretrained(str(tmp_path / "saved"))             # what an export writes reloads the same
+    again = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "saved"))
+    assert again.convert_tokens_to_ids("<|im_start|>") == 3 and len(again) == 300
+    with pytest.raises(ValueError, match=r"ids \[299\] are no added tokens"):
+        run_tokenizer(dict(tokenizer_config=chat_tok, added_tokens_overrides={299: "<x>"}))
+
+
+AXOLOTL = """base_model: {base}
+model_type: LlamaForCausalLM
+tokenizer_type: AutoTokenizer
+special_tokens:
+  eos_token: "<|im_end|>"
+  pad_token: "<pad>"
+tokens: ["<|im_start|>"]
+chat_template: chatml
+datasets:
+  - path: {rows}
+    type: chat_template
+sequence_len: 64
+sample_packing: true
+micro_batch_size: 2
+gradient_accumulation_steps: 1
+max_steps: 2
+learning_rate: 1.0e-3
+logging_steps: 1
+eval_steps: 0
+save_steps: 0
+save_final_checkpoint: false
+progress_bar: false
+output_dir: {out}
+"""
+
+
+def _history(argv):
+    torch.set_num_threads(1)
+    return [r["loss"] for r in Trainer(setup_run(argv)).train()]
+
+
+def test_an_axolotl_chatml_file_trains_two_steps(tmp_path, bases):
+    base, n = bases[True]
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text("".join(json.dumps(dict(messages=[dict(role="user", content=f"Who art thou, {i}?"),
+                                                      dict(role="assistant", content=f"King {i}.")])) + "\n"
+                            for i in range(8)))
+    config = tmp_path / "axolotl.yaml"
+    config.write_text(AXOLOTL.format(base=base, rows=rows, out=tmp_path / "out"))
+    losses = run_world(_history, 1, [str(config)], timeout=120)[0]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    saved = json.load(open(tmp_path / "out" / "hf" / "tokenizer_config.json"))
+    template = saved.get("chat_template") or open(tmp_path / "out" / "hf" / "chat_template.jinja").read()
+    assert template == TEMPLATES["chatml"] and saved["eos_token"] == "<|im_end|>"
+    assert json.load(open(tmp_path / "out" / "hf" / "config.json"))["vocab_size"] == n + 3

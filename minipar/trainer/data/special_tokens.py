@@ -120,23 +120,33 @@ def _overridden_copy(path: str, overrides: dict, directory: str) -> None:
         raise ValueError(f"added_tokens_overrides: ids {missing} are no added tokens of {path} (its added "
                          f"tokens: {sorted(added)[:8]}...); only added tokens can be renamed")
     vocab = (data.get("model") or {}).get("vocab")
+    renamed = {}
     for i, text in want.items():
         old = added[i]["content"]
-        added[i]["content"] = text
+        added[i]["content"], renamed[old] = text, text
         if isinstance(vocab, dict) and vocab.get(old) == i:
             vocab[text] = vocab.pop(old)
     with open(tj, "w", encoding="utf-8") as f:
         json.dump(data, f, ensure_ascii=False)
-    tc = os.path.join(directory, "tokenizer_config.json")
-    if os.path.isfile(tc):
-        with open(tc, encoding="utf-8") as f:
-            config = json.load(f)
-        for i, text in want.items():
-            entry = (config.get("added_tokens_decoder") or {}).get(str(i))
-            if entry is not None:
-                entry["content"] = text
-        with open(tc, "w", encoding="utf-8") as f:
-            json.dump(config, f, ensure_ascii=False)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):   # where the old texts are named
+        path_ = os.path.join(directory, name)
+        if os.path.isfile(path_):
+            with open(path_, encoding="utf-8") as f:
+                config = json.load(f)
+            with open(path_, "w", encoding="utf-8") as f:
+                json.dump(_renamed(config, renamed), f, ensure_ascii=False)
+
+
+def _renamed(value, renamed: dict):
+    """A JSON value with every token text of `renamed` (a string, or an AddedToken's "content")
+    replaced; the chat template left as written."""
+    if isinstance(value, str):
+        return renamed.get(value, value)
+    if isinstance(value, list):
+        return [_renamed(v, renamed) for v in value]
+    if isinstance(value, dict):
+        return {k: v if k == "chat_template" else _renamed(v, renamed) for k, v in value.items()}
+    return value
 
 
 def _load(path: Optional[str], overrides: Optional[dict]):

@@ -229,6 +229,16 @@ def _reload(directory, ids, adapter):
                 eos_id=model.config.eos_token_id)
 
 
+def _from_checkpoint(step_dir, hf_dir, ids):
+    from minipar.trainer.checkpoint.export import export_checkpoint
+    from minipar.trainer.load_model import load_model
+    torch.set_num_threads(1)
+    export_checkpoint(step_dir, hf_dir)
+    model, tok = load_model(step_dir)
+    with torch.no_grad():
+        return dict(loaded=model(ids), tokens=tok.vocab_size)
+
+
 def test_export_and_lora_adapter_reload_with_the_added_tokens(tmp_path, bases):
     base, n = bases[True]
     out = tmp_path / "full"
@@ -241,13 +251,22 @@ def test_export_and_lora_adapter_reload_with_the_added_tokens(tmp_path, bases):
     # LoRA: the adapter directory holds the tokenizer and the resized embedding under PEFT's names;
     # PEFT resizes the base to the saved tokenizer and loads them
     out = tmp_path / "lora"
-    argv = _setup(base, out, "--export_hf", "true", lora=True) + ["--special_tokens", "{pad_token: '<pad>'}"]
+    argv = _setup(base, out, "--export_hf", "true", lora=True) + ["--special_tokens", "{pad_token: '<pad>'}",
+                                                                  "--save_final_checkpoint", "true"]
     logits, ids = run_world(_finish, 1, argv, timeout=120)[0]
     keys = load_file(str(out / "adapter_model.safetensors"))
     assert keys["base_model.model.model.embed_tokens.weight"].shape == (n + 2, 64)
     peft_model = run_world(_reload, 1, str(out), ids, True, timeout=60)[0]
     assert peft_model["tokens"] == n + 2
     torch.testing.assert_close(peft_model["logits"], logits, rtol=1e-5, atol=1e-5)
+    # its checkpoint (the adapters only): the export merges them onto the base resized as the run's,
+    # and load_model rebuilds the same model and tokenizer
+    merged = run_world(_from_checkpoint, 1, str(out / "step-1"), str(tmp_path / "merged"), ids, timeout=60)[0]
+    torch.testing.assert_close(merged["loaded"], logits, rtol=1e-5, atol=1e-5)
+    assert merged["tokens"] == n + 2
+    again = run_world(_reload, 1, str(tmp_path / "merged"), ids, False, timeout=60)[0]
+    assert again["tokens"] == n + 2 and again["vocab_size"] == n + 2
+    torch.testing.assert_close(again["logits"], logits, rtol=1e-5, atol=1e-5)
 
 
 def test_lora_refuses_a_new_eos_as_axolotl(tmp_path, bases):

@@ -239,7 +239,7 @@ def _from_checkpoint(step_dir, hf_dir, ids):
         return dict(loaded=model(ids), tokens=tok.vocab_size)
 
 
-def test_export_and_lora_adapter_reload_with_the_added_tokens(tmp_path, bases):
+def test_export_reloads_in_transformers_with_the_added_tokens(tmp_path, bases):
     base, n = bases[True]
     out = tmp_path / "full"
     logits, ids = run_world(_finish, 1, _setup(base, out, "--export_hf", "true", "--mean_resizing_embeddings",
@@ -248,19 +248,33 @@ def test_export_and_lora_adapter_reload_with_the_added_tokens(tmp_path, bases):
     assert hf["tokens"] == n + 3 and hf["eos"] == "<|im_end|>" and hf["start"] == n + 2
     assert hf["vocab_size"] == n + 3 and hf["eos_id"] == hf["tokenizer_eos_id"]
     torch.testing.assert_close(hf["logits"], logits, rtol=1e-5, atol=1e-5)
-    # LoRA: the adapter directory holds the tokenizer and the resized embedding under PEFT's names;
-    # PEFT resizes the base to the saved tokenizer and loads them
+
+
+def _lora_run(base, out, *extra):
+    argv = _setup(base, out, "--export_hf", "true", *extra, lora=True)
+    return run_world(_finish, 1, argv + ["--special_tokens", "{pad_token: '<pad>'}"], timeout=120)[0]
+
+
+def test_lora_adapter_reloads_in_peft_with_the_added_tokens(tmp_path, bases):
+    """The adapter directory holds the tokenizer and the resized embedding under PEFT's names; PEFT
+    resizes the base to the saved tokenizer and loads them: the run's logits."""
+    base, n = bases[True]
     out = tmp_path / "lora"
-    argv = _setup(base, out, "--export_hf", "true", lora=True) + ["--special_tokens", "{pad_token: '<pad>'}",
-                                                                  "--save_final_checkpoint", "true"]
-    logits, ids = run_world(_finish, 1, argv, timeout=120)[0]
+    logits, ids = _lora_run(base, out)
     keys = load_file(str(out / "adapter_model.safetensors"))
     assert keys["base_model.model.model.embed_tokens.weight"].shape == (n + 2, 64)
     peft_model = run_world(_reload, 1, str(out), ids, True, timeout=60)[0]
     assert peft_model["tokens"] == n + 2
     torch.testing.assert_close(peft_model["logits"], logits, rtol=1e-5, atol=1e-5)
-    # its checkpoint (the adapters only): the export merges them onto the base resized as the run's,
-    # and load_model rebuilds the same model and tokenizer
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_exports_onto_the_resized_base(tmp_path, bases):
+    """A LoRA checkpoint holds the adapters only: the export merges them onto the base resized as the
+    run's, and load_model rebuilds the same model and the run's tokenizer."""
+    base, n = bases[True]
+    out = tmp_path / "lora"
+    logits, ids = _lora_run(base, out, "--save_final_checkpoint", "true")
     merged = run_world(_from_checkpoint, 1, str(out / "step-1"), str(tmp_path / "merged"), ids, timeout=60)[0]
     torch.testing.assert_close(merged["loaded"], logits, rtol=1e-5, atol=1e-5)
     assert merged["tokens"] == n + 2

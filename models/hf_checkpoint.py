@@ -38,6 +38,9 @@ Each says what to do: re-download or re-export the model. The one architecture c
 and class of a family minipar builds, silu) is read_hf_config's, which the planner's --model uses
 too (Llama only there).
 
+A run that added tokens resizes the vocabulary (resize_vocab(): models/resize_vocab.py): check()
+then expects the file's rows, and source() gives embed_tokens / lm_head with the new rows.
+
 Tied embeddings: the model has one `model.embed_tokens.weight`; a checkpoint that also stores
 `lm_head.weight` loads (transformers ignores it too), as do stale `rotary_emb.inv_freq` buffers.
 The core imports this file without transformers: nothing here needs it.

@@ -55,7 +55,7 @@ from minipar.trainer.data import batches as mdata
 from minipar.trainer.data.packing import prepare as prepare_datasets
 from minipar.trainer.data.preference import prepare_pairs
 from minipar.trainer.data.prepared import load_or_prepare
-from minipar.trainer.data.special_tokens import embeddings_len, model_token_ids, run_tokenizer
+from minipar.trainer.data.special_tokens import model_token_ids, resize_base_vocab, run_tokenizer
 from minipar.trainer.data.tokenizer import (
     HFTokenizer,
     fill_special_token_ids,
@@ -64,7 +64,6 @@ from minipar.trainer.data.tokenizer import (
 )
 from models.hf_checkpoint import HFCheckpoint
 from models.llama import LlamaForCausalLM
-from models.resize_vocab import VocabResize
 
 # the grid's sizes (ParallelismConfig's names, and the training config's); ep_size adds no ranks
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "pp_size")
@@ -132,17 +131,7 @@ def _tokenizer(cfg: TrainConfig, notes: list, base: Optional[HFCheckpoint] = Non
     and the exported config.json takes the bos/eos/pad ids."""
     tokenizer = run_tokenizer(cfg, notes)
     if isinstance(tokenizer, HFTokenizer) and base is not None:
-        new = embeddings_len(tokenizer.vocab_size, cfg.model.vocab_size, cfg.resize_token_embeddings_to_32x,
-                             cfg.shrink_embeddings)
-        if new is not None:
-            base.resize_vocab(VocabResize(cfg.model.vocab_size, new, cfg.mean_resizing_embeddings,
-                                          cfg.model.initializer_range, cfg.seed))
-            rows = "the mean of the old ones" if cfg.mean_resizing_embeddings else \
-                f"N(0, {cfg.model.initializer_range:g})"
-            which = "embed_tokens" if cfg.model.tie_word_embeddings else "embed_tokens and lm_head"
-            notes.append(f"vocabulary {cfg.model.vocab_size} -> {new} (the tokenizer's "
-                         f"{tokenizer.vocab_size} tokens): {which} resized, new rows {rows}")
-            cfg.model.vocab_size = new
+        resize_base_vocab(cfg, tokenizer, base, notes)
     model_token_ids(cfg.model, tokenizer, cfg.special_tokens)   # the file's bos/eos/pad win
     if isinstance(tokenizer, HFTokenizer) and not getattr(cfg, "base_model", None):
         vocab = padded_vocab_size(tokenizer.vocab_size)

@@ -90,7 +90,8 @@ def conversation(row, spec: dict, where: str) -> List[dict]:
 
 def _render(tokenizer, turns, template, where: str) -> str:
     try:
-        return tokenizer.render_chat(turns, template)
+        # (a tokenizer's own template: the one-argument call every tokenizer here answers)
+        return tokenizer.render_chat(turns) if template is None else tokenizer.render_chat(turns, template)
     except ValueError as err:                    # the template's raise_exception (roles, system turns)
         raise ValueError(f"{where}: {err}") from None
 

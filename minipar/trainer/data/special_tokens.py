@@ -39,6 +39,7 @@ from typing import List, Optional
 
 from minipar.trainer.data.chat_templates import choice_problem, resolve
 from minipar.trainer.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_path
+from models.resize_vocab import VocabResize
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 ADDITIONAL = "additional_special_tokens"
@@ -247,6 +248,23 @@ def model_token_ids(model_config, tokenizer, special: Optional[dict]) -> List[st
 
 
 # ------------------------------------------------------------------------------ the vocabulary
+def resize_base_vocab(cfg, tokenizer, base, notes: list) -> None:
+    """base_model's vocabulary resized to the tokenizer's by Axolotl's rule: the checkpoint reader
+    makes the new rows (models/resize_vocab.py), cfg.model.vocab_size follows; one note."""
+    c = cfg.model
+    new = embeddings_len(tokenizer.vocab_size, c.vocab_size, cfg.resize_token_embeddings_to_32x,
+                         cfg.shrink_embeddings)
+    if new is None:
+        return
+    base.resize_vocab(VocabResize(c.vocab_size, new, cfg.mean_resizing_embeddings, c.initializer_range,
+                                  cfg.seed))
+    rows = "the mean of the old ones" if cfg.mean_resizing_embeddings else f"N(0, {c.initializer_range:g})"
+    which = "embed_tokens" if c.tie_word_embeddings else "embed_tokens and lm_head"
+    notes.append(f"vocabulary {c.vocab_size} -> {new} (the tokenizer's {tokenizer.vocab_size} tokens): "
+                 f"{which} resized, new rows {rows}")
+    c.vocab_size = new
+
+
 def embeddings_len(n_tokens: int, vocab: int, to_32x: bool = False, shrink: bool = False) -> Optional[int]:
     """The base's new vocabulary size for a tokenizer of n_tokens, by Axolotl's rule (None: keep
     `vocab`): grown when the tokenizer has more tokens, shrunk only with shrink_embeddings."""

@@ -15,6 +15,10 @@ What a run takes from a Hugging Face tokenizer, and where it goes:
     (all three special ids)    the model config's bos/eos/pad_token_id where it has none, so the
                                exported config.json carries them (fill_special_token_ids)
 
+A run's Axolotl keys change the loaded tokenizer before any row is tokenized: special_tokens,
+tokens and added_tokens_overrides add or rename tokens, chat_template names its template
+(special_tokens.py, chat_templates.py); HFTokenizer.changes records them for the prepared data's key.
+
 transformers is imported here only, and only when a tokenizer directory is named, so the core
 package still imports with torch alone. Both tokenizers answer the same small interface:
 vocab_size, bos_token_id, eos_token_id, pad_token_id, encode(text) and decode(ids).

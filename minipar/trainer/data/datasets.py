@@ -170,8 +170,9 @@ def _chat_entry(e: dict, tokenizer) -> dict:
         raise ValueError(f"{e['path']}: type chat_template needs a tokenizer with a chat template (a "
                          f"Hugging Face tokenizer); set tokenizer_config (or base_model) to a tokenizer "
                          f"directory")
-    template = resolve(e.get("chat_template"), e.get("chat_template_jinja"),
-                       getattr(tokenizer, "chat_template", None), e["path"]) if e.get("chat_template") else None
+    own = getattr(tokenizer, "chat_template", None)
+    template = resolve(e.get("chat_template"), e.get("chat_template_jinja"), own, e["path"]) \
+        if e.get("chat_template") else None
     if template is None and not getattr(tokenizer, "has_chat_template", False):
         raise ValueError(f"{e['path']}: type chat_template needs a tokenizer with a chat template: it has "
                          f"none; name one (chat_template: chatml, llama3, ...), or set tokenizer_config (or "

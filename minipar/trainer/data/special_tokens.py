@@ -39,6 +39,7 @@ from typing import List, Optional
 
 from minipar.trainer.data.chat_templates import choice_problem, resolve
 from minipar.trainer.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_path
+from models.hf_checkpoint import TOKENIZER_FILES
 from models.resize_vocab import VocabResize
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -106,7 +107,7 @@ def changes_tokenizer(settings) -> bool:
 def _overridden_copy(path: str, overrides: dict, directory: str) -> None:
     """The tokenizer files of `path` in `directory`, each added token of `overrides` renamed (its id
     kept) in tokenizer.json (added_tokens, the model's vocabulary) and tokenizer_config.json."""
-    for name in os.listdir(path):
+    for name in TOKENIZER_FILES + ("config.json",):   # the tokenizer's files only, never the weights
         if os.path.isfile(os.path.join(path, name)):
             shutil.copyfile(os.path.join(path, name), os.path.join(directory, name))
     want = {_id(k): v for k, v in overrides.items()}

@@ -121,6 +121,35 @@ def build_optimizer(model_or_params, lr: float, weight_decay: float = 0.0,
     return AdamW([group], lr=lr, betas=betas, eps=eps, weight_decay=0.0, **kwargs)
 
 
+# the optimizers a config may name (Axolotl's / the HF Trainer's `optimizer:`), and bitsandbytes' 8-bit
+# and paged AdamW (the HF Trainer's names), which are refused with the line to write instead
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+BNB_ADAMW = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "paged_adamw",
+             "ademamix_8bit", "paged_ademamix_8bit", "paged_ademamix_32bit", "lion_8bit", "paged_lion_8bit",
+             "paged_lion_32bit", "adamw_torch_8bit")
+
+
+def optimizer_problem(name: str) -> Optional[str]:
+    """Why `name` cannot be this run's optimizer (None: it can). bitsandbytes' optimizers keep
+    block-quantised states (an 8-bit code per element plus one scale per block of 2048) or paged
+    ones in CUDA unified memory; minipar's checkpoints cut every optimizer state like its parameter
+    to reload it on any layout (and ZeRO-3 steps flat shards whose blocks would straddle tensors),
+    which those states are not, so they are refused even where bitsandbytes and a GPU are present."""
+    if name in OPTIMIZERS:
+        return None
+    if name in BNB_ADAMW or any(w in str(name) for w in ("8bit", "paged", "bnb")):
+        import importlib.util
+        have = importlib.util.find_spec("bitsandbytes") is not None
+        why = ("bitsandbytes is installed, but its block-quantised / paged states cannot be resharded "
+               "with minipar's checkpoints" if have else
+               "they need bitsandbytes (not installed here) and a CUDA device, and minipar's checkpoints "
+               "cannot reshard their block-quantised / paged states")
+        return (f"optimizer {name!r} is not supported: {why}; write optimizer: adamw_torch_fused (torch's "
+                f"fused AdamW; Axolotl's default) or optimizer: adamw_torch, and for less optimizer memory "
+                f"shard it over more ranks (dp_shard_size: ZeRO-3 keeps 1/N of the states per rank)")
+    return f"optimizer {name!r} is not supported; supported: {list(OPTIMIZERS)}"
+
+
 # ------------------------------------------------------------------------ global-norm clipping
 _CHUNK = 1 << 22        # elements cast to fp64 at a time: 32 MiB of temporary, whatever the shard
 

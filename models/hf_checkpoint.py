@@ -39,12 +39,16 @@ Each says what to do: re-download or re-export the model. The one architecture c
 and class of a family minipar builds, its activation) is read_hf_config's, which the planner's --model uses
 too (Llama only there).
 
+A run that added tokens resizes the vocabulary (resize_vocab(): models/resize_vocab.py): check()
+then expects the file's rows, and source() gives embed_tokens / lm_head with the new rows.
+
 Tied embeddings: the model has one `model.embed_tokens.weight`; a checkpoint that also stores
 `lm_head.weight` loads (transformers ignores it too), as do stale `rotary_emb.inv_freq` buffers.
 The core imports this file without transformers: nothing here needs it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Dict, Optional, Tuple
@@ -57,6 +61,7 @@ from models.hf_config import FAMILIES, activation_problem
 from models.hf_names import fused_rows, hub_name, hub_shape_map, stacked_expert
 from models.hf_shards import INDEX, MAX_SHARD_BYTES, SINGLE, HeldBytes, ShardWriter, hub_items
 from models.llama_config import LlamaConfig
+from models.resize_vocab import VocabResize
 
 ARCHITECTURE = "LlamaForCausalLM"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -122,6 +127,7 @@ class HFCheckpoint:
     def __init__(self, directory: str):
         self.directory = directory
         self.config = read_config(directory)
+        self.vocab_resize: Optional[VocabResize] = None    # resize_vocab's, once a run adds tokens
         index_path, single = os.path.join(directory, INDEX), os.path.join(directory, SINGLE)
         if os.path.isfile(index_path):
             index = read_json(index_path, REFETCH)
@@ -158,10 +164,19 @@ class HFCheckpoint:
             total += n
         return total
 
+    def resize_vocab(self, resize: VocabResize) -> None:
+        """From now on the model has resize.new vocabulary rows (tokens a run added): config.vocab_size
+        follows, check() expects the file's resize.old rows, source() makes the new ones
+        (models/resize_vocab.py)."""
+        self.vocab_resize = resize
+        self.config = dataclasses.replace(self.config, vocab_size=resize.new)
+
     def check(self, model) -> None:
         """Refuse (ValueError) a checkpoint whose tensors are not exactly this model's parameters.
         `model` may be built on the meta device; its tp_full_shape are compared. Local, no collective."""
-        want = hub_shape_map(((n, tuple(p.tp_full_shape)) for n, p in model.named_parameters()),  # tied once
+        resize = self.vocab_resize
+        want = hub_shape_map(((n, resize.file_shape(n, tuple(p.tp_full_shape)) if resize else
+                               tuple(p.tp_full_shape)) for n, p in model.named_parameters()),   # tied once
                              self.config.model_type)
         where = f"base_model {self.directory!r}"
         missing = sorted(set(want) - set(self.tensors))
@@ -183,8 +198,10 @@ class HFCheckpoint:
                 raise ValueError(f"{where}: {n} is stored as {dtype}; only {', '.join(DTYPES)} load "
                                  f"(quantized checkpoints are not supported)")
 
-    def source(self, tp, device=None) -> "SlicedReader":
-        return SlicedReader(self, tp, device)
+    def source(self, tp, device=None):
+        """The weight source of this checkpoint: SlicedReader, its vocabulary resized if asked."""
+        reader = SlicedReader(self, tp, device)
+        return reader if self.vocab_resize is None else self.vocab_resize.wrap(reader, tp)
 
 
 class SlicedReader:

@@ -58,6 +58,7 @@ from .llama_config import LlamaConfig  # the shape, HF's config.json keys
 from .llama_init import SeededInit, local_from_source, materialize
 from .llama_layer import LayerSettings, LlamaDecoderLayer, RMSNorm  # one decoder layer: attention, MLP or MoE
 from .moe_aux import PipelineAux, add_aux_loss
+from .resize_vocab import VocabResize  # a vocabulary grown to a tokenizer's (tokens a run added)
 from .rope import rotary_tables
 from .tied_weights import tie_weights  # lm_head sharing the embedding's weight
 
@@ -254,10 +255,16 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str, pgm: Optional[ProcessGroupManager] = None,
-                        device=None) -> "LlamaForCausalLM":
+                        device=None, vocab_size: Optional[int] = None, mean_resizing: bool = False,
+                        seed: int = 0) -> "LlamaForCausalLM":
         """Load a Hugging Face directory (config.json + model.safetensors, or its sharded form):
-        built on the meta device, then each tensor read as this rank's TP slice only."""
+        built on the meta device, then each tensor read as this rank's TP slice only. `vocab_size`:
+        the vocabulary resized as a run that added tokens had it (models/resize_vocab.py: new rows
+        the mean, or N(0, initializer_range) drawn from `seed`)."""
         ckpt = HFCheckpoint(directory)
+        c = ckpt.config
+        if vocab_size is not None and vocab_size != c.vocab_size:
+            ckpt.resize_vocab(VocabResize(c.vocab_size, vocab_size, mean_resizing, c.initializer_range, seed))
         model = cls(ckpt.config, pgm, device="meta")
         ckpt.check(model)
         materialize(model, ckpt.source(model.pgm.tp, device or torch.device("cpu")))

@@ -8,7 +8,12 @@ An Axolotl LoRA run leaves what PEFT's `save_pretrained` writes, and `lora_model
         minipar  model.layers.0.self_attn.q_proj.lora.lora_A                 (r, in)
         PEFT     base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
 
-(the adapter name `default` is left out of the file, as PEFT saves it). No rank holds a full piece
+(the adapter name `default` is left out of the file, as PEFT saves it). A run that resized the
+vocabulary (tokens added: trainer/data/special_tokens.py) also stores the resized base tensors,
+`base_model.model.model.embed_tokens.weight` (and an untied `base_model.model.lm_head.weight`), as
+PEFT's save_embedding_layers does: PEFT loads them once the base is resized to the saved tokenizer
+(AutoPeftModelForCausalLM does that itself). Reading an adapter back skips them: a run rebuilds
+them from its base and its own tokens. No rank holds a full piece
 under tp: full_adapters() gathers the split ones over tp (column B along dim 0, row A along dim 1,
 adapter.py) and the stages' over pp: a one-off all-gather of the adapters' size. Reading back is
 local: every rank reads the file and keeps its slices (load_adapters), after check_adapter has
@@ -40,6 +45,11 @@ def peft_key(name: str) -> str:
     """minipar's adapter name -> PEFT's key in adapter_model.safetensors."""
     module, piece = name.split(OURS)
     return f"{PEFT_PREFIX}{module}.lora_{piece}.weight"
+
+
+def is_base_key(key: str) -> bool:
+    """A base weight stored beside the adapters (a resized embedding or lm_head), not an adapter."""
+    return key.startswith(PEFT_PREFIX) and ".lora_" not in key
 
 
 def minipar_name(key: str) -> str:
@@ -77,11 +87,15 @@ def adapter_config(r: int, alpha: float, dropout: float, targets: Iterable[str],
             "base_model_name_or_path": base_model}
 
 
-def save_adapter(directory: str, full: Dict[str, torch.Tensor], config: dict) -> str:
-    """Write the adapter directory (one process writes: the caller picks the rank)."""
+def save_adapter(directory: str, full: Dict[str, torch.Tensor], config: dict,
+                 base: Optional[Dict[str, torch.Tensor]] = None) -> str:
+    """Write the adapter directory (one process writes: the caller picks the rank); `base`: full
+    base tensors {HF name: tensor} stored beside them (a resized vocabulary's)."""
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, WEIGHTS_FILE + ".tmp")
-    save_file({peft_key(n): t.contiguous().float() for n, t in full.items()}, tmp, metadata={"format": "pt"})
+    tensors = {peft_key(n): t.contiguous().float() for n, t in full.items()}
+    tensors.update({PEFT_PREFIX + n: t.contiguous().float() for n, t in (base or {}).items()})
+    save_file(tensors, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(directory, WEIGHTS_FILE))
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(config, f, indent=2)
@@ -118,7 +132,7 @@ def read_adapter_config(directory: str) -> dict:
 def adapter_file_shapes(directory: str) -> Dict[str, tuple]:
     """{minipar name: shape} from the safetensors header, without reading the tensors."""
     with safe_open(os.path.join(directory, WEIGHTS_FILE), framework="pt") as f:
-        return {minipar_name(k): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        return {minipar_name(k): tuple(f.get_slice(k).get_shape()) for k in f.keys() if not is_base_key(k)}
 
 
 def check_adapter(directory: str, expected: Dict[str, tuple], r: int, alpha: float) -> List[str]:
@@ -158,6 +172,8 @@ def load_adapters(model, directory: str, tp) -> int:
     params = {n: p for n, p in model.named_parameters() if OURS in n}
     with safe_open(os.path.join(directory, WEIGHTS_FILE), framework="pt") as f:
         for key in f.keys():
+            if is_base_key(key):             # a resized vocabulary: the run rebuilds it from its base
+                continue
             name = minipar_name(key)
             if name in params:               # a pipeline stage holds its layers' adapters only
                 p = params[name]

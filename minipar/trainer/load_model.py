@@ -27,6 +27,7 @@ from minipar.lora import add_lora, check_targets, lora_targets
 from minipar.trainer.checkpoint import files as ck_files
 from minipar.trainer.checkpoint import save_load as ckpt
 from minipar.trainer.checkpoint.verify import read_manifest
+from minipar.trainer.data.special_tokens import changes_tokenizer, run_tokenizer
 from minipar.trainer.data.tokenizer import load_tokenizer
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
@@ -66,7 +67,9 @@ def load_model(path: str, pgm=None, tokenizer: Optional[str] = None):
     config, run = checkpoint_config(path)
     if run.get("adapter") == "lora":        # the adapters on their base (no second copy)
         base = run.get("base_model")
-        model = LlamaForCausalLM.from_pretrained(base, pgm) if base else \
+        model = LlamaForCausalLM.from_pretrained(base, pgm, vocab_size=config.vocab_size,
+                                                 mean_resizing=bool(run.get("mean_resizing_embeddings")),
+                                                 seed=run.get("seed", 0)) if base else \
             LlamaForCausalLM(config, pgm, seed=run.get("seed", 0))
         targets = check_targets(run.get("lora_target_modules"), run.get("lora_target_linear"),
                                 lora_targets(model))
@@ -74,8 +77,16 @@ def load_model(path: str, pgm=None, tokenizer: Optional[str] = None):
     else:
         model = LlamaForCausalLM(config, pgm)
     ckpt.load_checkpoint(path, model, None, model.pgm)      # resharded to this layout
+    return model.eval(), _run_tokenizer(run, tokenizer)
+
+
+def _run_tokenizer(run: dict, tokenizer: Optional[str]):
+    """`tokenizer`'s, else the one the run trained with: its tokenizer_config or base_model, with
+    the tokens and chat template it added (data/special_tokens.py), else the byte tokenizer."""
+    if not tokenizer and changes_tokenizer(run):
+        return run_tokenizer(run)
     tok = tokenizer or run.get("tokenizer_config") or run.get("base_model")
-    return model.eval(), load_tokenizer(tok if _has_tokenizer(tok) else None)
+    return load_tokenizer(tok if _has_tokenizer(tok) else None)
 
 
 def load_composed(path: str, pgm, tokenizer: Optional[str] = None, dtype: str = "float32"):
@@ -91,5 +102,4 @@ def load_composed(path: str, pgm, tokenizer: Optional[str] = None, dtype: str = 
                          f"python -m minipar.trainer.checkpoint.export {path} HF_DIR, and score HF_DIR")
     pm, _, step = prepare(config, pgm, dtype=dtype)
     ckpt.load_checkpoint(path, pm.model, None, pgm)
-    tok = tokenizer or run.get("tokenizer_config") or run.get("base_model")
-    return pm, step.step, load_tokenizer(tok if _has_tokenizer(tok) else None)
+    return pm, step.step, _run_tokenizer(run, tokenizer)

@@ -8,7 +8,8 @@ setup_run is these steps, in this order, each one function below:
                        unknown keys and types (values.py), then every value and data file at
                        once, all wrong ones in one error (check.py)               train_config.py
     2. _check_base_model  base_model's weight headers against its config.json  models/hf_checkpoint.py
-    3. _tokenizer      the tokenizer; a model from scratch takes its vocabulary    data/tokenizer.py
+    3. _tokenizer      the tokenizer, its added tokens and chat template; a model from scratch
+                       takes its vocabulary, a base model's is resized to it   data/special_tokens.py
     4. _layout         the sizes: the command line's, then accelerate's PARALLELISM_CONFIG_*_SIZE
                        variables for the sizes neither it nor the config file sets; without a
                        config file they replace the default layout; a world of one runs any config
@@ -54,10 +55,10 @@ from minipar.trainer.data import batches as mdata
 from minipar.trainer.data.packing import prepare as prepare_datasets
 from minipar.trainer.data.preference import prepare_pairs
 from minipar.trainer.data.prepared import load_or_prepare
+from minipar.trainer.data.special_tokens import model_token_ids, resize_base_vocab, run_tokenizer
 from minipar.trainer.data.tokenizer import (
     HFTokenizer,
     fill_special_token_ids,
-    load_tokenizer,
     padded_vocab_size,
     tokenizer_path,
 )
@@ -106,8 +107,8 @@ def setup_run(argv: List[str]) -> Run:
     # before the tokenizer is loaded from the same directory and before output_dir is created:
     # a damaged weight file is one line
     base = _check_base_model(cfg) if cfg.base_model else None                 # 2
-    tokenizer = _tokenizer(cfg, notes)                                        # 3
-    pconf = _layout(cfg, path, argv, default_config, notes)                   # 4
+    tokenizer = _tokenizer(cfg, notes, base)                                  # 3
+    pconf = _layout(cfg, path, argv, default_config, notes, base)             # 4
     num_micro = _batch(cfg, pconf)                                            # 5
     datasets, train_tokens, val_tokens = _data(cfg, tokenizer, notes)         # 6
     lock = _claim_output(cfg, notes)                                          # 7
@@ -123,10 +124,15 @@ def _check_base_model(cfg: TrainConfig):
     return ckpt
 
 
-def _tokenizer(cfg: TrainConfig, notes: list):
-    """The run's tokenizer; a model from scratch takes its vocabulary (padded so any tp up to 64
-    divides it), and the exported config.json its bos/eos/pad ids."""
-    tokenizer = load_tokenizer(tokenizer_path(cfg))
+def _tokenizer(cfg: TrainConfig, notes: list, base: Optional[HFCheckpoint] = None):
+    """The run's tokenizer, with the file's special_tokens, tokens and chat template
+    (data/special_tokens.py); a model from scratch takes its vocabulary (padded so any tp up to 64
+    divides it), a base model's embedding is resized to the tokens added (models/resize_vocab.py),
+    and the exported config.json takes the bos/eos/pad ids."""
+    tokenizer = run_tokenizer(cfg, notes)
+    if isinstance(tokenizer, HFTokenizer) and base is not None:
+        resize_base_vocab(cfg, tokenizer, base, notes)
+    model_token_ids(cfg.model, tokenizer, cfg.special_tokens)   # the file's bos/eos/pad win
     if isinstance(tokenizer, HFTokenizer) and not getattr(cfg, "base_model", None):
         vocab = padded_vocab_size(tokenizer.vocab_size)
         if cfg.model.vocab_size != vocab:
@@ -143,7 +149,7 @@ def _tokenizer(cfg: TrainConfig, notes: list):
 
 
 def _layout(cfg: TrainConfig, path: str, argv: List[str], default_config: bool,
-            notes: list) -> ParallelismConfig:
+            notes: list, base: Optional[HFCheckpoint] = None) -> ParallelismConfig:
     """The grid's config for this launch: the sizes given (command line, then accelerate's
     variables), cfg.parallelism() resolved against the world, checked against the model."""
     given = config_keys.size_keys(parse_overrides(argv)) & set(SIZE_KEYS)
@@ -170,6 +176,13 @@ def _layout(cfg: TrainConfig, path: str, argv: List[str], default_config: bool,
         resolved = pconf.resolve(world)
     except ValueError as err:
         raise ValueError(f"{err} ({_launch_hint(pconf, world, path, argv, default_config)})") from None
+    if base is not None and base.vocab_resize is not None and cfg.model.vocab_size % resolved.tp_size:
+        v = cfg.model.vocab_size
+        raise ValueError(f"the vocabulary resized for the added tokens ({v}) does not divide by tp_size "
+                         f"{resolved.tp_size} (the embedding is split in rows): set "
+                         f"resize_token_embeddings_to_32x: true (rounds it to {-(-v // 32) * 32}), add "
+                         f"tokens to reach a multiple of {resolved.tp_size}, or use a tp_size that "
+                         f"divides {v}")
     resolved.validate_model(cfg.model, cfg.sequence_len)
     if resolved.cp_size > 1 and resolved.cp_impl != "ring":   # Ulysses splits the heads of each tp rank
         problems = check_ulysses(cfg.model.num_attention_heads, cfg.model.num_key_value_heads,

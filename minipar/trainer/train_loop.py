@@ -173,7 +173,7 @@ class TrainLoop:
             t.save(cfg.max_steps)
         t.finish_saves()                          # async_save: the end waits for the last write
         if cfg.export_hf and t.lora:              # PEFT's adapter directory, and the merged model
-            for path in ckpt.export_lora(cfg, t.model, t.lora_targets):
+            for path in ckpt.export_lora(cfg, t.model, t.lora_targets, self.run.base_model):
                 if self.is_main:   # the tokenizer beside the adapter too: AutoTokenizer loads both dirs
                     save_tokenizer(self.run.tokenizer, path)
                 self.log(f"exported {'the LoRA adapter' if path == cfg.output_dir else 'the merged model'} "

@@ -16,7 +16,8 @@ base_model (or its seed), the adapters loaded, and the MERGED model written, W0 
 which transformers loads alone (what `merge_lora: true` writes at the end of a run).
 
 The tokenizer beside it: --tokenizer DIR copies that directory's tokenizer files; without it, the
-run's own (the checkpoint's saved config: tokenizer_config, else base_model), and for a byte-level
+run's own (the checkpoint's saved config: tokenizer_config, else base_model, with the special
+tokens, tokens and chat template the run added: trainer/data/special_tokens.py), and for a byte-level
 run (neither set) the byte tokenizer that `AutoTokenizer.from_pretrained(hf_dir)` loads
 (tokenizer.py: save_byte_tokenizer).
 """
@@ -29,6 +30,7 @@ from minipar.lora import add_lora, check_targets, lora_targets, merge
 from minipar.trainer.checkpoint import files as ck_files
 from minipar.trainer.checkpoint import save_load as ckpt
 from minipar.trainer.checkpoint.verify import read_manifest
+from minipar.trainer.data.special_tokens import changes_tokenizer, run_tokenizer
 from minipar.trainer.data.tokenizer import save_byte_tokenizer
 from models.hf_checkpoint import save_pretrained
 from models.hf_shards import MAX_SHARD_BYTES
@@ -39,8 +41,10 @@ from models.llama_config import LlamaConfig
 def _lora_base(run: dict, config: LlamaConfig):
     """The frozen base a LoRA checkpoint was trained on (it holds the adapters only): base_model's
     weights, or the run's seeded initialisation; with the run's adapters added, still at their init."""
-    if run.get("base_model"):
-        model = LlamaForCausalLM.from_pretrained(run["base_model"])
+    if run.get("base_model"):                  # its vocabulary resized as the run's (tokens it added)
+        model = LlamaForCausalLM.from_pretrained(run["base_model"], vocab_size=config.vocab_size,
+                                                 mean_resizing=bool(run.get("mean_resizing_embeddings")),
+                                                 seed=run.get("seed", 0))
     else:
         model = LlamaForCausalLM(config, seed=run["seed"])
     targets = check_targets(run.get("lora_target_modules"), run.get("lora_target_linear"),
@@ -70,6 +74,9 @@ def export_checkpoint(checkpoint_dir: str, hf_dir: str, tokenizer: str = None,
     else:
         save_pretrained(model, hf_dir, max_shard_bytes=max_shard_bytes)
     saved = (extra or {}).get("config") or {}   # the run's config, as train.py saved it
+    if not tokenizer and changes_tokenizer(saved):   # the tokens and chat template the run added
+        run_tokenizer(saved).save_pretrained(hf_dir)
+        return hf_dir
     tokenizer = tokenizer or saved.get("tokenizer_config") or saved.get("base_model")
     if tokenizer:                                # e.g. the base_model the run fine-tuned
         ckpt.copy_tokenizer(tokenizer, hf_dir)

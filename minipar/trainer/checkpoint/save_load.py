@@ -60,6 +60,7 @@ from minipar.trainer.checkpoint.layout import (
 )
 from models.hf_checkpoint import TOKENIZER_FILES, save_pretrained
 from models.hf_shards import MAX_SHARD_BYTES
+from models.resize_vocab import VOCAB_PARAMS
 
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 TRAINER_STATE, FULL_MODEL, FULL_OPTIM = "trainer_state.pt", "model.safetensors", "optimizer.pt"
@@ -255,16 +256,19 @@ def copy_tokenizer(src: str, directory: str) -> list:
     return copied
 
 
-def export_lora(cfg, model, targets) -> list:
+def export_lora(cfg, model, targets, base=None) -> list:
     """A LoRA run's output, as Axolotl leaves it: PEFT's adapter directory in output_dir
     (adapter_config.json, adapter_model.safetensors), and with merge_lora <output_dir>/merged, the
     plain model W0 + (alpha / r) B A. Collective (gathers over tp, pp, and the ZeRO-3 shards for the
-    merge); returns the directories written."""
+    merge); returns the directories written. `base`: the run's HFCheckpoint; a vocabulary it resized
+    goes into the adapter file too (peft_format.py), read by rank 0 from the base, since the frozen
+    rows are exactly what every rank loaded."""
     pgm = model.pgm
     adapters = full_adapters(model, pgm)
     if pgm.global_rank == 0:
         save_adapter(cfg.output_dir, adapters, adapter_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
-                                                              targets, cfg.base_model))
+                                                              targets, cfg.base_model),
+                     base=resized_vocab(base, pgm.tp))
     cio.agree(False, pgm, _device(model))
     if not cfg.merge_lora:
         return [cfg.output_dir]
@@ -272,6 +276,16 @@ def export_lora(cfg, model, targets) -> list:
     export_hf(merged_dir, model, full=merged_items(model.full_state_items(), adapters,
                                                    cfg.lora_alpha / cfg.lora_r))
     return [cfg.output_dir, merged_dir]
+
+
+def resized_vocab(base, tp) -> Optional[dict]:
+    """{HF name: full tensor} of the vocabulary tensors a base checkpoint resized (embed_tokens, an
+    untied lm_head), as its weight source gives them; None when nothing was resized."""
+    if base is None or getattr(base, "vocab_resize", None) is None:
+        return None
+    source, c = base.source(tp, "cpu"), base.config
+    names = VOCAB_PARAMS if not c.tie_word_embeddings else VOCAB_PARAMS[:1]
+    return {n: source.tp_local(n, (c.vocab_size, c.hidden_size), None) for n in names}
 
 
 def merged_items(items, adapters: dict, scaling: float):

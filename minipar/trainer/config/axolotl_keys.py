@@ -52,12 +52,25 @@ KEYS = {
                                       "replaces `datasets`, as in Axolotl"),
     "pad_to_sequence_len": (NOTED, "minipar's batches are always sequence_len long (padded or packed)"),
     "eval_sample_packing": (NOTED, "evaluation rows are prepared as the training rows (sample_packing)"),
-    "special_tokens": (NOTED, "not applied yet: minipar uses the tokenizer's own special tokens (adding "
-                              "tokens and resizing the embedding is issue 41's dataset work)"),
-    "chat_template": (HONOURED, "tokenizer_default (the tokenizer's own template) only; a named template "
-                                "is refused"),
-    "model_type": (NOTED, "the model class comes from base_model's config.json (architectures)"),
-    "tokenizer_type": (NOTED, "the tokenizer is loaded with AutoTokenizer from tokenizer_config/base_model"),
+    "special_tokens": (HONOURED, "bos/eos/pad/unk_token and additional_special_tokens added to the "
+                                 "tokenizer, the base's embedding (and untied lm_head) resized when it "
+                                 "has fewer rows, the model config's ids set "
+                                 "(minipar/trainer/data/special_tokens.py)"),
+    "tokens": (HONOURED, "added to the tokenizer, the embedding resized as for special_tokens"),
+    "added_tokens_overrides": (HONOURED, "{id: text}: the tokenizer's added tokens renamed, ids kept"),
+    "resize_token_embeddings_to_32x": (HONOURED, "a resized vocabulary rounded up to a multiple of 32"),
+    "mean_resizing_embeddings": (HONOURED, "true: new rows the mean of the old ones; false (Axolotl's "
+                                           "default): N(0, initializer_range) (models/resize_vocab.py)"),
+    "shrink_embeddings": (HONOURED, "a base vocabulary larger than the tokenizer cut to it"),
+    "chat_template": (HONOURED, "tokenizer_default, tokenizer_default_fallback_<name>, jinja "
+                                "(chat_template_jinja), or a name: chatml, qwen_25, llama3, mistral_v1, "
+                                "mistral_v2v3, mistral_v3_tekken, gemma, gemma3, phi_3, phi_35, phi_4, "
+                                "alpaca (minipar/trainer/data/chat_templates.py); saved with the tokenizer"),
+    "chat_template_jinja": (HONOURED, "the template of chat_template: jinja (a Jinja string or a file)"),
+    "model_type": (HONOURED, "checked against base_model's config.json architectures (AutoModelForCausalLM "
+                             "or the family's class); a mismatch is refused (models/hf_classes.py)"),
+    "tokenizer_type": (HONOURED, "checked against the tokenizer's class (AutoTokenizer, the family's "
+                                 "tokenizer, its Fast form); a mismatch is refused"),
     "is_llama_derived_model": (NOTED, "the family comes from base_model's config.json"),
     # precision and the runtime
     "tf32": (NOTED, "minipar computes in `dtype` (float32 or bfloat16) and does not switch TF32 matmuls "
@@ -193,11 +206,6 @@ def fold(data: dict, notes: List[str], problems: List[str]) -> dict:
             data["min_lr_ratio"] = value
     if data.pop("auto_resume_from_checkpoints", None) and data.get("resume_from_checkpoint") is None:
         data["resume_from_checkpoint"] = "latest"
-    template = data.pop("chat_template", None)
-    if template not in (None, "tokenizer_default"):
-        problems.append(f"chat_template: {template} is not available here: minipar renders chat rows with "
-                        f"the tokenizer's own template; use chat_template: tokenizer_default with a "
-                        f"tokenizer that carries the {template} template")
     for key in [k for k in data if k in FOREIGN]:
         value = data.pop(key)
         if not _empty(value):

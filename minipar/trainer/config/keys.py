@@ -51,11 +51,11 @@ from typing import List
 
 from minipar import cuda_env
 from minipar.lr_schedule import SCHEDULES
+from minipar.optim import optimizer_problem
 from minipar.trainer.config.axolotl_keys import fold
 from minipar.trainer.config.rl_keys import RL_NAMES, rl_problems, translate_rl
 
 LR_SCHEDULERS = tuple(SCHEDULES)
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 FSDP_VERSIONS = (1, 2)
 FSDP_LIST_ITEMS = ("full_shard", "auto_wrap")
 # fsdp_config key (without the fsdp_ prefix) -> key of minipar's fsdp mapping
@@ -203,11 +203,9 @@ def resolve(cfg, given, notes: List[str], problems: List[str]) -> None:
         problems.append(f"lr_scheduler {cfg.lr_scheduler!r} is not supported; "
                         f"supported: {list(LR_SCHEDULERS)} (minipar/optim.py: warmup over warmup_steps, "
                         f"then cosine or linear down to min_lr_ratio x learning_rate, or constant)")
-    if cfg.optimizer not in OPTIMIZERS:
-        hint = (" (8-bit and paged optimizers need bitsandbytes' GPU kernels, which minipar does not "
-                "use: write optimizer: adamw_torch_fused)"
-                if any(w in str(cfg.optimizer) for w in ("8bit", "paged", "bnb")) else "")
-        problems.append(f"optimizer {cfg.optimizer!r} is not supported; supported: {list(OPTIMIZERS)}{hint}")
+    problem = optimizer_problem(cfg.optimizer)       # 8-bit and paged ones: why, and what to write
+    if problem:
+        problems.append(problem)
     if cfg.fsdp_version is not None and cfg.fsdp_version not in FSDP_VERSIONS:
         problems.append(f"fsdp_version {cfg.fsdp_version!r} is not supported; "
                         f"supported: {list(FSDP_VERSIONS)} "

@@ -36,7 +36,9 @@ from minipar.trainer.config.check import check
 
 # typed values and the applying of a mapping, with one error for every unknown key (values.py)
 from minipar.trainer.config.values import _apply, unknown_keys_error
+from minipar.trainer.data.special_tokens import key_problems as tokenizer_key_problems
 from models.hf_checkpoint import read_config
+from models.hf_classes import class_problems
 from models.llama_config import LlamaConfig
 
 # the checkout's root (minipar/trainer/ is two levels below it): configs/ and data/ live there
@@ -63,6 +65,19 @@ class TrainConfig:
     val_fraction: float = 0.05
     # fine-tuning data, Axolotl's keys (trainer/datasets.py, packing.py); `datasets` replaces `dataset`
     tokenizer_config: Optional[str] = None   # a HF tokenizer directory; default base_model, else bytes
+    # Axolotl's tokenizer keys (data/special_tokens.py, data/chat_templates.py, models/resize_vocab.py):
+    # tokens added and the base's embedding resized for them; the chat template by name
+    special_tokens: Optional[dict] = None     # {bos_token, eos_token, pad_token, unk_token: text}
+    tokens: Optional[List[str]] = None        # plain tokens added
+    added_tokens_overrides: Optional[dict] = None   # {id: text}: added tokens renamed
+    resize_token_embeddings_to_32x: bool = False
+    mean_resizing_embeddings: bool = False    # new rows: the old rows' mean, else N(0, initializer_range)
+    shrink_embeddings: bool = False
+    chat_template: Optional[str] = None       # tokenizer_default | chatml | llama3 | ... | jinja
+    chat_template_jinja: Optional[str] = None
+    # checked against base_model's config.json (models/hf_classes.py)
+    model_type: Optional[str] = None          # AutoModelForCausalLM, LlamaForCausalLM, ...
+    tokenizer_type: Optional[str] = None      # AutoTokenizer, LlamaTokenizerFast, ...
     datasets: List[dict] = field(default_factory=list)   # [{path, type: completion | chat_template, field}]
     train_on_inputs: bool = False         # false: labels only on assistant turns of chat rows
     sample_packing: bool = False          # whole examples packed into sequence_len, attention kept apart
@@ -305,6 +320,7 @@ def load_config(path: Optional[str] = None, argv: Optional[List[str]] = None,
         except (ValueError, OSError) as err:    # said with the file's other problems
             problems.append(err)
     cfg.model.moe_capacity_factor = cfg.moe_capacity_factor   # a training option, not config.json's
+    problems.extend(tokenizer_key_problems(cfg, notes) + class_problems(cfg, notes))   # tokens, model_type
     root = REPO_ROOT
     if not os.path.isabs(cfg.dataset) and not os.path.exists(cfg.dataset) \
             and os.path.exists(os.path.join(root, cfg.dataset)):

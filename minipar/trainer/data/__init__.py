@@ -5,6 +5,9 @@ rank computes. In reading order:
                      the dp / cp split of a global batch, num_items_in_batch
     tokenizer.py     the model's tokenizer (tokenizer_config, AutoTokenizer) or the bundled bytes;
                      the byte tokenizer exported beside a byte-level model
+    special_tokens.py  Axolotl's special_tokens, tokens, added_tokens_overrides applied; the size
+                     the base's embedding is resized to
+    chat_templates.py  chat_template by name (chatml, llama3, ...), tokenizer_default, jinja
     datasets.py      Axolotl `datasets` entries -> ids and labels, several mixed
     sources.py       where the rows come from: jsonl/txt read here; JSON arrays, parquet, arrow,
                      csv, save_to_disk folders through Hugging Face `datasets`

@@ -16,9 +16,12 @@ Axolotl's masking rules (axolotl/prompt_strategies/chat_template.py, ChatTemplat
 A row's `system` field becomes a system turn first when the conversation does not start with one.
 
 How a turn is found. The conversation is rendered one message longer at a time; the text each
-message adds (the template must only append, as chat templates do) is that turn, and its content
-is located in it. The whole rendering is tokenized once (a fast tokenizer's character offsets); a
-token is in a turn's content when its first character is. The turn's eos is the first eos token at
+message adds (the template must only append, as chat templates do, or close the conversation with
+a text it writes after the last turn only, as Phi-3's eos) is that turn, and its content is located
+in it (verbatim, or trimmed where the template trims); a turn the template writes inside the next
+one (a system turn joined to the first user turn) is located in the next turn's text. The whole
+rendering is tokenized once (a fast tokenizer's character offsets); a token is in a turn's content
+when its first character is. The turn's eos is the first eos token at
 most 3 tokens after the content's last token (Axolotl's tolerance for template padding). Since
 minipar has no eot_tokens key, the end-of-turn token is the eos (Axolotl's default), and train_on_eot,
 when set, must equal train_on_eos (Axolotl raises the same conflict).
@@ -85,30 +88,72 @@ def conversation(row, spec: dict, where: str) -> List[dict]:
     return turns
 
 
-def content_spans(turns, tokenizer, where: str) -> Tuple[str, List[Tuple[int, int]]]:
-    """The rendered conversation and each turn's content as a character span of it."""
-    prev, spans = "", []
-    for j, m in enumerate(turns):
-        cur = tokenizer.render_chat(turns[: j + 1])
-        if not cur.startswith(prev):
+def _render(tokenizer, turns, template, where: str) -> str:
+    try:
+        # (a tokenizer's own template: the one-argument call every tokenizer here answers)
+        return tokenizer.render_chat(turns) if template is None else tokenizer.render_chat(turns, template)
+    except ValueError as err:                    # the template's raise_exception (roles, system turns)
+        raise ValueError(f"{where}: {err}") from None
+
+
+def _kept(prev: str, cur: str) -> Optional[int]:
+    """How much of the last rendering the next one keeps: all of it (a template that only appends),
+    or all but a closing text that the template writes after the last turn only (Phi-3's eos when
+    no generation prompt follows): the shortest common tail whose removal leaves a prefix of `cur`.
+    None: the template rewrites an earlier turn."""
+    if cur.startswith(prev):
+        return len(prev)
+    n = 0
+    while n < min(len(prev), len(cur)) and prev[-1 - n] == cur[-1 - n]:
+        n += 1
+    return next((len(prev) - k for k in range(1, n + 1) if cur.startswith(prev[:-k])), None)
+
+
+def _find(text: str, content: str, start: int) -> Tuple[int, int]:
+    """(a, b) of `content` in text[start:], verbatim or as the template's `trim` leaves it; (-1, -1)."""
+    for c in (content, content.strip()):
+        pos = text.find(c, start) if c else start
+        if pos >= 0:
+            return pos, pos + len(c)
+    return -1, -1
+
+
+def content_spans(turns, tokenizer, where: str, template: Optional[str] = None
+                  ) -> Tuple[str, List[Tuple[int, int]]]:
+    """The rendered conversation and each turn's content as a character span of it. A turn's
+    content is looked for in the text its message adds; a turn the template writes later (a system
+    turn that Mistral v1 and Gemma 3 put inside the first user turn) is looked for, in order, in
+    the next text added."""
+    prev, spans, waiting = "", [None] * len(turns), []
+    for j in range(len(turns)):
+        cur = _render(tokenizer, turns[: j + 1], template, where)
+        keep = _kept(prev, cur)
+        if keep is None or any(s is not None and s[1] > keep for s in spans):
             raise ValueError(f"{where}: the chat template rewrites earlier turns when a message is added, so "
                              f"the turns cannot be located; use a template that only appends")
-        pos = cur.find(m["content"], len(prev)) if m["content"] else len(cur)
-        if pos < 0:
-            raise ValueError(f"{where}: the chat template does not render message {j}'s content verbatim")
-        spans.append((pos, pos + len(m["content"])))
+        pos, waiting = keep, waiting + [j]
+        for k in list(waiting):
+            a, b = _find(cur, turns[k]["content"], pos)
+            if a < 0:
+                break                            # looked for again in the next message's text
+            spans[k], pos = (a, b), b
+            waiting.remove(k)
         prev = cur
+    if waiting:
+        raise ValueError(f"{where}: the chat template does not render message {waiting[0]}'s content "
+                         f"verbatim")
     return prev, spans
 
 
 def chat_example(messages, tokenizer, train_on_inputs: bool, where: str,
                  roles_to_train: Sequence[str] = ("assistant",),
-                 train_on_eos: str = "turn") -> Tuple[List[int], List[int]]:
-    """ids and shifted labels of a conversation of {role, content} turns (already mapped)."""
+                 train_on_eos: str = "turn", template: Optional[str] = None) -> Tuple[List[int], List[int]]:
+    """ids and shifted labels of a conversation of {role, content} turns (already mapped), rendered
+    with `template` (a Jinja string; None: the tokenizer's own, chat_templates.py)."""
     spec = dict(field_messages="messages", message_property_mappings=dict(role="role", content="content"),
                 roles=role_map(None))
     turns = conversation({"messages": messages}, spec, where)
-    text, spans = content_spans(turns, tokenizer, where)
+    text, spans = content_spans(turns, tokenizer, where, template)
     ids, offsets = tokenizer.encode_with_offsets(text)
     trained = [False] * len(ids)
     eos_id, last_eos = getattr(tokenizer, "eos_token_id", None), -1
@@ -136,7 +181,7 @@ def chat_example(messages, tokenizer, train_on_inputs: bool, where: str,
 def chat_row(row, spec: dict, tokenizer, train_on_inputs: bool, where: str) -> Tuple[List[int], List[int]]:
     turns = conversation(row, spec, where)
     return chat_example(turns, tokenizer, train_on_inputs, where, spec["roles_to_train"],
-                        spec["train_on_eos"])
+                        spec["train_on_eos"], spec.get("template"))
 
 
 # ------------------------------------------------------------------ for preference.py (DPO rows)
@@ -151,7 +196,7 @@ def chat_spans(messages, tokenizer, where: str) -> Tuple[str, List[Tuple[int, in
     content's start to after the turn's eos text (or the turn's end)."""
     text, spans = content_spans(messages, tokenizer, where)
     out, eos = [], getattr(tokenizer, "eos_token", None)
-    ends = [len(tokenizer.render_chat(messages[: j + 1])) for j in range(len(messages))]
+    ends = [len(_render(tokenizer, messages[: j + 1], None, where)) for j in range(len(messages))]
     for m, (a, b), end in zip(messages, spans, ends):
         if m["role"] == "assistant":
             k = text.find(eos, b, end) if eos else -1

@@ -45,13 +45,14 @@ import torch
 
 from minipar.batch_split import IGNORE_INDEX
 from minipar.trainer.data.chat_format import TRAIN_ON_EOS, chat_row, role_map
+from minipar.trainer.data.chat_templates import choice_problem, jinja_text, resolve
 from minipar.trainer.data.formats import ALPACA_STYLES, alpaca_row, completion_row, input_output_row
 from minipar.trainer.data.sources import SOURCE_KEYS, entry_rows
 
 TYPES = ("completion", "chat_template", "sharegpt", "alpaca", "input_output", "pretrain")
 CHAT_KEYS = ("field_messages", "message_property_mappings", "message_field_role", "message_field_content",
              "roles", "roles_to_train", "train_on_eos", "train_on_eot", "field_system", "drop_system_message",
-             "chat_template")
+             "chat_template", "chat_template_jinja")
 ENTRY_KEYS = set(SOURCE_KEYS) | set(CHAT_KEYS) | {"type", "field", "text_column"}
 
 
@@ -101,17 +102,19 @@ def _chat_settings(e: dict, kind: str, where: str) -> dict:
         raise ValueError(f"{where}: train_on_eos {eos!r} / train_on_eot {e.get('train_on_eot')!r}: "
                          f"use one of "
                          f"{TRAIN_ON_EOS}, and the same for both (the end-of-turn token is the eos here)")
-    template = e.get("chat_template")
-    if template not in (None, "tokenizer_default"):
-        raise ValueError(f"{where}: chat_template {template!r} is not available here: chat rows are rendered "
-                         f"with the tokenizer's own template (tokenizer_default)")
+    template, jinja = e.get("chat_template"), e.get("chat_template_jinja")
+    problem = choice_problem(template, jinja)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
     to_train = e.get("roles_to_train")
     to_train = ["assistant"] if to_train is None else list(to_train)
     return dict(field_messages=e.get("field_messages") or ("conversations" if legacy else "messages"),
                 message_property_mappings={k: mapping[k] for k in ("role", "content")}, roles=roles,
                 roles_to_train=[roles.get(r, r) for r in to_train], train_on_eos=eos,
                 field_system=e.get("field_system") or "system",
-                drop_system_message=bool(e.get("drop_system_message")))
+                drop_system_message=bool(e.get("drop_system_message")),
+                **({"chat_template": template} if template else {}),
+                **({"chat_template_jinja": jinja_text(jinja)} if jinja else {}))
 
 
 def check_entries(entries, where: str = "datasets") -> List[dict]:
@@ -160,6 +163,23 @@ def _example(e: dict, row, tokenizer, train_on_inputs: bool, where: str) -> Tupl
     return chat_row(row, e, tokenizer, train_on_inputs, where)
 
 
+def _chat_entry(e: dict, tokenizer) -> dict:
+    """A chat entry with the template its rows are rendered by: the entry's own chat_template
+    (chat_templates.py), else the tokenizer's (the run's chat_template, or the tokenizer's own)."""
+    if not hasattr(tokenizer, "render_chat"):
+        raise ValueError(f"{e['path']}: type chat_template needs a tokenizer with a chat template (a "
+                         f"Hugging Face tokenizer); set tokenizer_config (or base_model) to a tokenizer "
+                         f"directory")
+    own = getattr(tokenizer, "chat_template", None)
+    template = resolve(e.get("chat_template"), e.get("chat_template_jinja"), own, e["path"]) \
+        if e.get("chat_template") else None
+    if template is None and not getattr(tokenizer, "has_chat_template", False):
+        raise ValueError(f"{e['path']}: type chat_template needs a tokenizer with a chat template: it has "
+                         f"none; name one (chat_template: chatml, llama3, ...), or set tokenizer_config (or "
+                         f"base_model) to a tokenizer directory that has one")
+    return dict(e, template=template)
+
+
 def load_examples(entries: List[dict], tokenizer, sequence_len: int, train_on_inputs: bool = False,
                   sample_packing: bool = False, progress: bool = False) -> Examples:
     """Read and tokenize every entry of `datasets` (checked by check_entries), in order.
@@ -170,9 +190,8 @@ def load_examples(entries: List[dict], tokenizer, sequence_len: int, train_on_in
     is left out, and counted in `notes`."""
     tokens, labels, lengths, sources, untrained, cut = [], [], [], [], 0, 0
     for e in entries:
-        if e["type"] == "chat_template" and not getattr(tokenizer, "has_chat_template", False):
-            raise ValueError(f"{e['path']}: type chat_template needs a tokenizer with a chat template; set "
-                             f"tokenizer_config (or base_model) to a tokenizer directory that has one")
+        if e["type"] == "chat_template":
+            e = _chat_entry(e, tokenizer)
         rows = entry_rows(e)
         if progress:
             from tqdm import tqdm

@@ -15,13 +15,14 @@ that determines it, and a later start with the same inputs loads it in seconds:
                                         data.pt, the run's data notes. No meta.json = not complete
 
 The key is the sha256 of cache_inputs(): the format version; the source of the data modules
-(datasets.py, sources.py, formats.py, chat_format.py, packing.py, tokenizer.py, batches.py: a fix to
-tokenization must not load old rows); every `datasets` entry's settings (type, field, the chat keys,
-split, ...) with the sha256 of each file it reads, not its path (every byte, on every rank: about a
-second per GB, against minutes of tokenizing; the same data under another path or output_dir is
-the same key); the tokenizer (the
-bytes of its tokenizer files and the transformers / tokenizers versions; the class name for the
-byte tokenizer); train_on_inputs, sequence_len, sample_packing, val_set_size and seed (which draws
+(datasets.py, sources.py, formats.py, chat_format.py, packing.py, tokenizer.py, batches.py,
+chat_templates.py, special_tokens.py: a fix to tokenization must not load old rows); every
+`datasets` entry's settings (type, field, the chat keys, split, ...) with the sha256 of each file it
+reads, not its path (every byte, on every rank: about a second per GB, against minutes of
+tokenizing; the same data under another path or output_dir is the same key); the tokenizer (the
+bytes of its tokenizer files, the tokens and chat template the run added, and the transformers /
+tokenizers versions; the class name for the byte tokenizer); train_on_inputs, sequence_len,
+sample_packing, val_set_size and seed (which draws
 both the validation split and the packing order). The model, batch sizes and layout do not change
 the rows and are not in it. Axolotl's key (md5 of the entries' names, the tokenizer's name and a
 few settings) reads no file, so an edited data file or tokenizer loads the old rows there; here
@@ -71,7 +72,7 @@ from minipar.trainer.run_lock import process_alive
 
 FORMAT_VERSION = 2
 CODE_FILES = ("datasets.py", "sources.py", "formats.py", "chat_format.py", "packing.py", "tokenizer.py",
-              "batches.py")   # what decides the rows
+              "batches.py", "chat_templates.py", "special_tokens.py")   # what decides the rows
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 ROW_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
@@ -108,7 +109,7 @@ def tokenizer_inputs(tokenizer) -> dict:
     files = {name: sha256_file(os.path.join(source, name)) for name in TOKENIZER_FILES
              if os.path.isfile(os.path.join(source, name))}
     return dict(kind=type(tokenizer.tok).__name__, files=files, transformers=transformers.__version__,
-                tokenizers=tokenizers.__version__)
+                tokenizers=tokenizers.__version__, changes=getattr(tokenizer, "changes", {}))
 
 
 def cache_inputs(cfg, tokenizer) -> dict:

@@ -15,6 +15,10 @@ What a run takes from a Hugging Face tokenizer, and where it goes:
     (all three special ids)    the model config's bos/eos/pad_token_id where it has none, so the
                                exported config.json carries them (fill_special_token_ids)
 
+A run's Axolotl keys change the loaded tokenizer before any row is tokenized: special_tokens,
+tokens and added_tokens_overrides add or rename tokens, chat_template names its template
+(special_tokens.py, chat_templates.py); HFTokenizer.changes records them for the prepared data's key.
+
 transformers is imported here only, and only when a tokenizer directory is named, so the core
 package still imports with torch alone. Both tokenizers answer the same small interface:
 vocab_size, bos_token_id, eos_token_id, pad_token_id, encode(text) and decode(ids).
@@ -44,14 +48,33 @@ VOCAB_MULTIPLE = 64
 class HFTokenizer:
     """A transformers tokenizer seen through the small interface the data pipeline uses."""
 
-    def __init__(self, tok, source: str):
+    def __init__(self, tok, source: str, changes: Optional[dict] = None):
         self.tok, self.source = tok, source
         self.vocab_size = len(tok)
         self.bos_token_id, self.eos_token_id = tok.bos_token_id, tok.eos_token_id
         self.eos_token = tok.eos_token       # its text: where an assistant turn's training ends
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = 0 if pad is None else pad
-        self.has_chat_template = bool(getattr(tok, "chat_template", None))
+        # what the run changed in it (special_tokens.py, chat_templates.py): the prepared data's key
+        self.changes: dict = changes if changes is not None else {}
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        template = getattr(self.tok, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def set_chat_template(self, template: str) -> None:
+        """The run's named template becomes the tokenizer's own: rendered, then saved with it."""
+        self.tok.chat_template = template
+        self.changes["chat_template"] = template
+
+    def refresh(self) -> None:
+        """Read the special tokens and the vocabulary again after tokens were added."""
+        self.__init__(self.tok, self.source, self.changes)
 
     def encode(self, text: str) -> List[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -64,8 +87,15 @@ class HFTokenizer:
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
-    def render_chat(self, messages: list) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    def render_chat(self, messages: list, template: Optional[str] = None) -> str:
+        """The conversation as text, by `template` (None: the tokenizer's own); a template's
+        raise_exception (roles that do not alternate, a system turn it has none for) a ValueError."""
+        from jinja2 import TemplateError
+        try:
+            return self.tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                add_generation_prompt=False)
+        except TemplateError as err:
+            raise ValueError(f"the chat template refuses the conversation: {err}") from None
 
     def save_pretrained(self, directory: str) -> None:
         self.tok.save_pretrained(directory)

@@ -1,5 +1,6 @@
 """DPO (minipar/dpo/objective.py, minipar/dpo_step.py): ln 2 at step 0, the loss and every gradient
-equal to the formula computed by a plain fp64 model, and every layout equal to one process."""
+equal to the formula computed by a plain fp64 model, and every layout equal to one process, an MoE
+with ep 2 (its load-balancing loss in the objective) among them."""
 from __future__ import annotations
 
 import math
@@ -14,6 +15,11 @@ from tests.harness import run_world
 
 CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2)
+# a Qwen3-MoE of the same size: layer 0 dense, layer 1 4 experts top-2, the aux loss on (its
+# coefficient large enough that a lost or doubled term of it shows)
+MOE = dict(CFG, model_type="qwen3_moe", decoder_sparse_step=2, num_local_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, router_aux_loss_coef=0.05)
+MODELS = {"dense": CFG, "moe": MOE}
 P, T = 4, 16            # pairs per global batch, tokens per row
 
 
@@ -32,19 +38,20 @@ def pairs(step: int):
     return pair_rows(ids[0, :, :-1], ids[1, :, :-1]), pair_rows(labels[0], labels[1])
 
 
-def _prepare(sizes, lora: bool, micro: int = 1, **kw):
+def _prepare(sizes, lora: bool, micro: int = 1, config=None, **kw):
     from minipar.api import prepare
     pgm = minipar.init(ParallelismConfig(**sizes))
     recipe = dict(lora=LoRA(r=4, alpha=8.0)) if lora else {}
-    model, opt, step = prepare(dict(CFG), pgm, learning_rate=kw.pop("lr", 1e-2), micro_batches=micro,
-                               max_grad_norm=kw.pop("clip", 1.0), **recipe, **kw)
+    model, opt, step = prepare(dict(config or CFG), pgm, learning_rate=kw.pop("lr", 1e-2),
+                               micro_batches=micro, max_grad_norm=kw.pop("clip", 1.0), **recipe, **kw)
     return model, step.step
 
 
-def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None):
-    """Per step (loss, margins, accuracy) of a few DPO steps on `sizes`."""
+def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None, config=None):
+    """Per step (loss, margins, accuracy, logps/chosen, rewards/chosen, an MoE's aux loss) of a few
+    DPO steps on `sizes`."""
     from minipar.dpo_step import DPOStep
-    model, step = _prepare(sizes, lora, micro, **(settings or {}))
+    model, step = _prepare(sizes, lora, micro, config, **(settings or {}))
     dpo = DPOStep(step, beta=0.5, loss_type=loss_type, reference="lora" if lora else "precomputed")
     # two batches in turn: a pair seen again must have gained (random tokens do not generalise)
     refs = None if lora else [dpo.precompute_reference(*pairs(s)) for s in range(2)]
@@ -53,7 +60,8 @@ def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None):
         r = dpo(*pairs(s % 2), ref_logps=None if lora else refs[s % 2])
         m = r["metrics"]
         out.append([float(r["loss"]), float(m["rewards/margins"]), float(m["rewards/accuracies"]),
-                    float(m["logps/chosen"]), float(m["rewards/chosen"])])
+                    float(m["logps/chosen"]), float(m["rewards/chosen"]),
+                    float(r["moe"].get("moe_aux_loss", 0.0))])
     return out
 
 
@@ -61,25 +69,37 @@ def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None):
 _ONE = {}
 
 
-def _both(sizes, steps, micro, settings):
-    return [_run(sizes, lora, steps, micro=micro, settings=settings) for lora in (True, False)]
+def _both(sizes, steps, micro, settings, model="dense"):
+    return [_run(sizes, lora, steps, micro=micro, settings=settings, config=MODELS[model])
+            for lora in (True, False)]
 
 
-def one_process(steps):
-    """LoRA's and the full fine-tune's figures on one process, run once per step count."""
-    if steps not in _ONE:
-        _ONE[steps] = run_world(_both, 1, {}, steps, 1, {}, timeout=120)[0]
-    return _ONE[steps]
+def one_process(steps, model="dense", micro=1):
+    """LoRA's and the full fine-tune's figures on one process, run once per step count, model and
+    micro-batch count."""
+    if (steps, model, micro) not in _ONE:
+        _ONE[steps, model, micro] = run_world(_both, 1, {}, steps, micro, {}, model, timeout=120)[0]
+    return _ONE[steps, model, micro]
 
 
 def test_loss_is_ln2_at_step0_when_reference_is_policy():
     """LoRA (B = 0: the adapters off are the policy) and full (the reference precomputed from the
     starting weights): z = 0 for every pair, so -log sigmoid(0) = ln 2, and every reward is 0."""
     for run in one_process(3):
-        loss, margin, acc, logps_c, reward_c = run[0]
+        loss, margin, acc, logps_c, reward_c, aux = run[0]
         assert loss == pytest.approx(math.log(2), abs=1e-7)
-        assert margin == 0.0 and reward_c == 0.0 and acc == 0.0
+        assert margin == 0.0 and reward_c == 0.0 and acc == 0.0 and aux == 0.0
         assert logps_c < 0
+
+
+def test_moe_loss_at_step0_is_ln2_plus_the_aux_loss():
+    """An MoE's objective is DPO's plus router_aux_loss_coef x its load-balancing loss (TRL's
+    aux_loss_enabled): at step 0, ln 2 + 0.05 x the mean aux of the step's micro-batches."""
+    for run in one_process(3, "moe", 2):
+        loss, margin, acc, logps_c, reward_c, aux = run[0]
+        assert aux > 1.0                                      # top-2 of 4: about 2 when balanced
+        assert loss == pytest.approx(math.log(2) + MOE["router_aux_loss_coef"] * aux, abs=1e-6)
+        assert margin == 0.0 and reward_c == 0.0
 
 
 # ------------------------------------------------------------------ the formula in fp64
@@ -135,7 +155,7 @@ def _check_formula(loss, want, grads, want_grads):
 
 
 # ------------------------------------------------------------------ every layout = one process
-LAYOUTS = {             # name: (sizes, micro-batches, settings, ranks)
+LAYOUTS = {             # name: (sizes, micro-batches, settings, ranks[, model])
     "dp_shard2": (dict(dp_shard_size=2), 1, {}, 2),
     "tp2_sp": (dict(tp_size=2, sequence_parallel=True), 1, {}, 2),
     "cp2": (dict(cp_size=2), 1, {}, 2),
@@ -143,11 +163,22 @@ LAYOUTS = {             # name: (sizes, micro-batches, settings, ranks)
     # the default suite's two worlds: every dimension above, two at a time
     "dp_shard2_tp2_sp": (dict(dp_shard_size=2, tp_size=2, sequence_parallel=True), 1, {}, 4),
     "pp2_cp2": (dict(pp_size=2, cp_size=2), 2, dict(pipeline_schedule="1f1b"), 4),
+    # an MoE, its experts split over ep 2 (borrowed from dp_shard 2, their ZeRO-3 group edp 1)
+    "moe_dp_shard2_ep2": (dict(dp_shard_size=2, ep_size=2), 1, {}, 2, "moe"),
+    # ep 2 over dp_shard x cp: the aux loss's counts summed over cp, each row whole
+    "moe_dp_shard2_cp2_ep2": (dict(dp_shard_size=2, cp_size=2, ep_size=2), 1, {}, 4, "moe"),
 }
+
+
 def _check_layout(name, steps):
-    sizes, micro, settings, ranks = LAYOUTS[name]
-    one = one_process(steps)
-    many = run_world(_both, ranks, sizes, steps, micro, settings, timeout=240)
+    """The figures of every rank equal one process's. The aux loss is not linear in the tokens (it
+    is computed per micro-batch, models/moe_aux.py), so the one-process twin of an MoE runs the same
+    dp x M micro-batches one after the other, as the trainer's micro-batches keep their rows."""
+    sizes, micro, settings, ranks, *model = LAYOUTS[name]
+    model = model[0] if model else "dense"
+    dp = sizes.get("dp_shard_size", 1) * sizes.get("dp_replicate_size", 1)
+    one = one_process(steps, model, dp * micro if model == "moe" else 1)
+    many = run_world(_both, ranks, sizes, steps, micro, settings, model, timeout=240)
     assert all(r == many[0] for r in many)                        # every rank reads the same figures
     for mine, ref in zip(many[0], one):                           # LoRA, then full
         assert torch.tensor(mine).double() == pytest.approx(torch.tensor(ref).double(), abs=1e-4, rel=1e-4)
@@ -155,13 +186,14 @@ def _check_layout(name, steps):
         assert run[-1][0] < run[0][0]
 
 
-@pytest.mark.parametrize("name", ["dp_shard2_tp2_sp", "pp2_cp2"])
+@pytest.mark.parametrize("name", ["dp_shard2_tp2_sp", "pp2_cp2", "moe_dp_shard2_ep2"])
 def test_layouts_equal_one_process(name):
     _check_layout(name, 3)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp_shard2", "tp2_sp", "cp2", "pp2"])
+@pytest.mark.parametrize("name", ["dp_shard2", "tp2_sp", "cp2", "pp2", "moe_dp_shard2_ep2",
+                                  "moe_dp_shard2_cp2_ep2"])
 def test_layouts_equal_one_process_20_steps(name):
     _check_layout(name, 20)
 

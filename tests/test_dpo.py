@@ -198,6 +198,79 @@ def test_layouts_equal_one_process_20_steps(name):
     _check_layout(name, 20)
 
 
+# ------------------------------------------------------------------ the frozen copy = precomputed
+def _frozen(sizes, steps, model="dense", dtype="float32"):
+    """(precomputed's figures, the frozen copy's, what the copy is) over `steps` steps on `sizes`:
+    two policies from the same seed, one per reference."""
+    from minipar.api import model_config
+    from minipar.dpo_reference import frozen_copy
+    from minipar.dpo_step import DPOStep
+    config = MODELS[model]
+    want = _run(sizes, False, steps, settings=dict(dtype=dtype), config=config)
+    policy, step = _prepare(sizes, False, 1, config, dtype=dtype)
+    ref = frozen_copy(policy, model_config(dict(config))[0])
+    before = [p.detach().clone() for p in ref.model.parameters()]
+    dpo = DPOStep(step, beta=0.5, reference="frozen", ref_model=ref)
+    got = []
+    for s in range(steps):
+        r = dpo(*pairs(s % 2))
+        m = r["metrics"]
+        got.append([float(r["loss"]), float(m["rewards/margins"]), float(m["rewards/accuracies"]),
+                    float(m["logps/chosen"]), float(m["rewards/chosen"]),
+                    float(r["moe"].get("moe_aux_loss", 0.0))])
+    params = list(ref.model.parameters())
+    held = dict(sharded=ref.sharded, trainable=any(p.requires_grad or p.grad is not None for p in params),
+                unchanged=all(torch.equal(a, b) for a, b in zip(before, params)),
+                dtypes={str(p.dtype) for p in params}, grad_sync=ref.grad_sync is not None)
+    return want, got, held
+
+
+@pytest.mark.parametrize("name,sizes,ranks,model,dtype", [
+    ("one_process", {}, 1, "dense", "float32"),
+    ("dp_shard2", dict(dp_shard_size=2), 2, "dense", "float32"),
+    ("dp_shard2_ep2_bf16", dict(dp_shard_size=2, ep_size=2), 2, "moe", "bfloat16")])
+def test_frozen_copy_equals_the_precomputed_reference(name, sizes, ranks, model, dtype):
+    """Both references are the starting weights' log-probs: the same losses and metrics over 3 steps.
+    The copy is ZeRO-3 sharded where the policy is (bf16 shards under bf16: the numbers its gathers
+    make anyway), holds no gradient and no DDP, and never changes."""
+    outs = run_world(_frozen, ranks, sizes, 3, model, dtype, timeout=120)
+    for want, got, held in outs:
+        assert torch.tensor(got).double() == pytest.approx(torch.tensor(want).double(), abs=1e-6, rel=1e-6)
+        assert held["sharded"] == (ranks > 1) and not held["trainable"] and held["unchanged"]
+        assert not held["grad_sync"]
+        assert held["dtypes"] == ({"torch.bfloat16"} if dtype == "bfloat16" else {"torch.float32"})
+    assert outs[0][0][-1][0] < outs[0][0][0][0]                # it learns
+
+
+def _refusals():
+    from minipar.api import model_config
+    from minipar.compose import Recipe, build
+    from minipar.dpo_reference import frozen_copy
+    from minipar.dpo_step import DPOStep
+    out, config = [], model_config(dict(CFG))[0]
+    lora_model, lora_step = _prepare({}, True)
+    full_model, full_step = _prepare({}, False)
+    copy = frozen_copy(full_model, config)
+    for make in (lambda: DPOStep(full_step, reference="frozen"),
+                 lambda: DPOStep(lora_step, reference="frozen", ref_model=copy),
+                 lambda: DPOStep(full_step, reference="precomputed", ref_model=copy),
+                 lambda: build(config, full_model.pgm, Recipe(lora=LoRA()), frozen=True)):
+        try:
+            make()
+            out.append(None)
+        except ValueError as err:
+            out.append(str(err))
+    return out
+
+
+def test_a_reference_the_model_cannot_hold_is_refused():
+    got = run_world(_refusals, 1, timeout=60)[0]
+    assert "'frozen' needs ref_model=frozen_copy(policy" in got[0]
+    assert "'frozen' with LoRA: the base with the adapters off is that copy" in got[1]
+    assert "'precomputed' takes no ref_model" in got[2]
+    assert "a frozen copy takes no LoRA adapters" in got[3]
+
+
 # ------------------------------------------------------------------ preference rows
 class _CharTokenizer:
     """One token per character (ids 3..), a chat template of tagged turns ending in eos '$'."""

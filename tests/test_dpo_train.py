@@ -51,9 +51,7 @@ def _argv(config, ex, out, steps=2, *extra):
 
 def _train(argv):
     torch.set_num_threads(1)
-    trainer = Trainer(setup_run(argv))
-    history = trainer.train()
-    return [{k: r[k] for k in r if k in KEYS or k.startswith("eval_") or k == "val_loss"} for r in history]
+    return _train_history(Trainer(setup_run(argv)))
 
 
 def _close(a, b, tol=1e-4):
@@ -85,12 +83,39 @@ def test_dpo_lora_one_process(tmp_path, example):
     assert "eval_rewards/accuracies" in one[-1] and one[-1]["loss"] != one[0]["loss"]
 
 
+def test_frozen_copy_reference_equals_precomputed(tmp_path, example):
+    """precompute_ref_log_probs: false on a full fine-tune builds the frozen copy (TRL's default
+    ref_model), ZeRO-3 sharded like the policy on dp_shard 2: its steps and evaluation equal one
+    process's precomputed reference."""
+    one = run_world(_train, 1, _argv("dpo.yaml", example, tmp_path / "one"), timeout=120)[0]
+    two = run_world(_train_frozen, 2, _argv("dpo.yaml", example, tmp_path / "two", 2, "--dp_shard_size", "2",
+                                            "--precompute_ref_log_probs", "false"), timeout=120)
+    for history, (reference, sharded, data_ref) in two:
+        assert reference == "frozen" and sharded and data_ref is None     # nothing was precomputed
+        assert abs(history[0]["loss"] - 0.6931471805599453) < 1e-5
+        _close(history, one)
+
+
+def _train_frozen(argv):
+    torch.set_num_threads(1)
+    trainer = Trainer(setup_run(argv))
+    run = trainer.dpo
+    held = (run.reference, run.dpo.ref_model.sharded, getattr(run.data.train, "ref_logps", None))
+    return _train_history(trainer), held
+
+
+def _train_history(trainer):
+    history = trainer.train()
+    return [{k: r[k] for k in r if k in KEYS or k.startswith("eval_") or k == "val_loss"} for r in history]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["dpo.yaml", "dpo_lora.yaml"])
-def test_resume_equals_uninterrupted(tmp_path, example, config):
+@pytest.mark.parametrize("config,frozen", [("dpo.yaml", []), ("dpo_lora.yaml", []),
+                                           ("dpo.yaml", ["--precompute_ref_log_probs", "false"])])
+def test_resume_equals_uninterrupted(tmp_path, example, config, frozen):
     """The precomputed reference is recomputed at the start of the resumed run from the starting
-    weights: the resumed steps equal the uninterrupted run's."""
-    const = ["--lr_scheduler", "constant"]       # the same rate whatever max_steps the first run had
+    weights (the frozen copy rebuilt from them): the resumed steps equal the uninterrupted run's."""
+    const = ["--lr_scheduler", "constant", *frozen]   # the same rate whatever max_steps the first run had
     full = run_world(_train, 1, _argv(config, example, tmp_path / "full", 4, *const), timeout=120)[0]
     first = _argv(config, example, tmp_path / "cut", 4, "--save_steps", "2", *const)
     run_world(_train, 1, first + ["--max_steps", "2", "--save_final_checkpoint", "true"], timeout=120)
@@ -125,8 +150,6 @@ def test_bad_input_is_one_line_before_any_step(tmp_path, example):
     long_prompt.write_text(json.dumps(dict(prompt="x " * 600, chosen="b", rejected="c")) + "\n")
     cases = {
         "kto": (["--rl", "kto"], "rl: 'kto' is not supported; supported: ['dpo']"),
-        "lora reference": (["--precompute_ref_log_probs", "false"], "precompute_ref_log_probs: false needs "
-                                                                     "adapter: lora"),
         "no rejected": (["--datasets", plain], "needs `rejected`"),
         "long prompt": (["--datasets", f"[{{path: {long_prompt}}}]"], "leaves no room for a response"),
         "beta": (["--rl_beta", "0"], "dpo_beta (rl_beta) must be > 0"),

@@ -55,8 +55,9 @@ other (tests/test_dpo.py's ep 2 layouts); the rewards and TRL's metrics never in
 The reference log-probabilities of a micro-batch ride in its dict ("ref_logps", (rows,)), found
 by the identity of the labels tensor the head is given (the same object on every path: the
 micro-batch loop and the pipeline's executor pass batch["labels"] itself). In `record` mode the
-objective keeps the policy's log-probs instead of making a loss: the reference pass
-(dpo_step.py: LoRA's adapters off, or the full fine-tune's one pass before training).
+objective keeps the log-probs instead of making a loss: the reference pass
+(minipar/dpo_reference.py: LoRA's adapters off, the full fine-tune's one pass before training,
+or its frozen copy).
 
 Metrics, TRL's names, over the global batch: rewards/chosen = beta (pi_c - ref_c),
 rewards/rejected = beta (pi_r - ref_r), rewards/accuracies = mean of [chosen > rejected],

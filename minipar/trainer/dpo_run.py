@@ -3,7 +3,11 @@ and the evaluation on held-out pairs. trainer.py holds one DPORun when the confi
 
     DPORun(trainer)        DPOStep(trainer.step, dpo_beta, dpo_loss_type, reference) with the
                            reference of config/rl_keys.py's reference_of: 'lora' (the adapters
-                           switched off, one more forward per micro-batch) or 'precomputed'
+                           switched off, one more forward per micro-batch), 'precomputed', or
+                           'frozen' (a frozen copy of the starting weights on the run's layout,
+                           dpo_reference.frozen_copy: built here from base_model, or the seed, at
+                           every start, so a resume's copy is the first run's; one more forward
+                           per micro-batch, nothing in the checkpoint)
     precompute()           the precomputed reference: one forward pass over the train and held-out
                            pairs with the STARTING weights, in batches of global_batch_size pairs
                            (the last one filled up with pairs again, their numbers dropped), each
@@ -33,9 +37,14 @@ import torch
 
 from minipar import comm
 from minipar.dpo import METRICS, PairLoss
+from minipar.dpo_reference import frozen_copy
 from minipar.dpo_step import DPOStep
 from minipar.lora import adapters_off
 from minipar.trainer.config.rl_keys import reference_of
+
+SAYS = {"lora": "the base with the adapters off, one more forward per micro-batch",
+        "precomputed": "precomputed before training",
+        "frozen": "a frozen copy of the starting weights, one more forward per micro-batch"}
 
 
 class DPORun:
@@ -44,11 +53,12 @@ class DPORun:
     def __init__(self, trainer):
         self.t, self.cfg, self.pgm = trainer, trainer.cfg, trainer.pgm
         self.reference = reference_of(self.cfg)
-        self.dpo = DPOStep(trainer.step, self.cfg.dpo_beta, self.cfg.dpo_loss_type, self.reference)
+        ref_model = frozen_copy(trainer.parallel, self.cfg.model, trainer.run.base_model, trainer.log) \
+            if self.reference == "frozen" else None
+        self.dpo = DPOStep(trainer.step, self.cfg.dpo_beta, self.cfg.dpo_loss_type, self.reference, ref_model)
         self.data = trainer.run.datasets              # data/preference.py PairRun: train, val
         trainer.log(f"rl: dpo ({self.cfg.dpo_loss_type}, beta {self.cfg.dpo_beta:g}), reference: "
-                    + ("the base with the adapters off, one more forward per micro-batch"
-                       if self.reference == "lora" else "precomputed before training"))
+                    + SAYS[self.reference])
         if self.reference == "precomputed":
             self.precompute()
 
@@ -87,9 +97,8 @@ class DPORun:
         count = 0
         for gb in self.data.val.batches(cfg.global_batch_size, cfg.eval_batches):
             mb = self.dpo.local(gb["input_ids"], gb["labels"], gb.get("ref_logps"), num_micro=1)
-            if self.reference == "lora":
-                with adapters_off(model):
-                    self.dpo.record(mb)
+            if self.reference != "precomputed":
+                self.dpo.reference_logps(mb)
             model.eval()
             objective = PairLoss(mb, cfg.global_batch_size, self.pgm, cfg.dpo_beta, cfg.dpo_loss_type)
             total += step.eval_loss(mb[0], objective)

@@ -225,18 +225,30 @@ def _frozen(sizes, steps, model="dense", dtype="float32"):
     return want, got, held
 
 
-@pytest.mark.parametrize("name,sizes,ranks,model,dtype", [
-    ("one_process", {}, 1, "dense", "float32"),
-    ("dp_shard2", dict(dp_shard_size=2), 2, "dense", "float32"),
-    ("dp_shard2_ep2_bf16", dict(dp_shard_size=2, ep_size=2), 2, "moe", "bfloat16")])
-def test_frozen_copy_equals_the_precomputed_reference(name, sizes, ranks, model, dtype):
+FROZEN = {              # name: (sizes, ranks, model, dtype, the copy ZeRO-3 sharded)
+    "one_process": ({}, 1, "dense", "float32", False),
+    "dp_shard2": (dict(dp_shard_size=2), 2, "dense", "float32", True),
+    "dp_shard2_ep2_bf16": (dict(dp_shard_size=2, ep_size=2), 2, "moe", "bfloat16", True),
+    # slow: the copy cut like the policy on every other dimension
+    "pp2": (dict(pp_size=2), 2, "dense", "float32", False),
+    "tp2_sp": (dict(tp_size=2, sequence_parallel=True), 2, "dense", "float32", False),
+    "cp2": (dict(cp_size=2), 2, "dense", "float32", True),
+    "dp_replicate2": (dict(dp_replicate_size=2), 2, "dense", "float32", False),
+}
+
+
+@pytest.mark.parametrize("name", ["one_process", "dp_shard2", "dp_shard2_ep2_bf16",
+                                  *[pytest.param(n, marks=pytest.mark.slow)
+                                    for n in ("pp2", "tp2_sp", "cp2", "dp_replicate2")]])
+def test_frozen_copy_equals_the_precomputed_reference(name):
     """Both references are the starting weights' log-probs: the same losses and metrics over 3 steps.
     The copy is ZeRO-3 sharded where the policy is (bf16 shards under bf16: the numbers its gathers
     make anyway), holds no gradient and no DDP, and never changes."""
+    sizes, ranks, model, dtype, sharded = FROZEN[name]
     outs = run_world(_frozen, ranks, sizes, 3, model, dtype, timeout=120)
     for want, got, held in outs:
         assert torch.tensor(got).double() == pytest.approx(torch.tensor(want).double(), abs=1e-6, rel=1e-6)
-        assert held["sharded"] == (ranks > 1) and not held["trainable"] and held["unchanged"]
+        assert held["sharded"] == sharded and not held["trainable"] and held["unchanged"]
         assert not held["grad_sync"]
         assert held["dtypes"] == ({"torch.bfloat16"} if dtype == "bfloat16" else {"torch.float32"})
     assert outs[0][0][-1][0] < outs[0][0][0][0]                # it learns

@@ -163,25 +163,48 @@ def test_bad_input_is_one_line_before_any_step(tmp_path, example):
 
 
 def _planned(argv):
+    """(rows per step, then per layout (dp_shard 2; pp 2 by plan_pipeline) the plan's time and memory
+    with the config's reference and without any)."""
     import dataclasses
 
-    from minipar.plan import Cluster, Layout, plan
+    from minipar.plan import Cluster, Layout, Pipeline, plan, plan_pipeline
     from minipar.trainer.config.train_config import load_config
     from minipar.trainer.prediction import from_train_config
     cfg = load_config(argv[0], argv[1:], [])
     model, sizes, batch, opts = from_train_config(cfg)
-    layout, cluster = Layout(1, 2, 1, 1), Cluster(peak_tflops=100.0)
-    with_ref = plan(model, layout, batch, opts, cluster)["time"]
-    without = plan(model, layout, batch, dataclasses.replace(opts, dpo_reference=""), cluster)["time"]
-    return batch.global_batch_size, with_ref, without
+    cluster, out = Cluster(peak_tflops=100.0), [batch.global_batch_size]
+    for run in (lambda o: plan(model, Layout(1, 2, 1, 1), batch, o, cluster),
+                lambda o: plan_pipeline(model, Layout(1, 1, 1, 1), Pipeline(pp=2),     # 2 micro-batches
+                                        dataclasses.replace(batch, micro_batch_size=4), o, cluster)):
+        with_ref, without = run(opts), run(dataclasses.replace(opts, dpo_reference=""))
+        out.append((with_ref["time"], without["time"], with_ref["memory"], without["memory"],
+                    [s["memory"] for s in with_ref.get("stages", [])]))
+    return out
 
 
 def test_planner_counts_the_reference(tmp_path, example):
-    """rows = 2 per pair; LoRA's reference adds one forward per micro-batch to the step's time (about
-    a third of its compute), the precomputed one nothing per step and a pass before training."""
-    rows, lora, plain = run_world(_planned, 1, _argv("dpo_lora.yaml", example, tmp_path / "l"), timeout=60)[0]
+    """rows = 2 per pair; LoRA's reference and the frozen copy add one forward per micro-batch to the
+    step's time (about a third of its compute; under pp the whole model's, the stages in turn), the
+    precomputed one nothing per step and a pass before training; the frozen copy's weights (fp32,
+    sharded like the policy's) sit in the persistent memory of every phase and stage."""
+    argv = _argv("dpo_lora.yaml", example, tmp_path / "l")
+    rows, (lora, plain, *_), (lora_pp, plain_pp, *_) = run_world(_planned, 1, argv, timeout=60)[0]
     assert rows == 8
     assert lora["step_s"] == pytest.approx(plain["step_s"] + lora["reference_s"])
     assert 0.05 * plain["compute_s"] < lora["reference_s"] < 0.5 * plain["compute_s"]
-    _, pre, plain = run_world(_planned, 1, _argv("dpo.yaml", example, tmp_path / "p"), timeout=60)[0]
+    assert lora_pp["step_s"] == pytest.approx(plain_pp["step_s"] + lora_pp["reference_s"])
+    assert lora_pp["reference_s"] > lora["reference_s"]            # no stage runs alongside another
+    argv = _argv("dpo.yaml", example, tmp_path / "p")
+    _, (pre, plain, *_), (pre_pp, plain_pp, *_) = run_world(_planned, 1, argv, timeout=60)[0]
     assert pre["step_s"] == pytest.approx(plain["step_s"]) and pre["reference_pass_s_per_batch"] > 0
+    assert pre_pp["step_s"] == pytest.approx(plain_pp["step_s"]) and pre_pp["reference_pass_s_per_batch"] > 0
+    argv = _argv("dpo.yaml", example, tmp_path / "f", 2, "--precompute_ref_log_probs", "false")
+    _, (frozen, plain, mem, mem0, _), (frozen_pp, plain_pp, _, _, stages) = run_world(_planned, 1, argv,
+                                                                                      timeout=60)[0]
+    assert frozen["reference_s"] == pytest.approx(lora["reference_s"])
+    assert frozen["step_s"] == pytest.approx(plain["step_s"] + frozen["reference_s"])
+    assert frozen_pp["step_s"] == pytest.approx(plain_pp["step_s"] + frozen_pp["reference_s"])
+    assert frozen["reference_gather_bytes"] > 0                   # its own ZeRO-3 gathers
+    assert mem["reference"] == 4 * mem["param_elements"] == mem0["params"]   # dp_shard 2: its shard
+    assert mem["total"] == mem0["total"] + mem["reference"]
+    assert all(st["reference"] == 4 * st["param_elements"] > 0 for st in stages)

@@ -96,6 +96,50 @@ def test_frozen_copy_reference_equals_precomputed(tmp_path, example):
         _close(history, one)
 
 
+def _train_cached(argv):
+    """(history, the reference came from the cache, the cache's path, the paths of changed inputs,
+    what a damaged entry loads)."""
+    import copy
+    import warnings
+
+    from minipar.trainer.data import reference_cache as rc
+    torch.set_num_threads(1)
+    trainer = Trainer(setup_run(argv))
+    run, cfg = trainer.dpo, trainer.cfg
+    splits = [run.data.train, run.data.val]
+    others = []
+    for key, value in (("dpo_loss_type", "ipo"), ("global_batch_size", 8), ("seed", 1)):
+        changed = copy.copy(cfg)
+        setattr(changed, key, value)
+        inputs = rc.cache_inputs(changed, trainer.pgm.config, trainer.run.base_model, splits, "cpu")
+        others.append(rc.cache_path(changed, inputs))
+    if trainer.pgm.global_rank == 0:                      # the one rank that reads the cache
+        damaged = os.path.join(os.path.dirname(argv[argv.index("--output_dir") + 1]), "damaged.pt")
+        with open(damaged, "wb") as f:
+            f.write(b"not a torch file")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = rc.load(damaged, run.cache_inputs, [s.num_rows for s in splits])
+        assert loaded is None and "is not usable" in str(caught[-1].message)
+    return _train_history(trainer), run.from_cache, run.cache_file, others
+
+
+def test_precomputed_reference_is_cached_with_the_prepared_data(tmp_path, example):
+    """The first run computes the reference and caches it under dataset_prepared_path/reference/; a
+    rerun with the same inputs (another output_dir) loads it and trains the same; another loss type,
+    batch or seed is another key; a damaged entry is not used."""
+    cache = str(tmp_path / "cache")
+    runs = [run_world(_train_cached, 2, _argv("dpo.yaml", example, tmp_path / out, 2, "--dp_shard_size", "2",
+                                              "--dataset_prepared_path", cache), timeout=120)
+            for out in ("a", "b")]
+    (first, _), (again, again_1) = runs                            # rank 0 reads and writes, then broadcasts
+    assert first[1] is False and again[1] is True and again_1[1] is True
+    assert first[2] == again[2] and os.path.dirname(first[2]) == os.path.join(cache, "reference")
+    assert os.listdir(os.path.join(cache, "reference")) == [os.path.basename(first[2])]
+    assert again[0] == first[0] == again_1[0]                      # the same numbers, exactly
+    assert len({first[2], *first[3]}) == 4                         # each change: another key
+
+
 def _train_frozen(argv):
     torch.set_num_threads(1)
     trainer = Trainer(setup_run(argv))

@@ -83,6 +83,19 @@ def test_dpo_lora_one_process(tmp_path, example):
     assert "eval_rewards/accuracies" in one[-1] and one[-1]["loss"] != one[0]["loss"]
 
 
+def test_frozen_copy_reference_one_process(tmp_path, example):
+    """The next test's fast twin: precompute_ref_log_probs: false builds the frozen copy (nothing is
+    precomputed); the reference is the start: ln 2, then it learns."""
+    got = run_world(_train_frozen, 1, _argv("dpo.yaml", example, tmp_path / "one", 2,
+                                            "--precompute_ref_log_probs", "false",
+                                            "--save_final_checkpoint", "false"), timeout=120)[0]
+    history, (reference, sharded, data_ref) = got
+    assert reference == "frozen" and not sharded and data_ref is None
+    assert abs(history[0]["loss"] - 0.6931471805599453) < 1e-5 and history[0]["rewards/margins"] == 0.0
+    assert history[-1]["loss"] != history[0]["loss"] and "eval_rewards/accuracies" in history[-1]
+
+
+@pytest.mark.slow
 def test_frozen_copy_reference_equals_precomputed(tmp_path, example):
     """precompute_ref_log_probs: false on a full fine-tune builds the frozen copy (TRL's default
     ref_model), ZeRO-3 sharded like the policy on dp_shard 2: its steps and evaluation equal one
@@ -124,19 +137,22 @@ def _train_cached(argv):
     return _train_history(trainer), run.from_cache, run.cache_file, others
 
 
-def test_precomputed_reference_is_cached_with_the_prepared_data(tmp_path, example):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_precomputed_reference_is_cached_with_the_prepared_data(tmp_path, example, ranks):
     """The first run computes the reference and caches it under dataset_prepared_path/reference/; a
-    rerun with the same inputs (another output_dir) loads it and trains the same; another loss type,
-    batch or seed is another key; a damaged entry is not used."""
+    rerun with the same inputs (another output_dir) loads it and trains the same (on 2 ranks: rank 0
+    reads, then broadcasts); another loss type, batch or seed is another key; a damaged entry is not
+    used."""
     cache = str(tmp_path / "cache")
-    runs = [run_world(_train_cached, 2, _argv("dpo.yaml", example, tmp_path / out, 2, "--dp_shard_size", "2",
-                                              "--dataset_prepared_path", cache), timeout=120)
+    runs = [run_world(_train_cached, ranks, _argv("dpo.yaml", example, tmp_path / out, 1, "--dp_shard_size",
+                                                  str(ranks), "--dataset_prepared_path", cache,
+                                                  "--save_final_checkpoint", "false"), timeout=120)
             for out in ("a", "b")]
-    (first, _), (again, again_1) = runs                            # rank 0 reads and writes, then broadcasts
-    assert first[1] is False and again[1] is True and again_1[1] is True
+    first, again = runs[0][0], runs[1][0]
+    assert first[1] is False and all(r[1] is True for r in runs[1])
     assert first[2] == again[2] and os.path.dirname(first[2]) == os.path.join(cache, "reference")
     assert os.listdir(os.path.join(cache, "reference")) == [os.path.basename(first[2])]
-    assert again[0] == first[0] == again_1[0]                      # the same numbers, exactly
+    assert all(r[0] == first[0] for r in runs[1])                  # the same numbers, exactly
     assert len({first[2], *first[3]}) == 4                         # each change: another key
 
 

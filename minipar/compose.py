@@ -161,14 +161,24 @@ class ParallelModel:
                               document_ids=batch.get("document_ids"), aux_weight=aux_weight)
 
 
-def build(config, pgm, recipe: Recipe, base_model=None, device=None, log: Callable = lambda msg: None
-          ) -> ParallelModel:
+def build(config, pgm, recipe: Recipe, base_model=None, device=None, log: Callable = lambda msg: None,
+          frozen: bool = False) -> ParallelModel:
     """Steps 1-5 of the module docstring. `config`: the model's LlamaConfig; `base_model`: a
     Hugging Face checkpoint (models/hf_checkpoint.py) whose slices each rank reads, else weights
-    drawn from recipe.seed (the same full weights on every layout, sliced)."""
+    drawn from recipe.seed (the same full weights on every layout, sliced). frozen: a copy that is
+    only ever run forward (DPO's reference, minipar/dpo_reference.py): requires_grad off before
+    ZeRO-3 (frozen units: no gradient, no reduce-scatter), no DDP, no LoRA; sharded under bf16,
+    its shards are bf16 (what the gathers cast them to anyway: the same numbers, half the bytes)."""
+    if frozen and recipe.lora is not None:
+        raise ValueError("build(frozen=True): a frozen copy takes no LoRA adapters (recipe.lora=None)")
     device = device or minipar.default_device()
     # 1. the decoder on meta, with TP/SP, CP and EP in its layers
     model = LlamaForCausalLM(config, pgm, seed=recipe.seed, device="meta")
+    if frozen:
+        model.requires_grad_(False)
+        if recipe.bf16 and pgm.dp_shard_cp.size > 1:
+            for p in model.parameters():
+                p.data = p.data.to(torch.bfloat16)
     n_params = sum(math.prod(p.tp_full_shape) for p in model.parameters())
     source = base_model.source(pgm.tp, device) if base_model is not None else \
         SeededInit(model, recipe.seed, pgm.tp, device)
@@ -200,7 +210,7 @@ def build(config, pgm, recipe: Recipe, base_model=None, device=None, log: Callab
         materialize(model, source)
     # replicas only: DDP. With LoRA on ZeRO-3 too: the frozen shards have no gradient, and the
     # adapters are whole on every rank (lora/adapter.py says why)
-    if pgm.dp_cp.size > 1 and (not pm.sharded or recipe.lora is not None):
+    if pgm.dp_cp.size > 1 and not frozen and (not pm.sharded or recipe.lora is not None):
         pm.grad_sync = (replicate_naive if recipe.ddp == "naive" else replicate)(model, pgm.dp_cp)
     pm.no_sync_owner = pm.grad_sync if not pm.sharded or recipe.lora is not None else \
         (None if recipe.sync_each_batch else model.zero3)
@@ -235,6 +245,7 @@ class Step:
         self.tail = OptimizerStep(pm.model, optimizer, scheduler, max_grad_norm, pm.pgm)
         self.pipelined = pm.pgm.pp.size > 1
         self.alone = None
+        self.transport = comm                     # posts a pipeline's exchanges (a test may record them)
         if self.pipelined:
             r, pp = pm.recipe, pm.pgm.pp
             self.order = schedule_order(r.pipeline_schedule, pp.size, num_micro, pp.rank, r.chunks)
@@ -243,7 +254,6 @@ class Step:
                                       side=pm.model.pipeline_aux is not None)
             # what crosses stages has the compute dtype: bf16 in a bf16 run (half the bytes)
             self.act_dtype = torch.bfloat16 if r.bf16 else torch.float32
-            self.transport = comm                 # posts the exchanges (a test may record them)
             self.reducers = [x for x in (pm.grad_sync, getattr(pm.model, "zero3", None)) if x is not None]
             if overlap:
                 self.alone = OverlapSteps(self.schedule, self.tail, pm.model.parameters, pm.pgm)
@@ -305,16 +315,22 @@ class Step:
         comm.all_reduce(loss, self.pgm.dp_cp)
         return loss
 
-    @torch.no_grad()
     def eval_loss(self, batch: dict, n_items) -> torch.Tensor:
-        """One evaluation batch, forward only: this rank's share of its loss (a float64 device
-        tensor; zero off the last stage); summed over dp_cp (and pp) it is the batch's loss."""
-        if self.pipelined:
-            return forward_only(self.pm.model, self.pgm, batch, n_items, act_dtype=self.act_dtype,
-                                autocast=self.pm.autocast, transport=self.transport)
-        return self.pm.loss(batch, n_items).double()
+        """One evaluation batch, forward only (forward_loss below)."""
+        return forward_loss(self.pm, batch, n_items, self.transport)
 
     @property
     def loss_groups(self):
         """The groups an evaluation's loss shares are summed over."""
         return (self.pgm.dp_cp, self.pgm.pp) if self.pipelined else (self.pgm.dp_cp,)
+
+
+@torch.no_grad()
+def forward_loss(pm: ParallelModel, batch: dict, n_items, transport=comm) -> torch.Tensor:
+    """One batch forward only, no aux loss: this rank's share of its loss (a float64 device tensor;
+    zero off the last stage); summed over dp_cp (and pp) it is the batch's loss. Under pp the
+    micro-batch goes through every stage in turn (pipeline_parallel's forward_only)."""
+    if pm.pgm.pp.size > 1:
+        return forward_only(pm.model, pm.pgm, batch, n_items, autocast=pm.autocast, transport=transport,
+                            act_dtype=torch.bfloat16 if pm.recipe.bf16 else torch.float32)
+    return pm.loss(batch, n_items).double()

@@ -11,7 +11,7 @@ The plan, in order (Rafailov et al., 2023; TRL's DPOTrainer is the reference imp
                 every micro-batch holds an even number of rows: check_pair_split says so before
                 any collective (the trainer counts global_batch_size in PAIRS, as TRL's batch
                 sizes do, so its rows always split evenly)
-    reference   log p_ref(y | x) per row, no gradient, one forward per micro-batch:
+    reference   log p_ref(y | x) per row, no gradient (minipar/dpo_reference.py: what each costs):
                   lora         the same model with its adapters off (lora.adapters_off: PEFT's
                                disable_adapter; no second copy, no memory; one more forward per
                                micro-batch, about +1/3 of the step's compute)
@@ -19,8 +19,11 @@ The plan, in order (Rafailov et al., 2023; TRL's DPOTrainer is the reference imp
                                starting weights (TRL's precompute_ref_log_probs), every row's
                                number kept on every rank ((rows,) floats: nothing beside the
                                data), no forward during training
-                the pass is compose.Step.eval_loss with a recording PairLoss: the micro-batch
-                loop, or under pp the pipeline's forward_only, whose last stage records
+                  frozen       a full fine-tune: a frozen copy of the starting weights on the same
+                               layout (dpo_reference.frozen_copy: ZeRO-3 sharded like the policy,
+                               no gradient, no optimizer state), one forward per micro-batch
+                each pass is a forward with a recording PairLoss (dpo_reference.record_logps): the
+                micro-batch loop, or under pp the pipeline's forward_only, whose last stage records
     objective   minipar/dpo/objective.py PairLoss: passed where num_items_in_batch goes, it takes
                 the head's per-row sums of token log-probs (exact under tp, summed over cp) and
                 gives each micro-batch's share of the mean pair loss; compose.Step runs the
@@ -41,11 +44,12 @@ import torch
 
 from minipar import comm
 from minipar.batch_split import local_batch
-from minipar.compose import Step
+from minipar.compose import ParallelModel, Step, forward_loss
 from minipar.dpo import PairLoss
+from minipar.dpo_reference import REFERENCES, check_reference, record_logps
 from minipar.lora import adapters_off
 
-REFERENCES = ("lora", "precomputed")
+__all__ = ["DPOStep", "REFERENCES", "check_pair_split", "check_reference", "pair_rows"]
 
 
 def check_pair_split(rows: int, pgm, num_micro: int = 1) -> None:
@@ -65,23 +69,17 @@ def pair_rows(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     return torch.stack([chosen, rejected], dim=1).flatten(0, 1)
 
 
-def check_reference(reference: str, lora: bool) -> None:
-    """The reference choice this model can hold, or a ValueError naming the ones it can."""
-    if reference not in REFERENCES:
-        raise ValueError(f"dpo reference {reference!r} is not one of {list(REFERENCES)}")
-    if reference == "lora" and not lora:
-        raise ValueError("dpo reference 'lora' (the adapters switched off) needs adapter: lora; a full "
-                         "fine-tune uses reference 'precomputed' (precompute_ref_log_probs: true)")
-
-
 class DPOStep:
     """One DPO optimizer step of a compose.Step: `step(input_ids, labels, ref_logps=None)` on the
-    GLOBAL batch of pair rows (the same on every rank) -> dict(loss, grad_norm, lr, moe, metrics)."""
+    GLOBAL batch of pair rows (the same on every rank) -> dict(loss, grad_norm, lr, moe, metrics).
+    ref_model: the frozen copy of reference 'frozen' (dpo_reference.frozen_copy), else None."""
 
-    def __init__(self, step: Step, beta: float = 0.1, loss_type: str = "sigmoid", reference: str = "lora"):
-        check_reference(reference, step.pm.recipe.lora is not None)
+    def __init__(self, step: Step, beta: float = 0.1, loss_type: str = "sigmoid", reference: str = "lora",
+                 ref_model: Optional[ParallelModel] = None):
+        check_reference(reference, step.pm.recipe.lora is not None, ref_model, step.pgm)
         self.step, self.pm, self.pgm = step, step.pm, step.pgm
         self.beta, self.loss_type, self.reference = float(beta), loss_type, reference
+        self.ref_model = ref_model
         PairLoss([], 1, self.pgm, beta, loss_type)          # the loss type checked now, on every rank
 
     def local(self, input_ids, labels, ref_logps=None, position_ids=None, num_micro: Optional[int] = None
@@ -99,30 +97,30 @@ class DPOStep:
                 mb["ref_logps"] = ref_logps[first:first + per].to(self.pm.device)
         return micro
 
-    def record(self, micro: List[dict]) -> None:
-        """The current model's log-probs of each micro-batch's rows into mb["ref_logps"] (no
-        gradient; under pp real on the last stage, zeros elsewhere, where no head reads them)."""
-        model = self.pm.model
-        was_training = model.training
-        model.eval()
-        try:
-            for mb in micro:
-                rec = PairLoss([mb], 1, self.pgm, self.beta, self.loss_type, record=True)
-                self.step.eval_loss(mb, rec)
-                got = rec.reference(0)
-                mb["ref_logps"] = got if got is not None else \
-                    torch.zeros(mb["labels"].shape[0], device=self.pm.device)
-        finally:
-            model.train(was_training)
+    def record(self, micro: List[dict], model: Optional[ParallelModel] = None) -> None:
+        """`model`'s log-probs (the policy's as it is, by default) of each micro-batch's rows into
+        mb["ref_logps"] (no gradient; under pp real on the last stage, zeros elsewhere)."""
+        if model is None:
+            record_logps(self.pm, micro, self.pgm, self.loss_type, forward=self.step.eval_loss)
+        else:
+            record_logps(model, micro, self.pgm, self.loss_type,
+                         forward=lambda mb, rec: forward_loss(model, mb, rec, self.step.transport))
+
+    def reference_logps(self, micro: List[dict]) -> None:
+        """The reference's log-probs of each micro-batch by a forward: the adapters off, or the copy."""
+        if self.reference == "lora":
+            with adapters_off(self.pm.model):
+                self.record(micro)
+        elif self.reference == "frozen":
+            self.record(micro, self.ref_model)
+        else:
+            raise ValueError("DPO with a precomputed reference: pass ref_logps (precompute_reference)")
 
     def __call__(self, input_ids, labels, ref_logps: Optional[torch.Tensor] = None,
                  position_ids=None) -> dict:
         micro = self.local(input_ids, labels, ref_logps, position_ids)
-        if self.reference == "lora":
-            with adapters_off(self.pm.model):
-                self.record(micro)
-        elif ref_logps is None:
-            raise ValueError("DPO with a precomputed reference: pass ref_logps (precompute_reference)")
+        if self.reference != "precomputed" or ref_logps is None:
+            self.reference_logps(micro)
         objective = PairLoss(micro, input_ids.shape[0] // 2, self.pgm, self.beta, self.loss_type)
         out = self.step(objective, micro)
         out["metrics"] = objective.metrics(self.pm.device)

@@ -1,5 +1,6 @@
 """DPO (minipar/dpo/objective.py, minipar/dpo_step.py): ln 2 at step 0, the loss and every gradient
-equal to the formula computed by a plain fp64 model, and every layout equal to one process."""
+equal to the formula computed by a plain fp64 model, and every layout equal to one process, an MoE
+with ep 2 (its load-balancing loss in the objective) among them."""
 from __future__ import annotations
 
 import math
@@ -14,6 +15,11 @@ from tests.harness import run_world
 
 CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2)
+# a Qwen3-MoE of the same size: layer 0 dense, layer 1 4 experts top-2, the aux loss on (its
+# coefficient large enough that a lost or doubled term of it shows)
+MOE = dict(CFG, model_type="qwen3_moe", decoder_sparse_step=2, num_local_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, router_aux_loss_coef=0.05)
+MODELS = {"dense": CFG, "moe": MOE}
 P, T = 4, 16            # pairs per global batch, tokens per row
 
 
@@ -32,19 +38,20 @@ def pairs(step: int):
     return pair_rows(ids[0, :, :-1], ids[1, :, :-1]), pair_rows(labels[0], labels[1])
 
 
-def _prepare(sizes, lora: bool, micro: int = 1, **kw):
+def _prepare(sizes, lora: bool, micro: int = 1, config=None, **kw):
     from minipar.api import prepare
     pgm = minipar.init(ParallelismConfig(**sizes))
     recipe = dict(lora=LoRA(r=4, alpha=8.0)) if lora else {}
-    model, opt, step = prepare(dict(CFG), pgm, learning_rate=kw.pop("lr", 1e-2), micro_batches=micro,
-                               max_grad_norm=kw.pop("clip", 1.0), **recipe, **kw)
+    model, opt, step = prepare(dict(config or CFG), pgm, learning_rate=kw.pop("lr", 1e-2),
+                               micro_batches=micro, max_grad_norm=kw.pop("clip", 1.0), **recipe, **kw)
     return model, step.step
 
 
-def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None):
-    """Per step (loss, margins, accuracy) of a few DPO steps on `sizes`."""
+def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None, config=None):
+    """Per step (loss, margins, accuracy, logps/chosen, rewards/chosen, an MoE's aux loss) of a few
+    DPO steps on `sizes`."""
     from minipar.dpo_step import DPOStep
-    model, step = _prepare(sizes, lora, micro, **(settings or {}))
+    model, step = _prepare(sizes, lora, micro, config, **(settings or {}))
     dpo = DPOStep(step, beta=0.5, loss_type=loss_type, reference="lora" if lora else "precomputed")
     # two batches in turn: a pair seen again must have gained (random tokens do not generalise)
     refs = None if lora else [dpo.precompute_reference(*pairs(s)) for s in range(2)]
@@ -53,7 +60,8 @@ def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None):
         r = dpo(*pairs(s % 2), ref_logps=None if lora else refs[s % 2])
         m = r["metrics"]
         out.append([float(r["loss"]), float(m["rewards/margins"]), float(m["rewards/accuracies"]),
-                    float(m["logps/chosen"]), float(m["rewards/chosen"])])
+                    float(m["logps/chosen"]), float(m["rewards/chosen"]),
+                    float(r["moe"].get("moe_aux_loss", 0.0))])
     return out
 
 
@@ -61,25 +69,37 @@ def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None):
 _ONE = {}
 
 
-def _both(sizes, steps, micro, settings):
-    return [_run(sizes, lora, steps, micro=micro, settings=settings) for lora in (True, False)]
+def _both(sizes, steps, micro, settings, model="dense"):
+    return [_run(sizes, lora, steps, micro=micro, settings=settings, config=MODELS[model])
+            for lora in (True, False)]
 
 
-def one_process(steps):
-    """LoRA's and the full fine-tune's figures on one process, run once per step count."""
-    if steps not in _ONE:
-        _ONE[steps] = run_world(_both, 1, {}, steps, 1, {}, timeout=120)[0]
-    return _ONE[steps]
+def one_process(steps, model="dense", micro=1):
+    """LoRA's and the full fine-tune's figures on one process, run once per step count, model and
+    micro-batch count."""
+    if (steps, model, micro) not in _ONE:
+        _ONE[steps, model, micro] = run_world(_both, 1, {}, steps, micro, {}, model, timeout=120)[0]
+    return _ONE[steps, model, micro]
 
 
 def test_loss_is_ln2_at_step0_when_reference_is_policy():
     """LoRA (B = 0: the adapters off are the policy) and full (the reference precomputed from the
     starting weights): z = 0 for every pair, so -log sigmoid(0) = ln 2, and every reward is 0."""
     for run in one_process(3):
-        loss, margin, acc, logps_c, reward_c = run[0]
+        loss, margin, acc, logps_c, reward_c, aux = run[0]
         assert loss == pytest.approx(math.log(2), abs=1e-7)
-        assert margin == 0.0 and reward_c == 0.0 and acc == 0.0
+        assert margin == 0.0 and reward_c == 0.0 and acc == 0.0 and aux == 0.0
         assert logps_c < 0
+
+
+def test_moe_loss_at_step0_is_ln2_plus_the_aux_loss():
+    """An MoE's objective is DPO's plus router_aux_loss_coef x its load-balancing loss (TRL's
+    aux_loss_enabled): at step 0, ln 2 + 0.05 x the mean aux of the step's micro-batches."""
+    for run in one_process(3, "moe", 2):
+        loss, margin, acc, logps_c, reward_c, aux = run[0]
+        assert aux > 1.0                                      # top-2 of 4: about 2 when balanced
+        assert loss == pytest.approx(math.log(2) + MOE["router_aux_loss_coef"] * aux, abs=1e-6)
+        assert margin == 0.0 and reward_c == 0.0
 
 
 # ------------------------------------------------------------------ the formula in fp64
@@ -135,7 +155,7 @@ def _check_formula(loss, want, grads, want_grads):
 
 
 # ------------------------------------------------------------------ every layout = one process
-LAYOUTS = {             # name: (sizes, micro-batches, settings, ranks)
+LAYOUTS = {             # name: (sizes, micro-batches, settings, ranks[, model])
     "dp_shard2": (dict(dp_shard_size=2), 1, {}, 2),
     "tp2_sp": (dict(tp_size=2, sequence_parallel=True), 1, {}, 2),
     "cp2": (dict(cp_size=2), 1, {}, 2),
@@ -143,11 +163,22 @@ LAYOUTS = {             # name: (sizes, micro-batches, settings, ranks)
     # the default suite's two worlds: every dimension above, two at a time
     "dp_shard2_tp2_sp": (dict(dp_shard_size=2, tp_size=2, sequence_parallel=True), 1, {}, 4),
     "pp2_cp2": (dict(pp_size=2, cp_size=2), 2, dict(pipeline_schedule="1f1b"), 4),
+    # an MoE, its experts split over ep 2 (borrowed from dp_shard 2, their ZeRO-3 group edp 1)
+    "moe_dp_shard2_ep2": (dict(dp_shard_size=2, ep_size=2), 1, {}, 2, "moe"),
+    # ep 2 over dp_shard x cp: the aux loss's counts summed over cp, each row whole
+    "moe_dp_shard2_cp2_ep2": (dict(dp_shard_size=2, cp_size=2, ep_size=2), 1, {}, 4, "moe"),
 }
+
+
 def _check_layout(name, steps):
-    sizes, micro, settings, ranks = LAYOUTS[name]
-    one = one_process(steps)
-    many = run_world(_both, ranks, sizes, steps, micro, settings, timeout=240)
+    """The figures of every rank equal one process's. The aux loss is not linear in the tokens (it
+    is computed per micro-batch, models/moe_aux.py), so the one-process twin of an MoE runs the same
+    dp x M micro-batches one after the other, as the trainer's micro-batches keep their rows."""
+    sizes, micro, settings, ranks, *model = LAYOUTS[name]
+    model = model[0] if model else "dense"
+    dp = sizes.get("dp_shard_size", 1) * sizes.get("dp_replicate_size", 1)
+    one = one_process(steps, model, dp * micro if model == "moe" else 1)
+    many = run_world(_both, ranks, sizes, steps, micro, settings, model, timeout=240)
     assert all(r == many[0] for r in many)                        # every rank reads the same figures
     for mine, ref in zip(many[0], one):                           # LoRA, then full
         assert torch.tensor(mine).double() == pytest.approx(torch.tensor(ref).double(), abs=1e-4, rel=1e-4)
@@ -155,15 +186,101 @@ def _check_layout(name, steps):
         assert run[-1][0] < run[0][0]
 
 
-@pytest.mark.parametrize("name", ["dp_shard2_tp2_sp", "pp2_cp2"])
+@pytest.mark.parametrize("name", ["dp_shard2_tp2_sp", "pp2_cp2", "moe_dp_shard2_ep2"])
 def test_layouts_equal_one_process(name):
     _check_layout(name, 3)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp_shard2", "tp2_sp", "cp2", "pp2"])
+@pytest.mark.parametrize("name", ["dp_shard2", "tp2_sp", "cp2", "pp2", "moe_dp_shard2_ep2",
+                                  "moe_dp_shard2_cp2_ep2"])
 def test_layouts_equal_one_process_20_steps(name):
     _check_layout(name, 20)
+
+
+# ------------------------------------------------------------------ the frozen copy = precomputed
+def _frozen(sizes, steps, model="dense", dtype="float32"):
+    """(precomputed's figures, the frozen copy's, what the copy is) over `steps` steps on `sizes`:
+    two policies from the same seed, one per reference."""
+    from minipar.api import model_config
+    from minipar.dpo_reference import frozen_copy
+    from minipar.dpo_step import DPOStep
+    config = MODELS[model]
+    want = _run(sizes, False, steps, settings=dict(dtype=dtype), config=config)
+    policy, step = _prepare(sizes, False, 1, config, dtype=dtype)
+    ref = frozen_copy(policy, model_config(dict(config))[0])
+    before = [p.detach().clone() for p in ref.model.parameters()]
+    dpo = DPOStep(step, beta=0.5, reference="frozen", ref_model=ref)
+    got = []
+    for s in range(steps):
+        r = dpo(*pairs(s % 2))
+        m = r["metrics"]
+        got.append([float(r["loss"]), float(m["rewards/margins"]), float(m["rewards/accuracies"]),
+                    float(m["logps/chosen"]), float(m["rewards/chosen"]),
+                    float(r["moe"].get("moe_aux_loss", 0.0))])
+    params = list(ref.model.parameters())
+    held = dict(sharded=ref.sharded, trainable=any(p.requires_grad or p.grad is not None for p in params),
+                unchanged=all(torch.equal(a, b) for a, b in zip(before, params)),
+                dtypes={str(p.dtype) for p in params}, grad_sync=ref.grad_sync is not None)
+    return want, got, held
+
+
+FROZEN = {              # name: (sizes, ranks, model, dtype, the copy ZeRO-3 sharded)
+    "one_process": ({}, 1, "dense", "float32", False),
+    "dp_shard2": (dict(dp_shard_size=2), 2, "dense", "float32", True),
+    "dp_shard2_ep2_bf16": (dict(dp_shard_size=2, ep_size=2), 2, "moe", "bfloat16", True),
+    # slow: the copy cut like the policy on every other dimension
+    "pp2": (dict(pp_size=2), 2, "dense", "float32", False),
+    "tp2_sp": (dict(tp_size=2, sequence_parallel=True), 2, "dense", "float32", False),
+    "cp2": (dict(cp_size=2), 2, "dense", "float32", True),
+    "dp_replicate2": (dict(dp_replicate_size=2), 2, "dense", "float32", False),
+}
+
+
+@pytest.mark.parametrize("name", ["one_process", "dp_shard2", "dp_shard2_ep2_bf16",
+                                  *[pytest.param(n, marks=pytest.mark.slow)
+                                    for n in ("pp2", "tp2_sp", "cp2", "dp_replicate2")]])
+def test_frozen_copy_equals_the_precomputed_reference(name):
+    """Both references are the starting weights' log-probs: the same losses and metrics over 3 steps.
+    The copy is ZeRO-3 sharded where the policy is (bf16 shards under bf16: the numbers its gathers
+    make anyway), holds no gradient and no DDP, and never changes."""
+    sizes, ranks, model, dtype, sharded = FROZEN[name]
+    outs = run_world(_frozen, ranks, sizes, 3, model, dtype, timeout=120)
+    for want, got, held in outs:
+        assert torch.tensor(got).double() == pytest.approx(torch.tensor(want).double(), abs=1e-6, rel=1e-6)
+        assert held["sharded"] == sharded and not held["trainable"] and held["unchanged"]
+        assert not held["grad_sync"]
+        assert held["dtypes"] == ({"torch.bfloat16"} if dtype == "bfloat16" else {"torch.float32"})
+    assert outs[0][0][-1][0] < outs[0][0][0][0]                # it learns
+
+
+def _refusals():
+    from minipar.api import model_config
+    from minipar.compose import Recipe, build
+    from minipar.dpo_reference import frozen_copy
+    from minipar.dpo_step import DPOStep
+    out, config = [], model_config(dict(CFG))[0]
+    lora_model, lora_step = _prepare({}, True)
+    full_model, full_step = _prepare({}, False)
+    copy = frozen_copy(full_model, config)
+    for make in (lambda: DPOStep(full_step, reference="frozen"),
+                 lambda: DPOStep(lora_step, reference="frozen", ref_model=copy),
+                 lambda: DPOStep(full_step, reference="precomputed", ref_model=copy),
+                 lambda: build(config, full_model.pgm, Recipe(lora=LoRA()), frozen=True)):
+        try:
+            make()
+            out.append(None)
+        except ValueError as err:
+            out.append(str(err))
+    return out
+
+
+def test_a_reference_the_model_cannot_hold_is_refused():
+    got = run_world(_refusals, 1, timeout=60)[0]
+    assert "'frozen' needs ref_model=frozen_copy(policy" in got[0]
+    assert "'frozen' with LoRA: the base with the adapters off is that copy" in got[1]
+    assert "'precomputed' takes no ref_model" in got[2]
+    assert "a frozen copy takes no LoRA adapters" in got[3]
 
 
 # ------------------------------------------------------------------ preference rows

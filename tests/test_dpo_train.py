@@ -51,9 +51,7 @@ def _argv(config, ex, out, steps=2, *extra):
 
 def _train(argv):
     torch.set_num_threads(1)
-    trainer = Trainer(setup_run(argv))
-    history = trainer.train()
-    return [{k: r[k] for k in r if k in KEYS or k.startswith("eval_") or k == "val_loss"} for r in history]
+    return _train_history(Trainer(setup_run(argv)))
 
 
 def _close(a, b, tol=1e-4):
@@ -85,12 +83,99 @@ def test_dpo_lora_one_process(tmp_path, example):
     assert "eval_rewards/accuracies" in one[-1] and one[-1]["loss"] != one[0]["loss"]
 
 
+def test_frozen_copy_reference_one_process(tmp_path, example):
+    """The next test's fast twin: precompute_ref_log_probs: false builds the frozen copy (nothing is
+    precomputed); the reference is the start: ln 2, then it learns."""
+    got = run_world(_train_frozen, 1, _argv("dpo.yaml", example, tmp_path / "one", 2,
+                                            "--precompute_ref_log_probs", "false",
+                                            "--save_final_checkpoint", "false"), timeout=120)[0]
+    history, (reference, sharded, data_ref) = got
+    assert reference == "frozen" and not sharded and data_ref is None
+    assert abs(history[0]["loss"] - 0.6931471805599453) < 1e-5 and history[0]["rewards/margins"] == 0.0
+    assert history[-1]["loss"] != history[0]["loss"] and "eval_rewards/accuracies" in history[-1]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["dpo.yaml", "dpo_lora.yaml"])
-def test_resume_equals_uninterrupted(tmp_path, example, config):
+def test_frozen_copy_reference_equals_precomputed(tmp_path, example):
+    """precompute_ref_log_probs: false on a full fine-tune builds the frozen copy (TRL's default
+    ref_model), ZeRO-3 sharded like the policy on dp_shard 2: its steps and evaluation equal one
+    process's precomputed reference."""
+    one = run_world(_train, 1, _argv("dpo.yaml", example, tmp_path / "one"), timeout=120)[0]
+    two = run_world(_train_frozen, 2, _argv("dpo.yaml", example, tmp_path / "two", 2, "--dp_shard_size", "2",
+                                            "--precompute_ref_log_probs", "false"), timeout=120)
+    for history, (reference, sharded, data_ref) in two:
+        assert reference == "frozen" and sharded and data_ref is None     # nothing was precomputed
+        assert abs(history[0]["loss"] - 0.6931471805599453) < 1e-5
+        _close(history, one)
+
+
+def _train_cached(argv):
+    """(history, the reference came from the cache, the cache's path, the paths of changed inputs,
+    what a damaged entry loads)."""
+    import copy
+    import warnings
+
+    from minipar.trainer.data import reference_cache as rc
+    torch.set_num_threads(1)
+    trainer = Trainer(setup_run(argv))
+    run, cfg = trainer.dpo, trainer.cfg
+    splits = [run.data.train, run.data.val]
+    others = []
+    for key, value in (("dpo_loss_type", "ipo"), ("global_batch_size", 8), ("seed", 1)):
+        changed = copy.copy(cfg)
+        setattr(changed, key, value)
+        inputs = rc.cache_inputs(changed, trainer.pgm.config, trainer.run.base_model, splits, "cpu")
+        others.append(rc.cache_path(changed, inputs))
+    if trainer.pgm.global_rank == 0:                      # the one rank that reads the cache
+        damaged = os.path.join(os.path.dirname(argv[argv.index("--output_dir") + 1]), "damaged.pt")
+        with open(damaged, "wb") as f:
+            f.write(b"not a torch file")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = rc.load(damaged, run.cache_inputs, [s.num_rows for s in splits])
+        assert loaded is None and "is not usable" in str(caught[-1].message)
+    return _train_history(trainer), run.from_cache, run.cache_file, others
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_precomputed_reference_is_cached_with_the_prepared_data(tmp_path, example, ranks):
+    """The first run computes the reference and caches it under dataset_prepared_path/reference/; a
+    rerun with the same inputs (another output_dir) loads it and trains the same (on 2 ranks: rank 0
+    reads, then broadcasts); another loss type, batch or seed is another key; a damaged entry is not
+    used."""
+    cache = str(tmp_path / "cache")
+    runs = [run_world(_train_cached, ranks, _argv("dpo.yaml", example, tmp_path / out, 1, "--dp_shard_size",
+                                                  str(ranks), "--dataset_prepared_path", cache,
+                                                  "--save_final_checkpoint", "false"), timeout=120)
+            for out in ("a", "b")]
+    first, again = runs[0][0], runs[1][0]
+    assert first[1] is False and all(r[1] is True for r in runs[1])
+    assert first[2] == again[2] and os.path.dirname(first[2]) == os.path.join(cache, "reference")
+    assert os.listdir(os.path.join(cache, "reference")) == [os.path.basename(first[2])]
+    assert all(r[0] == first[0] for r in runs[1])                  # the same numbers, exactly
+    assert len({first[2], *first[3]}) == 4                         # each change: another key
+
+
+def _train_frozen(argv):
+    torch.set_num_threads(1)
+    trainer = Trainer(setup_run(argv))
+    run = trainer.dpo
+    held = (run.reference, run.dpo.ref_model.sharded, getattr(run.data.train, "ref_logps", None))
+    return _train_history(trainer), held
+
+
+def _train_history(trainer):
+    history = trainer.train()
+    return [{k: r[k] for k in r if k in KEYS or k.startswith("eval_") or k == "val_loss"} for r in history]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,frozen", [("dpo.yaml", []), ("dpo_lora.yaml", []),
+                                           ("dpo.yaml", ["--precompute_ref_log_probs", "false"])])
+def test_resume_equals_uninterrupted(tmp_path, example, config, frozen):
     """The precomputed reference is recomputed at the start of the resumed run from the starting
-    weights: the resumed steps equal the uninterrupted run's."""
-    const = ["--lr_scheduler", "constant"]       # the same rate whatever max_steps the first run had
+    weights (the frozen copy rebuilt from them): the resumed steps equal the uninterrupted run's."""
+    const = ["--lr_scheduler", "constant", *frozen]   # the same rate whatever max_steps the first run had
     full = run_world(_train, 1, _argv(config, example, tmp_path / "full", 4, *const), timeout=120)[0]
     first = _argv(config, example, tmp_path / "cut", 4, "--save_steps", "2", *const)
     run_world(_train, 1, first + ["--max_steps", "2", "--save_final_checkpoint", "true"], timeout=120)
@@ -125,8 +210,6 @@ def test_bad_input_is_one_line_before_any_step(tmp_path, example):
     long_prompt.write_text(json.dumps(dict(prompt="x " * 600, chosen="b", rejected="c")) + "\n")
     cases = {
         "kto": (["--rl", "kto"], "rl: 'kto' is not supported; supported: ['dpo']"),
-        "lora reference": (["--precompute_ref_log_probs", "false"], "precompute_ref_log_probs: false needs "
-                                                                     "adapter: lora"),
         "no rejected": (["--datasets", plain], "needs `rejected`"),
         "long prompt": (["--datasets", f"[{{path: {long_prompt}}}]"], "leaves no room for a response"),
         "beta": (["--rl_beta", "0"], "dpo_beta (rl_beta) must be > 0"),
@@ -140,25 +223,48 @@ def test_bad_input_is_one_line_before_any_step(tmp_path, example):
 
 
 def _planned(argv):
+    """(rows per step, then per layout (dp_shard 2; pp 2 by plan_pipeline) the plan's time and memory
+    with the config's reference and without any)."""
     import dataclasses
 
-    from minipar.plan import Cluster, Layout, plan
+    from minipar.plan import Cluster, Layout, Pipeline, plan, plan_pipeline
     from minipar.trainer.config.train_config import load_config
     from minipar.trainer.prediction import from_train_config
     cfg = load_config(argv[0], argv[1:], [])
     model, sizes, batch, opts = from_train_config(cfg)
-    layout, cluster = Layout(1, 2, 1, 1), Cluster(peak_tflops=100.0)
-    with_ref = plan(model, layout, batch, opts, cluster)["time"]
-    without = plan(model, layout, batch, dataclasses.replace(opts, dpo_reference=""), cluster)["time"]
-    return batch.global_batch_size, with_ref, without
+    cluster, out = Cluster(peak_tflops=100.0), [batch.global_batch_size]
+    for run in (lambda o: plan(model, Layout(1, 2, 1, 1), batch, o, cluster),
+                lambda o: plan_pipeline(model, Layout(1, 1, 1, 1), Pipeline(pp=2),     # 2 micro-batches
+                                        dataclasses.replace(batch, micro_batch_size=4), o, cluster)):
+        with_ref, without = run(opts), run(dataclasses.replace(opts, dpo_reference=""))
+        out.append((with_ref["time"], without["time"], with_ref["memory"], without["memory"],
+                    [s["memory"] for s in with_ref.get("stages", [])]))
+    return out
 
 
 def test_planner_counts_the_reference(tmp_path, example):
-    """rows = 2 per pair; LoRA's reference adds one forward per micro-batch to the step's time (about
-    a third of its compute), the precomputed one nothing per step and a pass before training."""
-    rows, lora, plain = run_world(_planned, 1, _argv("dpo_lora.yaml", example, tmp_path / "l"), timeout=60)[0]
+    """rows = 2 per pair; LoRA's reference and the frozen copy add one forward per micro-batch to the
+    step's time (about a third of its compute; under pp the whole model's, the stages in turn), the
+    precomputed one nothing per step and a pass before training; the frozen copy's weights (fp32,
+    sharded like the policy's) sit in the persistent memory of every phase and stage."""
+    argv = _argv("dpo_lora.yaml", example, tmp_path / "l")
+    rows, (lora, plain, *_), (lora_pp, plain_pp, *_) = run_world(_planned, 1, argv, timeout=60)[0]
     assert rows == 8
     assert lora["step_s"] == pytest.approx(plain["step_s"] + lora["reference_s"])
     assert 0.05 * plain["compute_s"] < lora["reference_s"] < 0.5 * plain["compute_s"]
-    _, pre, plain = run_world(_planned, 1, _argv("dpo.yaml", example, tmp_path / "p"), timeout=60)[0]
+    assert lora_pp["step_s"] == pytest.approx(plain_pp["step_s"] + lora_pp["reference_s"])
+    assert lora_pp["reference_s"] > lora["reference_s"]            # no stage runs alongside another
+    argv = _argv("dpo.yaml", example, tmp_path / "p")
+    _, (pre, plain, *_), (pre_pp, plain_pp, *_) = run_world(_planned, 1, argv, timeout=60)[0]
     assert pre["step_s"] == pytest.approx(plain["step_s"]) and pre["reference_pass_s_per_batch"] > 0
+    assert pre_pp["step_s"] == pytest.approx(plain_pp["step_s"]) and pre_pp["reference_pass_s_per_batch"] > 0
+    argv = _argv("dpo.yaml", example, tmp_path / "f", 2, "--precompute_ref_log_probs", "false")
+    _, (frozen, plain, mem, mem0, _), (frozen_pp, plain_pp, _, _, stages) = run_world(_planned, 1, argv,
+                                                                                      timeout=60)[0]
+    assert frozen["reference_s"] == pytest.approx(lora["reference_s"])
+    assert frozen["step_s"] == pytest.approx(plain["step_s"] + frozen["reference_s"])
+    assert frozen_pp["step_s"] == pytest.approx(plain_pp["step_s"] + frozen_pp["reference_s"])
+    assert frozen["reference_gather_bytes"] > 0                   # its own ZeRO-3 gathers
+    assert mem["reference"] == 4 * mem["param_elements"] == mem0["params"]   # dp_shard 2: its shard
+    assert mem["total"] == mem0["total"] + mem["reference"]
+    assert all(st["reference"] == 4 * st["param_elements"] > 0 for st in stages)

@@ -3,7 +3,8 @@
     objective.py     the loss of per-sequence log-probabilities (PairLoss, passed where the head
                      takes num_items_in_batch), exact under tp, cp and pp; TRL's metrics
 
-The step around it (the reference pass, the pairs' split) is minipar/dpo_step.py.
+The step around it (the pairs' split) is minipar/dpo_step.py; the reference (the adapters off,
+precomputed, or a frozen copy) is minipar/dpo_reference.py.
 """
 from .objective import LOSS_TYPES, METRICS, PairLoss, cp_sum, dpo_losses
 

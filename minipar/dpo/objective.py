@@ -37,11 +37,27 @@ hands PairLoss the (rows,) partial sums of -loss = log p. Then, per layout:
     dp    each rank's loss is sum of its pairs' loss_p / P_global; the step sums losses and
           gradients over dp_cp, which gives the mean over the global batch
 
+A mixture of experts (ep, models/moe_aux.py). TRL's DPOTrainer adds aux_loss_coef x the policy's
+router load-balancing loss to the DPO loss when the model outputs router logits (aux_loss_enabled,
+the aux of its concatenated forward: chosen and rejected routed together). minipar does the same
+thing: the head returns this objective's share, then the model adds router_aux_loss_coef x aux of
+the micro-batch's rows (its pairs' chosen and rejected rows, routed in one forward), weighted
+1 / (dp x M) as in SFT, so
+
+    step loss = mean over the P pairs of loss_p + coef x mean over the G = dp x M micro-batches of aux
+
+and its gradient reaches the router and, through the hidden states, every layer below. The
+reference's forward adds none (evaluation's aux_weight 0: only its log-probs are kept), and
+router_aux_loss_coef 0 turns it off (transformers' output_router_logits false). aux is not linear
+in the tokens, so a run equals one process that takes the same G micro-batches one after the
+other (tests/test_dpo.py's ep 2 layouts); the rewards and TRL's metrics never include it.
+
 The reference log-probabilities of a micro-batch ride in its dict ("ref_logps", (rows,)), found
 by the identity of the labels tensor the head is given (the same object on every path: the
 micro-batch loop and the pipeline's executor pass batch["labels"] itself). In `record` mode the
-objective keeps the policy's log-probs instead of making a loss: the reference pass
-(dpo_step.py: LoRA's adapters off, or the full fine-tune's one pass before training).
+objective keeps the log-probs instead of making a loss: the reference pass
+(minipar/dpo_reference.py: LoRA's adapters off, the full fine-tune's one pass before training,
+or its frozen copy).
 
 Metrics, TRL's names, over the global batch: rewards/chosen = beta (pi_c - ref_c),
 rewards/rejected = beta (pi_r - ref_r), rewards/accuracies = mean of [chosen > rejected],

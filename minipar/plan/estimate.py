@@ -52,7 +52,7 @@ from .inputs import Batch, Layout, ModelShape, Options
 from .moe import crosses_nodes as moe_crosses_nodes
 from .moe import exposed_seconds, matmul_seconds, summary
 from .overlap import step_seconds
-from .reference_cost import reference_cost
+from .reference_cost import reference_cost, with_reference
 
 # the axes of the grid (R, S, C / u, u, T) that each group spans
 AXES = {"tp": (4,), "cp": (2, 3), "cp_ulysses": (3,), "cp_ring": (2,), "dp_shard_cp": (1, 2, 3),
@@ -125,6 +125,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
     if problems:
         raise ValueError(f"layout {layout} cannot run this model and batch: " + "; ".join(problems))
     mem = distributed_optimizer_memory(pm.memory(model, layout, opts), layout, opts)
+    mem = with_reference(mem, layout, opts)      # rl: dpo's frozen copy (reference_cost.py)
     if opts.gather_once_per_step and layout.sharded:          # every unit stays gathered (overlap.py)
         N = layout.dp_shard * layout.cp
         mem["gathered"] = max(mem["gathered"], sum(pm._padded(u.numel, N) * inputs_mod.DTYPE_BYTES[opts.dtype]
@@ -157,7 +158,7 @@ def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster
         again = pa.recompute_shares(model, opts)[0]
         t["moe_matmul_s"] = matmul_seconds(model, layout, batch, opts, gemm, again)
         step += t["moe_s"] + t["moe_matmul_s"]
-    ref = reference_cost(model, layout, batch, opts, cluster, parts)     # rl: dpo (reference_cost.py)
+    ref = reference_cost(model, layout, batch, opts, cluster, parts, groups)   # rl: dpo (reference_cost.py)
     t.update(ref)
     step += ref.get("reference_s", 0.0)
     by_phase = peak.phases(model, layout, batch, opts, mem, act)

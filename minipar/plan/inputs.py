@@ -214,7 +214,8 @@ class Options:
     # is held twice while it reduce-scatters (NCCL: never); peak.py's end of backward counts it
     reduce_scatter_copies_input: bool = False
     # rl: dpo's reference (reference_cost.py): "" none, "lora" (adapters off: one more forward per
-    # micro-batch) or "precomputed" (one forward pass over the data before training)
+    # micro-batch), "precomputed" (one forward pass over the data before training) or "frozen" (a
+    # frozen copy of the weights in memory, sharded like them, and one more forward per micro-batch)
     dpo_reference: str = ""
     # how ANOTHER trainer runs the same step (time only; minipar's own runs leave them at the defaults;
     # time_model.py and overlap.py price them, each with its source): fused memory-bound kernels

@@ -9,6 +9,8 @@ flight and ledger), and the worst stage is what must fit.
 
 Time: the stage with the most work sets the pace, and the schedule adds the bubble
     step = (compute + tp + all-to-all + exposed cp/dp of the slowest stage) / (1 - bubble) + sends
+           (+ rl: dpo's reference forwards, each micro-batch through the stages in turn, and under
+           its frozen copy that copy's stage in each stage's memory: reference_cost.py)
     bubble = (p - 1) / (m + p - 1)  (afab, 1f1b)     (p - 1) / (v m + p - 1)  (interleaved)
              (p - 1) / (3 m + p - 1)  (zb_h1)        (p - 1) / (6 m + p - 1)  (zbv, m >= 2p - 1)
              (simulate.theory_bubble: t_F = t_B (= t_W), the split backward's B and W even;
@@ -36,6 +38,7 @@ from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 from .long_step import plan_stage
 from .overlap import step_seconds
 from .pipeline_stage import Pipeline, message_bytes, stage_units, stages
+from .reference_cost import reference_cost, with_reference
 
 
 def check(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batch) -> List[str]:
@@ -99,6 +102,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
                          [u for u in us if u.kind == "layer"], st.num_layers, 1,
                          [u for u in us if u.kind != "layer"])
         mem, acts = distributed_optimizer_memory(p["memory"], layout, opts), p["activations"]
+        mem = with_reference(mem, layout, opts)      # rl: dpo's frozen copy of this stage
         if opts.gather_once_per_step and layout.sharded:      # every unit of the stage stays gathered
             N = layout.dp_shard * layout.cp
             mem["gathered"] = max(mem["gathered"], sum(pm._padded(u.numel, N) * e for u in us))
@@ -118,9 +122,17 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     pp_s = critical_sends(pipe, M) * message_bytes(model, layout, batch, opts) / bw \
         + tm.latency_seconds("send", pipe.pp, critical_sends(pipe, M), cross["pp"], cluster)
     slowest = max(out, key=lambda p: p["time"]["work_s"])
-    step = slowest["time"]["work_s"] / (1 - bub) + pp_s
+    # rl: dpo's reference forward of each micro-batch runs the stages in turn (reference_cost.py):
+    # the whole model's forward and p - 1 sends, after the slowest stage's layer counts
+    hop_s = message_bytes(model, layout, batch, opts) / bw \
+        + tm.latency_seconds("send", pipe.pp, 1, cross["pp"], cluster)
+    ep_s = sum(p["comm"].get("ep", {}).get("seconds", 0.0) for p in out)     # every stage's MoE layers
+    first = stage_units(model, layout, stages(model, pipe)[0])               # gathers: the first stage's
+    ref = reference_cost(model, layout, batch, opts, cluster, slowest["time"], {"ep": dict(seconds=ep_s)},
+                         M * (pipe.pp - 1) * hop_s, first)
+    step = slowest["time"]["work_s"] / (1 - bub) + pp_s + ref.get("reference_s", 0.0)
     worst = max(out, key=lambda p: p["memory"]["total"])
-    t = dict(slowest["time"], step_s=step, bubble=bub, pp_s=pp_s, slowest_stage=slowest["rank"],
+    t = dict(slowest["time"], **ref, step_s=step, bubble=bub, pp_s=pp_s, slowest_stage=slowest["rank"],
              tokens_per_s=tokens / step, model_flops=fl["model"], **mfu(fl, step, world, cluster))
     return dict(layout=dict(dataclasses.asdict(layout), pp=pipe.pp), pipeline=dataclasses.asdict(pipe),
                 layout_str=f"{pipe} x {layout}", world=world, nodes=-(-world // g), micro_steps=M,

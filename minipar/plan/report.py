@@ -59,6 +59,7 @@ def describe(p: dict, model: ModelShape) -> str:
         if sharded else "gathered units (no ZeRO-3)"
     rows = [("parameters (fp32 masters" + (", 1/N shards)" if sharded else ")"), m["params"]),
             ("gradients (fp32)", m["grads"]), ("optimizer (AdamW m, v fp32 + step)", m["optimizer"]),
+            *([("DPO reference: the frozen copy", m["reference"])] if m.get("reference") else []),
             ("= persistent", m["persistent"]), (gathered, m["gathered"]),
             ("accumulated grads (no_sync: fp32, unsharded)", m["accumulated_grads"]),
             ("activations, no checkpointing", a["full"]),
@@ -93,9 +94,19 @@ def describe(p: dict, model: ModelShape) -> str:
     if t.get("moe_s") is not None:                     # ep's exchanges and edp's gathers, exposed
         a2a += f" + MoE ep/edp {t['moe_s']:.3g} + MoE matmuls beyond the dense MLP's {t['moe_matmul_s']:.3g}"
     lines += ["", f"estimated step (the model of minipar/plan/estimate.py): {t['step_s']:.3g} s = compute "
-              f"{t['compute_s']:.3g} + tp {_tp(t)}{a2a} + {_hidden(t)}; "
+              f"{t['compute_s']:.3g} + tp {_tp(t)}{a2a} + {_hidden(t)}{_reference(t)}; "
               f"{t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
     return "\n".join(lines)
+
+
+def _reference(t: dict) -> str:
+    """rl: dpo's reference forwards in the step (minipar/plan/reference_cost.py), or its pass before."""
+    if t.get("reference_s"):
+        return f" + the DPO reference's forwards {t['reference_s']:.3g}"
+    if t.get("reference_pass_s_per_batch"):
+        return (f" (the DPO reference precomputed before training: "
+                f"{t['reference_pass_s_per_batch']:.3g} s per batch)")
+    return ""
 
 
 def _tp(t: dict) -> str:
@@ -158,7 +169,7 @@ def describe_pipeline(p: dict, model: ModelShape) -> str:
               f"{p['worst_stage']}, shown below"
     tail = [f"estimated step (minipar/plan/pipeline.py): {t['step_s']:.3g} s = the slowest stage's work "
             f"(stage {t['slowest_stage']}: {t['work_s']:.3g} s) / (1 - bubble {t['bubble']:.3f}) "
-            f"+ the sends on the critical path {t['pp_s']:.3g} s; "
+            f"+ the sends on the critical path {t['pp_s']:.3g} s{_reference(t)}; "
             f"{t['tokens_per_s']:,.0f} tokens/s, {_mfu(t)}", _parts(t)]
     return "\n".join(body + [""] + lines + ["", *tail])
 

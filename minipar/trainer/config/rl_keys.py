@@ -11,12 +11,14 @@
     precompute_ref_log_probs              TRL's: the reference's log-probs of every pair computed in
                                           one pass before training
 
-The reference (docs/dpo.md has what each costs):
+The reference (docs/dpo.md has what each costs; minipar/dpo_reference.py):
 
     full fine-tune                        precomputed (the starting weights, one forward pass over
-                                          the train and held-out pairs before step 1); a frozen
-                                          second copy is not built, so precompute_ref_log_probs:
-                                          false is refused
+                                          the train and held-out pairs before step 1), unless
+                                          precompute_ref_log_probs: false, which builds TRL's
+                                          default instead: a frozen copy of the starting weights,
+                                          ZeRO-3 sharded like the policy, one more forward per
+                                          micro-batch ('frozen')
     adapter: lora                         the base with its adapters switched off, one more forward
                                           per micro-batch; precompute_ref_log_probs: true precomputes
                                           it instead (the adapters-off model before step 1)
@@ -53,11 +55,14 @@ def translate_rl(data: dict, problems: List[str]) -> dict:
 
 
 def reference_of(cfg) -> Optional[str]:
-    """The DPO reference a config asks for: 'precomputed', 'lora' (adapters off), or None (no rl)."""
+    """The DPO reference a config asks for: 'precomputed', 'lora' (adapters off), 'frozen' (a frozen
+    copy), or None (no rl)."""
     if not cfg.rl:
         return None
     if cfg.adapter == "lora" and not cfg.precompute_ref_log_probs:
         return "lora"
+    if cfg.adapter != "lora" and cfg.precompute_ref_log_probs is False:
+        return "frozen"
     return "precomputed"
 
 
@@ -77,10 +82,6 @@ def rl_problems(cfg) -> List[str]:
         out.append(f"dpo_loss_type {cfg.dpo_loss_type!r} is not supported; supported: {list(LOSS_TYPES)}")
     if not cfg.dpo_beta > 0:
         out.append(f"dpo_beta (rl_beta) must be > 0, got {cfg.dpo_beta}")
-    if cfg.adapter != "lora" and cfg.precompute_ref_log_probs is False:
-        out.append("precompute_ref_log_probs: false needs adapter: lora (the reference is then the base "
-                   "with the adapters off); a full fine-tune's reference is precomputed before training "
-                   "(a frozen second copy of the model is not built): set it to true or remove it")
     if not cfg.datasets:
         out.append("rl: dpo trains on preference pairs: set `datasets` to a JSONL file of prompt / chosen / "
                    "rejected rows (Axolotl's chat_template form, or the plain form; docs/dpo.md)")

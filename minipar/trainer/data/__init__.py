@@ -15,6 +15,8 @@ rank computes. In reading order:
     chat_format.py   chat_template / sharegpt rows: mappings, roles, roles_to_train, train_on_eos
     packing.py       rows of sequence_len: whole examples packed with document ids; the row sampler
     prepared.py      the tokenized, packed rows saved under dataset_prepared_path and found again
+    preference.py    DPO's pairs: prompt / chosen / rejected rows, Axolotl's chat_template form
+    reference_cache.py  DPO's precomputed reference numbers, cached beside the prepared rows
     example_data.py  a small offline example: a BPE tokenizer with a chat template, chat rows
     make_example.py  `python -m minipar.trainer.data.make_example DIR`: a small Llama checkpoint,
                      its tokenizer and chat data, to fine-tune offline

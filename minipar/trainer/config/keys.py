@@ -1,14 +1,13 @@
-"""Axolotl's names for what minipar does, and the sizes that follow from other sizes.
+"""Axolotl's names for what minipar does, and the values that follow from other values.
 
 An Axolotl YAML should load as it is. Its keys map onto minipar's with their meaning, or are
 refused with the values minipar supports; none is silently ignored:
 
     Axolotl / accelerate                    minipar
-    tensor_parallel_size                    tp_size   (accelerate's names, ParallelismConfig's: one
-    context_parallel_size                   cp_size    name per size in the code; both names of
-    pipeline_parallel_size                  pp_size    one size with different values in one
-    expert_parallel_size                    ep_size    source are refused)
-    rl_beta                                 dpo_beta  (rl: ipo = rl: dpo, dpo_loss_type: ipo; rl_keys.py)
+    tensor_parallel_size, torch_compile,    tp_size, compile, dpo_beta, min_lr_ratio, ...: the
+    rl_beta, cosine_min_lr_ratio, ...         schema's aliases (schema.py, ALIASES here): one name
+                                              per setting in the code; both names with different
+                                              values in one source are refused
     gradient_accumulation_steps  A          global_batch_size G = micro_batch_size M x A x dp
                                             (any two of G, M, A imply the third; three that
                                              disagree are refused, naming all three and dp)
@@ -16,14 +15,7 @@ refused with the values minipar supports; none is silently ignored:
                                             (samples per epoch: the sampler's windows; an explicit
                                              max_steps wins, as in Axolotl)
     bf16: true | false | auto               dtype bfloat16 | float32 | bfloat16 where the GPU has it
-    lr_scheduler: cosine                    linear warmup over warmup_steps, cosine to min_lr_ratio
-    optimizer: adamw_torch[_fused]          AdamW (torch's fused kernel with _fused)
-    dataset_prepared_path  DIR              the same (prepared.py): tokenized rows saved, loaded on
-                                            later starts; default <output_dir>/prepared, not
-                                            Axolotl's last_run_prepared; a note without `datasets`
-    fsdp_version: 1 | 2                     minipar's ZeRO-3 over dp_shard (flat shards per decoder
-                                            layer, FSDP2's reshard_after_forward)
-    fsdp: [full_shard, auto_wrap]           the same (the list form of Axolotl's FSDP1 configs)
+    fsdp: [full_shard, auto_wrap]           minipar's ZeRO-3 over dp_shard (the list form of FSDP1)
     fsdp_config:                            fsdp: (accelerate's names, with or without `fsdp_`)
       reshard_after_forward                   fsdp.reshard_after_forward
       state_dict_type                         fsdp.state_dict_type
@@ -35,13 +27,11 @@ refused with the values minipar supports; none is silently ignored:
       backward_prefetch                         (TRANSFORMER_BASED_WRAP, FULL_SHARD, BACKWARD_PRE)
       sync_module_states, use_orig_params,    no effect here (every rank draws the same weights from
       limit_all_gathers,                        the seed; the optimizer steps the flat shards; the
-      cpu_ram_efficient_loading                 prefetch depth bounds the gathers in flight; no rank
-                                                holds more than one full tensor at a time): a note
+      cpu_ram_efficient_loading                 prefetch depth bounds the gathers in flight): a note
 
-translate() runs on the raw mapping of each source (YAML file, command line) before its keys are
-applied; resolve() runs once after, with the set of keys the user gave; resolve_batch() and
-resolve_max_steps() run in run_setup once the data-parallel size and the dataset are known.
-Nothing here communicates.
+translate() runs on the raw mapping of each source (YAML file, command line) before pydantic sees
+it; resolve() runs once after, with the keys the user gave; resolve_batch() and resolve_max_steps()
+run in run_setup once the data-parallel size and the dataset are known. Nothing here communicates.
 """
 from __future__ import annotations
 
@@ -50,13 +40,14 @@ import os
 from typing import List
 
 from minipar import cuda_env
-from minipar.lr_schedule import SCHEDULES
 from minipar.trainer.config.axolotl_keys import fold
-from minipar.trainer.config.rl_keys import RL_NAMES, rl_problems, translate_rl
+from minipar.trainer.config.rl_keys import rl_problems, translate_rl
+from minipar.trainer.config.schema import GROUPS
 
-LR_SCHEDULERS = tuple(SCHEDULES)
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
-FSDP_VERSIONS = (1, 2)
+# Axolotl's (and TRL's) name of a setting -> the schema's field (its validation_alias)
+ALIASES = {f.validation_alias: name for group in GROUPS for name, f in group.model_fields.items()
+           if isinstance(f.validation_alias, str)}
+SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "pp_size", "ep_size")
 FSDP_LIST_ITEMS = ("full_shard", "auto_wrap")
 # fsdp_config key (without the fsdp_ prefix) -> key of minipar's fsdp mapping
 FSDP_MAPPED = {"reshard_after_forward": "reshard_after_forward", "state_dict_type": "state_dict_type",
@@ -68,39 +59,24 @@ FSDP_CONFIG_KEYS = (*FSDP_MAPPED, "offload_params", "activation_checkpointing", 
                     *FSDP_NO_EFFECT)
 
 
-# Axolotl's YAML names of the parallel sizes -> the one name the code uses (ParallelismConfig's)
-SIZE_NAMES = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_size",
-              "pipeline_parallel_size": "pp_size", "expert_parallel_size": "ep_size"}
-
-
-# Axolotl's torch.compile keys -> minipar's (minipar/regional_compile.py), renamed as the sizes are
-COMPILE_NAMES = {"torch_compile": "compile", "torch_compile_backend": "compile_backend",
-                 "torch_compile_mode": "compile_mode"}
-
-
-def key_name(key: str) -> str:
-    """The code's name of a top-level config key: tp_size for tensor_parallel_size, dpo_beta for
-    rl_beta, else the key."""
-    return SIZE_NAMES.get(key, RL_NAMES.get(key, key))
-
-
 def size_keys(data: dict) -> set:
-    """The code's names of the parallel sizes a mapping (a YAML file, the overrides) sets."""
-    return {key_name(k) for k in data} & {"dp_replicate_size", "dp_shard_size", *SIZE_NAMES.values()}
+    """The schema's names of the parallel sizes a mapping (a YAML file, the overrides) sets."""
+    return {ALIASES.get(k, k) for k in data} & set(SIZE_KEYS)
 
 
 def translate(data: dict, unknown: list, notes: List[str], problems: List[str]) -> dict:
-    """A copy of one source's mapping with Axolotl's size names renamed (tensor_parallel_size ->
-    tp_size), its boilerplate folded (axolotl_keys.py) and `fsdp_config` (and the list form of
-    `fsdp`) folded into minipar's `fsdp` mapping. Unknown fsdp_config keys are appended to
-    `unknown`, refusals to `problems` (raised with every other problem of the file at once)."""
-    data = translate_rl(fold(dict(data), notes, problems), problems)    # rl_beta, rl: ipo (rl_keys.py)
-    for axolotl, name in {**SIZE_NAMES, **COMPILE_NAMES}.items():
-        if axolotl not in data:
+    """A copy of one source's mapping in the schema's names: Axolotl's boilerplate folded
+    (axolotl_keys.py), rl: ipo (rl_keys.py), aliases renamed (tensor_parallel_size -> tp_size; a null
+    one is unset, as in Axolotl), and `fsdp_config` (and the list form of `fsdp`) folded into
+    minipar's `fsdp` mapping. Unknown fsdp_config keys are appended to `unknown`, refusals to
+    `problems` (raised with every other problem of the file at once)."""
+    data = translate_rl(fold(dict(data), notes, problems), problems)
+    for alias, name in ALIASES.items():
+        value = data.pop(alias, None)
+        if value is None:
             continue
-        value = data.pop(axolotl)
-        if name in data and data[name] != value:
-            problems.append(f"{axolotl}: {value!r} contradicts {name}: {data[name]!r} (two names of one "
+        if data.get(name) is not None and data[name] != value:
+            problems.append(f"{alias}: {value!r} contradicts {name}: {data[name]!r} (two names of one "
                             f"setting, Axolotl's and minipar's); set one of them")
         data[name] = value
     fsdp = data.get("fsdp")
@@ -199,32 +175,10 @@ def resolve(cfg, given, notes: List[str], problems: List[str]) -> None:
             if key not in given and not (key == "warmup_steps" and cfg.warmup_ratio is not None):
                 setattr(cfg, key, value)
                 origin[key] = "Axolotl default"
-    if cfg.lr_scheduler not in LR_SCHEDULERS:
-        problems.append(f"lr_scheduler {cfg.lr_scheduler!r} is not supported; "
-                        f"supported: {list(LR_SCHEDULERS)} (minipar/optim.py: warmup over warmup_steps, "
-                        f"then cosine or linear down to min_lr_ratio x learning_rate, or constant)")
-    if cfg.optimizer not in OPTIMIZERS:
-        hint = (" (8-bit and paged optimizers need bitsandbytes' GPU kernels, which minipar does not "
-                "use: write optimizer: adamw_torch_fused)"
-                if any(w in str(cfg.optimizer) for w in ("8bit", "paged", "bnb")) else "")
-        problems.append(f"optimizer {cfg.optimizer!r} is not supported; supported: {list(OPTIMIZERS)}{hint}")
-    if cfg.fsdp_version is not None and cfg.fsdp_version not in FSDP_VERSIONS:
-        problems.append(f"fsdp_version {cfg.fsdp_version!r} is not supported; "
-                        f"supported: {list(FSDP_VERSIONS)} "
-                        f"(both mean minipar's ZeRO-3 over dp_shard_size)")
-    if cfg.gradient_accumulation_steps is not None and cfg.gradient_accumulation_steps < 1:
-        problems.append(f"gradient_accumulation_steps must be >= 1, got {cfg.gradient_accumulation_steps}")
-    if cfg.num_epochs is not None and not cfg.num_epochs > 0:
-        problems.append(f"num_epochs must be > 0, got {cfg.num_epochs}")
-    if cfg.warmup_ratio is not None and not 0 <= cfg.warmup_ratio < 1:
-        problems.append(f"warmup_ratio must lie in [0, 1) (a fraction of max_steps), got {cfg.warmup_ratio}")
     for per_epoch, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
-        value = getattr(cfg, per_epoch)
-        if value is not None and value < 1:
-            problems.append(f"{per_epoch} must be >= 1, got {value}")
-        elif value is not None and steps in given:
-            problems.append(f"{per_epoch}: {value} and {steps}: {getattr(cfg, steps)} both set how often; "
-                            f"keep one (Axolotl refuses both too)")
+        if getattr(cfg, per_epoch) is not None and steps in given:
+            problems.append(f"{per_epoch}: {getattr(cfg, per_epoch)} and {steps}: {getattr(cfg, steps)} both "
+                            f"set how often; keep one (Axolotl refuses both too)")
     # the derived sizes: None until run_setup knows the dp size and the dataset
     if cfg.gradient_accumulation_steps is not None and "global_batch_size" not in given:
         cfg.global_batch_size = None

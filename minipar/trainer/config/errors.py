@@ -1,0 +1,170 @@
+"""pydantic's ValidationError as this project's errors: one line per problem, all of a file in one.
+
+pydantic checks every key of a mapping against the schema (schema.py) and reports each failure as a
+record, {"type": "int_type", "loc": ("model", "hidden_size"), "input": 2.5}, worded for a Python
+caller ("Input should be a valid integer"). problems_of() words each one for a YAML writer, naming
+the key as written and the fix:
+
+    int_type, bool_type, ...   config key 'model.hidden_size' must be an integer, got 2.5
+    (the input None)           config key 'max_steps' cannot be null
+    greater_than, ...          learning_rate must be > 0, got -1.0     (+ the field's description;
+                               two bounds: min_lr_ratio must lie in [0, 1])
+    literal_error              ddp must be naive or bucketed, got 'fast'
+    value_error                the validator's own sentence (supported(), LlamaConfig's checks)
+    extra_forbidden            an unknown key: kept apart, for one_error's head
+
+A key written with its Axolotl alias is named with both (dpo_beta (rl_beta) must be > 0). Several
+records of one key (a union's members) are one line. one_error() then joins everything a file got
+wrong into the ONE error train.py prints as one line (exit 2): the unknown keys first, each with
+the nearest valid name ("Did you mean 'learning_rate'?") drawn from the schema's fields, aliases
+and Axolotl's table, then every wrong value, then the valid keys. Pure Python, no collective: every
+rank refuses alike, before the first one.
+"""
+from __future__ import annotations
+
+import difflib
+import typing
+from typing import Dict, List, Literal, Sequence, Tuple
+
+from pydantic import ValidationError
+
+# how alike a key and a valid key must be for a "did you mean" (difflib's ratio; its default 0.6
+# offered seed for deepspeed and learning_rate for pretraining_dataset: a hint that misleads is worse
+# than none; keys of other tools have their own explanation, axolotl_keys.FOREIGN)
+HINT_CUTOFF = 0.75
+EXPECTED = {"int": "an integer", "float": "a number (e.g. 3e-4)", "finite": "a finite number",
+            "bool": "true or false", "string": "a string", "list": "a list", "dict": "a mapping",
+            "model": "a mapping"}
+PLURAL = {"an integer": "integers", "a string": "strings", "a number (e.g. 3e-4)": "numbers",
+          "true or false": "booleans", "a mapping": "mappings"}
+BOUNDS = {"gt": (">", "("), "ge": (">=", "["), "lt": ("<", ")"), "le": ("<=", "]")}
+
+
+def names(model) -> List[str]:
+    """A model's keys as a YAML file may write them: its fields and their aliases."""
+    out = []
+    for name, f in model.model_fields.items():
+        out += [name] + ([f.validation_alias] if isinstance(f.validation_alias, str) else [])
+    return out
+
+
+def _at(data, loc) -> Tuple[tuple, object]:
+    """The key path of an error's location (the part of it that names mapping keys) and its value."""
+    path, value = (), data
+    for part in loc:
+        if not (isinstance(value, dict) and part in value):
+            break
+        path, value = path + (part,), value[part]
+    return path, value
+
+
+def _fmt(bound) -> str:
+    return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+
+def _range(name: str, field, value) -> str:
+    """greater_than & co: the field's bounds (one, or an interval) and its description."""
+    bounds = {k: getattr(m, k) for m in field.metadata for k in BOUNDS if hasattr(m, k)}
+    low = [k for k in ("gt", "ge") if k in bounds]
+    high = [k for k in ("lt", "le") if k in bounds]
+    if low and high:
+        rule = (f"must lie in {BOUNDS[low[0]][1]}{_fmt(bounds[low[0]])}, "
+                f"{_fmt(bounds[high[0]])}{BOUNDS[high[0]][1]}")
+    else:
+        k = (low or high)[0]
+        rule = f"must be {BOUNDS[k][0]} {_fmt(bounds[k])}"
+    why = f" ({field.description})" if field.description else ""
+    return f"{name} {rule}{why}, got {value}"
+
+
+def _choices(annotation) -> list:
+    if typing.get_origin(annotation) is Literal:
+        return list(typing.get_args(annotation))
+    return [c for a in typing.get_args(annotation) for c in _choices(a)]
+
+
+def _line(name: str, field, errors: list, value, deeper: bool) -> str:
+    """One line for the records of one key."""
+    kind = errors[0]["type"]
+    if value is None:
+        return f"config key '{name}' cannot be null"
+    if kind == "value_error":
+        return str(errors[0]["ctx"]["error"])
+    if field is not None and kind.split("_")[0] in ("greater", "less"):
+        return _range(name, field, errors[0]["input"])
+    if field is not None and kind == "literal_error":
+        options = [str(c) for c in _choices(field.annotation) if c is not None]
+        rule = " or ".join(options) if len(options) == 2 else "one of " + ", ".join(options)
+        why = f" ({field.description})" if field.description else ""
+        return f"{name} must be {rule}{why}, got {value!r}"
+    wanted = list(dict.fromkeys(EXPECTED.get(e["type"].split("_")[0], e["msg"].lower()) for e in errors))
+    if deeper and len(wanted) == 1:       # an item of a list
+        return f"config key '{name}' must be a list of {PLURAL.get(wanted[0], wanted[0])}, got {value!r}"
+    return f"config key '{name}' must be {' or '.join(wanted)}, got {value!r}"
+
+
+def problems_of(error: ValidationError, data: dict, sections: Dict[str, type], renamed: Dict[str, str],
+                extra_names: Sequence[str] = ()) -> Tuple[List[tuple], List[str]]:
+    """(unknown keys as (key, valid keys, prefix), one line per wrong key) of a ValidationError of
+    `data`. sections: the model of each mapping ("" the top, "model", "fsdp"); renamed: field ->
+    the alias a source wrote; extra_names: more valid top-level names for the hints."""
+    unknown, grouped = [], {}
+    for e in error.errors():
+        path, value = _at(data, e["loc"])
+        if e["type"] == "extra_forbidden":
+            prefix = ".".join(path[:-1])
+            valid = names(sections[prefix]) + (list(extra_names) if not prefix else [])
+            unknown.append((path[-1], valid, prefix + "." if prefix else ""))
+        else:
+            grouped.setdefault(path, []).append(e)
+    lines = []
+    for path, errors in grouped.items():
+        model = sections["" if len(path) == 1 else path[0]]
+        field = model.model_fields.get(path[-1]) if path else None
+        name = ".".join(map(str, path)) + (f" ({renamed[path[0]]})" if len(path) == 1 and path[0] in renamed
+                                           else "")
+        value = _at(data, path)[1]
+        deeper = any(len(e["loc"]) > len(path) and isinstance(e["loc"][len(path)], int) for e in errors)
+        lines.append(_line(name, field, errors, value, deeper))
+    return unknown, lines
+
+
+def without_failed(error: ValidationError, data: dict) -> dict:
+    """`data` without the keys that failed (a nested one alone, inside a copy of its mapping), so
+    that the rest validates and the later checks see a whole config."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for e in error.errors():
+        path = _at(data, e["loc"])[0][:2]
+        if len(path) == 2 and isinstance(out.get(path[0]), dict):
+            out[path[0]].pop(path[1], None)
+        elif path:
+            out.pop(path[0], None)
+    return out
+
+
+def one_error(unknown: List[tuple], problems: Sequence[Exception]) -> None:
+    """Raise everything a config got wrong as ONE error: the unknown keys (with the nearest valid
+    one), then every wrong value, then the valid keys. A single problem keeps its own type
+    (FileNotFoundError for a missing file). Nothing to raise: returns."""
+    if not unknown:
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:
+            raise ValueError(f"{len(problems)} config values are wrong: " + "; ".join(map(str, problems)))
+        return
+    parts, valid_lists = [], {}
+    for key, valid, prefix in unknown:
+        near = difflib.get_close_matches(key, valid, n=1, cutoff=HINT_CUTOFF)
+        parts.append((f"'{prefix}{key}'", f"Did you mean '{prefix}{near[0]}'?" if near else ""))
+        valid_lists[prefix] = valid
+    lists = "; ".join(f"Valid keys{' of ' + p[:-1] if p else ''}: {', '.join(dict.fromkeys(v))}"
+                      for p, v in valid_lists.items())
+    if len(parts) == 1:
+        head = f"unknown config key {parts[0][0]}.{' ' + parts[0][1] if parts[0][1] else ''}"
+    else:
+        head = f"{len(parts)} unknown config keys: " + ", ".join(
+            f"{name}{f' ({hint})' if hint else ''}" for name, hint in parts) + "."
+    if problems:
+        are = "s are" if len(problems) > 1 else " is"
+        head += f" And {len(problems)} config value{are} wrong: " + "; ".join(map(str, problems)) + "."
+    raise ValueError(f"{head} {lists}")

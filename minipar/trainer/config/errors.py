@@ -35,8 +35,7 @@ HINT_CUTOFF = 0.75
 EXPECTED = {"int": "an integer", "float": "a number (e.g. 3e-4)", "finite": "a finite number",
             "bool": "true or false", "string": "a string", "list": "a list", "dict": "a mapping",
             "model": "a mapping"}
-PLURAL = {"an integer": "integers", "a string": "strings", "a number (e.g. 3e-4)": "numbers",
-          "true or false": "booleans", "a mapping": "mappings"}
+PLURAL = {int: "integers", str: "strings", float: "numbers", bool: "booleans", dict: "mappings"}
 BOUNDS = {"gt": (">", "("), "ge": (">=", "["), "lt": ("<", ")"), "le": ("<=", "]")}
 
 
@@ -74,6 +73,8 @@ def _range(name: str, field, value) -> str:
         k = (low or high)[0]
         rule = f"must be {BOUNDS[k][0]} {_fmt(bounds[k])}"
     why = f" ({field.description})" if field.description else ""
+    if isinstance(value, int) and not isinstance(value, bool) and "float" in str(field.annotation):
+        value = float(value)              # a number key's value as it is used
     return f"{name} {rule}{why}, got {value}"
 
 
@@ -83,9 +84,17 @@ def _choices(annotation) -> list:
     return [c for a in typing.get_args(annotation) for c in _choices(a)]
 
 
+def _item(annotation):
+    """The item type of the list in an annotation (Optional[List[int]] -> int), or None."""
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0]
+    return next((i for a in typing.get_args(annotation) if (i := _item(a)) is not None), None)
+
+
 def _line(name: str, field, errors: list, value, deeper: bool) -> str:
     """One line for the records of one key."""
     kind = errors[0]["type"]
+    why = f" ({field.description})" if field is not None and field.description else ""
     if value is None:
         return f"config key '{name}' cannot be null"
     if kind == "value_error":
@@ -95,11 +104,13 @@ def _line(name: str, field, errors: list, value, deeper: bool) -> str:
     if field is not None and kind == "literal_error":
         options = [str(c) for c in _choices(field.annotation) if c is not None]
         rule = " or ".join(options) if len(options) == 2 else "one of " + ", ".join(options)
-        why = f" ({field.description})" if field.description else ""
         return f"{name} must be {rule}{why}, got {value!r}"
     wanted = list(dict.fromkeys(EXPECTED.get(e["type"].split("_")[0], e["msg"].lower()) for e in errors))
-    if deeper and len(wanted) == 1:       # an item of a list
-        return f"config key '{name}' must be a list of {PLURAL.get(wanted[0], wanted[0])}, got {value!r}"
+    if len(wanted) > 1 and why:           # a union (true, false or auto): its description says it
+        return f"config key '{name}' must be {field.description}, got {value!r}"
+    if deeper or kind == "list_type":     # a list, or an item of one
+        item = PLURAL.get(_item(field.annotation) if field is not None else None, "values")
+        return f"config key '{name}' must be a list of {item}, got {value!r}"
     return f"config key '{name}' must be {' or '.join(wanted)}, got {value!r}"
 
 
@@ -124,6 +135,9 @@ def problems_of(error: ValidationError, data: dict, sections: Dict[str, type], r
         name = ".".join(map(str, path)) + (f" ({renamed[path[0]]})" if len(path) == 1 and path[0] in renamed
                                            else "")
         value = _at(data, path)[1]
+        if len(path) == 1 and path[0] in sections and not isinstance(value, dict):
+            lines.append(f"config key '{name}' must be a mapping of {', '.join(names(sections[path[0]]))}")
+            continue
         deeper = any(len(e["loc"]) > len(path) and isinstance(e["loc"][len(path)], int) for e in errors)
         lines.append(_line(name, field, errors, value, deeper))
     return unknown, lines

@@ -157,11 +157,11 @@ class HyperparameterKeys(Keys):
                                                     "kernels, which minipar does not use: write optimizer: "
                                                     "adamw_torch_fused)")] = "adamw_torch"
     dtype: Literal["float32", "bfloat16"] = "float32"   # bfloat16: compute in bf16, fp32 master weights
-    bf16: Optional[Union[bool, str]] = None             # Axolotl's: true | false | auto (keys.py)
+    bf16: Optional[Union[bool, str]] = Field(None, description="true, false or auto")   # Axolotl's (keys.py)
     # true (each layer keeps its input, runs again in backward), false, or selective: torchtitan's
     # selective_ac_option op (keep matmul and attention outputs) or n (every n-th layer in full)
-    gradient_checkpointing: Union[bool, str] = False
-    selective_ac_option: Union[str, int] = "op"
+    gradient_checkpointing: Union[bool, str] = Field(False, description="true, false or selective")
+    selective_ac_option: Union[str, int] = Field("op", description="op or an integer n >= 1")
     # torch.compile of each decoder layer (minipar/regional_compile.py; docs/compile.md)
     compile: bool = Field(False, validation_alias="torch_compile")
     compile_backend: str = Field("inductor", validation_alias="torch_compile_backend")

@@ -183,7 +183,7 @@ class ParallelKeys(Keys):
     # each stage steps alone and starts the next step at once (the loss, norm and stop flag summed
     # in the background, logged a step late; clipping checked a step late: post_validate.py)
     pipeline_overlap_steps: bool = False
-    ddp_timeout: int = Field(1800, ge=1, description="seconds a collective waits for a stuck peer")
+    ddp_timeout: Number = Field(1800, gt=0, description="seconds a collective waits for a stuck peer")
     # the ladder's rungs (docs/ladder.md): the gradient all-reduce when nothing is sharded; TP's async
     # input-gradient overlap; CP's sequence split; how attention crosses the cp ranks (USP: Ulysses in
     # groups of cp_ulysses_size, the ring across them: context_parallel/ulysses.py)

@@ -1,24 +1,20 @@
-"""The checks of a loaded config that need more than one key: every wrong value at once.
+"""The checks of a loaded config that need more than one key, or a file: every problem at once.
 
-schema.py types each key and its range (pydantic: learning_rate > 0, ddp naive or bucketed, ...);
-what is left is here: a value against another (attention_backend cudnn with context parallelism,
-fsdp.wrap against the model family, LoRA on a mixture of experts), the data files (missing, a
-directory, empty), the LoRA keys and a starting adapter against the model, the reporting keys'
-packages. Every check runs before anything is written, because a value refused later is refused
-too late: after run_setup has created output_dir, taken output_dir/minipar.lock and (at the first
-step) opened metrics.jsonl, which a refused run would leave behind.
+schema.py types each key and its range; here is the rest: a value against another (attention_backend
+cudnn with context parallelism, fsdp.wrap against the model family, LoRA on a mixture of experts),
+the data files (missing, a directory, empty), a starting LoRA adapter against the model, the
+reporting keys' packages. All run before anything is written: a value refused later is refused
+after run_setup has created output_dir and taken its lock, which a refused run would leave behind.
 
-check() raises every problem with those load_config met before (refusals, wrong types, unknown
-keys) as ONE error (errors.one_error), so a config is fixed in one edit, not one run per mistake:
+check() raises these with what load_config met before (refusals, wrong types, unknown keys) as ONE
+error (errors.one_error), which train.py prints as one line, exit 2:
 
     ValueError: 3 config values are wrong: learning_rate must be > 0, got -1.0; max_grad_norm
     must be >= 0 (0 or null: no clipping), got -1.0; dataset file 'data' is a directory, not a
     file; set `dataset` to a text file (the bundled corpus is data/shakespeare.txt)
 
-A single problem keeps its own type (FileNotFoundError for a missing file); train.py prints either
-as one "[rank R] error: ..." line, exit 2. Checks that need the world, the tokenizer or the data
-(the batch against dp, the model against tp, the rows of a file) are run_setup's. Pure Python, no
-collective: every rank refuses alike.
+What needs the world, the tokenizer or the data (the batch against dp, the model against tp, the
+rows of a file) is run_setup's. Pure Python, no collective: every rank refuses alike.
 """
 from __future__ import annotations
 
@@ -147,11 +143,6 @@ def _lora(cfg) -> List[str]:
         return [f"adapter must be lora (or null: train every weight), got {cfg.adapter!r}"]
     if isinstance(cfg.lora_r, bool) or cfg.lora_r < 1:
         out.append(f"lora_r must be an integer >= 1 (the adapters' rank), got {cfg.lora_r}")
-    if not cfg.lora_alpha > 0:
-        out.append(f"lora_alpha must be > 0 (the update is scaled by lora_alpha / lora_r), "
-                   f"got {cfg.lora_alpha}")
-    if not 0.0 <= cfg.lora_dropout < 1.0:
-        out.append(f"lora_dropout must lie in [0, 1), got {cfg.lora_dropout}")
     if cfg.lora_modules_to_save:
         out.append(f"lora_modules_to_save {cfg.lora_modules_to_save} is not supported (full trainable "
                    f"copies of those modules); remove it")

@@ -2,29 +2,26 @@
 
 pydantic checks every key of a mapping against the schema (schema.py) and reports each failure as a
 record, {"type": "int_type", "loc": ("model", "hidden_size"), "input": 2.5}, worded for a Python
-caller ("Input should be a valid integer"). problems_of() words each one for a YAML writer, naming
-the key as written and the fix:
+caller ("Input should be a valid integer"). problems_of() words it for a YAML writer:
 
     int_type, bool_type, ...   config key 'model.hidden_size' must be an integer, got 2.5
-    (the input None)           config key 'max_steps' cannot be null
-    greater_than, ...          learning_rate must be > 0, got -1.0     (+ the field's description;
-                               two bounds: min_lr_ratio must lie in [0, 1])
+    the input None             config key 'max_steps' cannot be null
+    greater_than, ...          learning_rate must be > 0, got -1.0  (min_lr_ratio must lie in [0, 1];
+                               the field's description after the rule)
     literal_error              ddp must be naive or bucketed, got 'fast'
-    value_error                the validator's own sentence (supported(), LlamaConfig's checks)
-    extra_forbidden            an unknown key: kept apart, for one_error's head
+    value_error                the validator's own sentence (schema.supported(), LlamaConfig's)
+    extra_forbidden            an unknown key, for one_error's head
 
-A key written with its Axolotl alias is named with both (dpo_beta (rl_beta) must be > 0). Several
-records of one key (a union's members) are one line. one_error() then joins everything a file got
-wrong into the ONE error train.py prints as one line (exit 2): the unknown keys first, each with
-the nearest valid name ("Did you mean 'learning_rate'?") drawn from the schema's fields, aliases
-and Axolotl's table, then every wrong value, then the valid keys. Pure Python, no collective: every
-rank refuses alike, before the first one.
+A key written with its Axolotl alias is named with both: dpo_beta (rl_beta) must be > 0. one_error()
+joins everything a file got wrong into the ONE error train.py prints as one line (exit 2): the
+unknown keys, each with the nearest valid name ("Did you mean 'learning_rate'?") from the schema's
+fields and aliases and Axolotl's table, then every wrong value, then the valid keys.
 """
 from __future__ import annotations
 
 import difflib
-import typing
-from typing import Dict, List, Literal, Sequence, Tuple
+import re
+from typing import Dict, List, Sequence, Tuple
 
 from pydantic import ValidationError
 
@@ -33,9 +30,9 @@ from pydantic import ValidationError
 # than none; keys of other tools have their own explanation, axolotl_keys.FOREIGN)
 HINT_CUTOFF = 0.75
 EXPECTED = {"int": "an integer", "float": "a number (e.g. 3e-4)", "finite": "a finite number",
-            "bool": "true or false", "string": "a string", "list": "a list", "dict": "a mapping",
-            "model": "a mapping"}
-PLURAL = {int: "integers", str: "strings", float: "numbers", bool: "booleans", dict: "mappings"}
+            "bool": "true or false", "string": "a string", "list": "a list", "dict": "a mapping"}
+PLURAL = {"an integer": "integers", "a string": "strings", "a number (e.g. 3e-4)": "numbers",
+          "true or false": "booleans", "a mapping": "mappings"}
 BOUNDS = {"gt": (">", "("), "ge": (">=", "["), "lt": ("<", ")"), "le": ("<=", "]")}
 
 
@@ -78,39 +75,25 @@ def _range(name: str, field, value) -> str:
     return f"{name} {rule}{why}, got {value}"
 
 
-def _choices(annotation) -> list:
-    if typing.get_origin(annotation) is Literal:
-        return list(typing.get_args(annotation))
-    return [c for a in typing.get_args(annotation) for c in _choices(a)]
-
-
-def _item(annotation):
-    """The item type of the list in an annotation (Optional[List[int]] -> int), or None."""
-    if typing.get_origin(annotation) is list:
-        return typing.get_args(annotation)[0]
-    return next((i for a in typing.get_args(annotation) if (i := _item(a)) is not None), None)
-
-
-def _line(name: str, field, errors: list, value, deeper: bool) -> str:
-    """One line for the records of one key."""
-    kind = errors[0]["type"]
+def _line(name: str, field, errors: list, value) -> str:
+    """One line for the records of one key (several: a union's members, or a list's items)."""
+    kind, ctx = errors[0]["type"], errors[0].get("ctx", {})
     why = f" ({field.description})" if field is not None and field.description else ""
     if value is None:
         return f"config key '{name}' cannot be null"
     if kind == "value_error":
-        return str(errors[0]["ctx"]["error"])
+        return str(ctx["error"])
     if field is not None and kind.split("_")[0] in ("greater", "less"):
         return _range(name, field, errors[0]["input"])
-    if field is not None and kind == "literal_error":
-        options = [str(c) for c in _choices(field.annotation) if c is not None]
+    if kind == "literal_error":
+        options = re.findall(r"'([^']*)'", ctx["expected"])
         rule = " or ".join(options) if len(options) == 2 else "one of " + ", ".join(options)
         return f"{name} must be {rule}{why}, got {value!r}"
     wanted = list(dict.fromkeys(EXPECTED.get(e["type"].split("_")[0], e["msg"].lower()) for e in errors))
     if len(wanted) > 1 and why:           # a union (true, false or auto): its description says it
         return f"config key '{name}' must be {field.description}, got {value!r}"
-    if deeper or kind == "list_type":     # a list, or an item of one
-        item = PLURAL.get(_item(field.annotation) if field is not None else None, "values")
-        return f"config key '{name}' must be a list of {item}, got {value!r}"
+    if isinstance(errors[0]["loc"][-1], int):     # an item of a list
+        return f"config key '{name}' must be a list of {PLURAL.get(wanted[0], 'values')}, got {value!r}"
     return f"config key '{name}' must be {' or '.join(wanted)}, got {value!r}"
 
 
@@ -137,23 +120,9 @@ def problems_of(error: ValidationError, data: dict, sections: Dict[str, type], r
         value = _at(data, path)[1]
         if len(path) == 1 and path[0] in sections and not isinstance(value, dict):
             lines.append(f"config key '{name}' must be a mapping of {', '.join(names(sections[path[0]]))}")
-            continue
-        deeper = any(len(e["loc"]) > len(path) and isinstance(e["loc"][len(path)], int) for e in errors)
-        lines.append(_line(name, field, errors, value, deeper))
+        else:
+            lines.append(_line(name, field, errors, value))
     return unknown, lines
-
-
-def without_failed(error: ValidationError, data: dict) -> dict:
-    """`data` without the keys that failed (a nested one alone, inside a copy of its mapping), so
-    that the rest validates and the later checks see a whole config."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
-    for e in error.errors():
-        path = _at(data, e["loc"])[0][:2]
-        if len(path) == 2 and isinstance(out.get(path[0]), dict):
-            out[path[0]].pop(path[1], None)
-        elif path:
-            out.pop(path[0], None)
-    return out
 
 
 def one_error(unknown: List[tuple], problems: Sequence[Exception]) -> None:

@@ -5,33 +5,23 @@ refused with the values minipar supports; none is silently ignored:
 
     Axolotl / accelerate                    minipar
     tensor_parallel_size, torch_compile,    tp_size, compile, dpo_beta, min_lr_ratio, ...: the
-    rl_beta, cosine_min_lr_ratio, ...         schema's aliases (schema.py, ALIASES here): one name
-                                              per setting in the code; both names with different
-                                              values in one source are refused
+    rl_beta, cosine_min_lr_ratio, ...         schema's aliases (ALIASES); both names with
+                                              different values in one source are refused
     gradient_accumulation_steps  A          global_batch_size G = micro_batch_size M x A x dp
-                                            (any two of G, M, A imply the third; three that
-                                             disagree are refused, naming all three and dp)
+                                            (any two imply the third; three that disagree are
+                                             refused, naming all three and dp)
     num_epochs  E                           max_steps = ceil(E x samples per epoch / G)
-                                            (samples per epoch: the sampler's windows; an explicit
-                                             max_steps wins, as in Axolotl)
+                                            (an explicit max_steps wins, as in Axolotl)
     bf16: true | false | auto               dtype bfloat16 | float32 | bfloat16 where the GPU has it
-    fsdp: [full_shard, auto_wrap]           minipar's ZeRO-3 over dp_shard (the list form of FSDP1)
-    fsdp_config:                            fsdp: (accelerate's names, with or without `fsdp_`)
-      reshard_after_forward                   fsdp.reshard_after_forward
-      state_dict_type                         fsdp.state_dict_type
-      transformer_layer_cls_to_wrap           fsdp.wrap: the model family's decoder layer (Qwen2DecoderLayer,
-                                              ...) or LlamaDecoderLayer, all minipar's one layer class
-      activation_checkpointing                gradient_checkpointing
-      offload_params: true                    refused: minipar keeps parameters on the device
-      auto_wrap_policy, sharding_strategy,    accepted where they name what minipar does
-      backward_prefetch                         (TRANSFORMER_BASED_WRAP, FULL_SHARD, BACKWARD_PRE)
-      sync_module_states, use_orig_params,    no effect here (every rank draws the same weights from
-      limit_all_gathers,                        the seed; the optimizer steps the flat shards; the
-      cpu_ram_efficient_loading                 prefetch depth bounds the gathers in flight): a note
+    fsdp: [full_shard, auto_wrap]           minipar's ZeRO-3 over dp_shard (FSDP1's list form)
+    fsdp_config: {...}                      fsdp: accelerate's names, with or without `fsdp_`:
+                                            mapped (FSDP_MAPPED), accepted where they name what
+                                            ZeRO-3 does (FSDP_ACCEPTED), noted (FSDP_NO_EFFECT),
+                                            offload_params: true refused
 
-translate() runs on the raw mapping of each source (YAML file, command line) before pydantic sees
-it; resolve() runs once after, with the keys the user gave; resolve_batch() and resolve_max_steps()
-run in run_setup once the data-parallel size and the dataset are known. Nothing here communicates.
+translate() runs on each source's raw mapping (YAML file, command line) before pydantic sees it;
+resolve() once after, with the keys the user gave; resolve_batch() and resolve_max_steps() in
+run_setup once the data-parallel size and the dataset are known. Nothing here communicates.
 """
 from __future__ import annotations
 
@@ -49,7 +39,8 @@ ALIASES = {f.validation_alias: name for group in GROUPS for name, f in group.mod
            if isinstance(f.validation_alias, str)}
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "pp_size", "ep_size")
 FSDP_LIST_ITEMS = ("full_shard", "auto_wrap")
-# fsdp_config key (without the fsdp_ prefix) -> key of minipar's fsdp mapping
+# fsdp_config key (without the fsdp_ prefix) -> key of minipar's fsdp mapping (the wrap class: the
+# model family's decoder layer, Qwen2DecoderLayer, ..., or LlamaDecoderLayer, all minipar's one class)
 FSDP_MAPPED = {"reshard_after_forward": "reshard_after_forward", "state_dict_type": "state_dict_type",
                "transformer_layer_cls_to_wrap": "wrap"}
 FSDP_ACCEPTED = {"auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",), "sharding_strategy": ("FULL_SHARD", 1),
@@ -243,28 +234,23 @@ def resolve_batch(cfg, dp: int) -> int:
     elif M is None and A is None:
         if G % dp:
             raise ValueError(f"global_batch_size {G} is not divisible by the data-parallel size "
-                             f"dp_replicate x "
-                             f"dp_shard = {dp}; use a multiple of {dp}")
+                             f"dp_replicate x dp_shard = {dp}; use a multiple of {dp}")
         M, A = G // dp, 1
     elif M is None:
         if G % (A * dp):
-            raise ValueError(f"{named}: global_batch_size is not divisible by "
-                             f"gradient_accumulation_steps x dp = "
-                             f"{A} x {dp} = {A * dp}; change one of them")
+            raise ValueError(f"{named}: global_batch_size is not divisible by gradient_accumulation_steps "
+                             f"x dp = {A} x {dp} = {A * dp}; change one of them")
         M = G // (A * dp)
     elif A is None:
         if G % (M * dp):
-            raise ValueError(f"global_batch_size {G} is not a multiple of micro_batch_size {M} "
-                             f"x data-parallel "
-                             f"size {dp} = {M * dp}; use a global_batch_size that is a multiple of {M * dp}, "
-                             f"or change micro_batch_size")
+            raise ValueError(f"global_batch_size {G} is not a multiple of micro_batch_size {M} x "
+                             f"data-parallel size {dp} = {M * dp}; use a global_batch_size that is a "
+                             f"multiple of {M * dp}, or change micro_batch_size")
         A = G // (M * dp)
     elif G != M * A * dp:
-        raise ValueError(f"{named} contradict each other: "
-                         f"micro_batch_size x gradient_accumulation_steps x dp = "
-                         f"{M} x {A} x {dp} = {M * A * dp}, not {G}; "
-                         f"give two of the three and the third follows "
-                         f"(null derives it, e.g. --global_batch_size null)")
+        raise ValueError(f"{named} contradict each other: micro_batch_size x gradient_accumulation_steps x "
+                         f"dp = {M} x {A} x {dp} = {M * A * dp}, not {G}; give two of the three and the "
+                         f"third follows (null derives it, e.g. --global_batch_size null)")
     cfg.global_batch_size, cfg.micro_batch_size, cfg.gradient_accumulation_steps = G, M, A
     return A
 
@@ -278,8 +264,7 @@ def resolve_max_steps(cfg, samples_per_epoch: int, notes: List[str]) -> None:
                      f"(max_steps wins, as in Axolotl; max_steps: null trains by epochs)")
         return
     cfg.max_steps = max(1, math.ceil(cfg.num_epochs * samples_per_epoch / cfg.global_batch_size))
-    notes.append(f"num_epochs {cfg.num_epochs:g}: "
-                 f"max_steps = ceil({cfg.num_epochs:g} x {samples_per_epoch} samples "
-                 f"per epoch / global batch {cfg.global_batch_size}) = {cfg.max_steps}")
+    notes.append(f"num_epochs {cfg.num_epochs:g}: max_steps = ceil({cfg.num_epochs:g} x {samples_per_epoch} "
+                 f"samples per epoch / global batch {cfg.global_batch_size}) = {cfg.max_steps}")
     resolve_schedule(cfg, notes)
 

@@ -1,35 +1,26 @@
-"""The run's keys as typed pydantic models, in groups as Axolotl's schema has them.
+"""The run's keys as pydantic models, in groups as Axolotl's schema has them.
 
 Axolotl validates its YAML with pydantic (axolotl/utils/schemas/: a model per group of keys, the
-config inheriting them all); TrainConfig (train_config.py) inherits these groups the same way, so a
-key here has Axolotl's name, type and meaning wherever minipar does what Axolotl does:
+config inheriting them all); TrainConfig (train_config.py) inherits these groups the same way:
+DataKeys, HyperparameterKeys, ParallelKeys (accelerate's ParallelismConfig names, Axolotl's as
+aliases), RunKeys, AdapterKeys. A key has Axolotl's name, type and meaning wherever minipar does
+what Axolotl does; axolotl_keys.py says what each of Axolotl's other keys does here.
 
-    DataKeys             the corpus or `datasets`, the tokenizer, sequence_len, base_model
-    HyperparameterKeys   the batch triple, steps or epochs, AdamW, the schedule, precision, compile
-    ParallelKeys         the sizes (accelerate's ParallelismConfig names, Axolotl's as aliases),
-                         the pipeline, CP, the attention kernel, FSDP
-    RunKeys              output_dir, evaluation, checkpoints, what a run reports
-    AdapterKeys          LoRA and preference training (rl: dpo)
+STRICT makes pydantic do what a config needs: extra="forbid" (an unknown key is an error, never
+ignored), strict types (2.5 is no integer, 1 no boolean, "3" no number), no inf/nan; pydantic
+collects every failure of a mapping, and errors.py words each as one line. A rule sits on its field:
 
-One model_config (STRICT) makes pydantic do what a config needs: extra="forbid" (an unknown key
-is an error, never ignored), strict types (2.5 is no integer, 1 is no boolean, "3" is no number),
-no inf/nan; pydantic collects every failure of a mapping in one ValidationError, which errors.py
-turns into the project's one line per problem. A constraint is declared where the field is:
+    learning_rate: Number = Field(3e-3, gt=0)        -> learning_rate must be > 0, got -1.0
+    ddp: Literal["naive", "bucketed"]                -> ddp must be naive or bucketed, got 'fast'
+    tp_size: int = Field(1, ge=1, validation_alias="tensor_parallel_size")   -> both names read
+    description="0: never"                           -> the hint after a refused value
 
-    learning_rate: Number = Field(3e-3, gt=0)        -> "learning_rate must be > 0, got -1.0"
-    ddp: Literal["naive", "bucketed"]                -> "ddp must be naive or bucketed, got 'x'"
-    tp_size: int = Field(1, ge=1, validation_alias="tensor_parallel_size")
-                                                     -> both names read; keys.py refuses the two
-                                                        with different values in one source
-    description="..."                               -> the hint after a refused value
-
-Number is a float as people write it (3e-4, 1E-3: PyYAML leaves an exponent without a dot a string,
-so it is parsed here). What needs more than one key (cudnn without CP, LoRA on a mixture of
-experts, the data files) is check.py's; what Axolotl's other keys do is axolotl_keys.py's.
+Number is a float as people write it: PyYAML leaves 3e-4 (an exponent without a dot) a string, so
+it is parsed here. What needs several keys (cudnn without CP, LoRA on a mixture of experts, the
+data files) is check.py's.
 """
 from __future__ import annotations
 
-import dataclasses
 import typing
 from typing import Annotated, List, Literal, Optional, Union
 
@@ -45,13 +36,11 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 
 
 def _number(value):
-    """'3e-4' -> 0.0003 and 3 -> 3.0; anything else is left for the float check to refuse."""
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            return value
-    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    """'3e-4' -> 0.0003 (PyYAML's string for an exponent without a dot); anything else as it is."""
+    try:
+        return float(value.strip()) if isinstance(value, str) else value
+    except ValueError:
+        return value
 
 
 Number = Annotated[float, BeforeValidator(_number)]
@@ -82,20 +71,10 @@ class FSDPConfig(Keys):
     sync_each_batch: bool = True
 
 
-def _loose(typ):
-    """LlamaConfig's annotation with float read as Number (rope_theta: 1e4 from the command line)."""
-    if typ is float:
-        return Number
-    args = typing.get_args(typ)
-    if typing.get_origin(typ) is Union and float in args:
-        return Optional[Number]
-    return typ
-
-
-# the `model` section's keys: LlamaConfig's fields, typed, all unset unless given
+# the `model` section's keys: LlamaConfig's fields, typed (a float read as Number), all unset unless given
 ModelKeys = create_model("ModelKeys", __base__=Keys, **{
-    f.name: (_loose(t), None) for f, t in zip(dataclasses.fields(LlamaConfig),
-                                             typing.get_type_hints(LlamaConfig).values())})
+    name: (Number if t is float else Optional[Number] if t == Optional[float] else t, None)
+    for name, t in typing.get_type_hints(LlamaConfig).items()})
 # a run without a `model` section trains this one (configs/default.yaml's)
 SMALL_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=1024)
@@ -201,7 +180,7 @@ class ParallelKeys(Keys):
     moe_capacity_factor: Optional[Number] = None
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)   # also Axolotl's fsdp_config (keys.py)
     fsdp_version: Annotated[Optional[int], supported((1, 2), " (both mean minipar's ZeRO-3 over "
-                                                                   "dp_shard_size)")] = None
+                                                             "dp_shard_size)")] = None
 
 
 class RunKeys(Keys):
@@ -238,8 +217,8 @@ class AdapterKeys(Keys):
     # qlora and 4/8-bit bases: they need GPU kernels)
     adapter: Optional[str] = None
     lora_r: int = 8                       # the adapters' rank (checked with adapter: lora, check.py)
-    lora_alpha: Number = 16
-    lora_dropout: Number = 0.0
+    lora_alpha: Number = Field(16, gt=0, description="the update is scaled by lora_alpha / lora_r")
+    lora_dropout: Number = Field(0.0, ge=0, lt=1)
     lora_target_modules: Optional[List[str]] = None   # some of the model's projections (q_proj, ...)
     lora_target_linear: bool = False      # true: every projection of a decoder layer
     lora_model_dir: Optional[str] = None  # a PEFT adapter directory to start from

@@ -3,24 +3,21 @@
     python train.py                                   configs/default.yaml
     python train.py configs/fsdp.yaml --max_steps 20 --model.hidden_size 64 --fsdp.prefetch 2
 
-TrainConfig is a pydantic model made of schema.py's key groups (as Axolotl's config is made of its
-schemas' groups). load_config reads it in four steps, and every problem of all four is raised as
-ONE error at the end, so a file is fixed in one edit, not one run per mistake:
+TrainConfig is a pydantic model made of schema.py's key groups. load_config reads it in four steps
+and raises every problem of all four as ONE error at the end (a file is fixed in one edit):
 
-    1. each source (the file, then the command line, parsed as YAML scalars: 20, true, null,
-       [a, b]) in the schema's names: Axolotl's boilerplate folded, aliases renamed (keys.translate);
-       the command line wins key by key, a nested mapping (model, fsdp) key by key inside
-    2. pydantic validates the merged mapping: every unknown key, wrong type and value out of range
-       at once (errors.py words them); the keys that failed are dropped and the rest validated
-       again, so that steps 3-4 still see a whole config
-    3. what follows from other keys: bf16, Axolotl's defaults for a fine-tune, warmup_ratio
-       (keys.resolve); base_model's config.json as the model
-    4. the checks across keys and the data files (check.py), which raises everything at once
+    1. each source (the file, then the command line as YAML scalars: 20, true, null, [a, b]) in
+       the schema's names (keys.translate); the command line wins key by key, also inside the
+       nested `model` and `fsdp` mappings
+    2. pydantic validates the merge: every unknown key, wrong type and value out of range at once
+       (errors.py words them); the keys that failed are dropped (their defaults stand) so that
+       the steps after see a whole config
+    3. what follows from other keys (keys.resolve: bf16, Axolotl's defaults for a fine-tune);
+       base_model's config.json as the model
+    4. the checks across keys and the data files (check.py)
 
-A YAML syntax error (a tab, an unclosed bracket) is one line naming the file, line and column
-(config_files.py). Nothing here touches torch.distributed, so a bad config fails on every rank
-before the first collective. cfg.parallelism() hands the sizes on as the grid's
-ParallelismConfig (config.py, then mesh.py), cfg.recipe() the techniques as compose.Recipe.
+A YAML syntax error is one line naming the file, line and column (config_files.py). Nothing here
+touches torch.distributed: a bad config fails on every rank before the first collective.
 """
 from __future__ import annotations
 
@@ -35,20 +32,10 @@ from minipar.compose import LoRA, Recipe
 from minipar.config import ParallelismConfig
 from minipar.config_files import read_yaml, yaml_value
 from minipar.trainer.config import keys as config_keys
+from minipar.trainer.config import schema
 from minipar.trainer.config.axolotl_keys import KEYS as AXOLOTL_KEYS
 from minipar.trainer.config.check import check
-from minipar.trainer.config.errors import one_error, problems_of, without_failed
-from minipar.trainer.config.schema import (
-    SMALL_MODEL,
-    AdapterKeys,
-    DataKeys,
-    FSDPConfig,
-    HyperparameterKeys,
-    ModelKeys,
-    ParallelKeys,
-    RunKeys,
-    model_section,
-)
+from minipar.trainer.config.errors import one_error, problems_of
 from models.hf_checkpoint import read_config
 from models.llama_config import LlamaConfig
 
@@ -56,10 +43,11 @@ from models.llama_config import LlamaConfig
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-class TrainConfig(AdapterKeys, RunKeys, ParallelKeys, HyperparameterKeys, DataKeys):
+class TrainConfig(schema.AdapterKeys, schema.RunKeys, schema.ParallelKeys, schema.HyperparameterKeys,
+                  schema.DataKeys):
     """Every key of a run (schema.py has them in groups, with their types, defaults and ranges)."""
-    model: Annotated[LlamaConfig, BeforeValidator(model_section)] = Field(
-        default_factory=lambda: LlamaConfig(**SMALL_MODEL))
+    model: Annotated[LlamaConfig, BeforeValidator(schema.model_section)] = Field(
+        default_factory=lambda: LlamaConfig(**schema.SMALL_MODEL))
 
     @property
     def metrics_path(self) -> str:
@@ -94,7 +82,7 @@ class TrainConfig(AdapterKeys, RunKeys, ParallelKeys, HyperparameterKeys, DataKe
 
 # the model of each mapping a config holds, for errors.py; Axolotl's keys that fold() and
 # translate() take count as valid names in the "did you mean" hints
-SECTIONS = {"": TrainConfig, "model": ModelKeys, "fsdp": FSDPConfig}
+SECTIONS = {"": TrainConfig, "model": schema.ModelKeys, "fsdp": schema.FSDPConfig}
 MORE_NAMES = ("fsdp_config", *AXOLOTL_KEYS)
 
 
@@ -147,17 +135,14 @@ def _typed(sources: list, notes: list, unknown: list, problems: list):
                 value = {**merged[key], **value}
             merged[key], given[key] = value, origin
     renamed = {config_keys.ALIASES[k]: k for _, data in sources for k in data if k in config_keys.ALIASES}
-    data, first = dict(merged), True
-    while True:
-        try:
-            return TrainConfig.model_validate(data), given, merged
-        except ValidationError as err:
-            if first:                      # later rounds fail only for what an earlier one dropped
-                more, lines = problems_of(err, data, SECTIONS, renamed, MORE_NAMES)
-                unknown += more
-                problems += lines
-            first = False
-            data = without_failed(err, data)
+    try:
+        return TrainConfig.model_validate(merged), given, merged
+    except ValidationError as err:       # said at the end; the steps after see the keys that passed
+        more, lines = problems_of(err, merged, SECTIONS, renamed, MORE_NAMES)
+        unknown += more
+        problems += lines
+        failed = {e["loc"][0] for e in err.errors()}
+        return TrainConfig.model_validate({k: v for k, v in merged.items() if k not in failed}), given, merged
 
 
 def validate_keys(*mappings: dict) -> TrainConfig:

@@ -15,24 +15,20 @@ minipar.init creates any group, so a refusal is a clear ValueError on every rank
                    written by this launch's rank 0 a moment ago    -> fine ("this launch": the same
                                                                       MASTER_ADDR:MASTER_PORT and
                                                                       torchrun run id on every rank)
-    rank 0       under a short flock of output_dir/minipar.lock.guard (filelock's FileLock, held
-                 only while the record is read and written, the guard file removed before the
-                 flock is let go): read the record again, refuse a live holder, take over a dead
-                 one with a note, and write this process's record (a temporary file renamed into
-                 place: a reader without the guard sees the whole record or none)
+    rank 0       under filelock's flock of output_dir/minipar.lock.guard (held only while the
+                 record is read and written): refuse a live holder, take over a dead one with a
+                 note, write this process's record (renamed into place: whole or not at all)
     rank 0       release it when the run ends (Trainer.train's finally), and on every other way
-                 out of the process (an error while the trainer is built, before train() runs:
-                 atexit, in the process that took it, not in a forked child); only a run killed
-                 outright (SIGKILL, a crash of the interpreter) leaves it behind, and the next run
-                 takes it over as above
+                 out of the process (atexit, in the process that took it, not in a forked child);
+                 only a run killed outright (SIGKILL) leaves it behind, and the next run takes it
+                 over as above
 
-Why a record and not a flock held for the whole run: the record names the holder (pid, host,
-start) for the refusal, and a flock does not reach another host on every network file system. So
-the record is the lock and a dead pid its staleness; filelock only serialises two rank 0s starting
-at the same moment (one takes it, the other reads the winner's record and refuses; that launch's
-other ranks fail in minipar.init once their rank 0 has exited, as torchrun stops the whole launch).
-A lock on another host cannot be checked for liveness: it is refused, and the message says to
-delete the file if that run is gone.
+The record, not a flock held for the whole run, is the lock: it names the holder for the refusal,
+and a flock does not reach another host on every network file system; a dead pid is its staleness.
+filelock only serialises two rank 0s starting at the same moment: one takes it, the other reads the
+winner's record and refuses (its launch's other ranks fail in minipar.init once it has exited). A
+lock on another host cannot be checked for liveness: it is refused, and the message says to delete
+the file if that run is gone.
 
 A process is alive when its pid exists, is not a zombie, and (on Linux) started at the time the
 lock records, so a recycled pid does not hold a dead run's lock forever.

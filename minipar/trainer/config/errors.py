@@ -105,15 +105,15 @@ def problems_of(error: ValidationError, data: dict, sections: Dict[str, type], r
     unknown, grouped = [], {}
     for e in error.errors():
         path, value = _at(data, e["loc"])
-        if e["type"] == "extra_forbidden":
+        if e["type"] in ("extra_forbidden", "invalid_key"):      # invalid_key: a key that is no string
             prefix = ".".join(path[:-1])
             valid = names(sections[prefix]) + (list(extra_names) if not prefix else [])
-            unknown.append((path[-1], valid, prefix + "." if prefix else ""))
+            unknown.append((str(path[-1]), valid, prefix + "." if prefix else ""))
         else:
             grouped.setdefault(path, []).append(e)
     lines = []
     for path, errors in grouped.items():
-        model = sections["" if len(path) == 1 else path[0]]
+        model = sections.get("" if len(path) == 1 else path[0], sections[""])
         field = model.model_fields.get(path[-1]) if path else None
         name = ".".join(map(str, path)) + (f" ({renamed[path[0]]})" if len(path) == 1 and path[0] in renamed
                                            else "")

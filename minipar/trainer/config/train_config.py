@@ -90,7 +90,7 @@ def _example(key: str) -> str:
     """A value to show in 'needs a value' messages: true for a bool key, the default otherwise."""
     obj = TrainConfig()
     for part in key.split("."):
-        obj = getattr(obj, part, None)
+        obj = getattr(obj, config_keys.ALIASES.get(part, part), None)
     if isinstance(obj, bool):
         return "true"
     if obj is None or isinstance(obj, BaseModel) or dataclasses.is_dataclass(obj):

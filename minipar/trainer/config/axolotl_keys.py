@@ -30,8 +30,7 @@ KEYS = {
     # the schedule and the optimizer (keys.py derives the steps once max_steps is known)
     "warmup_ratio": (HONOURED, "warmup_steps = int(warmup_ratio x max_steps), as Axolotl"),
     "warmup_steps": (HONOURED, "a float below 1 is a ratio (warmup_ratio), as Axolotl accepts"),
-    "cosine_min_lr_ratio": (HONOURED, "min_lr_ratio (the cosine's floor as a fraction of learning_rate; "
-                                      "the schema's alias)"),
+    "cosine_min_lr_ratio": (HONOURED, "min_lr_ratio (the cosine's floor as a fraction of learning_rate)"),
     "adam_epsilon": (HONOURED, "AdamW's eps"),
     "lr_scheduler": (HONOURED, "cosine, cosine_with_min_lr, linear, constant, constant_with_warmup "
                                "(minipar/optim.py SCHEDULES)"),

@@ -31,10 +31,12 @@ import dataclasses
 import os
 import sys
 
+from pydantic import BaseModel
+
 from minipar.comm_calls import CollectiveError
 from minipar.trainer import lifecycle
 from minipar.trainer.checkpoint.atomic import CheckpointWriteError
-from minipar.trainer.config.keys import SIZE_NAMES
+from minipar.trainer.config.keys import ALIASES
 from minipar.trainer.config.train_config import TrainConfig
 from minipar.trainer.run_setup import setup_run
 from minipar.trainer.trainer import Trainer
@@ -44,20 +46,18 @@ USAGE = """usage: train.py [CONFIG.yaml] [--key value ...]
   CONFIG.yaml     default: configs/default.yaml (see configs/ for one file per layout)
   --key value     any config key, nested ones with a dot: --max_steps 20 --model.hidden_size 64
 
-keys (defaults in minipar/trainer/config/train_config.py):
+keys (types and defaults in minipar/trainer/config/schema.py):
 """
 
 
 def _usage() -> str:
     lines = []
-    for f in dataclasses.fields(TrainConfig):
-        value = getattr(TrainConfig(), f.name)
-        if dataclasses.is_dataclass(value):
-            inner = ", ".join(x.name for x in dataclasses.fields(value))
-            lines.append(f"  {f.name}.{{{inner}}}")
+    for name, value in TrainConfig():
+        if isinstance(value, BaseModel) or dataclasses.is_dataclass(value):
+            lines.append(f"  {name}.{{{', '.join(vars(value))}}}")
         else:
-            lines.append(f"  {f.name} = {value!r}")
-    aliases = ", ".join(f"{axolotl} = {name}" for axolotl, name in SIZE_NAMES.items())
+            lines.append(f"  {name} = {value!r}")
+    aliases = ", ".join(f"{axolotl} = {name}" for axolotl, name in ALIASES.items())
     return USAGE + "\n".join(lines) + f"\n\nAxolotl's names are accepted too: {aliases}"
 
 

@@ -17,8 +17,8 @@ hold E/ep experts each and exchange tokens; ep must divide dp_shard_size x cp_si
 edp groups, expert_parallel/dispatch.py).
 
 The names are HF accelerate's `ParallelismConfig`, and the training config's too
-(TrainConfig.parallelism() builds this one; trainer/config/keys.py maps Axolotl's YAML names onto
-them); sizes may also come from accelerate's environment variables
+(TrainConfig.parallelism() builds this one; trainer/config/schema.py takes Axolotl's YAML names as
+their aliases); sizes may also come from accelerate's environment variables
 PARALLELISM_CONFIG_{PP,DP_REPLICATE,DP_SHARD,CP,TP}_SIZE. A dp_shard_size left unset (None) takes
 whatever is left of the world after the other three, as Axolotl does, so
 `torchrun --nproc-per-node 8 train.py --tensor_parallel_size 2` shards over the remaining 4.

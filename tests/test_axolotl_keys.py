@@ -236,3 +236,18 @@ def test_axolotl_boilerplate_trains_two_steps(tmp_path):
     assert [r["step"] for r in steps] == [1, 2], rows
     assert all(math.isfinite(r["loss"]) for r in steps) and steps[0]["lr"] == pytest.approx(1.5e-3)
     assert "gradient_checkpointing_kwargs" in proc.stdout + proc.stderr
+
+
+def test_the_schema_agrees_with_the_table():
+    """Issue 41, item 0: the table stays the source of what each Axolotl key does, and the pydantic
+    schema agrees with it: an honoured key is a field or alias of TrainConfig or folded onto one
+    (flash_attention -> attention_backend); a noted or refused one is no field, and fold takes it."""
+    from minipar.trainer.config.errors import names
+    from minipar.trainer.config.train_config import TrainConfig
+    fields = set(names(TrainConfig))
+    for key, status, _ in axolotl_keys.table():
+        folded = axolotl_keys.fold({key: None}, [], []) == {}
+        if status == "honoured":
+            assert key in fields or folded, key
+        else:
+            assert key not in fields and folded, (key, status)

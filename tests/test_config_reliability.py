@@ -6,6 +6,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -235,6 +236,35 @@ def test_dead_holder_is_taken_over_with_a_note_and_released_at_the_end(tmp_path)
     assert any(f"took over {out / 'minipar.lock'} from pid {dead.pid}" in n
                for n in got["notes"]), got["notes"]
     assert not (out / "minipar.lock").exists(), "the lock is released when the run ends"
+
+
+RACE = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("run_lock", sys.argv[3])   # the file alone: no torch import
+run_lock = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run_lock)
+while time.time() < float(sys.argv[2]):
+    pass
+try:
+    run_lock.acquire(sys.argv[1], 0)
+    print("took", flush=True)
+    time.sleep(3)               # held while the others look
+except ValueError as e:
+    print("refused" if "is in use by another run" in str(e) else e, flush=True)
+"""
+
+
+def test_rank_0s_starting_at_one_moment_one_takes_the_lock(tmp_path):
+    """The read-decide-write of the lock under filelock's guard: of 4 launches starting into one
+    output_dir at the same moment, one takes it and 3 refuse; nothing is left behind at the end."""
+    out, start = tmp_path / "run", time.time() + 1.5
+    procs = [subprocess.Popen([PY, "-c", RACE, str(out), str(start), run_lock.__file__], text=True,
+                              stdout=subprocess.PIPE, env=dict(os.environ, MASTER_ADDR="127.0.0.1",
+                                                                MASTER_PORT=str(29100 + i)))
+             for i in range(4)]
+    said = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+    assert said == ["refused"] * 3 + ["took"], said
+    assert os.listdir(out) == [], os.listdir(out)
 
 
 def test_cleanup_never_touches_a_live_runs_temporary_directories(tmp_path):

@@ -292,13 +292,9 @@ def _check_train(args, world, monkeypatch, page=None, line=""):
         for out in outputs:
             assert any(f"out/{out}" in e for e in earlier), \
                 f"{line}: nothing before it on {page} writes out/{out}"
-        from minipar.trainer.config.keys import key_name
-        from minipar.trainer.config.train_config import TrainConfig, parse_overrides
-        from minipar.trainer.config.values import _apply
+        from minipar.trainer.config.train_config import parse_overrides, validate_keys
         overrides = args[1:] if args and not args[0].startswith("--") else args
-        cfg = TrainConfig()
-        for source in (config, parse_overrides(overrides)):     # unknown keys and wrong types raise
-            _apply(cfg, {key_name(k): v for k, v in source.items()})
+        validate_keys(config, parse_overrides(overrides))      # unknown keys and wrong types raise
         return
     seen = {}
 

@@ -15,21 +15,20 @@ minipar.init creates any group, so a refusal is a clear ValueError on every rank
                    written by this launch's rank 0 a moment ago    -> fine ("this launch": the same
                                                                       MASTER_ADDR:MASTER_PORT and
                                                                       torchrun run id on every rank)
-    rank 0       create the lock (written to a temporary file, then link(2)ed into place: a
-                 reader sees the whole record or none), or take over a dead holder's with a note
+    rank 0       under filelock's flock of output_dir/minipar.lock.guard (held only while the
+                 record is read and written): refuse a live holder, take over a dead one with a
+                 note, write this process's record (renamed into place: whole or not at all)
     rank 0       release it when the run ends (Trainer.train's finally), and on every other way
-                 out of the process (an error while the trainer is built, before train() runs:
-                 atexit, in the process that took it, not in a forked child); only a run killed
-                 outright (SIGKILL, a crash of the interpreter) leaves it behind, and the next run
-                 takes it over as above
+                 out of the process (atexit, in the process that took it, not in a forked child);
+                 only a run killed outright (SIGKILL) leaves it behind, and the next run takes it
+                 over as above
 
-The race, and why it is acceptable: the check needs no collective, so it cannot know what the
-other ranks saw. If two launches start into one output_dir within the same moment, both rank 0s
-try the exclusive link and one loses and raises; that launch's other ranks may have read "no
-lock" and go on into minipar.init, where they fail as soon as their rank 0 has exited (torchrun
-stops the whole launch when one worker fails). Nothing of the winner is touched: the loser wrote
-nothing but probe files. A lock on another host cannot be checked for liveness: it is refused,
-and the message says to delete the file if that run is gone.
+The record, not a flock held for the whole run, is the lock: it names the holder for the refusal,
+and a flock does not reach another host on every network file system; a dead pid is its staleness.
+filelock only serialises two rank 0s starting at the same moment: one takes it, the other reads the
+winner's record and refuses (its launch's other ranks fail in minipar.init once it has exited). A
+lock on another host cannot be checked for liveness: it is refused, and the message says to delete
+the file if that run is gone.
 
 A process is alive when its pid exists, is not a zombie, and (on Linux) started at the time the
 lock records, so a recycled pid does not hold a dead run's lock forever.
@@ -41,9 +40,13 @@ import json
 import os
 import socket
 import time
+from contextlib import contextmanager, suppress
 from typing import List, Optional
 
+from filelock import FileLock, Timeout
+
 LOCK_NAME = "minipar.lock"
+GUARD_WAIT_S = 30      # the guarded read-and-write takes milliseconds; longer is a stuck file system
 
 
 def host() -> str:
@@ -143,16 +146,41 @@ class RunLock:
         """Remove the lock if it is still ours. Safe to call twice, and on every rank."""
         if self.owner is None:
             return
-        try:
+        with suppress(ValueError, FileNotFoundError):     # unreadable or gone: not ours to remove
             info = _read(self.path)
-        except ValueError:
-            info = None
-        if info and info["pid"] == self.owner["pid"] and info["host"] == self.owner["host"]:
-            try:
+            if info and (info["pid"], info["host"]) == (self.owner["pid"], self.owner["host"]):
                 os.remove(self.path)
-            except FileNotFoundError:
-                pass
         self.owner = None
+
+
+@contextmanager
+def _guard(path: str):
+    """filelock's flock on <path>.guard around a read-decide-write of the record. The guard file is
+    removed before the flock is let go; filelock reopens the path when it finds that the file it
+    locked was unlinked meanwhile, so a waiter never holds a removed guard."""
+    guard = f"{path}.guard"
+    lock = FileLock(guard, timeout=GUARD_WAIT_S)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ValueError(f"could not take {guard} within {GUARD_WAIT_S} s: is another run starting into "
+                         f"{os.path.dirname(path)}? If none is, delete {guard}") from None
+    try:
+        yield
+    finally:
+        with suppress(FileNotFoundError):
+            os.remove(guard)
+        lock.release()
+
+
+def _write(path: str, record: dict) -> None:
+    """The record, whole or not at all: written to a temporary file, then renamed into place."""
+    tmp = f"{path}.{record['host']}-{record['pid']}"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def acquire(output_dir: str, rank: int, notes: Optional[List[str]] = None) -> RunLock:
@@ -166,36 +194,15 @@ def acquire(output_dir: str, rank: int, notes: Optional[List[str]] = None) -> Ru
         return RunLock(path, None)
     me = _owner()
     os.makedirs(output_dir, exist_ok=True)
-    tmp = f"{path}.{me['host']}-{me['pid']}"
-    with open(tmp, "w") as f:
-        json.dump(me, f)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        for _ in range(3):
-            try:
-                os.link(tmp, path)          # atomic and exclusive: fails if a lock exists
-                return RunLock(path, me)
-            except FileExistsError:
-                pass
-            info = _read(path)
-            if info is None:
-                continue                    # released between our link and our read: try again
-            if info["pid"] == me["pid"] and info["host"] == me["host"]:
-                return RunLock(path, me)    # ours already (set up twice in one process)
+    with _guard(path):
+        info = _read(path)
+        if info is not None and (info["pid"], info["host"]) != (me["pid"], me["host"]):   # not ours already
             if _alive(info):
                 raise _refuse(path, output_dir, info)
-            os.replace(tmp, path)           # a dead holder on this host: take it over
-            if (_read(path) or {}).get("pid") != me["pid"]:
-                continue                    # another run took it over at the same moment
             notes.append(f"took over {path} from pid {info['pid']} on {info['host']} (started "
                          f"{info.get('started', '?')}), which is no longer running")
-            return RunLock(path, me)
-        raise ValueError(f"could not take the lock {path}: other runs keep creating it; is another run "
-                         f"starting into output_dir {output_dir}?")
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        _write(path, me)
+    return RunLock(path, me)
 
 
 def check_writable(output_dir: str, metrics_path: str) -> None:

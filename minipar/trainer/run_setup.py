@@ -5,8 +5,9 @@ minipar.init creates a single group, so a mistake is the same clear error everyw
 setup_run is these steps, in this order, each one function below:
 
     1. load_config     the YAML file + `--key value` overrides: Axolotl's names mapped (keys.py),
-                       unknown keys and types (values.py), then every value and data file at
-                       once, all wrong ones in one error (check.py)               train_config.py
+                       keys, types and ranges (pydantic: schema.py, errors.py), then the checks
+                       across keys and the data files, all wrong ones in one error (check.py)
+                                                                                  train_config.py
     2. _check_base_model  base_model's weight headers against its config.json  models/hf_checkpoint.py
     3. _tokenizer      the tokenizer, its added tokens and chat template; a model from scratch
                        takes its vocabulary, a base model's is resized to it   data/special_tokens.py
@@ -27,8 +28,8 @@ setup_run is these steps, in this order, each one function below:
     8. _groups         minipar.init(layout): the groups (mesh.py); the same resolved config on
                        every rank? (one all-gather)                               lifecycle.py
 
-The tp size's path: the YAML's tensor_parallel_size (or tp_size) -> TrainConfig.tp_size (keys.py
-maps the name) -> cfg.parallelism() -> ParallelismConfig.resolve -> minipar.init -> pgm.tp.
+The tp size's path: the YAML's tensor_parallel_size (or tp_size) -> TrainConfig.tp_size (the
+schema's alias) -> cfg.parallelism() -> ParallelismConfig.resolve -> minipar.init -> pgm.tp.
 """
 from __future__ import annotations
 

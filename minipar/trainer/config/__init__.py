@@ -1,14 +1,16 @@
 """The run's configuration: the YAML keys (Axolotl's and accelerate's names), their types and their
 values, all checked before anything is written or any process group exists. In reading order:
 
-    train_config.py   TrainConfig (every key and its default) and load_config: YAML file, then
-                      `--key value` overrides, then the checks
-    values.py         a value checked against its key's type; one error naming every unknown key
-    keys.py           Axolotl's and accelerate's spellings mapped onto minipar's keys; the batch
-                      triple (global = micro x accumulation x dp), max_steps from num_epochs;
-                      Axolotl's defaults for a fine-tune
+    train_config.py   TrainConfig and load_config: YAML file, then `--key value` overrides, then
+                      the checks, every problem of all of them in one error
+    schema.py         the keys as pydantic models, in groups as Axolotl's schema has them: each
+                      key's type, default, range and Axolotl alias
+    errors.py         pydantic's ValidationError worded as one line per problem; unknown keys with
+                      a "did you mean" from the schema; the one error
+    keys.py           Axolotl's spellings in the schema's names; the batch triple (global = micro x
+                      accumulation x dp), max_steps from num_epochs; Axolotl's defaults for a fine-tune
     axolotl_keys.py   Axolotl's boilerplate keys, one table: honoured, noted (no effect here) or
-                      refused with the alternative; every refusal collected into the one error
-    check.py          every value check (learning_rate, max_grad_norm, save_total_limit, data
-                      paths, ...), all wrong values in one ValueError
+                      refused with the alternative
+    rl_keys.py        preference training's keys (rl: dpo) and the reference each run takes
+    check.py          the checks across keys (cudnn without CP, LoRA, the data files, ...)
 """

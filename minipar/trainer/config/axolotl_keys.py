@@ -5,8 +5,9 @@ An Axolotl YAML carries keys that mean nothing on a CPU, or that minipar does it
 them as unknown makes a user edit the file 2-4 times before it runs; ignoring them silently hides
 a difference. So each key has one row of KEYS:
 
-    honoured   mapped onto minipar's keys (flash_attention: true -> attention_backend: flash) or a
-               field of TrainConfig with the same meaning (warmup_ratio, saves_per_epoch, ...)
+    honoured   mapped onto minipar's keys (flash_attention: true -> attention_backend: flash), a
+               field of the schema (schema.py) with the same meaning (warmup_ratio, saves_per_epoch,
+               ...) or a field's alias (cosine_min_lr_ratio for min_lr_ratio)
     noted      accepted; one note line in the run's log says it has no effect here and why
     refused    one problem in the file's ONE error message, with the alternative
     foreign    keys of another tool or of work minipar does not do (deepspeed, plugins): refused with
@@ -197,13 +198,6 @@ def fold(data: dict, notes: List[str], problems: List[str]) -> dict:
             data["save_steps"] = 0
     if "eval_steps" in data and data["eval_steps"] is None:  # null: unset (evals_per_epoch or the default)
         data.pop("eval_steps")
-    if "cosine_min_lr_ratio" in data:
-        value = data.pop("cosine_min_lr_ratio")
-        if value is not None:
-            if "min_lr_ratio" in data and data["min_lr_ratio"] != value:
-                problems.append(f"cosine_min_lr_ratio: {value} contradicts min_lr_ratio: "
-                                f"{data['min_lr_ratio']}; set one of them")
-            data["min_lr_ratio"] = value
     if data.pop("auto_resume_from_checkpoints", None) and data.get("resume_from_checkpoint") is None:
         data["resume_from_checkpoint"] = "latest"
     for key in [k for k in data if k in FOREIGN]:

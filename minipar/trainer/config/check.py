@@ -1,35 +1,30 @@
-"""The value checks of a loaded config: every wrong value at once, before anything is written.
+"""The checks of a loaded config that need more than one key, or a file: every problem at once.
 
-load_config (train_config.py) applies the YAML file and the `--key value` overrides with each
-value's type checked (values.py); check() then looks at the values themselves. Every value
-the run will use is checked here, including the ones only the optimizer or the step would meet
-(learning_rate, weight_decay, warmup_steps, min_lr_ratio, adam_beta1/2, max_grad_norm) and the
-one only checkpoint rotation would (save_total_limit), because a value refused later is refused
-too late: after run_setup has created output_dir, taken output_dir/minipar.lock and (at the first
-step) opened metrics.jsonl, which a refused run would leave behind.
+schema.py types each key and its range; here is the rest: a value against another (attention_backend
+cudnn with context parallelism, fsdp.wrap against the model family, LoRA on a mixture of experts),
+the data files (missing, a directory, empty), a starting LoRA adapter against the model, the
+reporting keys' packages. All run before anything is written: a value refused later is refused
+after run_setup has created output_dir and taken its lock, which a refused run would leave behind.
 
-Several wrong values are ONE error that lists all of them, as unknown keys are (values.py),
-so a config is fixed in one edit, not one run per mistake:
+check() raises these with what load_config met before (refusals, wrong types, unknown keys) as ONE
+error (errors.one_error), which train.py prints as one line, exit 2:
 
     ValueError: 3 config values are wrong: learning_rate must be > 0, got -1.0; max_grad_norm
     must be >= 0 (0 or null: no clipping), got -1.0; dataset file 'data' is a directory, not a
     file; set `dataset` to a text file (the bundled corpus is data/shakespeare.txt)
 
-A single problem keeps its own type (FileNotFoundError for a missing file); train.py prints either
-as one "[rank R] error: ..." line, exit 2. Checks that need the world, the tokenizer or the data
-(the batch against dp, the model against tp, the rows of a file) are run_setup's. Pure Python, no
-collective: every rank refuses alike.
+What needs the world, the tokenizer or the data (the batch against dp, the model against tp, the
+rows of a file) is run_setup's. Pure Python, no collective: every rank refuses alike.
 """
 from __future__ import annotations
 
 import importlib.util
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
-from minipar.config import ATTENTION_BACKENDS, CP_IMPLS, CP_LAYOUTS
 from minipar.lora import adapter_shapes, add_lora, check_adapter, check_targets
 from minipar.pipeline_parallel import check_schedule, chunks_per_rank, split_layers
 from minipar.regional_compile import check_compile
-from minipar.trainer.config.keys import SIZE_NAMES
+from minipar.trainer.config.errors import one_error
 from minipar.trainer.data.batches import DATASET_IS, check_data_file
 from minipar.trainer.data.datasets import check_entries
 from minipar.trainer.data.preference import check_pair_entries
@@ -39,52 +34,14 @@ from models.hf_config import DECODER_LAYERS
 from models.llama import LlamaForCausalLM
 
 
-def check(cfg, earlier: Sequence = (), unknown: Optional[ValueError] = None) -> None:
-    """Every value check that needs no world; raises once, naming every wrong key and a fix, with
-    the problems load_config met before (`earlier`: refusals and wrong types, strings or errors)
-    and its unknown keys (`unknown`: values.unknown_keys_error's), all in ONE error."""
+def check(cfg, earlier: Sequence = (), unknown: Sequence[tuple] = ()) -> None:
+    """Every check across keys that needs no world; raises once, with the problems load_config met
+    before (`earlier`: strings or errors) and its unknown keys ((key, valid keys, prefix))."""
     problems: List[Exception] = [e if isinstance(e, Exception) else ValueError(e) for e in earlier]
 
-    def bad(message: str, kind=ValueError) -> None:
-        problems.append(kind(message))
+    def bad(message: str) -> None:
+        problems.append(ValueError(message))
 
-    positive = ["sequence_len", "global_batch_size", "max_steps", "logging_steps", "eval_batches",
-                "dp_replicate_size", "cp_size", "tp_size", "pp_size", "ep_size"]
-    yaml_name = {name: f"{axolotl} ({name})" for axolotl, name in SIZE_NAMES.items()}
-    for key in positive:                  # (None: derived later, from the world or the dataset)
-        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
-            bad(f"{yaml_name.get(key, key)} must be >= 1, got {getattr(cfg, key)}")
-    if cfg.ddp_timeout < 1:
-        bad(f"ddp_timeout is in seconds and must be >= 1, got {cfg.ddp_timeout}")
-    for key in ("save_steps", "eval_steps"):
-        if getattr(cfg, key) < 0:
-            bad(f"{key} must be >= 0 (0 = {'only at the end' if key == 'save_steps' else 'never'}), "
-                f"got {getattr(cfg, key)}")
-    # the optimizer, the schedule, clipping and rotation: refused here, not at step 1 or the first save
-    if not cfg.learning_rate > 0:
-        bad(f"learning_rate must be > 0, got {cfg.learning_rate}")
-    if cfg.weight_decay < 0:
-        bad(f"weight_decay must be >= 0 (0: no decay), got {cfg.weight_decay}")
-    if cfg.warmup_steps is not None and cfg.warmup_steps < 0:
-        bad(f"warmup_steps must be >= 0 (0: no warmup), got {cfg.warmup_steps}")
-    if not cfg.adam_epsilon > 0:
-        bad(f"adam_epsilon must be > 0, got {cfg.adam_epsilon}")
-    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        bad(f"min_lr_ratio must lie in [0, 1] (the final rate as a fraction of learning_rate), "
-            f"got {cfg.min_lr_ratio}")
-    for key in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(cfg, key) < 1.0:
-            bad(f"{key} must lie in [0, 1), got {getattr(cfg, key)}")
-    if cfg.max_grad_norm is not None and cfg.max_grad_norm < 0:
-        bad(f"max_grad_norm must be >= 0 (0 or null: no clipping), got {cfg.max_grad_norm}")
-    if cfg.save_total_limit is not None and cfg.save_total_limit < 0:
-        bad(f"save_total_limit must be >= 0 (0 or null: keep every checkpoint; N: keep the newest N), "
-            f"got {cfg.save_total_limit}")
-    if cfg.dtype not in ("float32", "bfloat16"):
-        bad(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
-    if cfg.fsdp.state_dict_type not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
-        bad(f"fsdp.state_dict_type must be SHARDED_STATE_DICT or FULL_STATE_DICT, "
-            f"got {cfg.fsdp.state_dict_type!r}")
     # Axolotl's transformer_layer_cls_to_wrap: the model family's decoder-layer class (Qwen2DecoderLayer,
     # ...), or minipar's own LlamaDecoderLayer, which every family's layer is here
     kind = cfg.model.model_type
@@ -92,39 +49,16 @@ def check(cfg, earlier: Sequence = (), unknown: Optional[ValueError] = None) -> 
     if not cfg.fsdp.wrap or any(c not in accepted for c in cfg.fsdp.wrap):
         bad(f"fsdp.wrap: only [{', '.join(accepted)}] units are known (the decoder layer of model_type "
             f"{kind!r}), got {cfg.fsdp.wrap}")
-    if cfg.ddp not in ("naive", "bucketed"):
-        bad(f"ddp must be naive or bucketed, got {cfg.ddp!r}")
-    if cfg.cp_layout not in CP_LAYOUTS:
-        bad(f"cp_layout must be zigzag or contiguous, got {cfg.cp_layout!r}")
-    if cfg.attention_backend not in ATTENTION_BACKENDS:
-        bad(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-            f"got {cfg.attention_backend!r}")
-    elif cfg.attention_backend == "cudnn" and (cfg.cp_size > 1 or cfg.sample_packing):
+    if cfg.attention_backend == "cudnn" and (cfg.cp_size > 1 or cfg.sample_packing):
         bad("attention_backend cudnn runs only through SDPA at context_parallel_size 1 without "
             "sample_packing (ring attention, Ulysses and packed documents merge blocks by their "
             "log-sum-exp): use auto, flash, efficient or math")
-    if cfg.cp_impl not in CP_IMPLS:
-        bad(f"cp_impl must be one of {', '.join(CP_IMPLS)}, got {cfg.cp_impl!r}")
-    if cfg.cp_ulysses_size is not None and cfg.cp_ulysses_size < 1:
-        bad(f"cp_ulysses_size must be >= 1 (USP's Ulysses group, dividing context_parallel_size), "
-            f"got {cfg.cp_ulysses_size}")
-    if cfg.fsdp.prefetch < 0:
-        bad(f"fsdp.prefetch must be >= 0, got {cfg.fsdp.prefetch}")
-    if cfg.model.vocab_size < 256 and not (cfg.tokenizer_config or getattr(cfg, "base_model", None)):
+    if cfg.model.vocab_size < 256 and not (cfg.tokenizer_config or cfg.base_model):
         bad(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's 256")
     if not cfg.datasets and (cfg.sample_packing or cfg.val_set_size):
         bad(f"sample_packing={cfg.sample_packing} and val_set_size={cfg.val_set_size} apply to the "
             f"examples of `datasets`, which is empty: the text file `dataset` is cut into full "
             f"windows already (its split is val_fraction); set `datasets`, or drop these keys")
-    if cfg.val_set_size < 0:
-        bad(f"val_set_size must be >= 0 (a fraction below 1, or a count), got {cfg.val_set_size}")
-    if cfg.micro_batch_size is not None and cfg.micro_batch_size < 1:
-        bad(f"micro_batch_size must be >= 1 or null, got {cfg.micro_batch_size}")
-    if cfg.pipeline_layers is not None and not isinstance(cfg.pipeline_layers, list):
-        bad(f"pipeline_layers must be a list of layer counts, e.g. [3, 5], got {cfg.pipeline_layers!r}")
-    v = cfg.pipeline_virtual_stages
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-        bad(f"pipeline_virtual_stages must be >= 1 or null, got {cfg.pipeline_virtual_stages}")
     moe = cfg.model.num_local_experts > 0
     if cfg.pipeline_overlap_steps:
         why = ([f"pipeline_parallel_size={cfg.pp_size} (there are no stages to overlap; "
@@ -143,34 +77,17 @@ def check(cfg, earlier: Sequence = (), unknown: Optional[ValueError] = None) -> 
         problem = check_option(cfg.gradient_checkpointing, cfg.selective_ac_option)
         if problem:
             bad(problem)
-    if not isinstance(cfg.compile, bool):
-        bad(f"compile (torch_compile) must be true or false, got {cfg.compile!r}")
     # the backend and mode here; what depends on the sizes a world resolves to, in run_setup.py
     problem = check_compile(cfg.compile is True, cfg.compile_backend, cfg.compile_mode)
     if problem:
         bad(problem)
-    if unknown is not None:
-        if problems:                      # the unknown keys first, the valid keys' list at the very end
-            head, _, valid = str(unknown).partition(" Valid keys")
-            are = "s are" if len(problems) > 1 else " is"
-            raise ValueError(f"{head} And {len(problems)} config value{are} wrong: "
-                             + "; ".join(str(p) for p in problems) + ". Valid keys" + valid)
-        raise unknown
-    if len(problems) == 1:
-        raise problems[0]
-    if problems:
-        raise ValueError(f"{len(problems)} config values are wrong: " + "; ".join(str(p) for p in problems))
-
-
-WANDB_MODES = ("online", "offline", "disabled")
+    one_error(list(unknown), problems)
 
 
 def _reporting(cfg) -> List[str]:
-    """peak_tflops, profile_steps, and the optional loggers: their packages must be importable
+    """profile_steps against max_steps, and the optional loggers: their packages must be importable
     here, on every rank, not found missing at the first step (after the groups exist)."""
     out = []
-    if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
-        out.append(f"peak_tflops must be > 0 (dense TFLOP/s of one device), got {cfg.peak_tflops}")
     ps = cfg.profile_steps
     if ps is not None:
         if len(ps) != 2 or not 1 <= ps[0] <= ps[1]:
@@ -182,8 +99,6 @@ def _reporting(cfg) -> List[str]:
     if cfg.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
         out.append("use_tensorboard: true needs the tensorboard package, which is not installed: "
                    "pip install -e '.[tensorboard]' (make installs it), or set use_tensorboard: false")
-    if cfg.wandb_mode is not None and cfg.wandb_mode not in WANDB_MODES:
-        out.append(f"wandb_mode must be one of {', '.join(WANDB_MODES)}, got {cfg.wandb_mode!r}")
     if cfg.wandb_project and cfg.wandb_mode != "disabled" and importlib.util.find_spec("wandb") is None:
         out.append(f"wandb_project {cfg.wandb_project!r} needs the wandb package, which is not installed: "
                    f"pip install wandb, or remove wandb_project (or set wandb_mode: disabled)")
@@ -228,11 +143,6 @@ def _lora(cfg) -> List[str]:
         return [f"adapter must be lora (or null: train every weight), got {cfg.adapter!r}"]
     if isinstance(cfg.lora_r, bool) or cfg.lora_r < 1:
         out.append(f"lora_r must be an integer >= 1 (the adapters' rank), got {cfg.lora_r}")
-    if not cfg.lora_alpha > 0:
-        out.append(f"lora_alpha must be > 0 (the update is scaled by lora_alpha / lora_r), "
-                   f"got {cfg.lora_alpha}")
-    if not 0.0 <= cfg.lora_dropout < 1.0:
-        out.append(f"lora_dropout must lie in [0, 1), got {cfg.lora_dropout}")
     if cfg.lora_modules_to_save:
         out.append(f"lora_modules_to_save {cfg.lora_modules_to_save} is not supported (full trainable "
                    f"copies of those modules); remove it")

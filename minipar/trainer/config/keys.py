@@ -1,47 +1,27 @@
-"""Axolotl's names for what minipar does, and the sizes that follow from other sizes.
+"""Axolotl's names for what minipar does, and the values that follow from other values.
 
 An Axolotl YAML should load as it is. Its keys map onto minipar's with their meaning, or are
 refused with the values minipar supports; none is silently ignored:
 
     Axolotl / accelerate                    minipar
-    tensor_parallel_size                    tp_size   (accelerate's names, ParallelismConfig's: one
-    context_parallel_size                   cp_size    name per size in the code; both names of
-    pipeline_parallel_size                  pp_size    one size with different values in one
-    expert_parallel_size                    ep_size    source are refused)
-    rl_beta                                 dpo_beta  (rl: ipo = rl: dpo, dpo_loss_type: ipo; rl_keys.py)
+    tensor_parallel_size, torch_compile,    tp_size, compile, dpo_beta, min_lr_ratio, ...: the
+    rl_beta, cosine_min_lr_ratio, ...         schema's aliases (ALIASES); both names with
+                                              different values in one source are refused
     gradient_accumulation_steps  A          global_batch_size G = micro_batch_size M x A x dp
-                                            (any two of G, M, A imply the third; three that
-                                             disagree are refused, naming all three and dp)
+                                            (any two imply the third; three that disagree are
+                                             refused, naming all three and dp)
     num_epochs  E                           max_steps = ceil(E x samples per epoch / G)
-                                            (samples per epoch: the sampler's windows; an explicit
-                                             max_steps wins, as in Axolotl)
+                                            (an explicit max_steps wins, as in Axolotl)
     bf16: true | false | auto               dtype bfloat16 | float32 | bfloat16 where the GPU has it
-    lr_scheduler: cosine                    linear warmup over warmup_steps, cosine to min_lr_ratio
-    optimizer: adamw_torch[_fused]          AdamW (torch's fused kernel with _fused)
-    dataset_prepared_path  DIR              the same (prepared.py): tokenized rows saved, loaded on
-                                            later starts; default <output_dir>/prepared, not
-                                            Axolotl's last_run_prepared; a note without `datasets`
-    fsdp_version: 1 | 2                     minipar's ZeRO-3 over dp_shard (flat shards per decoder
-                                            layer, FSDP2's reshard_after_forward)
-    fsdp: [full_shard, auto_wrap]           the same (the list form of Axolotl's FSDP1 configs)
-    fsdp_config:                            fsdp: (accelerate's names, with or without `fsdp_`)
-      reshard_after_forward                   fsdp.reshard_after_forward
-      state_dict_type                         fsdp.state_dict_type
-      transformer_layer_cls_to_wrap           fsdp.wrap: the model family's decoder layer (Qwen2DecoderLayer,
-                                              ...) or LlamaDecoderLayer, all minipar's one layer class
-      activation_checkpointing                gradient_checkpointing
-      offload_params: true                    refused: minipar keeps parameters on the device
-      auto_wrap_policy, sharding_strategy,    accepted where they name what minipar does
-      backward_prefetch                         (TRANSFORMER_BASED_WRAP, FULL_SHARD, BACKWARD_PRE)
-      sync_module_states, use_orig_params,    no effect here (every rank draws the same weights from
-      limit_all_gathers,                        the seed; the optimizer steps the flat shards; the
-      cpu_ram_efficient_loading                 prefetch depth bounds the gathers in flight; no rank
-                                                holds more than one full tensor at a time): a note
+    fsdp: [full_shard, auto_wrap]           minipar's ZeRO-3 over dp_shard (FSDP1's list form)
+    fsdp_config: {...}                      fsdp: accelerate's names, with or without `fsdp_`:
+                                            mapped (FSDP_MAPPED), accepted where they name what
+                                            ZeRO-3 does (FSDP_ACCEPTED), noted (FSDP_NO_EFFECT),
+                                            offload_params: true refused
 
-translate() runs on the raw mapping of each source (YAML file, command line) before its keys are
-applied; resolve() runs once after, with the set of keys the user gave; resolve_batch() and
-resolve_max_steps() run in run_setup once the data-parallel size and the dataset are known.
-Nothing here communicates.
+translate() runs on each source's raw mapping (YAML file, command line) before pydantic sees it;
+resolve() once after, with the keys the user gave; resolve_batch() and resolve_max_steps() in
+run_setup once the data-parallel size and the dataset are known. Nothing here communicates.
 """
 from __future__ import annotations
 
@@ -50,15 +30,17 @@ import os
 from typing import List
 
 from minipar import cuda_env
-from minipar.lr_schedule import SCHEDULES
-from minipar.optim import optimizer_problem
 from minipar.trainer.config.axolotl_keys import fold
-from minipar.trainer.config.rl_keys import RL_NAMES, rl_problems, translate_rl
+from minipar.trainer.config.rl_keys import rl_problems, translate_rl
+from minipar.trainer.config.schema import GROUPS
 
-LR_SCHEDULERS = tuple(SCHEDULES)
-FSDP_VERSIONS = (1, 2)
+# Axolotl's (and TRL's) name of a setting -> the schema's field (its validation_alias)
+ALIASES = {f.validation_alias: name for group in GROUPS for name, f in group.model_fields.items()
+           if isinstance(f.validation_alias, str)}
+SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "pp_size", "ep_size")
 FSDP_LIST_ITEMS = ("full_shard", "auto_wrap")
-# fsdp_config key (without the fsdp_ prefix) -> key of minipar's fsdp mapping
+# fsdp_config key (without the fsdp_ prefix) -> key of minipar's fsdp mapping (the wrap class: the
+# model family's decoder layer, Qwen2DecoderLayer, ..., or LlamaDecoderLayer, all minipar's one class)
 FSDP_MAPPED = {"reshard_after_forward": "reshard_after_forward", "state_dict_type": "state_dict_type",
                "transformer_layer_cls_to_wrap": "wrap"}
 FSDP_ACCEPTED = {"auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",), "sharding_strategy": ("FULL_SHARD", 1),
@@ -68,39 +50,24 @@ FSDP_CONFIG_KEYS = (*FSDP_MAPPED, "offload_params", "activation_checkpointing", 
                     *FSDP_NO_EFFECT)
 
 
-# Axolotl's YAML names of the parallel sizes -> the one name the code uses (ParallelismConfig's)
-SIZE_NAMES = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_size",
-              "pipeline_parallel_size": "pp_size", "expert_parallel_size": "ep_size"}
-
-
-# Axolotl's torch.compile keys -> minipar's (minipar/regional_compile.py), renamed as the sizes are
-COMPILE_NAMES = {"torch_compile": "compile", "torch_compile_backend": "compile_backend",
-                 "torch_compile_mode": "compile_mode"}
-
-
-def key_name(key: str) -> str:
-    """The code's name of a top-level config key: tp_size for tensor_parallel_size, dpo_beta for
-    rl_beta, else the key."""
-    return SIZE_NAMES.get(key, RL_NAMES.get(key, key))
-
-
 def size_keys(data: dict) -> set:
-    """The code's names of the parallel sizes a mapping (a YAML file, the overrides) sets."""
-    return {key_name(k) for k in data} & {"dp_replicate_size", "dp_shard_size", *SIZE_NAMES.values()}
+    """The schema's names of the parallel sizes a mapping (a YAML file, the overrides) sets."""
+    return {ALIASES.get(k, k) for k in data} & set(SIZE_KEYS)
 
 
 def translate(data: dict, unknown: list, notes: List[str], problems: List[str]) -> dict:
-    """A copy of one source's mapping with Axolotl's size names renamed (tensor_parallel_size ->
-    tp_size), its boilerplate folded (axolotl_keys.py) and `fsdp_config` (and the list form of
-    `fsdp`) folded into minipar's `fsdp` mapping. Unknown fsdp_config keys are appended to
-    `unknown`, refusals to `problems` (raised with every other problem of the file at once)."""
-    data = translate_rl(fold(dict(data), notes, problems), problems)    # rl_beta, rl: ipo (rl_keys.py)
-    for axolotl, name in {**SIZE_NAMES, **COMPILE_NAMES}.items():
-        if axolotl not in data:
+    """A copy of one source's mapping in the schema's names: Axolotl's boilerplate folded
+    (axolotl_keys.py), rl: ipo (rl_keys.py), aliases renamed (tensor_parallel_size -> tp_size; a null
+    one is unset, as in Axolotl), and `fsdp_config` (and the list form of `fsdp`) folded into
+    minipar's `fsdp` mapping. Unknown fsdp_config keys are appended to `unknown`, refusals to
+    `problems` (raised with every other problem of the file at once)."""
+    data = translate_rl(fold(dict(data), notes, problems), problems)
+    for alias, name in ALIASES.items():
+        value = data.pop(alias, None)
+        if value is None:
             continue
-        value = data.pop(axolotl)
-        if name in data and data[name] != value:
-            problems.append(f"{axolotl}: {value!r} contradicts {name}: {data[name]!r} (two names of one "
+        if data.get(name) is not None and data[name] != value:
+            problems.append(f"{alias}: {value!r} contradicts {name}: {data[name]!r} (two names of one "
                             f"setting, Axolotl's and minipar's); set one of them")
         data[name] = value
     fsdp = data.get("fsdp")
@@ -199,30 +166,10 @@ def resolve(cfg, given, notes: List[str], problems: List[str]) -> None:
             if key not in given and not (key == "warmup_steps" and cfg.warmup_ratio is not None):
                 setattr(cfg, key, value)
                 origin[key] = "Axolotl default"
-    if cfg.lr_scheduler not in LR_SCHEDULERS:
-        problems.append(f"lr_scheduler {cfg.lr_scheduler!r} is not supported; "
-                        f"supported: {list(LR_SCHEDULERS)} (minipar/optim.py: warmup over warmup_steps, "
-                        f"then cosine or linear down to min_lr_ratio x learning_rate, or constant)")
-    problem = optimizer_problem(cfg.optimizer)       # 8-bit and paged ones: why, and what to write
-    if problem:
-        problems.append(problem)
-    if cfg.fsdp_version is not None and cfg.fsdp_version not in FSDP_VERSIONS:
-        problems.append(f"fsdp_version {cfg.fsdp_version!r} is not supported; "
-                        f"supported: {list(FSDP_VERSIONS)} "
-                        f"(both mean minipar's ZeRO-3 over dp_shard_size)")
-    if cfg.gradient_accumulation_steps is not None and cfg.gradient_accumulation_steps < 1:
-        problems.append(f"gradient_accumulation_steps must be >= 1, got {cfg.gradient_accumulation_steps}")
-    if cfg.num_epochs is not None and not cfg.num_epochs > 0:
-        problems.append(f"num_epochs must be > 0, got {cfg.num_epochs}")
-    if cfg.warmup_ratio is not None and not 0 <= cfg.warmup_ratio < 1:
-        problems.append(f"warmup_ratio must lie in [0, 1) (a fraction of max_steps), got {cfg.warmup_ratio}")
     for per_epoch, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
-        value = getattr(cfg, per_epoch)
-        if value is not None and value < 1:
-            problems.append(f"{per_epoch} must be >= 1, got {value}")
-        elif value is not None and steps in given:
-            problems.append(f"{per_epoch}: {value} and {steps}: {getattr(cfg, steps)} both set how often; "
-                            f"keep one (Axolotl refuses both too)")
+        if getattr(cfg, per_epoch) is not None and steps in given:
+            problems.append(f"{per_epoch}: {getattr(cfg, per_epoch)} and {steps}: {getattr(cfg, steps)} both "
+                            f"set how often; keep one (Axolotl refuses both too)")
     # the derived sizes: None until run_setup knows the dp size and the dataset
     if cfg.gradient_accumulation_steps is not None and "global_batch_size" not in given:
         cfg.global_batch_size = None
@@ -287,28 +234,23 @@ def resolve_batch(cfg, dp: int) -> int:
     elif M is None and A is None:
         if G % dp:
             raise ValueError(f"global_batch_size {G} is not divisible by the data-parallel size "
-                             f"dp_replicate x "
-                             f"dp_shard = {dp}; use a multiple of {dp}")
+                             f"dp_replicate x dp_shard = {dp}; use a multiple of {dp}")
         M, A = G // dp, 1
     elif M is None:
         if G % (A * dp):
-            raise ValueError(f"{named}: global_batch_size is not divisible by "
-                             f"gradient_accumulation_steps x dp = "
-                             f"{A} x {dp} = {A * dp}; change one of them")
+            raise ValueError(f"{named}: global_batch_size is not divisible by gradient_accumulation_steps "
+                             f"x dp = {A} x {dp} = {A * dp}; change one of them")
         M = G // (A * dp)
     elif A is None:
         if G % (M * dp):
-            raise ValueError(f"global_batch_size {G} is not a multiple of micro_batch_size {M} "
-                             f"x data-parallel "
-                             f"size {dp} = {M * dp}; use a global_batch_size that is a multiple of {M * dp}, "
-                             f"or change micro_batch_size")
+            raise ValueError(f"global_batch_size {G} is not a multiple of micro_batch_size {M} x "
+                             f"data-parallel size {dp} = {M * dp}; use a global_batch_size that is a "
+                             f"multiple of {M * dp}, or change micro_batch_size")
         A = G // (M * dp)
     elif G != M * A * dp:
-        raise ValueError(f"{named} contradict each other: "
-                         f"micro_batch_size x gradient_accumulation_steps x dp = "
-                         f"{M} x {A} x {dp} = {M * A * dp}, not {G}; "
-                         f"give two of the three and the third follows "
-                         f"(null derives it, e.g. --global_batch_size null)")
+        raise ValueError(f"{named} contradict each other: micro_batch_size x gradient_accumulation_steps x "
+                         f"dp = {M} x {A} x {dp} = {M * A * dp}, not {G}; give two of the three and the "
+                         f"third follows (null derives it, e.g. --global_batch_size null)")
     cfg.global_batch_size, cfg.micro_batch_size, cfg.gradient_accumulation_steps = G, M, A
     return A
 
@@ -322,8 +264,7 @@ def resolve_max_steps(cfg, samples_per_epoch: int, notes: List[str]) -> None:
                      f"(max_steps wins, as in Axolotl; max_steps: null trains by epochs)")
         return
     cfg.max_steps = max(1, math.ceil(cfg.num_epochs * samples_per_epoch / cfg.global_batch_size))
-    notes.append(f"num_epochs {cfg.num_epochs:g}: "
-                 f"max_steps = ceil({cfg.num_epochs:g} x {samples_per_epoch} samples "
-                 f"per epoch / global batch {cfg.global_batch_size}) = {cfg.max_steps}")
+    notes.append(f"num_epochs {cfg.num_epochs:g}: max_steps = ceil({cfg.num_epochs:g} x {samples_per_epoch} "
+                 f"samples per epoch / global batch {cfg.global_batch_size}) = {cfg.max_steps}")
     resolve_schedule(cfg, notes)
 

@@ -4,10 +4,10 @@
     rl: dpo                               rl dpo: DPO on `datasets` pairs (minipar/dpo_step.py)
     rl: ipo                               rl dpo, dpo_loss_type ipo (Axolotl's spelling of IPO)
     rl: kto | orpo | simpo | grpo | ...   refused, naming the supported values
-    rl_beta  or  dpo_beta                 dpo_beta (one name in the code; both given and different:
-                                          refused)
+    rl_beta  or  dpo_beta                 dpo_beta (the schema's alias: one name in the code; both
+                                          given and different: refused)
     dpo_loss_type: sigmoid | ipo          TRL's loss_type (the sigmoid loss of Rafailov et al. 2023,
-                                          or IPO of Azar et al. 2023)
+                                          or IPO of Azar et al. 2023; typed in schema.py)
     precompute_ref_log_probs              TRL's: the reference's log-probs of every pair computed in
                                           one pass before training
 
@@ -24,27 +24,19 @@ The reference (docs/dpo.md has what each costs; minipar/dpo_reference.py):
                                           it instead (the adapters-off model before step 1)
 
 translate_rl runs on each source's raw mapping (keys.translate calls it), rl_problems once all
-sources are applied (keys.resolve). Pure Python, no communication.
+sources are applied (keys.resolve); the keys' types and ranges are schema.py's. Pure Python, no
+communication.
 """
 from __future__ import annotations
 
 from typing import List, Optional
 
 RL_TYPES = ("dpo",)
-RL_NAMES = {"rl_beta": "dpo_beta"}      # Axolotl's name -> the code's
 RL_ALIASES = {"ipo": ("dpo", "ipo")}     # Axolotl's rl value -> (rl, dpo_loss_type)
-LOSS_TYPES = ("sigmoid", "ipo")
 
 
 def translate_rl(data: dict, problems: List[str]) -> dict:
-    """rl_beta -> dpo_beta and rl: ipo -> rl: dpo + dpo_loss_type: ipo, in one source's mapping."""
-    if "rl_beta" in data:
-        value = data.pop("rl_beta")
-        if value is not None:
-            if data.get("dpo_beta") is not None and data["dpo_beta"] != value:
-                problems.append(f"rl_beta: {value!r} contradicts dpo_beta: {data['dpo_beta']!r} (two "
-                                f"names of DPO's beta); set one of them")
-            data["dpo_beta"] = value
+    """rl: ipo -> rl: dpo + dpo_loss_type: ipo, in one source's mapping."""
     if data.get("rl") in RL_ALIASES:
         rl, loss = RL_ALIASES[data["rl"]]
         if data.get("dpo_loss_type", loss) != loss:
@@ -78,10 +70,6 @@ def rl_problems(cfg) -> List[str]:
     if cfg.rl not in RL_TYPES:
         return [f"rl: {cfg.rl!r} is not supported; supported: {list(RL_TYPES)} (and rl: ipo, DPO with "
                 f"dpo_loss_type ipo); remove `rl` for supervised fine-tuning"]
-    if cfg.dpo_loss_type not in LOSS_TYPES:
-        out.append(f"dpo_loss_type {cfg.dpo_loss_type!r} is not supported; supported: {list(LOSS_TYPES)}")
-    if not cfg.dpo_beta > 0:
-        out.append(f"dpo_beta (rl_beta) must be > 0, got {cfg.dpo_beta}")
     if not cfg.datasets:
         out.append("rl: dpo trains on preference pairs: set `datasets` to a JSONL file of prompt / chosen / "
                    "rejected rows (Axolotl's chat_template form, or the plain form; docs/dpo.md)")

@@ -44,7 +44,8 @@ import torch
 import minipar
 from minipar import comm
 from minipar.batch_split import check_batch_split, count_label_tokens, local_batch
-from minipar.compose import ParallelModel, Recipe, Step, build
+from minipar.compose import ParallelModel, Step, build
+from minipar.recipe import Recipe
 from minipar.config import ParallelismConfig
 from minipar.lr_schedule import build_scheduler
 from minipar.optim import build_optimizer
@@ -126,7 +127,7 @@ def prepare(model, pgm=None, *, learning_rate: float = 1e-4, weight_decay: float
     the Hugging Face Trainer's (AdamW, betas 0.9/0.999, eps 1e-8, no weight decay); the schedule is
     linear warmup then constant, or cosine down to min_lr_ratio x lr when max_steps is given.
     Technique settings (dtype, seed, gradient_checkpointing, pipeline_schedule, lora, ...) are
-    compose.Recipe's fields, given as keywords or as one `recipe`."""
+    recipe.Recipe's fields, given as keywords or as one `recipe`."""
     if recipe is not None and recipe_fields:
         raise ValueError(f"prepare: give the technique settings either as recipe= or as keywords, not both "
                          f"(got recipe and {sorted(recipe_fields)})")

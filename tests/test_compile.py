@@ -17,7 +17,7 @@ import torch
 import minipar
 from minipar import comm_ledger
 from minipar.api import prepare
-from minipar.compose import LoRA
+from minipar.recipe import LoRA
 from minipar.config import ParallelismConfig
 from models.llama_config import LlamaConfig
 from tests.harness import run_world

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import minipar
-from minipar.compose import LoRA
+from minipar.recipe import LoRA
 from minipar.config import ParallelismConfig
 from tests.harness import run_world
 
@@ -256,7 +256,8 @@ def test_frozen_copy_equals_the_precomputed_reference(name):
 
 def _refusals():
     from minipar.api import model_config
-    from minipar.compose import Recipe, build
+    from minipar.compose import build
+    from minipar.recipe import Recipe
     from minipar.dpo_reference import frozen_copy
     from minipar.dpo_step import DPOStep
     out, config = [], model_config(dict(CFG))[0]

@@ -12,7 +12,7 @@ each step, evaluation and checkpoints. It is built from parts it holds, not from
 
 A step here is: this rank's micro-batches of the step's global batch (prepared during the last
 step), compose.Step on them, then the next step's batches prepared while the device works. The
-settings come from the config once (TrainConfig.recipe(): compose.Recipe); the closing summary's
+settings come from the config once (TrainConfig.recipe(): recipe.Recipe); the closing summary's
 prediction from the planner (prediction.py).
 
 Everything that can be checked without communicating is checked before, by run_setup.setup_run.

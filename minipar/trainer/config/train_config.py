@@ -28,7 +28,7 @@ from typing import Annotated, List, Optional
 import yaml
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
-from minipar.compose import LoRA, Recipe
+from minipar.recipe import LoRA, Recipe
 from minipar.config import ParallelismConfig
 from minipar.config_files import read_yaml, yaml_value
 from minipar.trainer.config import keys as config_keys

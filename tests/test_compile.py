@@ -2,11 +2,12 @@
 the first step only, and breaks its graphs only at the collectives' boundaries.
 
 Each case runs the same model, batches and layout twice, eagerly and compiled, and compares on
-every rank: the first step's gradients (fp32, 1e-5) and a few steps' losses (1e-4). The backend is
-aot_eager (dynamo's tracing and AOT autograd's joint graph, run by the eager kernels: the compiled
-path without inductor's C++ compile, which takes minutes on a 2-core CPU) in
-test_one_process_compiled_equals_eager_without_graph_breaks and
-test_dp_shard2_hooks_stay_outside_the_compiled_layer (a one-layer model); inductor in the slow
+every rank: the first step's gradients (fp32, 1e-5), a few steps' losses (1e-4) and the collectives
+in order. The backend is aot_eager (dynamo's tracing and AOT autograd's joint graph, run by the
+eager kernels: the compiled path without inductor's C++ compile, which takes minutes on a 2-core
+CPU) for the proofs; the fast twins of the slow multi-rank proofs (ddp, pipeline, async TP, usp)
+use the eager backend (dynamo's graphs and breaks without AOT autograd: what they assert is the
+graph structure, the hooks and boundaries around it, and no recompilation); inductor in the slow
 test_one_process_inductor_equals_eager.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import minipar
 from minipar import comm_ledger
 from minipar.api import prepare
-from minipar.compose import LoRA
+from minipar.compose import LoRA, Step
 from minipar.config import ParallelismConfig
 from models.llama_config import LlamaConfig
 from tests.harness import run_world
@@ -35,11 +36,27 @@ def _batch(step):
     return ids[:, :-1], ids[:, 1:]
 
 
+def _ranks(sizes):
+    n = 1
+    for key in ("tp_size", "cp_size", "pp_size", "dp_shard_size", "dp_replicate_size"):
+        n *= sizes.get(key, 1)
+    return n
+
+
 def _train(sizes, model, settings, steps=STEPS):
     """On each rank: the first step's local gradients, the losses of `steps` steps, and the compile
-    counters (graphs after step 1 and at the end, graph breaks)."""
+    counters (graphs after each step, graph breaks). settings: prepare's, and alone=True for
+    pipeline stages that step alone (pipeline_overlap_steps: compose.Step(overlap=True))."""
+    settings = dict(settings)
+    alone = settings.pop("alone", False)
     pgm = minipar.init(ParallelismConfig(**sizes))
     pm, optimizer, step = prepare(LlamaConfig(**model), pgm, learning_rate=3e-3, **settings)
+    run = step
+    if alone:       # the trainer's Step for pipeline_overlap_steps (api.prepare has no such setting)
+        stage_step = Step(pm, optimizer, step.scheduler, 1.0, step.micro_batches, overlap=True)
+
+        def run(ids, labels):               # its loss arrives a step late: wait for it here
+            return stage_step(*step._share(ids, labels))["pending"]()
     with comm_ledger.ledger() as led:             # every collective, the hooks' included
         step.backward(*_batch(0))
     # the collectives and the markers ZeRO-3's hooks write ("zero3.forward model.layers.0", ...)
@@ -48,21 +65,21 @@ def _train(sizes, model, settings, steps=STEPS):
     optimizer.zero_grad()
     losses, graphs = [], []
     for i in range(steps):
-        losses.append(float(step(*_batch(i))["loss"]))
+        losses.append(float(run(*_batch(i))["loss"]))
         graphs.append(pm.compiled.graphs if pm.compiled else 0)
     stats = pm.compiled
-    return dict(grads=grads, calls=calls, losses=losses, graphs=graphs,
+    return dict(grads=grads, calls=calls, losses=losses, graphs=graphs, reported=stats and stats.reported,
                 breaks=stats.graph_breaks if stats else 0, reasons=stats.break_reasons() if stats else [])
 
 
-def _both(sizes, model, settings, backend):
+def _both(sizes, model, settings, backend, steps):
     """Eager, then compiled, in one world (dynamo's counters see the compiled run only)."""
-    return _train(sizes, model, settings), _train(sizes, model, dict(settings, compile=True,
-                                                                       compile_backend=backend))
+    return _train(sizes, model, settings, steps), _train(sizes, model, dict(settings, compile=True,
+                                                                              compile_backend=backend), steps)
 
 
-def _compare(n, sizes, model=TINY, backend="aot_eager", **settings):
-    out = run_world(_both, n, sizes, model, settings, backend, timeout=900)
+def _compare(n, sizes, model=TINY, backend="aot_eager", steps=STEPS, **settings):
+    out = run_world(_both, n, sizes, model, settings, backend, steps, timeout=900)
     eager, compiled = [e for e, _ in out], [c for _, c in out]
     for rank, (e, c) in enumerate(zip(eager, compiled)):
         # the same collectives in the same order: ZeRO-3's gathers and reduce-scatters and DDP's
@@ -74,6 +91,7 @@ def _compare(n, sizes, model=TINY, backend="aot_eager", **settings):
         assert c["losses"] == pytest.approx(e["losses"], abs=1e-4, rel=1e-4)
         # every graph compiled in the first forward/backward; none after (step 2 on: flat)
         assert len(set(c["graphs"])) == 1, f"rank {rank} recompiled: graphs per step {c['graphs']}"
+        assert c["reported"] or rank > 0, "rank 0 did not print the compile line after the first step"
     return compiled
 
 
@@ -98,27 +116,61 @@ def test_one_process_inductor_equals_eager():
     assert out["graphs"][0] == 1 and out["breaks"] == 0, out["reasons"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sizes,model,settings,graphs", [
-    # (graphs, graph breaks) per rank: dynamo's counters; a boundary splits the layer's graph (and
-    # dynamo counts a break at each attempt to trace through it)
-    (dict(tp_size=2, sequence_parallel=True), TINY, {}, (10, 21)),   # SP's collectives, the norms' f
-    (dict(cp_size=2, cp_impl="ring"), TINY, {}, (4, 3)),             # before and after attention
-    (dict(cp_size=2, cp_impl="ulysses"), TINY, {}, (4, 3)),
-    (dict(pp_size=2), dict(TINY, num_hidden_layers=2), dict(micro_batches=2), (1, 0)),  # one per stage
-    (dict(dp_shard_size=2, ep_size=2), MOE, {}, (2, 2)),             # attention; the MoE a boundary
-    ({}, TINY, dict(lora=LoRA(r=4, alpha=8.0)), (1, 0)),
-    ({}, TINY, dict(gradient_checkpointing="selective"), (1, 0)),    # the checkpoint inside the graph
-    ({}, TINY, dict(gradient_checkpointing=True), (1, 0)),
-    (dict(tp_size=2), TINY, dict(gradient_checkpointing=True), (9, 15)),   # checkpoint outside
-], ids=["tp2-sp", "cp2-ring", "cp2-ulysses", "pp2", "ep2-moe", "lora", "selective-ac", "full-ac",
-        "tp2-full-ac"])
-def test_layouts_compiled_equal_eager(sizes, model, settings, graphs):
-    n = max(1, sizes.get("tp_size", 1) * sizes.get("cp_size", 1) * sizes.get("pp_size", 1)
-            * sizes.get("dp_shard_size", 1))
-    out = _compare(n, sizes, model, **settings)
+PP4 = dict(TINY, num_hidden_layers=4)         # interleaved: 2 chunks of 1 layer per stage
+# (sizes, model, settings, (graphs, graph breaks) per rank): dynamo's counters; a boundary splits the
+# layer's graph (and dynamo counts a break at each attempt to trace through it)
+LAYOUTS = {
+    "tp2-sp": (dict(tp_size=2, sequence_parallel=True), TINY, {}, (10, 21)),  # SP's collectives, the norms' f
+    "cp2-ring": (dict(cp_size=2, cp_impl="ring"), TINY, {}, (4, 3)),           # before and after attention
+    "cp2-ulysses": (dict(cp_size=2, cp_impl="ulysses"), TINY, {}, (4, 3)),
+    "pp2": (dict(pp_size=2), dict(TINY, num_hidden_layers=2), dict(micro_batches=2), (1, 0)),  # one per stage
+    "ep2-moe": (dict(dp_shard_size=2, ep_size=2), MOE, {}, (2, 2)),            # attention; the MoE a boundary
+    "lora": ({}, TINY, dict(lora=LoRA(r=4, alpha=8.0)), (1, 0)),
+    "selective-ac": ({}, TINY, dict(gradient_checkpointing="selective"), (1, 0)),  # the checkpoint inside
+    "full-ac": ({}, TINY, dict(gradient_checkpointing=True), (1, 0)),
+    "tp2-full-ac": (dict(tp_size=2), TINY, dict(gradient_checkpointing=True), (9, 15)),   # checkpoint outside
+    # DDP's bucket hooks and HSDP's (ZeRO-3 over dp_shard, its reduce over dp_replicate) stay outside
+    "ddp2": (dict(dp_replicate_size=2), TINY, {}, (1, 0)),
+    "hsdp2x2": (dict(dp_replicate_size=2, dp_shard_size=2), TINY, {}, (1, 0)),
+    # async TP: the fused column-parallel Function (async_linear.py) a boundary, as f is without it
+    "tp2-async": (dict(tp_size=2, tp_async_overlap=True), TINY, {}, (8, 17)),
+    "tp2-sp-async": (dict(tp_size=2, sequence_parallel=True, tp_async_overlap=True), TINY, {}, (9, 23)),
+    # USP: Ulysses inside a ring, one boundary as ring or Ulysses alone
+    "cp4-usp": (dict(cp_size=4, cp_impl="usp", cp_ulysses_size=2), TINY, {}, (4, 3)),
+    "cp2-usp": (dict(cp_size=2, cp_impl="usp", cp_ulysses_size=2), TINY, {}, (4, 3)),   # usp's code, u = cp
+    # interleaved: two chunks per stage, their layers one graph (the same code, parameters as inputs)
+    "pp2-interleaved": (dict(pp_size=2), PP4, dict(micro_batches=2, pipeline_schedule="interleaved_1f1b"),
+                        (1, 0)),
+    # stages stepping alone (pipeline_overlap_steps): the schedule is the same, the update earlier
+    "pp2-alone": (dict(pp_size=2), dict(TINY, num_hidden_layers=2), dict(micro_batches=2, alone=True),
+                  (1, 0)),
+    "pp2-interleaved-alone": (dict(pp_size=2), PP4, dict(micro_batches=2, alone=True,
+                                                         pipeline_schedule="interleaved_1f1b"), (1, 0)),
+}
+
+
+def _check(name, backend="aot_eager", steps=STEPS):
+    sizes, model, settings, graphs = LAYOUTS[name]
+    out = _compare(_ranks(sizes), sizes, model, backend, steps, **settings)
     assert all((r["graphs"][0], r["breaks"]) == graphs for r in out), \
         [(r["graphs"][0], r["breaks"]) for r in out] + out[0]["reasons"]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_compiled_equal_eager(name):
+    _check(name)
+
+
+@pytest.mark.parametrize("name", ["ddp2", "tp2-sp-async", "cp2-usp", "pp2-interleaved-alone"])
+def test_layouts_graph_structure_fast(name):
+    """The fast twins of the slow proofs, on 2 ranks with the eager backend (dynamo's graphs and
+    breaks without AOT autograd) and 2 steps: DDP's bucket hooks outside the graph (hsdp2x2's twin
+    with test_dp_shard2_...), async TP's fused Function a boundary, USP's code (u = cp, a ring of
+    one) a boundary, two chunks of an interleaved stage in one graph while the stages step alone
+    (pp2-interleaved's and pp2-alone's twin; rank 0 prints the compile line there too)."""
+    _check(name, backend="eager", steps=2)
 
 
 # ------------------------------------------------------------------ the config keys and refusals

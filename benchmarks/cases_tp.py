@@ -113,14 +113,15 @@ def settle_embedding_output(model):
     is an AsyncCollectiveTensor (the all-reduce's lazy result) that requires grad, and it is the
     first compiled layer's input. torch 2.13's AOT autograd resolves such an input with
     trigger_wait(), which returns the inner tensor without the wrapper's autograd history (pytorch
-    PR #179849; the fix, #191113, is not in 2.13): the gradient to the embedding is lost, and the
-    backward fails in the embedding's redistribute ("'Tensor' object has no attribute
-    '_local_tensor'"). The smallest form: on 2 gloo ranks, DTensor.from_local(a, mesh,
-    [Partial()]).redistribute(mesh, [Replicate()], async_op=True).to_local() fed to a function
-    compiled with aot_eager: its output "does not require grad"; with async_op=False, or with the
-    input cloned first, the gradient arrives. torchtitan's plan has the same input (its embedding's
-    RowwiseParallel, output Shard(1) under SP); a clone outside the region waits for the collective
-    and keeps the history (clone's backward, then to_local's)."""
+    PR #179849 added that; PR #191113 proposes the fix): the gradient to the embedding is lost,
+    and the backward fails in the embedding's redistribute ("'Tensor' object has no attribute
+    '_local_tensor'"). The smallest form (tests/test_compile.py): on 2 gloo ranks,
+    DTensor.from_local(a, mesh, [Partial()]).redistribute(mesh, [Replicate()], async_op=True)
+    .to_local() fed to a function compiled with aot_eager: its output "does not require grad";
+    with async_op=False, the eager backend, or the input cloned first, `a` gets its gradient.
+    torchtitan's plan has the same input (its embedding's RowwiseParallel, output Shard(1) under
+    SP); a clone outside the region waits for the collective and keeps the history (clone's
+    backward, then to_local's)."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     def settle(module, args, out):

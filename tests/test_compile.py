@@ -286,7 +286,7 @@ def _async_collective_input():
     """The smallest form of the torch 2.13 bug that benchmarks/cases_tp.py settle_embedding_output
     works around: an async redistribute's to_local() (an AsyncCollectiveTensor that requires grad)
     as a compiled function's input, raw and cloned first. The gradient of `a`, or None where torch
-    dropped the input's autograd history (pytorch PR #179849; fixed by #191113)."""
+    dropped the input's autograd history (pytorch PR #179849; PR #191113 proposes the fix)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate
     mesh, grads = init_device_mesh("cpu", (2,)), []

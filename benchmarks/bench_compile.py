@@ -14,6 +14,9 @@ that other jobs' load hits them alike:
                     (torchtitan's order), on the same model (benchmarks/cases_dp.py runs it eagerly)
     n ranks, tp     minipar TP eager / compiled (tp n), DTensor TP compiled: the plain model under
                     parallelize_module's plan (benchmarks/cases_tp.py), each layer then compiled
+                    (torchtitan's order), the embedding's output made a plain tensor before the first
+                    compiled layer (cases_tp.settle_embedding_output: torch 2.13 loses the gradient of
+                    an AsyncCollectiveTensor input to a compiled region, and the backward fails)
 
 A step is forward + backward + AdamW on the same batches, fp32. The first two steps are warm-up
 (the first compiles every graph); the step time is the median of --steps after them, so compile
@@ -21,9 +24,7 @@ time is EXCLUDED from it and reported on its own: dynamo's compile seconds (trac
 the backend) and the first step's wall time. The results file records the load average at the
 start and end; common.save_results refuses to write it when the machine was loaded (--quick writes
 only where --out says: the 1M model, 1 and 2 ranks, aot_eager, one step, one round; the tests).
-A variant that torch cannot run here gets a row that says why (on torch 2.13 on the CPU, DTensor TP
-with compiled layers fails in backward: a redistribute's backward is handed a plain Tensor, "'Tensor'
-object has no attribute '_local_tensor'", seen with aot_eager).
+A variant that torch cannot run here gets a row that says why.
 """
 from __future__ import annotations
 
@@ -95,10 +96,11 @@ def world(variant, size, steps, backend):
                 logits = model(ids[mine])
                 torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[mine].flatten()).backward()
         else:                                     # DTensor TP compiled
-            from cases_tp import dtensor_model
+            from cases_tp import dtensor_model, settle_embedding_output
             from torch.distributed.tensor.parallel import loss_parallel
             minipar.init(ParallelismConfig())     # the plain model's one-process groups
             model = dtensor_model(cfg, init_device_mesh("cpu", (n,), mesh_dim_names=("tp",)), sp=False)
+            settle_embedding_output(model)        # the first layer's input: not an async collective's
             _compile_each_layer(model.model.layers, backend)
 
             def loss():

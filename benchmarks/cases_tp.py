@@ -105,6 +105,30 @@ def dtensor_model(cfg, mesh, sp):
     return model
 
 
+def settle_embedding_output(model):
+    """Before compiling the layers of a dtensor_model: the embedding's output made a plain tensor,
+    outside the compiled region (one copy of the (b, s, h) activations per step).
+
+    RowwiseParallel's output hook redistributes with async_op=True, so the embedding's to_local()
+    is an AsyncCollectiveTensor (the all-reduce's lazy result) that requires grad, and it is the
+    first compiled layer's input. torch 2.13's AOT autograd resolves such an input with
+    trigger_wait(), which returns the inner tensor without the wrapper's autograd history (pytorch
+    PR #179849 added that; PR #191113 proposes the fix): the gradient to the embedding is lost,
+    and the backward fails in the embedding's redistribute ("'Tensor' object has no attribute
+    '_local_tensor'"). The smallest form (tests/test_compile.py): on 2 gloo ranks,
+    DTensor.from_local(a, mesh, [Partial()]).redistribute(mesh, [Replicate()], async_op=True)
+    .to_local() fed to a function compiled with aot_eager: its output "does not require grad";
+    with async_op=False, the eager backend, or the input cloned first, `a` gets its gradient.
+    torchtitan's plan has the same input (its embedding's RowwiseParallel, output Shard(1) under
+    SP); a clone outside the region waits for the collective and keeps the history (clone's
+    backward, then to_local's)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    def settle(module, args, out):
+        return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
+    model.model.embed_tokens.register_forward_hook(settle)   # after parallelize_module's: runs last
+
+
 def tp_world(variant, size, steps):
     import minipar
     from minipar import ParallelismConfig, comm_ledger

@@ -204,10 +204,11 @@ class Step:
                 self.alone = OverlapSteps(self.schedule, self.tail, pm.model.parameters, pm.pgm)
 
     def __call__(self, n_items, micro: Sequence[dict]) -> dict:
-        if self.alone is not None:
-            return self.alone(n_items, micro)
-        loss, moe = self.backward(n_items, micro)
-        out = dict(loss=loss, **self.tail(), moe=moe)
+        if self.alone is not None:                # a stage stepping alone: its loss comes later
+            out = self.alone(n_items, micro)
+        else:
+            loss, moe = self.backward(n_items, micro)
+            out = dict(loss=loss, **self.tail(), moe=moe)
         if self.pm.compiled is not None and self.pgm.global_rank == 0:
             self.pm.compiled.report_once(print)   # the first step compiled every graph
         return out

@@ -13,6 +13,8 @@ ends (docs/compile.md has the picture):
         TP f / g, SP gather / scatter         graph BOUNDARIES (tensor_parallel/mappings.py): the
                                               hand-written autograd Functions run eagerly between
                                               two compiled graphs, their backward too
+        async TP's fused column Function      a BOUNDARY (tensor_parallel/async_linear.py): the
+                                              async collective and the overlapped backward eager
         ring / Ulysses / USP attention        a BOUNDARY (context_parallel/ring_attention.py,
                                               ulysses.py): blocks, hops and their backward eager
         an MoE feed-forward                   a BOUNDARY (models/moe.py): routing's data-dependent
@@ -26,7 +28,11 @@ ends (docs/compile.md has the picture):
                                               stays OUTSIDE, around the module call, eager (full or
                                               every n-th layer; the op policy is refused)
       ZeRO-3 post-forward hook, output hooks  free the gathered storage, arm the pre-backward gather
-    DDP's gradient hooks                      on the parameters (AccumulateGrad): outside any graph
+    DDP's, ZeRO-3's gradient hooks            on the parameters (AccumulateGrad): outside any graph
+                                              (HSDP: ZeRO-3's reduce-scatter, then the all-reduce
+                                              over dp_replicate, zero3/grad_reduce.py)
+    the pipeline schedule                     eager: 1f1b, interleaved_1f1b (each chunk's layers
+                                              compiled, one graph for all), stages stepping alone
 
 The embedding, the final norm, the lm_head and the vocab-parallel loss stay eager (they run once
 per step, and the loss's all-reduces would be boundaries anyway).

@@ -45,10 +45,10 @@ import minipar
 from minipar import comm
 from minipar.batch_split import check_batch_split, count_label_tokens, local_batch
 from minipar.compose import ParallelModel, Step, build
-from minipar.recipe import Recipe
 from minipar.config import ParallelismConfig
 from minipar.lr_schedule import build_scheduler
 from minipar.optim import build_optimizer
+from minipar.recipe import Recipe
 from models.hf_checkpoint import HFCheckpoint
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import minipar
-from minipar.recipe import LoRA
 from minipar.config import ParallelismConfig
+from minipar.recipe import LoRA
 from tests.harness import run_world
 
 CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -257,9 +257,9 @@ def test_frozen_copy_equals_the_precomputed_reference(name):
 def _refusals():
     from minipar.api import model_config
     from minipar.compose import build
-    from minipar.recipe import Recipe
     from minipar.dpo_reference import frozen_copy
     from minipar.dpo_step import DPOStep
+    from minipar.recipe import Recipe
     out, config = [], model_config(dict(CFG))[0]
     lora_model, lora_step = _prepare({}, True)
     full_model, full_step = _prepare({}, False)

@@ -28,9 +28,9 @@ from typing import Annotated, List, Optional
 import yaml
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
-from minipar.recipe import LoRA, Recipe
 from minipar.config import ParallelismConfig
 from minipar.config_files import read_yaml, yaml_value
+from minipar.recipe import LoRA, Recipe
 from minipar.trainer.config import keys as config_keys
 from minipar.trainer.config import schema
 from minipar.trainer.config.axolotl_keys import KEYS as AXOLOTL_KEYS

@@ -367,7 +367,12 @@ def test_honoured_spellings_fold_onto_minipars_keys(tmp_path):
              ("xformers_attention: true\n", dict(attention_backend="auto")),
              ("eager_attention: true\n", dict(attention_backend="math")),
              ("type_of_model: AutoModelForCausalLM\n", dict(model_type="AutoModelForCausalLM")),
-             ("trl:\n  beta: 0.2\n  use_vllm: false\n", dict(dpo_beta=0.2))]
+             ("trl:\n  beta: 0.2\n  use_vllm: false\n", dict(dpo_beta=0.2)),
+             # Axolotl's values of minipar's own keys
+             ("ddp: true\n", dict(ddp="bucketed")),
+             ("gradient_checkpointing: offload\n", dict(gradient_checkpointing=True)),
+             ("lora_target_modules: all-linear\n", dict(lora_target_linear=True, lora_target_modules=None)),
+             ("torch_compile: auto\n", dict(compile=torch.__version__ >= "2.5.1"))]
     for text, want in cases:
         cfg, notes = _load(tmp_path, text)
         assert {k: getattr(cfg, k) for k in want} == want, (text, notes)
@@ -378,6 +383,8 @@ def test_honoured_spellings_fold_onto_minipars_keys(tmp_path):
                        ("eval_strategy: epoch\nevals_per_epoch: 2\n", "eval_strategy: epoch contradicts"),
                        ("sequence_parallel_degree: 2\ncontext_parallel_size: 4\n", "contradicts"),
                        ("dpo_loss_type: [sigmoid, ipo]\n", "one loss is trained"),
+                       ("eval_steps: 0.1\n", "eval_steps: 0.1 (a fraction of the run's steps"),
+                       ("lora_target_modules: '.*proj'\n", "a string is a regex over module names"),
                        ("base_model_config: /elsewhere\n",
                         "base_model_config '/elsewhere' is not base_model")]:
         with pytest.raises(ValueError, match=re.escape(part)):

@@ -11,11 +11,11 @@ axolotl_table_run.py (which say what honoured, noted, refused and `accept` mean)
 fold(data, notes, problems) runs on each source's raw mapping (keys.translate calls it), before
 the keys are applied: honoured keys are rewritten onto minipar's (flash_attention: true ->
 attention_backend: flash, bfloat16: true -> bf16: true, eval_strategy: epoch -> evals_per_epoch: 1,
-batch_size -> gradient_accumulation_steps, profiler_steps -> profile_steps, trl.beta -> dpo_beta),
-noted keys removed with their note, refused ones appended to `problems`, where load_config raises
-them with every other problem of the file as ONE error. An empty value (null, [], {}, false) of a
-noted or refused key is the boilerplate of a template and is accepted without a word. Pure Python,
-no communication.
+batch_size -> gradient_accumulation_steps, trl.beta -> dpo_beta), and Axolotl's values of minipar's
+own keys too (ddp: true, gradient_checkpointing: offload, torch_compile: auto); noted keys are
+removed with their note, refused ones appended to `problems`, where load_config raises them with
+every other problem of the file as ONE error. An empty value (null, [], {}, false) of a noted or
+refused key is a template's boilerplate and says nothing. Pure Python, no communication.
 """
 from __future__ import annotations
 
@@ -194,6 +194,38 @@ def _profiler(data: dict, notes: List[str], problems: List[str]) -> None:
                  f"(<output_dir>/traces), no CUDA memory snapshot")
 
 
+def _values(data: dict, notes: List[str], problems: List[str]) -> None:
+    """Axolotl's values of keys minipar has with other values: ddp: true|false (Axolotl's switch),
+    gradient_checkpointing: offload, torch_compile: auto, lora_target_modules: all-linear or a
+    regex string, eval_steps / save_steps as a fraction of the run."""
+    if isinstance(data.get("ddp"), bool):
+        notes.append(f"ddp: {str(data.pop('ddp')).lower()} has no effect here: data parallelism follows the "
+                     f"world (ddp: naive | bucketed picks its gradient all-reduce)")
+    if data.get("gradient_checkpointing") in ("offload", "offload_disk"):
+        notes.append(f"gradient_checkpointing: {data['gradient_checkpointing']} -> true (the checkpointed "
+                     f"inputs stay on the device: the same result, more device memory)")
+        data["gradient_checkpointing"] = True
+    if data.get("torch_compile") == "auto":    # Axolotl's auto: compile from torch 2.5.1 on
+        import torch
+        data["torch_compile"] = torch.__version__ >= "2.5.1"     # TorchVersion compares as a version
+        notes.append(f"torch_compile: auto -> {str(data['torch_compile']).lower()} (torch "
+                     f"{torch.__version__}, as Axolotl)")
+    targets = data.get("lora_target_modules")
+    if targets == "all-linear":
+        data.pop("lora_target_modules")
+        _set(data, "lora_target_linear", True, "lora_target_modules: all-linear", problems)
+    elif isinstance(targets, str):
+        problems.append(f"lora_target_modules {targets!r}: a string is a regex over module names in PEFT, "
+                        f"which minipar does not match; give a list of projections, e.g. [q_proj, v_proj], "
+                        f"or lora_target_linear: true")
+    for key, per_epoch in (("eval_steps", "evals_per_epoch"), ("save_steps", "saves_per_epoch")):
+        value = data.get(key)
+        if isinstance(value, float) and 0 < value < 1:
+            data.pop(key)
+            problems.append(f"{key}: {value} (a fraction of the run's steps, as the HF Trainer reads it) is "
+                            f"not supported; give a number of steps, or {per_epoch}")
+
+
 def _plugins(data: dict, notes: List[str], problems: List[str]) -> None:
     value = data.pop("plugins", None)
     if _empty(value):
@@ -219,6 +251,7 @@ def fold(data: dict, notes: List[str], problems: List[str]) -> dict:
     _renamed(data, notes, problems)
     _profiler(data, notes, problems)
     _plugins(data, notes, problems)
+    _values(data, notes, problems)
     warmup = data.get("warmup_steps")
     if isinstance(warmup, float) and 0 < warmup < 1:   # Axolotl reads warmup_steps: 0.1 as a ratio
         data.pop("warmup_steps")

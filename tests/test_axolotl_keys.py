@@ -361,6 +361,7 @@ def test_honoured_spellings_fold_onto_minipars_keys(tmp_path):
              ("eval_strategy: epoch\nsave_strategy: 'no'\nmax_steps: 40\n",
               dict(evals_per_epoch=1, eval_steps=40, save_steps=0)),
              ("evaluation_strategy: 'no'\n", dict(eval_steps=0)),
+             ("save_strategy: no\nsave_steps:\n", dict(save_steps=0)),       # YAML's bare no: false
              ("batch_size: 8\nmicro_batch_size: 2\n", dict(gradient_accumulation_steps=4)),
              ("sequence_parallel_degree: 2\n", dict(cp_size=2)),
              ("profiler_steps: 3\nprofiler_steps_start: 2\n", dict(profile_steps=[3, 5])),
@@ -415,3 +416,33 @@ def test_docs_list_the_table_as_generated():
     assert block == axolotl_keys.doc_table(), (
         "docs/finetuning.md's keys table is stale: paste the output of python -c 'from "
         "minipar.trainer.config.axolotl_keys import doc_table; print(doc_table())' between its markers")
+
+
+@pytest.mark.slow
+def test_a_file_of_noted_and_honoured_keys_trains_two_steps(tmp_path):
+    """Item 1 end to end: Axolotl's spellings and no-op keys written as an Axolotl user has them
+    train 2 steps on one process, each no-op said once in the log. Slow (a fresh interpreter, ~14 s
+    here); its fast twins load the same keys: test_noted_keys_validate_with_one_note_each,
+    test_honoured_spellings_fold_onto_minipars_keys."""
+    cfg = tmp_path / "axolotl.yaml"
+    cfg.write_text("max_steps: 2\nmicro_batch_size: 2\nbatch_size: 4\nxformers_attention: true\n"
+                   "eval_strategy: 'no'\nsave_strategy: 'no'\nplugins:\n"
+                   "  - axolotl.integrations.liger.LigerPlugin\nliger_rms_norm: true\n"
+                   "liger_glu_activation: true\n"
+                   "use_mlflow: true\nmlflow_run_name: r\ndataloader_num_workers: 2\nddp: true\n"
+                   "chunked_cross_entropy: true\ninclude_tkps: true\nneftune_noise_alpha:\nfp8: false\n"
+                   "logging_steps: 1\n")
+    out = tmp_path / "out"
+    i = TINY.index("--global_batch_size")
+    argv = TINY[:i] + TINY[i + 2:]           # the batch comes from batch_size and micro_batch_size
+    proc = subprocess.run([sys.executable, "train.py", str(cfg), *argv, "--output_dir", str(out),
+                           "--save_final_checkpoint", "false"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl") if '"loss"' in x and '"lr"' in x]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows), rows
+    log = proc.stdout + proc.stderr
+    for said in ("liger_rms_norm: True has no effect", "use_mlflow: True has no effect",
+                 "dataloader_num_workers: 2 has no effect", "ddp: true has no effect", "plugins: ['axolotl"):
+        assert said in log, (said, log[-3000:])
+    assert "neftune_noise_alpha" not in log and "fp8" not in log

@@ -132,6 +132,7 @@ def _strategies(data: dict, problems: List[str]) -> None:
                                   ("eval_strategy", "eval_steps", "evals_per_epoch"),
                                   ("save_strategy", "save_steps", "saves_per_epoch")):
         value = data.pop(key, None)
+        value = "no" if value is False else value     # YAML reads a bare `no` as false
         if value in (None, "steps"):
             continue
         if value == "epoch":

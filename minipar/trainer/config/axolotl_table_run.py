@@ -154,7 +154,7 @@ PREFERENCE = {
     "trl": honoured("trl.beta: dpo_beta (rl_beta); its other keys are GRPO's (rl: grpo is refused) and "
                     "noted"),
     "dpo_label_smoothing": refused("DPO's loss has no label smoothing here; remove it",
-                                   accept=(0, 0.0)),
+                                   accept=(0, 0.0, False)),
     "dpo_use_weighting": refused("WPO's weighting of the DPO loss is not supported; remove it"),
     "dpo_loss_weights": refused("one DPO loss (dpo_loss_type sigmoid or ipo); remove dpo_loss_weights"),
     "dpo_padding_free": noted("each side of a pair is one padded row; padding-free is the same loss"),

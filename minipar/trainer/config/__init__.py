@@ -9,8 +9,11 @@ values, all checked before anything is written or any process group exists. In r
                       a "did you mean" from the schema; the one error
     keys.py           Axolotl's spellings in the schema's names; the batch triple (global = micro x
                       accumulation x dp), max_steps from num_epochs; Axolotl's defaults for a fine-tune
-    axolotl_keys.py   Axolotl's boilerplate keys, one table: honoured, noted (no effect here) or
-                      refused with the alternative
+    axolotl_keys.py   every other key of Axolotl's schema folded onto minipar's: honoured, noted
+                      (no effect here) or refused with the alternative, all in the one error
+    axolotl_table.py, axolotl_table_run.py
+                      the table: one row per key, by topic (the model, precision and kernels,
+                      LoRA, the optimizer; the data, evaluation, checkpoints and logging, the launch)
     rl_keys.py        preference training's keys (rl: dpo) and the reference each run takes
     check.py          the checks across keys (cudnn without CP, LoRA, the data files, ...)
 """

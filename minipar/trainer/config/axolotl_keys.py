@@ -1,140 +1,65 @@
-"""Axolotl's boilerplate keys: each one honoured, noted (accepted, no effect here, said once) or
-refused (with what to write instead), by one table that the docs list (docs/finetuning.md).
+"""Axolotl's keys that are not TrainConfig fields: each honoured, noted (accepted, no effect here,
+said once) or refused (with what to write instead), by one table that the docs list
+(docs/finetuning.md).
 
 An Axolotl YAML carries keys that mean nothing on a CPU, or that minipar does its own way. Refusing
 them as unknown makes a user edit the file 2-4 times before it runs; ignoring them silently hides
-a difference. So each key has one row of KEYS:
-
-    honoured   mapped onto minipar's keys (flash_attention: true -> attention_backend: flash), a
-               field of the schema (schema.py) with the same meaning (warmup_ratio, saves_per_epoch,
-               ...) or a field's alias (cosine_min_lr_ratio for min_lr_ratio)
-    noted      accepted; one note line in the run's log says it has no effect here and why
-    refused    one problem in the file's ONE error message, with the alternative
-    foreign    keys of another tool or of work minipar does not do (deepspeed, plugins): refused with
-               their own explanation instead of a misleading "did you mean" (deepspeed -> seed)
+a difference. So every top-level key of Axolotl's schema (tests/data/axolotl_schema_keys.txt) is a
+field of schema.py or has one row of KEYS, gathered from the topics of axolotl_table.py and
+axolotl_table_run.py (which say what honoured, noted, refused and `accept` mean).
 
 fold(data, notes, problems) runs on each source's raw mapping (keys.translate calls it), before
-the keys are applied: mapped keys are rewritten, noted keys removed with their note, refused ones
-appended to `problems`. An empty value (null, [], {}) of a noted or refused key is the boilerplate
-of a template and is accepted without a word. Pure Python, no communication.
+the keys are applied: honoured keys are rewritten onto minipar's (flash_attention: true ->
+attention_backend: flash, bfloat16: true -> bf16: true, eval_strategy: epoch -> evals_per_epoch: 1,
+batch_size -> gradient_accumulation_steps, trl.beta -> dpo_beta), and Axolotl's values of minipar's
+own keys too (ddp: true, gradient_checkpointing: offload, torch_compile: auto); noted keys are
+removed with their note, refused ones appended to `problems`, where load_config raises them with
+every other problem of the file as ONE error. An empty value (null, [], {}, false) of a noted or
+refused key is a template's boilerplate and says nothing. Pure Python, no communication.
 """
 from __future__ import annotations
 
 import os
 from typing import List
 
-HONOURED, NOTED, REFUSED = "honoured", "noted", "refused"
+from minipar.trainer.config import axolotl_table, axolotl_table_run
+from minipar.trainer.config.axolotl_table import NOTED, REFUSED
 
-# key -> (status, what minipar does with it). Keys that are TrainConfig fields are honoured there.
-KEYS = {
-    # the schedule and the optimizer (keys.py derives the steps once max_steps is known)
-    "warmup_ratio": (HONOURED, "warmup_steps = int(warmup_ratio x max_steps), as Axolotl"),
-    "warmup_steps": (HONOURED, "a float below 1 is a ratio (warmup_ratio), as Axolotl accepts"),
-    "cosine_min_lr_ratio": (HONOURED, "min_lr_ratio (the cosine's floor as a fraction of learning_rate)"),
-    "adam_epsilon": (HONOURED, "AdamW's eps"),
-    "lr_scheduler": (HONOURED, "cosine, cosine_with_min_lr, linear, constant, constant_with_warmup "
-                               "(minipar/optim.py SCHEDULES)"),
-    "evals_per_epoch": (HONOURED, "eval_steps = ceil(max_steps / (evals_per_epoch x num_epochs))"),
-    "saves_per_epoch": (HONOURED, "save_steps = ceil(max_steps / (saves_per_epoch x num_epochs))"),
-    "save_steps": (HONOURED, "null: no periodic saves (only the final one), as 0; unless saves_per_epoch"),
-    "eval_steps": (HONOURED, "null: evals_per_epoch decides, or minipar's default"),
-    "auto_resume_from_checkpoints": (HONOURED, "true: resume_from_checkpoint: latest"),
-    # attention: the kernel choice (context_parallel/kernel_choice.py)
-    "flash_attention": (HONOURED, "true: attention_backend flash"),
-    "sdp_attention": (HONOURED, "true: attention_backend auto (SDPA picks the kernel)"),
-    "attn_implementation": (HONOURED, "flash_attention_2 / flash_attention_3: flash; sdpa: auto; "
-                                      "eager: math"),
-    "gradient_checkpointing_kwargs": (NOTED, "use_reentrant: minipar's activation checkpointing is "
-                                             "always non-reentrant (torch.utils.checkpoint use_reentrant"
-                                             "=False)"),
-    # data
-    "pretraining_dataset": (HONOURED, "local files only: each entry becomes a `datasets` entry of type "
-                                      "pretrain (text_column), read row by row and prepared once; it "
-                                      "replaces `datasets`, as in Axolotl"),
-    "pad_to_sequence_len": (NOTED, "minipar's batches are always sequence_len long (padded or packed)"),
-    "eval_sample_packing": (NOTED, "evaluation rows are prepared as the training rows (sample_packing)"),
-    "special_tokens": (HONOURED, "bos/eos/pad/unk_token and additional_special_tokens added to the "
-                                 "tokenizer, the base's embedding (and untied lm_head) resized when it "
-                                 "has fewer rows, the model config's ids set "
-                                 "(minipar/trainer/data/special_tokens.py)"),
-    "tokens": (HONOURED, "added to the tokenizer, the embedding resized as for special_tokens"),
-    "added_tokens_overrides": (HONOURED, "{id: text}: the tokenizer's added tokens renamed, ids kept"),
-    "resize_token_embeddings_to_32x": (HONOURED, "a resized vocabulary rounded up to a multiple of 32"),
-    "mean_resizing_embeddings": (HONOURED, "true: new rows the mean of the old ones; false (Axolotl's "
-                                           "default): N(0, initializer_range) (models/resize_vocab.py)"),
-    "shrink_embeddings": (HONOURED, "a base vocabulary larger than the tokenizer cut to it"),
-    "chat_template": (HONOURED, "tokenizer_default, tokenizer_default_fallback_<name>, jinja "
-                                "(chat_template_jinja), or a name: chatml, qwen_25, llama3, mistral_v1, "
-                                "mistral_v2v3, mistral_v3_tekken, gemma, gemma3, phi_3, phi_35, phi_4, "
-                                "alpaca (minipar/trainer/data/chat_templates.py); saved with the tokenizer"),
-    "chat_template_jinja": (HONOURED, "the template of chat_template: jinja (a Jinja string or a file)"),
-    "model_type": (HONOURED, "checked against base_model's config.json architectures (AutoModelForCausalLM "
-                             "or the family's class); a mismatch is refused (models/hf_classes.py)"),
-    "tokenizer_type": (HONOURED, "checked against the tokenizer's class (AutoTokenizer, the family's "
-                                 "tokenizer, its Fast form); a mismatch is refused"),
-    "is_llama_derived_model": (NOTED, "the family comes from base_model's config.json"),
-    # precision and the runtime
-    "tf32": (NOTED, "minipar computes in `dtype` (float32 or bfloat16) and does not switch TF32 matmuls "
-                    "on; a CPU has no TF32"),
-    "strict": (NOTED, "minipar always checks every key (unknown keys are refused)"),
-    "loss_watchdog_threshold": (NOTED, "no loss watchdog: a non-finite loss stops the run"),
-    "loss_watchdog_patience": (NOTED, "no loss watchdog: a non-finite loss stops the run"),
-    "save_only_model": (NOTED, "checkpoints keep the optimizer state so a resume is exact; the model "
-                               "alone is <output_dir>/hf (export_hf)"),
-    "save_safetensors": (NOTED, "checkpoints and hf/ are always safetensors"),
-    "group_by_length": (NOTED, "rows are drawn in the sampler's seeded order"),
-    "debug": (NOTED, "no debug mode"),
-    "local_rank": (NOTED, "the rank comes from torchrun's environment"),
-    "hf_use_auth_token": (NOTED, "minipar reads local directories only"),
-    "hub_model_id": (NOTED, "nothing is pushed to the Hub; the model is written to <output_dir>/hf"),
-    "hub_strategy": (NOTED, "nothing is pushed to the Hub"),
-    "wandb_watch": (NOTED, "gradients and parameters are not logged as wandb histograms"),
-    "wandb_log_model": (NOTED, "the model is not uploaded as a wandb artifact; it is written to "
-                               "<output_dir>/hf"),
-    "wandb_run_id": (NOTED, "the run's wandb id is wandb's own (wandb_name names it)"),
-    "logging_dir": (NOTED, "TensorBoard event files go to <output_dir>/runs"),
-    # refused: an option minipar has no code for
-    "lr_scheduler_kwargs": (REFUSED, "use min_lr_ratio (cosine_min_lr_ratio) and warmup_steps"),
-    "xformers_attention": (REFUSED, "use attention_backend (flash | efficient | math | auto)"),
-    "s2_attention": (REFUSED, "no shifted-sparse attention; use attention_backend"),
-    "early_stopping_patience": (REFUSED, "no early stopping; set max_steps"),
-    "unfrozen_parameters": (REFUSED, "train every weight (adapter: null) or LoRA (adapter: lora)"),
-}
+TOPICS = {**axolotl_table.TOPICS, **axolotl_table_run.TOPICS}
+KEYS = {key: row for rows in TOPICS.values() for key, row in rows.items()}
 
-# keys of another tool or of work minipar does not do: refused with their own explanation
-FOREIGN = {
-    "deepspeed": "DeepSpeed is not used: minipar's ZeRO-3 is fsdp_version: 2 with dp_shard_size "
-                 "(ZeRO-1/2: dp_replicate_size, ZeRO-3: dp_shard_size); remove `deepspeed`",
-    "plugins": "Axolotl's plugins (liger, cut cross-entropy, ...) are Axolotl's code; remove `plugins`",
-    "fp16": "fp16 mixed precision is not supported: use bf16: true (or dtype: float32)",
-    "gptq": "GPTQ-quantised bases need GPU kernels minipar does not have; use a bf16 or fp32 base",
-    "peft_use_dora": "DoRA is not supported; use adapter: lora",
-    "relora_steps": "ReLoRA is not supported; use adapter: lora",
-}
-
-# attn_implementation -> attention_backend
+# attn_implementation -> attention_backend; the approximate kernels (sage, fp8) are refused
 ATTN_IMPLEMENTATIONS = {"flash_attention_2": "flash", "flash_attention_3": "flash", "sdpa": "auto",
-                        "eager": "math", "flex_attention": "auto"}
+                        "eager": "math", "flex_attention": "auto", "xformers": "auto"}
+ATTN_FLAGS = {"flash_attention": "flash", "sdp_attention": "auto", "flex_attention": "auto",
+              "xformers_attention": "auto", "eager_attention": "math"}
+# Axolotl plugins whose kernels compute the same math as minipar's layers: noted, not refused
+KERNEL_PLUGINS = ("LigerPlugin", "CutCrossEntropyPlugin")
 
 
 def _empty(value) -> bool:
     return value is None or value == [] or value == {} or value is False
 
 
+def silent(row, value) -> bool:
+    """Whether `value` of a noted or refused key is what minipar does anyway (says nothing)."""
+    if row.accept is None:
+        return _empty(value)
+    return value is None or any(type(value) is type(a) and value == a for a in row.accept)
+
+
 def _attention(data: dict, notes: List[str], problems: List[str]) -> None:
-    """flash_attention / sdp_attention / attn_implementation -> attention_backend (the one key)."""
-    asked = {}
-    if data.pop("flash_attention", None):
-        asked["flash_attention: true"] = "flash"
-    if data.pop("sdp_attention", None):
-        asked["sdp_attention: true"] = "auto"
+    """flash_attention / sdp_attention / ... / attn_implementation -> attention_backend (the one key)."""
+    asked = {f"{k}: true": backend for k, backend in ATTN_FLAGS.items() if data.pop(k, None)}
     impl = data.pop("attn_implementation", None)
-    if impl is not None:
-        if impl not in ATTN_IMPLEMENTATIONS:
-            problems.append(f"attn_implementation {impl!r} is not known; use one of "
-                            f"{', '.join(ATTN_IMPLEMENTATIONS)} or attention_backend")
-        else:
-            asked[f"attn_implementation: {impl}"] = ATTN_IMPLEMENTATIONS[impl]
+    if impl in ("sage", "fp8"):
+        problems.append(f"attn_implementation: {impl} is approximate attention (quantised); use "
+                        f"attn_implementation: sdpa or flash_attention_2 (exact attention)")
+    elif impl is not None and impl not in ATTN_IMPLEMENTATIONS:
+        problems.append(f"attn_implementation {impl!r} is not known; use one of "
+                        f"{', '.join(ATTN_IMPLEMENTATIONS)} or attention_backend")
+    elif impl is not None:
+        asked[f"attn_implementation: {impl}"] = ATTN_IMPLEMENTATIONS[impl]
     if not asked:
         return
     backends = set(asked.values())
@@ -175,12 +100,159 @@ def _pretraining(data: dict, notes: List[str], problems: List[str]) -> None:
     data["datasets"] = entries
 
 
+def _set(data: dict, key: str, value, said: str, problems: List[str]) -> None:
+    """data[key] = value for the Axolotl key `said`, unless the file gives key another value."""
+    if data.get(key) is not None and data[key] != value:
+        problems.append(f"{said} contradicts {key}: {data[key]!r}; set one of them")
+    else:
+        data[key] = value
+
+
+def _precision(data: dict, notes: List[str], problems: List[str]) -> None:
+    """bfloat16: true (Axolotl's bf16 weights without AMP) -> bf16: true; float32: true -> bf16:
+    false where bf16 is not set (bf16 wins in Axolotl's resolve_dtype)."""
+    if data.pop("bfloat16", None):
+        if data.get("bf16") is False:
+            problems.append("bfloat16: true contradicts bf16: false; set one of them")
+        else:
+            data["bf16"] = True
+            notes.append("bfloat16: true -> bf16: true (dtype bfloat16; minipar keeps float32 master "
+                         "weights and optimizer states)")
+    if data.pop("float32", None):
+        if data.get("bf16") is None:
+            data["bf16"] = False
+        elif data["bf16"] is not False:
+            notes.append(f"float32: true has no effect beside bf16: {data['bf16']} (bf16 wins, as in "
+                         f"Axolotl)")
+
+
+def _strategies(data: dict, problems: List[str]) -> None:
+    """eval_strategy / evaluation_strategy / save_strategy: steps | epoch | no (HF's names)."""
+    for key, steps, per_epoch in (("evaluation_strategy", "eval_steps", "evals_per_epoch"),
+                                  ("eval_strategy", "eval_steps", "evals_per_epoch"),
+                                  ("save_strategy", "save_steps", "saves_per_epoch")):
+        value = data.pop(key, None)
+        value = "no" if value is False else value     # YAML reads a bare `no` as false
+        if value in (None, "steps"):
+            continue
+        if value == "epoch":
+            _set(data, per_epoch, 1, f"{key}: epoch", problems)
+        elif value == "no":
+            _set(data, steps, 0, f"{key}: no", problems)
+        elif value == "best" and key == "save_strategy":
+            problems.append("save_strategy: best keeps the checkpoint of the best eval metric, which "
+                            "minipar does not track; use save_strategy: steps with save_steps")
+        else:
+            problems.append(f"{key} {value!r} is not known; use steps, epoch or no")
+
+
+def _renamed(data: dict, notes: List[str], problems: List[str]) -> None:
+    """Axolotl's other spellings of minipar's keys: type_of_model, sequence_parallel_degree,
+    base_model_config (base_model's own), batch_size (per rank), trl.beta."""
+    for key, field in (("type_of_model", "model_type"), ("sequence_parallel_degree", "cp_size")):
+        value = data.pop(key, None)
+        if value is not None:
+            if field == "cp_size" and data.get("context_parallel_size") is not None:
+                field = "context_parallel_size"
+            _set(data, field, value, f"{key}: {value!r}", problems)
+    config = data.pop("base_model_config", None)
+    if config and os.path.normpath(str(config)) != os.path.normpath(str(data.get("base_model"))):
+        problems.append(f"base_model_config {config!r} is not base_model {data.get('base_model')!r}: "
+                        f"minipar reads base_model's config.json; copy {config}'s config.json there, or "
+                        f"remove base_model_config")
+    batch = data.pop("batch_size", None)
+    if batch is not None:
+        micro = data.get("micro_batch_size")
+        if not isinstance(micro, int) or not isinstance(batch, int) or batch % micro:
+            problems.append(f"batch_size {batch!r} needs micro_batch_size beside it, a divisor of it "
+                            f"(gradient_accumulation_steps = batch_size / micro_batch_size, as Axolotl); "
+                            f"or give micro_batch_size and gradient_accumulation_steps instead")
+        else:
+            _set(data, "gradient_accumulation_steps", batch // micro, f"batch_size: {batch}", problems)
+    trl = data.pop("trl", None)
+    if trl is not None and not isinstance(trl, dict):
+        return problems.append(f"trl must be a mapping (TRL's settings), got {trl!r}")
+    if trl and trl.get("beta") is not None:
+        key = "rl_beta" if data.get("rl_beta") is not None else "dpo_beta"
+        _set(data, key, trl["beta"], f"trl.beta: {trl['beta']!r}", problems)
+    grpo = [k for k, v in (trl or {}).items() if k != "beta" and v is not None]
+    if grpo:
+        notes.append(f"trl: {', '.join(grpo)} have no effect here: options of rl: grpo, which minipar "
+                     f"refuses (trl.beta is DPO's beta)")
+
+
+def _profiler(data: dict, notes: List[str], problems: List[str]) -> None:
+    """profiler_steps N from profiler_steps_start S (0-based, as the HF Trainer counts) -> profile_steps
+    [S + 1, S + N], minipar's steps counting from 1."""
+    n, start = data.pop("profiler_steps", None), data.pop("profiler_steps_start", None) or 0
+    if not n:
+        return
+    if not isinstance(n, int) or not isinstance(start, int) or n < 1 or start < 0:
+        return problems.append(f"profiler_steps {n!r} from profiler_steps_start {start!r}: give whole "
+                               f"numbers, N >= 1 steps from a start >= 0")
+    _set(data, "profile_steps", [start + 1, start + n], f"profiler_steps: {n}", problems)
+    notes.append(f"profiler_steps {n} -> profile_steps [{start + 1}, {start + n}]: a torch.profiler trace "
+                 f"(<output_dir>/traces), no CUDA memory snapshot")
+
+
+def _values(data: dict, notes: List[str], problems: List[str]) -> None:
+    """Axolotl's values of keys minipar has with other values: ddp: true|false (Axolotl's switch),
+    gradient_checkpointing: offload, torch_compile: auto, lora_target_modules: all-linear or a
+    regex string, eval_steps / save_steps as a fraction of the run."""
+    if isinstance(data.get("ddp"), bool):
+        notes.append(f"ddp: {str(data.pop('ddp')).lower()} has no effect here: data parallelism follows the "
+                     f"world (ddp: naive | bucketed picks its gradient all-reduce)")
+    if data.get("gradient_checkpointing") in ("offload", "offload_disk"):
+        notes.append(f"gradient_checkpointing: {data['gradient_checkpointing']} -> true (the checkpointed "
+                     f"inputs stay on the device: the same result, more device memory)")
+        data["gradient_checkpointing"] = True
+    if data.get("torch_compile") == "auto":    # Axolotl's auto: compile from torch 2.5.1 on
+        import torch
+        data["torch_compile"] = torch.__version__ >= "2.5.1"     # TorchVersion compares as a version
+        notes.append(f"torch_compile: auto -> {str(data['torch_compile']).lower()} (torch "
+                     f"{torch.__version__}, as Axolotl)")
+    targets = data.get("lora_target_modules")
+    if targets == "all-linear":
+        data.pop("lora_target_modules")
+        _set(data, "lora_target_linear", True, "lora_target_modules: all-linear", problems)
+    elif isinstance(targets, str):
+        problems.append(f"lora_target_modules {targets!r}: a string is a regex over module names in PEFT, "
+                        f"which minipar does not match; give a list of projections, e.g. [q_proj, v_proj], "
+                        f"or lora_target_linear: true")
+    for key, per_epoch in (("eval_steps", "evals_per_epoch"), ("save_steps", "saves_per_epoch")):
+        value = data.get(key)
+        if isinstance(value, float) and 0 < value < 1:
+            data.pop(key)
+            problems.append(f"{key}: {value} (a fraction of the run's steps, as the HF Trainer reads it) is "
+                            f"not supported; give a number of steps, or {per_epoch}")
+
+
+def _plugins(data: dict, notes: List[str], problems: List[str]) -> None:
+    value = data.pop("plugins", None)
+    if _empty(value):
+        return
+    names = value if isinstance(value, list) else [value]
+    others = [p for p in names if str(p).rsplit(".", 1)[-1] not in KERNEL_PLUGINS]
+    if others:
+        problems.append(f"plugins: {others} are Axolotl's code, not run here; remove them (the kernel "
+                        f"plugins {', '.join(KERNEL_PLUGINS)} may stay: the same math)")
+    if len(others) < len(names):
+        notes.append(f"plugins: {[p for p in names if p not in others]} have no effect here: their GPU "
+                     f"kernels compute the same math as minipar's layers")
+
+
 def fold(data: dict, notes: List[str], problems: List[str]) -> dict:
-    """A copy of one source's mapping with Axolotl's boilerplate folded into minipar's keys: mapped
-    keys rewritten, noted keys removed (one note each), refused and foreign keys in `problems`."""
+    """A copy of one source's mapping with Axolotl's keys folded into minipar's: honoured keys
+    rewritten, noted keys removed (one note each), refused keys in `problems` (one line each)."""
     data = dict(data)
     _attention(data, notes, problems)
     _pretraining(data, notes, problems)
+    _precision(data, notes, problems)
+    _strategies(data, problems)
+    _renamed(data, notes, problems)
+    _profiler(data, notes, problems)
+    _plugins(data, notes, problems)
+    _values(data, notes, problems)
     warmup = data.get("warmup_steps")
     if isinstance(warmup, float) and 0 < warmup < 1:   # Axolotl reads warmup_steps: 0.1 as a ratio
         data.pop("warmup_steps")
@@ -200,22 +272,32 @@ def fold(data: dict, notes: List[str], problems: List[str]) -> dict:
         data.pop("eval_steps")
     if data.pop("auto_resume_from_checkpoints", None) and data.get("resume_from_checkpoint") is None:
         data["resume_from_checkpoint"] = "latest"
-    for key in [k for k in data if k in FOREIGN]:
-        value = data.pop(key)
-        if not _empty(value):
-            problems.append(f"{key}: {FOREIGN[key]}")
-    for key in [k for k in data if k in KEYS and KEYS[k][0] in (NOTED, REFUSED)]:
-        value = data.pop(key)
-        status, why = KEYS[key]
-        if _empty(value):
+    for key in [k for k in data if k in KEYS and KEYS[k].status in (NOTED, REFUSED)]:
+        value, row = data.pop(key), KEYS[key]
+        if silent(row, value):
             continue
-        if status == NOTED:
-            notes.append(f"{key}: {value!r} has no effect here: {why}")
+        if row.status == NOTED:
+            notes.append(f"{key}: {value!r} has no effect here: {row.why}")
         else:
-            problems.append(f"{key} is not supported: {why}")
+            problems.append(f"{key}: {row.why}")
     return data
 
 
 def table() -> List[tuple]:
-    """(key, status, what minipar does) rows, the foreign keys as refused: for the docs."""
-    return [(k, s, w) for k, (s, w) in KEYS.items()] + [(k, REFUSED, w) for k, w in FOREIGN.items()]
+    """(key, status, what minipar does) rows, in the topics' order: for the docs and the tests."""
+    return [(k, row.status, row.why) for k, row in KEYS.items()]
+
+
+def doc_table() -> str:
+    """docs/finetuning.md's tables: one per topic, keys of the same status and reason in one row."""
+    out = []
+    for topic, rows in TOPICS.items():
+        merged = {}
+        for key, row in rows.items():
+            merged.setdefault((row.status, row.why), []).append(f"`{key}`")
+        out += [f"**{topic[0].upper() + topic[1:]}**", "", "| key | status | what minipar does |",
+                "| --- | --- | --- |"]
+        out += [f"| {', '.join(keys)} | {status} | {why.replace('|', '/')} |"
+                for (status, why), keys in merged.items()]
+        out.append("")
+    return "\n".join(out).rstrip("\n")

@@ -14,8 +14,11 @@ caller ("Input should be a valid integer"). problems_of() words it for a YAML wr
 
 A key written with its Axolotl alias is named with both: dpo_beta (rl_beta) must be > 0. one_error()
 joins everything a file got wrong into the ONE error train.py prints as one line (exit 2): the
-unknown keys, each with the nearest valid name ("Did you mean 'learning_rate'?") from the schema's
-fields and aliases and Axolotl's table, then every wrong value, then the valid keys.
+unknown keys, each with the nearest valid name ("Did you mean 'learning_rate'?"), then every wrong
+value, then the valid keys. The hint is drawn from the schema's fields and aliases and Axolotl's
+honoured keys first (a typo most likely means a key that does something: flash_attn ->
+flash_attention, not flash_attn_d512), then from Axolotl's noted and refused keys (wandb_wach ->
+wandb_watch); the valid keys listed are the first kind.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from pydantic import ValidationError
 
 # how alike a key and a valid key must be for a "did you mean" (difflib's ratio; its default 0.6
 # offered seed for deepspeed and learning_rate for pretraining_dataset: a hint that misleads is worse
-# than none; keys of other tools have their own explanation, axolotl_keys.FOREIGN)
+# than none; keys of other tools have their own explanation, axolotl_table_run.RUNTIME)
 HINT_CUTOFF = 0.75
 EXPECTED = {"int": "an integer", "float": "a number (e.g. 3e-4)", "finite": "a finite number",
             "bool": "true or false", "string": "a string", "list": "a list", "dict": "a mapping"}
@@ -98,17 +101,20 @@ def _line(name: str, field, errors: list, value) -> str:
 
 
 def problems_of(error: ValidationError, data: dict, sections: Dict[str, type], renamed: Dict[str, str],
-                extra_names: Sequence[str] = ()) -> Tuple[List[tuple], List[str]]:
-    """(unknown keys as (key, valid keys, prefix), one line per wrong key) of a ValidationError of
-    `data`. sections: the model of each mapping ("" the top, "model", "fsdp"); renamed: field ->
-    the alias a source wrote; extra_names: more valid top-level names for the hints."""
+                extra_names: Sequence[str] = (),
+                hint_names: Sequence[str] = ()) -> Tuple[List[tuple], List[str]]:
+    """(unknown keys as (key, valid keys, prefix, hint-only keys), one line per wrong key) of a
+    ValidationError of `data`. sections: the model of each mapping ("" the top, "model", "fsdp");
+    renamed: field -> the alias a source wrote; extra_names: more valid top-level names; hint_names:
+    top-level names offered as a hint only when no valid name is close (not listed)."""
     unknown, grouped = [], {}
     for e in error.errors():
         path, value = _at(data, e["loc"])
         if e["type"] in ("extra_forbidden", "invalid_key"):      # invalid_key: a key that is no string
             prefix = ".".join(path[:-1])
             valid = names(sections[prefix]) + (list(extra_names) if not prefix else [])
-            unknown.append((str(path[-1]), valid, prefix + "." if prefix else ""))
+            unknown.append((str(path[-1]), valid, prefix + "." if prefix else "",
+                            list(hint_names) if not prefix else []))
         else:
             grouped.setdefault(path, []).append(e)
     lines = []
@@ -127,7 +133,8 @@ def problems_of(error: ValidationError, data: dict, sections: Dict[str, type], r
 
 def one_error(unknown: List[tuple], problems: Sequence[Exception]) -> None:
     """Raise everything a config got wrong as ONE error: the unknown keys (with the nearest valid
-    one), then every wrong value, then the valid keys. A single problem keeps its own type
+    one), then every wrong value, then the valid keys. An unknown key is (key, valid keys, prefix)
+    or (key, valid keys, prefix, hint-only keys). A single problem keeps its own type
     (FileNotFoundError for a missing file). Nothing to raise: returns."""
     if not unknown:
         if len(problems) == 1:
@@ -136,8 +143,9 @@ def one_error(unknown: List[tuple], problems: Sequence[Exception]) -> None:
             raise ValueError(f"{len(problems)} config values are wrong: " + "; ".join(map(str, problems)))
         return
     parts, valid_lists = [], {}
-    for key, valid, prefix in unknown:
-        near = difflib.get_close_matches(key, valid, n=1, cutoff=HINT_CUTOFF)
+    for key, valid, prefix, *hint_only in unknown:
+        near = difflib.get_close_matches(key, valid, n=1, cutoff=HINT_CUTOFF) or \
+            difflib.get_close_matches(key, hint_only[0] if hint_only else [], n=1, cutoff=HINT_CUTOFF)
         parts.append((f"'{prefix}{key}'", f"Did you mean '{prefix}{near[0]}'?" if near else ""))
         valid_lists[prefix] = valid
     lists = "; ".join(f"Valid keys{' of ' + p[:-1] if p else ''}: {', '.join(dict.fromkeys(v))}"

@@ -37,6 +37,8 @@ from minipar.trainer.config.schema import GROUPS
 # Axolotl's (and TRL's) name of a setting -> the schema's field (its validation_alias)
 ALIASES = {f.validation_alias: name for group in GROUPS for name, f in group.model_fields.items()
            if isinstance(f.validation_alias, str)}
+# Axolotl's keys translate() folds itself (no field, no row of axolotl_keys.KEYS)
+TRANSLATED = ("fsdp_config",)
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "pp_size", "ep_size")
 FSDP_LIST_ITEMS = ("full_shard", "auto_wrap")
 # fsdp_config key (without the fsdp_ prefix) -> key of minipar's fsdp mapping (the wrap class: the

@@ -7,7 +7,9 @@
     rl_beta  or  dpo_beta                 dpo_beta (the schema's alias: one name in the code; both
                                           given and different: refused)
     dpo_loss_type: sigmoid | ipo          TRL's loss_type (the sigmoid loss of Rafailov et al. 2023,
-                                          or IPO of Azar et al. 2023; typed in schema.py)
+                                          or IPO of Azar et al. 2023; typed in schema.py); Axolotl's
+                                          list of one, [sigmoid], is read as it; several (TRL's sum
+                                          of losses) are refused
     precompute_ref_log_probs              TRL's: the reference's log-probs of every pair computed in
                                           one pass before training
 
@@ -36,7 +38,16 @@ RL_ALIASES = {"ipo": ("dpo", "ipo")}     # Axolotl's rl value -> (rl, dpo_loss_t
 
 
 def translate_rl(data: dict, problems: List[str]) -> dict:
-    """rl: ipo -> rl: dpo + dpo_loss_type: ipo, in one source's mapping."""
+    """rl: ipo -> rl: dpo + dpo_loss_type: ipo, and dpo_loss_type: [sigmoid] -> sigmoid, in one
+    source's mapping."""
+    losses = data.get("dpo_loss_type")
+    if isinstance(losses, list):
+        if len(losses) == 1:
+            data["dpo_loss_type"] = losses[0]
+        else:
+            data.pop("dpo_loss_type")
+            problems.append(f"dpo_loss_type {losses}: one loss is trained (TRL's weighted sum of several is "
+                            f"not supported); write dpo_loss_type: sigmoid or ipo")
     if data.get("rl") in RL_ALIASES:
         rl, loss = RL_ALIASES[data["rl"]]
         if data.get("dpo_loss_type", loss) != loss:

@@ -34,6 +34,7 @@ from minipar.recipe import LoRA, Recipe
 from minipar.trainer.config import keys as config_keys
 from minipar.trainer.config import schema
 from minipar.trainer.config.axolotl_keys import KEYS as AXOLOTL_KEYS
+from minipar.trainer.config.axolotl_table import HONOURED
 from minipar.trainer.config.check import check
 from minipar.trainer.config.errors import one_error, problems_of
 from minipar.trainer.data.special_tokens import key_problems as tokenizer_key_problems
@@ -83,9 +84,11 @@ class TrainConfig(schema.AdapterKeys, schema.RunKeys, schema.ParallelKeys, schem
 
 
 # the model of each mapping a config holds, for errors.py; Axolotl's keys that fold() and
-# translate() take count as valid names in the "did you mean" hints
+# translate() honour count as valid names in the "did you mean" hints, its noted and refused keys
+# as hints only where no valid name is close
 SECTIONS = {"": TrainConfig, "model": schema.ModelKeys, "fsdp": schema.FSDPConfig}
-MORE_NAMES = ("fsdp_config", *AXOLOTL_KEYS)
+MORE_NAMES = (*config_keys.TRANSLATED, *(k for k, row in AXOLOTL_KEYS.items() if row.status == HONOURED))
+HINT_NAMES = tuple(k for k, row in AXOLOTL_KEYS.items() if row.status != HONOURED)
 
 
 def _example(key: str) -> str:
@@ -140,7 +143,7 @@ def _typed(sources: list, notes: list, unknown: list, problems: list):
     try:
         return TrainConfig.model_validate(merged), given, merged
     except ValidationError as err:       # said at the end; the steps after see the keys that passed
-        more, lines = problems_of(err, merged, SECTIONS, renamed, MORE_NAMES)
+        more, lines = problems_of(err, merged, SECTIONS, renamed, MORE_NAMES, HINT_NAMES)
         unknown += more
         problems += lines
         failed = {e["loc"][0] for e in err.errors()}

@@ -180,7 +180,7 @@ def resolve(cfg, given, notes: List[str], problems: List[str]) -> None:
         notes.append(f"dataset_prepared_path {cfg.dataset_prepared_path!r} has no effect without `datasets`: "
                      f"the text file `dataset` is read as bytes at each start")
     problems.extend(rl_problems(cfg))     # rl: dpo and its keys (rl_keys.py)
-    if cfg.streaming and "max_steps" not in given:      # as Axolotl: a stream has no epoch length
+    if cfg.streaming and (cfg.max_steps is None or "max_steps" not in given):   # as Axolotl: no epoch length
         problems.append("max_steps is required with a streamed dataset (pretraining_dataset, or "
                         "streaming: true): its length is not known before training, so num_epochs cannot "
                         "give the steps; set max_steps (or streaming: false to prepare it once)")

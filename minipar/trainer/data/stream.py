@@ -25,9 +25,9 @@ exactly as packing.py turns a whole `datasets` run into rows, over its own docum
 For k = 0 that is the plan and the epoch order of packing.RowSampler: a corpus that fits in one
 buffer gives the very rows, in the very order, of the same entries prepared once (non-streamed
 `type: pretrain`), and so the same loss curve (tests/test_stream.py). It is Axolotl's streaming
-multipack (utils/data/streaming.py: each map batch of streaming_multipack_buffer_size rows tokenized,
-shuffled and bin-packed, documents kept apart by pretrain_multipack_attn) with minipar's seeded
-orders. With pretrain_multipack_attn: false the rows are packed the same way but carry no document
+multipack (its encode_packed_streaming: each map batch of streaming_multipack_buffer_size rows
+tokenized, shuffled and bin-packed, documents kept apart by pretrain_multipack_attn) with minipar's
+seeded orders. With pretrain_multipack_attn: false the rows are packed the same way but carry no document
 ids: attention runs causally across the documents of a row, as Axolotl's does then.
 
 Every rank reads and packs the whole stream (no communication; the global batch of a step is the
@@ -49,6 +49,7 @@ from minipar.batch_split import IGNORE_INDEX
 from minipar.trainer.data.datasets import Examples, check_entries
 from minipar.trainer.data.formats import completion_row
 from minipar.trainer.data.packing import PackedData, build_rows, pack_plan
+from minipar.trainer.data.prepared import tokenizer_inputs
 from minipar.trainer.data.sources import entry_rows, source_files
 
 PLAN_STRIDE, ORDER_STRIDE = 1_000_033, 1_000_000_007     # buffer k's seeds: k = 0 is RowSampler's
@@ -178,7 +179,6 @@ class TokenStream:
         """What fixes the stream's rows besides the settings: each entry's settings and its files'
         sizes (not their bytes: hashing a large corpus at each start would cost what streaming
         saves), and the tokenizer's files."""
-        from minipar.trainer.data.prepared import tokenizer_inputs
         entries = [dict({k: v for k, v in e.items() if k not in ("path", "data_files")},
                         sizes=[os.path.getsize(f) for f in source_files(e)]) for e in self.entries]
         text = json.dumps(dict(entries=entries, tokenizer=tokenizer_inputs(self.tokenizer)), sort_keys=True)

@@ -2,10 +2,12 @@
 
 A corpus that fits one buffer gives the rows of the same entries prepared once, in the same order,
 so the streamed run's loss curve is the prepared run's, on one process and on dp 2; several buffers
-give the hand-computed sequence; a killed run resumed from its checkpoint sees the batches of an
-uninterrupted one (1 and 2 ranks, and on another layout); the first step comes before the files are
-read through; the config refuses what a stream cannot do in the one message.
+give the hand-computed sequence; parquet, csv and save_to_disk folders stream the JSON-lines rows; a
+killed run resumed from its checkpoint sees the batches of an uninterrupted one (1 and 2 ranks, and on
+another layout); the first step comes before the files are read through; the config refuses what a
+stream cannot do in the one message.
 """
+import importlib.util
 import json
 import os
 import random
@@ -123,6 +125,38 @@ def test_packed_buffers_keep_their_documents_and_plan(tmp_path, tok):
     apart = open_stream(_cfg(cfg.datasets[0]["path"], pretrain_multipack_attn=False), tok).train
     apart = StreamSampler(apart, 4)
     assert set(apart.global_batch(0)) == {"input_ids", "labels"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs Hugging Face datasets")
+def test_every_file_type_streams_the_same_rows_and_resumes_mid_buffer(tmp_path, tok):
+    """parquet, csv and a save_to_disk folder (read lazily by `datasets`, streaming=True or memory-mapped)
+    give the JSON-lines file's batches; a sampler loaded from the state of step 3 (inside a buffer,
+    its file position a row count) continues with the uninterrupted batches."""
+    import datasets
+    jsonl = _corpus(tmp_path / "web.jsonl", 18)
+    rows = [json.loads(x) for x in open(jsonl)]
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "web.parquet"))
+    ds.to_csv(str(tmp_path / "web.csv"), index=False)
+    ds.save_to_disk(str(tmp_path / "saved"))
+
+    def batches(path, resume_at=None, steps=6):
+        cfg = _cfg(path, streaming_multipack_buffer_size=5, val_set_size=2)
+        sampler = StreamSampler(open_stream(cfg, tok).train, 3)
+        if resume_at is not None:
+            state = batches(path, steps=resume_at)[1]
+            sampler.load_state_dict(state)
+        first = resume_at or 0
+        got = [sampler.global_batch(s) for s in range(first, steps)]
+        return got, sampler.state_dict(steps)
+    want, state = batches(jsonl)
+    assert state["position"]["buffer"] >= 1 and batches(jsonl, steps=3)[1]["position"]["used"] > 0
+    for path in (str(tmp_path / "web.parquet"), str(tmp_path / "web.csv"), str(tmp_path / "saved"), jsonl):
+        for resume_at in (None, 3):
+            got = batches(path, resume_at)[0]
+            for a, b in zip(want[resume_at or 0:], got):
+                assert all(torch.equal(a[k], b[k]) for k in a), (path, resume_at)
+        assert len(got) == 3
 
 
 # ------------------------------------------------------------------ runs

@@ -31,8 +31,9 @@ seeded orders. With pretrain_multipack_attn: false the rows are packed the same 
 ids: attention runs causally across the documents of a row, as Axolotl's does then.
 
 Every rank reads and packs the whole stream (no communication; the global batch of a step is the
-same everywhere) and batch_split.local_batch gives each its share, as for prepared rows; the cost is
-the tokenizing of one buffer per rank, while the device computes (the trainer prefetches a step).
+same everywhere) and batch_split.local_batch gives each its share, as for prepared rows. The cost:
+each rank tokenizes every buffer, when the steps reach it (on a GPU while the device still works
+through the step before: the trainer prefetches a step), and holds one buffer's rows (int32).
 stream_sampler.py cuts the rows into global batches and saves the position in checkpoints.
 """
 from __future__ import annotations
@@ -109,6 +110,7 @@ class TokenStream:
                      else ("input_ids", "labels"))
         self.docs_read = 0
         self._cursor, self._docs = None, None       # the open reader and the position it has reached
+        self._fingerprint: Optional[str] = None
 
     # ------------------------------------------------------------------ documents
     def _read(self, entry: int, row: int) -> Iterator[Tuple[int, int, List[int], List[int]]]:
@@ -178,11 +180,14 @@ class TokenStream:
     def fingerprint(self) -> str:
         """What fixes the stream's rows besides the settings: each entry's settings and its files'
         sizes (not their bytes: hashing a large corpus at each start would cost what streaming
-        saves), and the tokenizer's files."""
+        saves), and the tokenizer's files. Computed once, at the first checkpoint or resume."""
+        if self._fingerprint is not None:
+            return self._fingerprint
         entries = [dict({k: v for k, v in e.items() if k not in ("path", "data_files")},
                         sizes=[os.path.getsize(f) for f in source_files(e)]) for e in self.entries]
         text = json.dumps(dict(entries=entries, tokenizer=tokenizer_inputs(self.tokenizer)), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return self._fingerprint
 
 
 class StreamRun:

@@ -220,7 +220,8 @@ def test_streamed_loss_curve_is_the_prepared_one_on_one_and_two_ranks(tmp_path, 
     _same(curves[1, True], curves[2, True], 1e-4)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+# the 2-rank case (4 worlds, ~15 s) is slow; the 1-rank case is its fast twin
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_kill_and_resume_sees_the_uninterrupted_batches(tmp_path, tok, world):
     """Buffers of 4 documents over 14 (4 buffers an epoch, the second epoch reached by step 6), the
     eval from the held-out head: killed at step 7 and resumed from step-6 (saved mid-buffer, a step

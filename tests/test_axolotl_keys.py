@@ -351,7 +351,7 @@ def test_empty_and_default_values_of_noted_and_refused_keys_say_nothing(tmp_path
              "peft_init_lora_weights: true\ndpo_label_smoothing: 0.0\ncurriculum_sampling: false\n")
     cfg, notes = _load(tmp_path, text)
     assert cfg is not None and not [n for n in notes if "has no effect" in n], notes
-    for key in ("shuffle_merged_datasets", "pretrain_multipack_attn", "tokenizer_use_fast"):
+    for key in ("shuffle_merged_datasets", "tokenizer_use_fast"):   # (pretrain_multipack_attn: honoured)
         with pytest.raises(ValueError, match=f"^{key}: "):
             _load(tmp_path, f"{key}: false\n")
 

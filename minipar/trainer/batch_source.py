@@ -10,13 +10,16 @@ the evaluation loop over them.
                                 rows while the GPU computes (pinned, non_blocking: no wait)
         local(gb, m, M)         this rank's share of micro-batch m of M: dp samples, cp chunks
         eval_batches()          the validation batches, in file order, the same on every rank
-        state_dict()            the sampler's position, saved in a checkpoint's extra
+        state_dict()            the sampler's position, saved in a checkpoint's extra (a stream's:
+                                where the first step not yet trained starts, not the prefetched one)
+        progress(step)          a stream's tokens handed out when `step` starts ({} otherwise)
     eval_loss(model, batches, loss_of, groups)
         the mean over the eval batches of loss_of(local batch, num_items_in_batch), summed over
         `groups` (dp_cp; and pp, where only the last stage adds a loss)
 
-Two sources sit behind the one interface: packed `datasets` rows (packing.py) when the config
-names datasets, else windows of the byte corpus (batches.py). A step never asks which.
+Three sources sit behind the one interface: packed `datasets` rows (packing.py) when the config
+names datasets, the same rows read as the steps need them when they stream (pretraining_dataset:
+stream.py, stream_sampler.py), else windows of the byte corpus (batches.py). A step never asks which.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from minipar import batch_split, comm
 from minipar.trainer.data import batches as mdata
 from minipar.trainer.data.packing import RowSampler
 from minipar.trainer.data.packing import eval_batches as packed_eval_batches
+from minipar.trainer.data.stream import TokenStream
+from minipar.trainer.data.stream_sampler import StreamSampler
 
 
 class Batches:
@@ -36,12 +41,16 @@ class Batches:
     def __init__(self, run, device: torch.device):
         self.run, self.cfg, self.pgm, self.device = run, run.cfg, run.pgm, device
         cfg = self.cfg
-        if run.datasets is not None:              # `datasets` rows (packing.py), else the byte corpus
+        self.streamed = run.datasets is not None and isinstance(run.datasets.train, TokenStream)
+        if self.streamed:                         # rows packed as the steps need them (stream.py)
+            self.sampler = StreamSampler(run.datasets.train, cfg.global_batch_size)
+        elif run.datasets is not None:            # `datasets` rows (packing.py), else the byte corpus
             self.sampler = RowSampler(run.datasets.train, cfg.global_batch_size, cfg.seed)
         else:
             self.sampler = mdata.BatchSampler(len(run.train_tokens), cfg.sequence_len, cfg.global_batch_size,
                                               cfg.seed)
         self._ahead = None                        # ((step, M), what step() gives): prefetch's batches
+        self._next = 0                            # the first step not yet trained (a stream's checkpoint)
 
     def global_batch(self, step: int) -> dict:
         if self.run.datasets is not None:
@@ -52,17 +61,21 @@ class Batches:
     def step(self, step: int, M: int):
         """(num_items_in_batch, [this rank's M micro-batches]) of step `step`, on the device: the ones
         prefetch(step) prepared, else made now."""
+        self._next = step + 1
         if self._ahead is not None and self._ahead[0] == (step, M):
             ready, self._ahead = self._ahead[1], None
             return ready
         self._ahead = None
+        return self._make(step, M)
+
+    def _make(self, step: int, M: int):
         gb = self.global_batch(step)
         return batch_split.count_label_tokens(gb["labels"]), [self.local(gb, m, M) for m in range(M)]
 
     def prefetch(self, step: int, M: int) -> None:
         """Make step `step`'s batches now, while the device still works through the current step's
         queue: the next step then starts from rows already on their way (one step ahead)."""
-        self._ahead = ((step, M), self.step(step, M))
+        self._ahead = ((step, M), self._make(step, M))
 
     def local(self, gb: dict, m: int, M: int) -> dict:
         return batch_split.local_batch(gb["input_ids"], gb["labels"], self.pgm, m, M, device=self.device,
@@ -79,11 +92,15 @@ class Batches:
 
     # the sampler's position travels in a checkpoint, so a resumed run reads the batches it would have
     def state_dict(self) -> dict:
-        return self.sampler.state_dict()
+        return self.sampler.state_dict(self._next) if self.streamed else self.sampler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
         self._ahead = None
+        self._next = int(state.get("step", 0))
+
+    def progress(self, step: int) -> dict:
+        return self.sampler.progress(step) if self.streamed else {}
 
 
 @torch.no_grad()

@@ -21,7 +21,9 @@ setup_run is these steps, in this order, each one function below:
                        (global_batch_size counts pairs: dpo_step.check_pair_split) config/check.py
     6. _data           rl: dpo's preference pairs (data/preference.py, read at each start), or
                        the `datasets` rows (tokenized once, then loaded from dataset_prepared_path:
-                       prepared.py, packing.py) or the byte corpus; max_steps from num_epochs
+                       prepared.py, packing.py), or streamed (pretraining_dataset: data/stream.py,
+                       nothing read but the held-out head), or the byte corpus; max_steps from
+                       num_epochs
     7. _claim_output   the checkpoint to resume from exists; only now the first writes: output_dir
                        created and checked writable, and no live run holding it (rank 0 locks it,
                        released when the process ends)                            run_lock.py
@@ -57,6 +59,7 @@ from minipar.trainer.data.packing import prepare as prepare_datasets
 from minipar.trainer.data.preference import prepare_pairs
 from minipar.trainer.data.prepared import load_or_prepare
 from minipar.trainer.data.special_tokens import model_token_ids, resize_base_vocab, run_tokenizer
+from minipar.trainer.data.stream import open_stream
 from minipar.trainer.data.tokenizer import (
     HFTokenizer,
     fill_special_token_ids,
@@ -79,7 +82,7 @@ class Run:
     train_tokens: torch.Tensor
     val_tokens: torch.Tensor
     notes: List[str] = field(default_factory=list)
-    datasets: Optional[object] = None     # packing.DatasetRun when `datasets` is set, else the byte corpus
+    datasets: Optional[object] = None     # packing.DatasetRun (stream.StreamRun when streamed) for `datasets`
     tokenizer: Optional[object] = None
     lock: Optional[run_lock.RunLock] = None     # rank 0 holds output_dir/minipar.lock until the run ends
     base_model: Optional[object] = None   # the checked hf_checkpoint.HFCheckpoint of cfg.base_model
@@ -265,6 +268,10 @@ def _data(cfg: TrainConfig, tokenizer, notes: list) -> Tuple[Optional[object], t
         datasets = prepare_pairs(cfg, tokenizer)
         notes.extend(datasets.notes)
         train_tokens = val_tokens = torch.empty(0, dtype=torch.uint8)
+    elif cfg.datasets and cfg.streaming:  # read as the steps need it: only the held-out head now
+        datasets = open_stream(cfg, tokenizer)
+        notes.extend(datasets.notes)
+        train_tokens = val_tokens = torch.empty(0, dtype=torch.uint8)
     elif cfg.datasets:
         progress = int(os.environ.get("RANK", 0)) == 0
         datasets = load_or_prepare(cfg, tokenizer, prepare_datasets, progress=progress)
@@ -274,7 +281,7 @@ def _data(cfg: TrainConfig, tokenizer, notes: list) -> Tuple[Optional[object], t
         train_tokens, val_tokens = mdata.load_corpus(cfg.dataset, cfg.val_fraction,
                                                      sequence_len=cfg.sequence_len,
                                                      tokenizer=tokenizer)
-    if cfg.num_epochs is not None:
+    if cfg.num_epochs is not None and not cfg.streaming:   # a stream's epoch length is unknown
         samples = datasets.train.num_rows if datasets is not None else \
             mdata.BatchSampler(len(train_tokens), cfg.sequence_len, cfg.global_batch_size).num_windows
         config_keys.resolve_max_steps(cfg, samples, notes)

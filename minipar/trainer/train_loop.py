@@ -252,6 +252,9 @@ class TrainLoop:
         bar.update(1)
         if done % cfg.logging_steps == 0 or done == cfg.max_steps:
             val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+            if "stream_tokens" in record:         # a streamed dataset (data/stream.py): how far it got
+                n = record["stream_tokens"]
+                val += f"  streamed {n / 1e6:.4g}M tokens" if n >= 100_000 else f"  streamed {n} tokens"
             if "rewards/accuracies" in record:    # rl: dpo
                 val += (f"  rewards/accuracies {record['rewards/accuracies']:.2f}  rewards/margins "
                         f"{record['rewards/margins']:.4f}")

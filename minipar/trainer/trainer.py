@@ -113,7 +113,8 @@ class Trainer:
         n_items, micro = self.batches.step(step, M)   # prepared during the last step (batch_source.py)
         out = self.step(n_items, micro)
         self.batches.prefetch(step + 1, M)        # the next step's rows, while the GPU works on this one
-        return out
+        streamed = self.batches.progress(step + 1)    # a stream: the tokens handed out through this step
+        return dict(out, metrics={**(out.get("metrics") or {}), **streamed}) if streamed else out
 
     def settle(self) -> None:
         """Check an update a pipeline stage made before the whole model's norm was known

@@ -75,8 +75,30 @@ def _attention(data: dict, notes: List[str], problems: List[str]) -> None:
 
 def _pretraining(data: dict, notes: List[str], problems: List[str]) -> None:
     """pretraining_dataset (a path, or a list of {path, text_column, split, name, data_files, ds_type,
-    type: pretrain}) -> `datasets` entries of type pretrain; Hub names are refused."""
+    type: pretrain}) -> `datasets` entries of type pretrain, streamed (streaming: true, unless the file
+    says streaming: false); Hub names are refused. Axolotl's other pretraining keys fold here too:
+    pretrain_multipack_buffer_size (its older name of streaming_multipack_buffer_size), and
+    pretraining_sample_concatenation (whole documents concatenated into rows, attention across them:
+    packed rows without document ids here)."""
+    if data.get("pretrain_multipack_buffer_size") is not None:
+        size = data.pop("pretrain_multipack_buffer_size")
+        if data.get("streaming_multipack_buffer_size") not in (None, size):
+            problems.append(f"pretrain_multipack_buffer_size: {size} and streaming_multipack_buffer_size: "
+                            f"{data['streaming_multipack_buffer_size']} disagree; keep "
+                            f"streaming_multipack_buffer_size")
+        data["streaming_multipack_buffer_size"] = size
+    data.pop("pretrain_multipack_buffer_size", None)
+    concatenate = data.pop("pretraining_sample_concatenation", None)
     value = data.pop("pretraining_dataset", None)
+    if concatenate and _empty(value):
+        notes.append("pretraining_sample_concatenation applies to pretraining_dataset only (as in Axolotl)")
+    elif concatenate and data.get("sample_packing"):
+        notes.append("pretraining_sample_concatenation has no effect with sample_packing (as in Axolotl)")
+    elif concatenate:                 # Axolotl's concatenation: whole documents side by side in a row
+        data["sample_packing"] = True
+        data.setdefault("pretrain_multipack_attn", False)
+        notes.append("pretraining_sample_concatenation: true -> sample_packing: true with "
+                     "pretrain_multipack_attn: false (whole documents share a row, attention across them)")
     if _empty(value):
         return
     entries = []
@@ -98,6 +120,7 @@ def _pretraining(data: dict, notes: List[str], problems: List[str]) -> None:
         notes.append("pretraining_dataset replaces `datasets` (as in Axolotl): the `datasets` entries are "
                      "not read")
     data["datasets"] = entries
+    data.setdefault("streaming", True)
 
 
 def _set(data: dict, key: str, value, said: str, problems: List[str]) -> None:

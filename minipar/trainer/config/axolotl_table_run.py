@@ -22,8 +22,20 @@ _INTERNAL = "set by Axolotl itself while it runs; minipar works it out"
 
 DATA = {
     "pretraining_dataset": honoured("local files only: each entry becomes a `datasets` entry of type "
-                                    "pretrain (text_column), read row by row and prepared once; it "
-                                    "replaces `datasets`, as in Axolotl"),
+                                    "pretrain (text_column), streamed (streaming: true): read, tokenized "
+                                    "and packed as the steps need them, in buffers of "
+                                    "streaming_multipack_buffer_size documents, max_steps required "
+                                    "(minipar/trainer/data/stream.py; streaming: false prepares it once); "
+                                    "it replaces `datasets`, as in Axolotl"),
+    "streaming": honoured("pretraining_dataset streams unless streaming: false (then prepared once)"),
+    "streaming_multipack_buffer_size": honoured("the documents a streamed buffer packs at a time "
+                                                "(default 10000)"),
+    "pretrain_multipack_buffer_size": honoured("the older name of streaming_multipack_buffer_size"),
+    "pretrain_multipack_attn": honoured("true (the default): packed documents attend only to themselves; "
+                                        "false: across them"),
+    "pretraining_sample_concatenation": honoured("true: whole documents concatenated into rows, attention "
+                                                 "across them (pretraining_dataset only, without "
+                                                 "sample_packing)"),
     "pad_to_sequence_len": noted("minipar's batches are always sequence_len long (padded or packed)"),
     "pad_to_multiple_of": noted("minipar's batches are always sequence_len long (padded or packed)"),
     "eval_sample_packing": noted("evaluation rows are prepared as the training rows (sample_packing)"),
@@ -43,11 +55,6 @@ DATA = {
     "excess_length_strategy": refused("a row longer than sequence_len is refused without packing and cut "
                                       "into sequence_len pieces with sample_packing; shorten the rows or "
                                       "raise sequence_len"),
-    "pretrain_multipack_attn": refused("packed documents always attend only to themselves; remove "
-                                       "pretrain_multipack_attn: false", accept=(True,)),
-    "pretraining_sample_concatenation": refused("documents are not concatenated across their boundaries; "
-                                                "use sample_packing: true (documents share rows, kept "
-                                                "apart)"),
     "max_packed_sequence_len": refused("removed from Axolotl too; use sample_packing: true with "
                                        "sequence_len"),
     "use_pose": refused("PoSE's skipped position ids are not supported; train on rows of the length wanted "
@@ -55,8 +62,6 @@ DATA = {
     "pose_max_context_len": sub_option("use_pose"),
     "pose_num_chunks": sub_option("use_pose"),
     "pose_split_on_token_ids": sub_option("use_pose"),
-    "pretrain_multipack_buffer_size": noted(_PACKING),
-    "streaming_multipack_buffer_size": noted(_PACKING),
     "sample_packing_bin_size": noted(_PACKING),
     "sample_packing_group_size": noted(_PACKING),
     "sample_packing_eff_est": noted(_PACKING),
@@ -65,7 +70,6 @@ DATA = {
     "multipack_real_batches": noted(_PACKING),
     "batch_flattening": noted("rows are padded or packed to sequence_len; flattening is a speed-up for "
                               "the same loss"),
-    "streaming": noted("local files are read whole and prepared once (dataset_prepared_path)"),
     "preprocess_iterable": noted(_CPU_WORK),
     "skip_prepare_dataset": noted(_CPU_WORK),
     "dataset_processes": noted(_CPU_WORK),

@@ -29,6 +29,7 @@ from minipar.trainer.data.batches import DATASET_IS, check_data_file
 from minipar.trainer.data.datasets import check_entries
 from minipar.trainer.data.preference import check_pair_entries
 from minipar.trainer.data.sources import check_source
+from minipar.trainer.data.stream import stream_problems
 from models.activation_checkpoint import check_option
 from models.hf_config import DECODER_LAYERS
 from models.llama import LlamaForCausalLM
@@ -71,6 +72,7 @@ def check(cfg, earlier: Sequence = (), unknown: Sequence[tuple] = ()) -> None:
         bad(f"moe_capacity_factor={cfg.moe_capacity_factor}: a capacity factor is > 0 and applies to a "
             f"mixture of experts (model_type mixtral or qwen3_moe); null is dropless")
     problems += _data_files(cfg)
+    problems += [ValueError(m) for m in stream_problems(cfg)]   # streaming: pretrain only, val a count
     problems += [ValueError(m) for m in _lora(cfg)]
     problems += [ValueError(p) for p in _reporting(cfg)]
     if cfg.gradient_checkpointing not in (False, True):

@@ -11,7 +11,8 @@ refused with the values minipar supports; none is silently ignored:
                                             (any two imply the third; three that disagree are
                                              refused, naming all three and dp)
     num_epochs  E                           max_steps = ceil(E x samples per epoch / G)
-                                            (an explicit max_steps wins, as in Axolotl)
+                                            (an explicit max_steps wins, as in Axolotl; a
+                                             streamed dataset needs max_steps)
     bf16: true | false | auto               dtype bfloat16 | float32 | bfloat16 where the GPU has it
     fsdp: [full_shard, auto_wrap]           minipar's ZeRO-3 over dp_shard (FSDP1's list form)
     fsdp_config: {...}                      fsdp: accelerate's names, with or without `fsdp_`:
@@ -181,7 +182,11 @@ def resolve(cfg, given, notes: List[str], problems: List[str]) -> None:
         notes.append(f"dataset_prepared_path {cfg.dataset_prepared_path!r} has no effect without `datasets`: "
                      f"the text file `dataset` is read as bytes at each start")
     problems.extend(rl_problems(cfg))     # rl: dpo and its keys (rl_keys.py)
-    if cfg.max_steps is None and cfg.num_epochs is None:
+    if cfg.streaming and (cfg.max_steps is None or "max_steps" not in given):   # as Axolotl: no epoch length
+        problems.append("max_steps is required with a streamed dataset (pretraining_dataset, or "
+                        "streaming: true): its length is not known before training, so num_epochs cannot "
+                        "give the steps; set max_steps (or streaming: false to prepare it once)")
+    elif cfg.max_steps is None and cfg.num_epochs is None:
         problems.append("max_steps is null: set max_steps, or num_epochs to derive it from the dataset size")
     if cfg.base_model:
         said = ", ".join(f"{k} {_fmt(getattr(cfg, k)) if getattr(cfg, k) is not None else '(derived)'} "

@@ -124,6 +124,11 @@ class DataKeys(Keys):
     sample_packing: bool = False                # whole examples packed into sequence_len, kept apart
     val_set_size: Number = Field(0.0, ge=0, description="a fraction below 1, or a count")
     dataset_prepared_path: Optional[str] = None  # tokenized rows saved, loaded; None: <output_dir>/prepared
+    # Axolotl's streamed pretraining (data/stream.py): `datasets` of type pretrain read, tokenized and
+    # packed as the steps need them (pretraining_dataset sets it); buffers of this many documents
+    streaming: bool = False
+    streaming_multipack_buffer_size: int = Field(10_000, ge=1)
+    pretrain_multipack_attn: bool = True        # a streamed packed row's documents attend only to themselves
     sequence_len: int = Field(128, ge=1)
     # a Hugging Face directory: the model config comes from its config.json, the weights from its
     # safetensors, each rank reading only its slices (models/hf_checkpoint.py)

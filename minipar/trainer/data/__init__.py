@@ -15,6 +15,9 @@ rank computes. In reading order:
     chat_format.py   chat_template / sharegpt rows: mappings, roles, roles_to_train, train_on_eos
     packing.py       rows of sequence_len: whole examples packed with document ids; the row sampler
     prepared.py      the tokenized, packed rows saved under dataset_prepared_path and found again
+    stream.py        pretraining_dataset streamed: documents read, tokenized and packed a buffer at a
+                     time as the steps need them (a one-buffer corpus: packing.py's rows exactly)
+    stream_sampler.py  a stream's global batches in step order; its position in a checkpoint
     preference.py    DPO's pairs: prompt / chosen / rejected rows, Axolotl's chat_template form
     reference_cache.py  DPO's precomputed reference numbers, cached beside the prepared rows
     example_data.py  a small offline example: a BPE tokenizer with a chat template, chat rows

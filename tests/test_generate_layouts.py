@@ -2,16 +2,25 @@
 sequence parallelism and cp give one process's greedy tokens on the same weights
 (minipar/post/generation.py, models/kv_cache.py); the ranks stop together when a row ends early,
 even where their logits differ; generating leaves ZeRO-3's training state as it was. (pp is
-refused: tests/test_generate.py.)
+refused: tests/test_generate.py.) And `python -m minipar.generate` on ZeRO-3 shards.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import os
+
 import pytest
 import torch
+import torch._dynamo  # noqa: F401 - here once, not in every forked run (the optimizer imports it: 1 s)
+import transformers
 from harness import run_world
 
 import minipar
+from minipar.generate import main
 from minipar.post.generation import Generation, generate
+from minipar.trainer.data.tokenizer import save_byte_tokenizer
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
@@ -20,6 +29,8 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_laye
             num_key_value_heads=2)
 MOE = dict(TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
 PROMPTS = [[5, 17, 33, 2, 9, 40, 41], [7, 8], [60, 61, 62, 63]]
+# the tokenizer classes imported before any fork (no torch op runs), not in each forked rank
+TOKENIZERS = (transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast)
 
 
 def _model(cfg, pgm, shard):
@@ -127,3 +138,25 @@ def _training_state():
 def test_generating_leaves_zero3_training_state_as_it_was():
     for same, gathered, training in run_world(_training_state, 2, timeout=60):
         assert same and gathered == [] and training
+
+
+def _command(tmp, argv):
+    """python -m minipar.generate on an HF directory (each rank writes the same seeded weights to its own)."""
+    d = os.path.join(tmp, f"hf{os.environ['RANK']}")
+    LlamaForCausalLM(LlamaConfig(**dict(TINY, vocab_size=256)), seed=2).save_pretrained(d)
+    save_byte_tokenizer(d)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main([d] + argv)
+    return code, buf.getvalue()
+
+
+def test_the_command_generates_on_zero3_shards(tmp_path):
+    """--tp 1 on 2 ranks: dp_shard 2, the weights ZeRO-3 sharded: the lines one process prints."""
+    argv = ["--prompt", "Hello", "--prompt", "Hi there", "--max-new-tokens", "6"]
+    code, one = run_world(_command, 1, str(tmp_path), argv, timeout=120)[0]
+    (code2, two), (_, quiet) = run_world(_command, 2, str(tmp_path), argv + ["--tp", "1"], timeout=120)
+    rows = [json.loads(line) for line in two.splitlines() if line.startswith("{")]
+    assert code == code2 == 0 and [r["prompt"] for r in rows] == ["Hello", "Hi there"]
+    assert rows == [json.loads(line) for line in one.splitlines() if line.startswith("{")]
+    assert not any(line.startswith("{") for line in quiet.splitlines())     # rank 0 prints

@@ -18,8 +18,10 @@ import transformers
 from harness import run_world
 
 import minipar
+from minipar.api import prepare
 from minipar.generate import main
 from minipar.post.generation import Generation, generate
+from minipar.recipe import LoRA
 from minipar.trainer.data.tokenizer import save_byte_tokenizer
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
@@ -64,6 +66,7 @@ LAYOUTS = {
     "ep2_zero3": (2, dict(dp_shard_size=2, ep_size=2), MOE),
     "tp2_sp": (2, dict(tp_size=2, sequence_parallel=True), MOE),
     "cp2": (2, dict(cp_size=2), TINY),
+    "dp_shard2_tp2_sp_ep2": (4, dict(dp_shard_size=2, tp_size=2, sequence_parallel=True, ep_size=2), MOE),
 }
 
 
@@ -82,6 +85,25 @@ def _ep_alone():
 def test_expert_parallel_without_zero3_equals_one_process():
     for one, many, gap in run_world(_ep_alone, 2, timeout=120):
         assert many == one and gap < 1e-4
+
+
+def _composed_lora():
+    """The training composition (api.prepare): LoRA's frozen base on ZeRO-3 over dp_shard 2 (units
+    with no gradient, adapters whole) generates what the seeded model does on one process (the
+    adapters start at zero)."""
+    pgm = minipar.init(minipar.ParallelismConfig(dp_shard_size=2))
+    cfg = LlamaConfig(**TINY)
+    pm = prepare(cfg, pgm, seed=7, lora=LoRA(r=4))[0]
+    g = Generation(max_new_tokens=6)
+    a = generate(LlamaForCausalLM(cfg, None, seed=7).eval(), PROMPTS, g, record_logits=True)
+    b = generate(pm.model, PROMPTS, g, record_logits=True)
+    built = pm.model.zero3 is not None and any("lora_A" in n for n, _ in pm.model.named_parameters())
+    return a.tokens, b.tokens, max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)), built
+
+
+def test_the_composed_lora_model_on_zero3_equals_one_process():
+    for one, many, gap, built in run_world(_composed_lora, 2, timeout=120):
+        assert built and many == one and gap < 1e-4
 
 
 def _early_eos():

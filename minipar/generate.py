@@ -96,11 +96,14 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as err:
         return fail(err)
     pgm = minipar.init(layout)
-    if pgm.dp_shard_cp.size > 1:         # the training composition: ZeRO-3 over dp_shard (and ep)
-        parallel, _, tokenizer = load_composed(args.model, pgm, args.tokenizer)
-        model = parallel.model
-    else:
-        model, tokenizer = load_model(args.model, pgm, args.tokenizer)
+    try:
+        if pgm.dp_shard_cp.size > 1:     # the training composition: ZeRO-3 over dp_shard (and ep)
+            parallel, _, tokenizer = load_composed(args.model, pgm, args.tokenizer)   # (no LoRA dir)
+            model = parallel.model
+        else:
+            model, tokenizer = load_model(args.model, pgm, args.tokenizer)
+    except ValueError as err:            # the same on every rank: what the files are, the flags
+        return fail(err)
     ids = [encode_prompt(tokenizer, p, args.chat) for p in prompts]
     g = Generation(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(model, tokenizer),
                    pad_token_id=getattr(tokenizer, "pad_token_id", 0) or 0, stop_strings=tuple(args.stop),

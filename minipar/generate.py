@@ -4,14 +4,18 @@ r"""Generate text from a trained model: `python -m minipar.generate`.
     python -m minipar.generate out/finetune/step-100 --chat --prompt "What is 2+2?" --do-sample \
         --temperature 0.7 --top-p 0.9 --seed 1 --stop "</s>"
     torchrun --nproc-per-node 2 -m minipar.generate out/finetune/step-100 --prompts-file prompts.txt
+    torchrun --nproc-per-node 4 -m minipar.generate out/moe/step-100 --prompt "Hi" --tp 2 --ep 2
 
 MODEL is a minipar checkpoint of any layout (a step-N directory) or a Hugging Face directory (Llama,
 Qwen3, Mixtral, Qwen3-MoE): minipar/trainer/load_model.py. --chat renders each prompt as a user turn
 through the tokenizer's chat template (with the generation prompt). One prompt streams its text to
 the terminal as it is generated; several (--prompt repeated, or --prompts-file: one per line, or a
 .jsonl with a "prompt" field) run as one left-padded batch and print at the end. Under torchrun every
-rank is a tp rank (the weights and the KV cache split by heads); rank 0 prints. The loop and the
-cache: minipar/post/generation.py, models/kv_cache.py.
+rank is a tp rank by default (the weights and the KV cache split by heads); with --tp N below the
+world, dp_shard takes the rest and the model is composed as training composes it
+(minipar/trainer/load_model.py's load_composed: ZeRO-3 shards over dp_shard, gathered unit by unit
+at each step; --ep N splits an MoE's experts over ep ranks of dp_shard). Every rank generates the
+same prompts; rank 0 prints. The loop and the cache: minipar/post/generation.py, models/kv_cache.py.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from minipar.cli import fail, positive_ints, within
 from minipar.config import ParallelismConfig
 from minipar.post.generation import Generation, generate
 from minipar.post.sampling import Sampling
-from minipar.trainer.load_model import load_model
+from minipar.trainer.load_model import load_composed, load_model
 
 
 def read_prompts(path: str) -> list:
@@ -71,21 +75,35 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
+    p.add_argument("--tp", type=int, help="tp_size (default: every rank, 1 with --ep); dp_shard takes the "
+                                          "rest, the weights ZeRO-3 sharded over it")
+    p.add_argument("--ep", type=int, default=1, help="ep_size: an MoE's experts split over ep ranks of "
+                                                     "dp_shard")
     return p
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        positive_ints(args, {"max_new_tokens": "tokens to generate"})
+        positive_ints(args, {"max_new_tokens": "tokens to generate", "tp": "ranks", "ep": "ranks"})
         within(args, {"temperature": (lambda t: t > 0, "> 0"), "top_p": (lambda p: 0 < p <= 1, "in (0, 1]")})
         prompts = args.prompt + (read_prompts(args.prompts_file) if args.prompts_file else [])
         if not prompts:
             raise ValueError("no prompt: give --prompt TEXT (repeatable) or --prompts-file FILE")
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        tp = args.tp or (world if args.ep == 1 else 1)
+        layout = ParallelismConfig(tp_size=tp, ep_size=args.ep).resolve(world)   # dp_shard: the rest
     except (ValueError, OSError) as err:
         return fail(err)
-    pgm = minipar.init(ParallelismConfig(tp_size=int(os.environ.get("WORLD_SIZE", 1))))
-    model, tokenizer = load_model(args.model, pgm, args.tokenizer)
+    pgm = minipar.init(layout)
+    try:
+        if pgm.dp_shard_cp.size > 1:     # the training composition: ZeRO-3 over dp_shard (and ep)
+            parallel, _, tokenizer = load_composed(args.model, pgm, args.tokenizer)   # (no LoRA dir)
+            model = parallel.model
+        else:
+            model, tokenizer = load_model(args.model, pgm, args.tokenizer)
+    except ValueError as err:            # the same on every rank: what the files are, the flags
+        return fail(err)
     ids = [encode_prompt(tokenizer, p, args.chat) for p in prompts]
     g = Generation(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(model, tokenizer),
                    pad_token_id=getattr(tokenizer, "pad_token_id", 0) or 0, stop_strings=tuple(args.stop),

@@ -30,9 +30,19 @@ capped logits through the same masked_attention as training's).
 The training forward (LlamaAttention.forward) is untouched. Left padding: position_ids count real
 tokens only (the first real token is at 0, as transformers' generate), and every query also sees
 itself, so a padding row never has an empty softmax (its output is never read).
+
+On ZeRO-3 shards (minipar/zero3/) a unit's weights exist only between the hooks of its module's
+call; this walk calls a layer's pieces, not the layer, so it opens each unit with
+`model.zero3.forward_scope(module)`, the same hooks: the model (the root: norm, lm_head) around
+the step, each layer around its two halves, the embedding through its own call. A step then
+all-gathers every unit once over dp_shard_cp (the whole model's bytes, as a training forward),
+prefetching in the order training learned, and leaves nothing gathered. The attention here never
+crosses ranks, so a cp rank runs it whole, as a replica; the experts' all-to-all over ep is the
+MoE layer's own, on the step's tokens.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List
 
 import torch
@@ -78,24 +88,35 @@ def _attention(attn, x, cos, sin, cache: KVCache, layer: int):
     return attn.o_proj(out.transpose(1, 2).reshape(b, s, attn.local_heads * attn.head_dim))
 
 
+def _as_called(module):
+    """A model that is not sharded: its parameters are there, nothing to open."""
+    return contextlib.nullcontext()
+
+
 @torch.no_grad()
 def cached_forward(model, input_ids, position_ids, valid, cache: KVCache, last_only: bool = True):
     """Full logits (b, s or 1, V) of the new positions `input_ids` (b, s), whose K and V are added
     to `cache` at [length, length + s); `valid` (b, s) marks the real tokens (False: padding).
-    model: a LlamaForCausalLM on one process or tp ranks (not sequence parallel, cp 1, pp 1)."""
+    model: a LlamaForCausalLM whose ranks hold every layer (pp 1): whole, its tp slices or its
+    ZeRO-3 shards; under sequence parallelism called inside tpl.sequence_parallel_off(model) (a
+    step's few tokens cannot be split along the sequence: minipar/post/generation.py does it)."""
     body = model.model
     b, s = input_ids.shape
     if cache.length + s > cache.max_len:
         raise ValueError(f"KV cache full: {cache.length} + {s} positions > max_len {cache.max_len}; "
                          f"allocate the cache for the prompt plus max_new_tokens")
+    zero3 = getattr(model, "zero3", None)          # ZeRO-3: each unit opened by its hooks (above)
+    unit = zero3.forward_scope if zero3 is not None else _as_called
     cache.valid[:, cache.length:cache.length + s] = valid
-    h = body.embed(input_ids)
-    cos, sin = body.rotary(position_ids, h.dtype)
-    for layer in body.layers:
-        h = layer.add_attention(h, _attention(layer.self_attn, layer.input_layernorm(h), cos, sin, cache,
-                                              layer.layer_idx))
-        h = layer.add_feed_forward(h)
-    cache.length += s
-    if last_only:
-        h = h[:, -1:]
-    return tpl.gather_from_tp_region(body.local_logits(h, model.lm_head), body.pgm.tp, dim=-1)
+    with unit(model):
+        h = body.embed(input_ids)                   # the embedding's own call gathers it
+        cos, sin = body.rotary(position_ids, h.dtype)
+        for layer in body.layers:
+            with unit(layer):
+                h = layer.add_attention(h, _attention(layer.self_attn, layer.input_layernorm(h), cos, sin,
+                                                      cache, layer.layer_idx))
+                h = layer.add_feed_forward(h)
+        cache.length += s
+        if last_only:
+            h = h[:, -1:]
+        return tpl.gather_from_tp_region(body.local_logits(h, model.lm_head), body.pgm.tp, dim=-1)

@@ -139,7 +139,7 @@ def test_the_command_scores_an_hf_directory(tmp_path):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(out, *extra):
+def _run(out, *extra, prompts=True):
     argv = [os.path.join(ROOT, "configs", "fsdp.yaml"), "--model.hidden_size", "32",
             "--model.intermediate_size", "64", "--model.num_hidden_layers", "2",
             "--model.num_attention_heads", "4",
@@ -147,7 +147,7 @@ def _run(out, *extra):
             "--max_steps", "2", "--warmup_steps", "1", "--eval_steps", "2", "--eval_batches", "1",
             "--progress_bar", "false", "--save_final_checkpoint", "false", "--export_hf", "false",
             "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"), "--output_dir", out,
-            "--eval_prompts", '["ROMEO:", "To be"]', *extra]
+            *(["--eval_prompts", '["ROMEO:", "To be"]'] if prompts else []), *extra]
     logs = []
     trainer = Trainer(setup_run(argv))
     trainer.log = logs.append
@@ -169,8 +169,27 @@ def test_a_run_logs_perplexity_and_generations(tmp_path):
     assert "eval/perplexity" in events.Tags()["scalars"]
 
 
-def test_a_sharded_run_notes_why_it_has_no_generations(tmp_path):
-    logs = run_world(_run, 2, str(tmp_path / "two"), "--dp_shard_size", "2", timeout=120)[0]
-    assert any("eval_prompts: no generations" in line and "dp_shard_cp 2" in line for line in logs)
-    rows = [json.loads(line) for line in open(tmp_path / "two" / "metrics.jsonl")]
+def _rows(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_a_sharded_run_generates_and_trains_as_without(tmp_path):
+    """ZeRO-3 over dp_shard 2: generations at each eval, and the training around them unchanged:
+    the same losses, step for step, as the run without eval_prompts (no gradient, ZeRO-3's learned
+    prefetch orders and its gathered units as they were)."""
+    three = ("--dp_shard_size", "2", "--max_steps", "3", "--eval_steps", "1")
+    logs = run_world(_run, 2, str(tmp_path / "gen"), *three, timeout=120)[0]
+    run_world(_run, 2, str(tmp_path / "plain"), *three, prompts=False, timeout=120)
+    gen, plain = _rows(tmp_path / "gen"), _rows(tmp_path / "plain")
+    assert not any("no generations" in line for line in logs)
+    assert all([g["prompt"] for g in r["eval_generations"]] == ["ROMEO:", "To be"] for r in gen)
+    assert [r["loss"] for r in gen] == [r["loss"] for r in plain] and len(gen) == 3
+    assert [r["val_loss"] for r in gen] == [r["val_loss"] for r in plain]
+
+
+def test_a_pipelined_run_notes_why_it_has_no_generations(tmp_path):
+    logs = run_world(_run, 2, str(tmp_path / "pp"), "--pp_size", "2", "--dp_shard_size", "1",
+                    "--micro_batch_size", "2", timeout=120)[0]
+    assert any("eval_prompts: no generations" in line and "pp_size 2" in line for line in logs)
+    rows = _rows(tmp_path / "pp")
     assert "val_perplexity" in rows[-1] and "eval_generations" not in rows[-1]

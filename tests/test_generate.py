@@ -153,9 +153,10 @@ def _refused(sizes):
         return str(e)
 
 
-def test_cp_is_refused_with_the_fix():
-    msg = run_world(_refused, 2, dict(cp_size=2), timeout=60)[0]
-    assert "cp_size 2" in msg and "tp_size" in msg
+def test_pp_is_refused_with_the_fix():
+    # cp, ep, ZeRO-3 and sequence parallelism generate (tests/test_generate_layouts.py); a pipeline does not
+    msg = run_world(_refused, 2, dict(pp_size=2), timeout=60)[0]
+    assert "pp_size 2" in msg and "python -m minipar.generate" in msg
 
 
 def _checkpoint_any_layout(tmp):

@@ -4,7 +4,7 @@ reading order (the cache itself, the one model-level piece, is models/kv_cache.p
     sampling.py      the next token from the logits: greedy, temperature, top-k, top-p, a seeded draw
                      (transformers' warpers, in its order)
     generation.py    a batch of prompts, left-padded, through the KV cache: prefill, one token a step,
-                     EOS and stop strings, streaming; one process or tp ranks
+                     EOS and stop strings, streaming; every layout with pp 1 (tp, SP, ZeRO-3, cp, ep)
     scoring.py       summed log-probabilities through the training composition's forward on any
                      layout: lm-evaluation-harness's loglikelihood (acc, acc_norm), perplexity
 

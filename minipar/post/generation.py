@@ -10,10 +10,22 @@ Left padding makes every row's last prompt token sit at the same column, so one 
 serves the whole batch; position ids count each row's real tokens (0 at its first), and the cache
 hides the padding from attention, so a padded row generates what it would alone.
 
-On one process or on tp ranks: every rank runs the same loop on the same prompts (the weights and
-the cache split by heads); the logits are gathered over tp, so every rank picks the same token.
-cp, pp, sequence parallelism and ep > 1 are refused (check_layout): generation runs one position a
-step, which a sequence split or a pipeline would leave mostly idle.
+Layouts: every rank whose model holds every layer (pp 1) runs the same loop on the same prompts.
+tp splits the weights and the cache by heads, and gathers the logits over tp. ZeRO-3 (dp_shard_cp,
+HSDP) gathers each unit for its part of every step (models/kv_cache.py): the whole model's bytes a
+step, as a training forward. A cp rank is a replica here: a step's attention never crosses ranks.
+ep: every ep rank routes the same tokens (each sends its own copy to the experts' owners): the
+all-to-all runs as in training, and nothing is split that must then be joined; a few prompts cost
+ep times the experts' work, which at eval's sizes is nothing. Sequence parallelism cannot split one
+token a row: the loop runs inside tpl.sequence_parallel_off, the layers' plain-TP path. pp is
+refused (check_layout): a pipeline would leave all but one stage idle at every step.
+
+The ranks must agree: each collective (ZeRO-3's gathers, the all-to-all, tp's) needs every rank to
+run the same number of steps, so the same tokens and the same stops. They compute the same logits
+(the same weights, gathered or whole, on the same tokens) and so pick the same tokens; as no kernel
+is promised to be bitwise deterministic, the choice is also made one: each step's tokens (b ids)
+are broadcast from rank 0 over the world, so the stops (EOS, stop strings, every row done) agree
+by construction.
 
 use_cache=False recomputes the whole sequence every step (the same code, a fresh cache each step):
 the baseline benchmarks/bench_generate.py measures the cache against.
@@ -25,6 +37,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from minipar import comm
+from minipar import tensor_parallel as tpl
 from models.kv_cache import KVCache, cached_forward
 
 from .sampling import Sampling, next_tokens
@@ -48,16 +62,12 @@ class Generated:
 
 
 def check_layout(pgm, what: str = "generation") -> None:
-    """Refuse, on every rank before any collective, the layouts generation does not run on."""
-    c = pgm.config
-    bad = [f"{name} {size}" for name, size in (("pp_size", pgm.pp.size), ("cp_size", pgm.cp.size),
-                                               ("ep_size", pgm.ep.size)) if size > 1]
-    if c.sequence_parallel:
-        bad.append("sequence_parallel true")
-    if bad:
-        raise ValueError(f"{what} runs on one process or on tp ranks only, got {', '.join(bad)}: run it "
-                         f"with tp_size alone (e.g. --tp 2) and pp_size = cp_size = ep_size = 1, "
-                         f"sequence_parallel false (a checkpoint of any layout loads on that)")
+    """Refuse, on every rank before any collective, the layouts generation does not run on (pp)."""
+    if pgm.pp.size > 1:
+        raise ValueError(f"{what} needs ranks that hold every layer, got pp_size {pgm.pp.size}: through a "
+                         f"pipeline each step's one token would leave all but one stage idle. Generate on "
+                         f"pp_size 1 (any tp, dp_shard, cp, ep), e.g. python -m minipar.generate CKPT --tp 2 "
+                         f"on a saved checkpoint (any layout's loads there)")
 
 
 def left_pad(prompts: List[List[int]], pad_id: int, device=None):
@@ -82,9 +92,10 @@ def _positions(valid):
 def generate(model, prompts: List[List[int]], g: Generation = Generation(),
              decode: Optional[Callable[[List[int]], str]] = None,
              stream: Optional[Callable[[str], None]] = None, record_logits: bool = False) -> Generated:
-    """New tokens for each prompt (lists of token ids). model: a LlamaForCausalLM on one process or
-    tp ranks (every rank calls this with the same prompts). decode: ids -> text, needed for stop
-    strings, texts and streaming; stream(piece): called with each new piece of text (one prompt)."""
+    """New tokens for each prompt (lists of token ids). model: a LlamaForCausalLM on any layout with
+    pp 1 (every rank calls this with the same prompts: the module docstring). decode: ids -> text,
+    needed for stop strings, texts and streaming; stream(piece): called with each new piece of text
+    (one prompt)."""
     check_layout(model.pgm)
     g.sampling.check()
     if g.max_new_tokens < 1:
@@ -99,11 +110,21 @@ def generate(model, prompts: List[List[int]], g: Generation = Generation(),
     ids, valid = left_pad(prompts, g.pad_token_id, device)
     b, s0 = ids.shape
     gen = torch.Generator(device=device).manual_seed(g.sampling.seed) if g.sampling.do_sample else None
+    cache = KVCache(model, b, s0 + g.max_new_tokens) if g.use_cache else None
+    with tpl.sequence_parallel_off(model):        # one token a row: no sequence to split
+        out, logs = _loop(model, g, ids, valid, cache, gen, decode, stream, record_logits)
+    model.train(was_training)
+    texts = [_cut(decode(o), g.stop_strings) for o in out] if decode is not None else None
+    return Generated(out, texts, logs)
+
+
+def _loop(model, g, ids, valid, cache, gen, decode, stream, record_logits):
+    """The steps: prefill, then one token a row a step, to every row done or max_new_tokens."""
+    device, (b, _) = ids.device, ids.shape
     eos = torch.tensor(list(g.eos_token_ids), dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     out: List[List[int]] = [[] for _ in range(b)]
     logs, shown = [], ""
-    cache = KVCache(model, b, s0 + g.max_new_tokens) if g.use_cache else None
     step_ids, step_valid = ids, valid
     for _ in range(g.max_new_tokens):
         if g.use_cache:
@@ -115,7 +136,7 @@ def generate(model, prompts: List[List[int]], g: Generation = Generation(),
         logits = logits[:, -1].float()
         if record_logits:
             logs.append(logits.clone())
-        tok = next_tokens(logits, g.sampling, gen)
+        tok = comm.broadcast(next_tokens(logits, g.sampling, gen), model.pgm.world)   # one choice
         tok = torch.where(done, torch.full_like(tok, g.pad_token_id), tok)
         for i, t in enumerate(tok.tolist()):            # one host read a step: the loop must know
             if not done[i]:
@@ -132,9 +153,7 @@ def generate(model, prompts: List[List[int]], g: Generation = Generation(),
         ids, valid = torch.cat([ids, step_ids], 1), torch.cat([valid, step_valid], 1)
         if bool(done.all()):
             break
-    model.train(was_training)
-    texts = [_cut(decode(o), g.stop_strings) for o in out] if decode is not None else None
-    return Generated(out, texts, logs)
+    return out, logs
 
 
 def _cut(text: str, stops: Sequence[str]) -> str:

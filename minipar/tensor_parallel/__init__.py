@@ -1,7 +1,8 @@
 """Tensor parallelism (Megatron-LM): weight matrices, heads and the vocabulary split over tp.
 
     mappings.py             Megatron's f/g conjugate functions, the sequence-parallel pairs
-    layers.py               Column/RowParallelLinear, VocabParallelEmbedding, the shard layout
+    layers.py               Column/RowParallelLinear, VocabParallelEmbedding, the shard layout;
+                            sequence_parallel_off, the plain-TP mode for generation's steps
     async_linear.py         the column-parallel backward with its input-gradient collective
                             overlapped with the weight-gradient matmul (tp_async_overlap)
     vocab_parallel_loss.py  cross-entropy over logits whose vocabulary is split across tp
@@ -16,6 +17,7 @@ from .layers import (
     VocabParallelEmbedding,
     column_parallel_group,
     gather_tensor,
+    sequence_parallel_off,
     shard_tensor,
 )
 from .mappings import (
@@ -44,4 +46,4 @@ __all__ = ["AsyncColumnParallelLinear", "async_column_parallel", "SEQ_DIM", "Cop
            "gather_from_sequence_parallel_region", "gather_from_tp_region", "reduce_from_tp_region",
            "reduce_scatter_to_sequence_parallel_region", "scatter_to_tp_region", "sequence_parallel_weight",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_group",
-           "gather_tensor", "shard_tensor", "vocab_parallel_cross_entropy"]
+           "gather_tensor", "sequence_parallel_off", "shard_tensor", "vocab_parallel_cross_entropy"]

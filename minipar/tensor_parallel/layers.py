@@ -36,6 +36,13 @@ vocab_parallel_cross_entropy computes the loss from the local logits (b, s, V/tp
 small all-reduces: the max (b*s numbers), then the sum of exponentials and the target logit
 together (2*b*s numbers). The full (b, s, V) logits never exist on one rank (vocab_parallel_loss.py).
 
+Sequence parallelism needs a sequence to split: generation's decode step has one token a row.
+`sequence_parallel_off(model)` is a mode the caller sets around such forwards (no gradient):
+inside it every layer below built with SP runs its plain-TP path (the residual replicated: the
+embedding and row-parallel layers all-reduce instead of reduce-scattering, the column-parallel
+ones enter with f instead of all-gathering), the same function of the same weights; the layers
+themselves have no generation branch.
+
 The autograd Functions f and g, the sequence-parallel pair and their wrappers are mappings.py
 (Megatron's name for them); this file holds the modules that use them. Shard layout
 (docs/design.md): column-parallel weight = full.chunk(tp, dim=0)[rank], row-parallel
@@ -43,6 +50,8 @@ weight = full.chunk(tp, dim=1)[rank], embedding = full.chunk(tp, dim=0)[rank]. E
 carries `tp_split_dim` (None when replicated) so checkpoints and clipping can find the layout.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -253,3 +262,22 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}, "
                 f"rows=[{self.vocab_start}, {self.vocab_end})")
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(module: nn.Module):
+    """Inside: the layers of `module` built with sequence parallelism run their plain-TP path (the
+    module docstring), restored after. For forwards without gradient only: the replicated weights
+    used on a sequence shard (norms, an MoE's router and experts) keep their SP wiring, which sums
+    their gradients over tp, right only when each rank saw part of the sequence."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("sequence_parallel_off is for forwards without gradient (torch.no_grad())")
+    kinds = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    switched = [m for m in module.modules() if isinstance(m, kinds) and m.sequence_parallel]
+    for m in switched:
+        m.sequence_parallel = False
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.sequence_parallel = True

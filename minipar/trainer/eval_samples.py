@@ -5,30 +5,29 @@ perplexity: what the model says, step by step, in metrics.jsonl and TensorBoard 
 
 Each prompt is encoded as the run encodes text (its bos first, when the tokenizer has one) and
 continued greedily for EVAL_NEW_TOKENS tokens or to EOS with the KV cache (minipar/post/
-generation.py). Generation runs on layouts whose ranks hold a whole model or its tp slices: one
-process, tp, dp_replicate (each replica generates the same). Elsewhere (ZeRO-3 shards, cp, pp,
-sequence parallelism, ep) the run notes once why there are none and trains on: an evaluation never
-fails a run. Every rank calls generate (tp's collectives); rank 0 logs.
+generation.py). Every rank generates the same prompts, the same tokens (its logits, the choice
+broadcast from rank 0), so the collectives of the layout match step for step: tp's, ZeRO-3's
+gathers of each unit over dp_shard (HSDP too), ep's all-to-all; cp ranks run as replicas and
+sequence parallelism its plain-TP path for the few steps. Rank 0 logs. Generation leaves training
+as it was: no gradient, ZeRO-3's learned prefetch orders untouched, nothing left gathered.
+Under pp (a stage holds some of the layers) there are none: the run notes once why, and what to
+do instead, and trains on; an evaluation never fails a run.
 """
 from __future__ import annotations
 
 from typing import List, Optional
 
-from minipar.post.generation import Generation, generate
+from minipar.post.generation import Generation, check_layout, generate
 
 EVAL_NEW_TOKENS = 32
 
 
 def why_not(pgm) -> Optional[str]:
     """None when this layout can generate, else the reason (the note the run prints once)."""
-    c = pgm.config
-    dims = dict(dp_shard_cp=pgm.dp_shard_cp.size, pp=pgm.pp.size, cp=pgm.cp.size, ep=pgm.ep.size)
-    parts = [f"{name} {size}" for name, size in dims.items() if size > 1]
-    if c.sequence_parallel:
-        parts.append("sequence_parallel")
-    if parts:
-        return (f"eval_prompts: no generations on this layout ({', '.join(parts)}); they run on one "
-                f"process, tp or dp_replicate; use python -m minipar.generate on a saved checkpoint")
+    try:
+        check_layout(pgm, "eval_prompts")
+    except ValueError as err:
+        return f"eval_prompts: no generations on this layout, training goes on. {err}"
     return None
 
 

@@ -17,6 +17,8 @@ How the hooks find their moments, for any model:
   - after backward, a frozen unit (LoRA's base: no gradient, so no such hook): the pre-forward hook
     passes the unit's inputs through an identity Function (unit.py's AfterBackward) whose backward runs
     once their gradients are complete, i.e. once the unit's backward is done, and frees it;
+  - a forward that uses a unit's parameters without calling its module (generation's KV cache):
+    forward_scope(module) runs the same two forward hooks around it (no gradient);
   - end of backward: a callback queued on the autograd engine waits for the outstanding
     reduce-scatters, so when loss.backward() returns the shard gradients are final (queued by the
     first of these hooks to fire: a pipeline's W pass only reaches the post-accumulate-grad one).
@@ -62,6 +64,7 @@ reduce-scatters, in the same order, compiled and eager).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, List, Sequence, Tuple
 
 import torch
@@ -200,6 +203,24 @@ class Zero3:
             u.start_gather()
         gather[0].wait_gather()
         self._note_memory()
+
+    @contextlib.contextmanager
+    def forward_scope(self, module):
+        """The hooks a call of `module` runs, around code that uses its parameters without calling it
+        (generation's KV cache walks a layer's pieces: models/kv_cache.py): its units (a layer and its
+        experts) gathered, the next ones prefetched in the learned order, freed after; the root a
+        whole pass (every unit freed at its end). A module that is no unit: nothing. Without
+        gradients only: what a pass with backward does is the module call's."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("Zero3.forward_scope is for forwards without gradient (torch.no_grad())")
+        units = [u for u in self.units if u.module is module]
+        for u in units:
+            self._pre_forward(u)
+        try:
+            yield
+        finally:
+            for u in units:
+                self._post_forward(u, None)      # no gradient: frees, never relearns an order
 
     # ------------------------------------------------------------------ the hooks
     def _pre_forward(self, u: Unit, args=()):

@@ -69,7 +69,7 @@ def _lora(cfg) -> dict:
     if cfg.adapter != "lora":
         return {}
     targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
-                            LlamaForCausalLM.lora_target_modules)
+                            LlamaForCausalLM.lora_targets_of(cfg.model), LlamaForCausalLM.lora_target_modules)
     return dict(lora_r=cfg.lora_r, lora_targets=tuple(targets))
 
 

@@ -11,6 +11,7 @@ setup_run is these steps, in this order, each one function below:
     2. _check_base_model  base_model's weight headers against its config.json  models/hf_checkpoint.py
     3. _tokenizer      the tokenizer, its added tokens and chat template; a model from scratch
                        takes its vocabulary, a base model's is resized to it   data/special_tokens.py
+                       (run_vocabulary: this step alone, for the planner, which reads no weights)
     4. _layout         the sizes: the command line's, then accelerate's PARALLELISM_CONFIG_*_SIZE
                        variables for the sizes neither it nor the config file sets; without a
                        config file they replace the default layout; a world of one runs any config

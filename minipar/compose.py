@@ -131,14 +131,19 @@ def build(config, pgm, recipe: Recipe, base_model=None, device=None, log: Callab
     targets = None
     if recipe.lora is not None:
         lo = recipe.lora
-        targets = check_targets(lo.target_modules, lo.target_linear, lora_targets(model))
+        targets = check_targets(lo.target_modules, lo.target_linear, lora_targets(model),
+                                model.lora_target_modules)
         add_lora(model, targets, lo.r, lo.alpha, lo.dropout, seed=recipe.seed, device=device)
         if lo.model_dir:
             load_adapters(model, lo.model_dir, pgm.tp)
         n_lora = sum(math.prod(p.tp_full_shape) for p in lora_parameters(model))
+        moe = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
         log(f"LoRA r={lo.r}, alpha={lo.alpha:g} on {', '.join(targets)}: {n_lora / 1e6:.2f} M trainable "
             f"parameters ({100 * n_lora / n_params:.2f} % of {n_params / 1e6:.1f} M), the base frozen"
-            + (f"; adapters from {lo.model_dir}" if lo.model_dir else ""))
+            + (f"; adapters from {lo.model_dir}" if lo.model_dir else "")
+            + (f"; the experts and routers of the {moe} mixture-of-experts layers frozen too (stacked "
+               f"weights, no Linear: as PEFT's all-linear leaves transformers' stacked experts)"
+               if moe else ""))
     # 3. the pipeline cut: this rank's stage only (before ZeRO-3, DDP and the optimizer)
     if pgm.pp.size > 1:
         model = build_stage(model, pgm, recipe.chunks, recipe.pipeline_layers, recipe.pipeline_schedule)

@@ -18,6 +18,9 @@ backward (the input's gradient and the weight's): 6 FLOPs per weight element per
                                overstates the work of causal attention by 6 H D s)
                       causal    6 H D s: on average s / 2 keys, the FLOPs causal attention needs;
                                minipar's `mfu` and the planner's estimate use this one
+                      a layer with a sliding window W < s (Mistral, Qwen2's and Gemma's windowed
+                               layers: attention_window) attends to at most W keys: on average
+                               W - W^2 / (2 s) causal (12 H D of them), W whole
     per step        (6 x matmul weights + attention) x global_batch_size x sequence_len tokens
 
 Activation checkpointing runs forwards again; those are hardware FLOPs, not model FLOPs, and MFU
@@ -69,10 +72,21 @@ def matmul_weights(shape) -> int:
     return layers_matmul_weights(shape) + shape.vocab_size * shape.hidden_size
 
 
+def attended_keys(shape, i: int, sequence_len: int, causal: bool = True) -> float:
+    """The keys a query of layer i attends to, on average over the sequence: s / 2 causal (s whole);
+    under a sliding window W < s (the shape's attention_window(i), where it has one) at most W, on
+    average W - W^2 / (2 s) (the first W queries see fewer), or W whole."""
+    window = shape.attention_window(i) if hasattr(shape, "attention_window") else None
+    s = sequence_len
+    if window is None or window >= s:
+        return s / 2 if causal else s
+    return window - window * window / (2 * s) if causal else window
+
+
 def attention_flops_per_token(shape, sequence_len: int, causal: bool = True) -> float:
-    """Q K^T and P V of one token through every layer, forward and backward."""
-    full = 12 * shape.num_hidden_layers * shape.num_attention_heads * shape.head_dim * sequence_len
-    return full / 2 if causal else full
+    """Q K^T and P V of one token through every layer, forward and backward: 12 H D per key."""
+    return sum(12 * shape.num_attention_heads * shape.head_dim * attended_keys(shape, i, sequence_len, causal)
+               for i in range(shape.num_hidden_layers))
 
 
 def step_flops(shape, global_batch_size: int, sequence_len: int) -> StepFlops:

@@ -40,7 +40,7 @@ The shape and its config.json keys are models/llama_config.py; the rotary tables
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -150,6 +150,15 @@ class LlamaForCausalLM(nn.Module):
     # The Linear layers a LoRA adapter may sit on (minipar/lora/adapter.py; PEFT's target_modules
     # names): every projection of a decoder layer, which Axolotl's lora_target_linear means
     lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    @classmethod
+    def lora_targets_of(cls, config: LlamaConfig) -> Tuple[str, ...]:
+        """The lora_target_modules that some layer of `config` has (minipar/lora/adapter.py's
+        lora_targets of the built model, known from the config): the attention's always, the MLP's
+        where a layer keeps the dense one. A mixture-of-experts layer stacks its experts' weights
+        and routes with a bare (E, d) weight (models/moe.py), no Linear, as transformers 5 does."""
+        dense = any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+        return cls.lora_target_modules if dense else cls.lora_target_modules[:4]
 
     def __init__(self, config: LlamaConfig, pgm: Optional[ProcessGroupManager] = None, seed: int = 0,
                  device: Optional[str] = None):

@@ -147,22 +147,39 @@ class LoRA(nn.Module):
 
 
 def lora_targets(model: nn.Module) -> Sequence[str]:
-    """The projection names a model declares for LoRA (its `lora_target_modules`)."""
+    """The projection names a model declares for LoRA (its `lora_target_modules`) that some layer of
+    this model has as a Column/RowParallelLinear, in the declared order: a model whose every layer's
+    feed-forward is a mixture of experts (models/moe.py: stacked expert weights and a bare router
+    weight, no Linear) has its attention's only."""
     targets = getattr(model, "lora_target_modules", None)
     if not targets:
         raise ValueError(f"{type(model).__name__} declares no lora_target_modules: the model must name "
                          f"the Linear layers an adapter may sit on")
-    return tuple(targets)
+    present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    return tuple(t for t in targets if t in present)
 
 
-def check_targets(requested: Optional[Iterable[str]], target_linear: bool, available: Sequence[str]):
-    """The target module names to adapt, or a ValueError naming the unknown ones and the choices.
-    `target_linear` (Axolotl's lora_target_linear) means every Linear the model declares."""
+def check_targets(requested: Optional[Iterable[str]], target_linear: bool, available: Sequence[str],
+                  declared: Optional[Sequence[str]] = None):
+    """The target module names to adapt, or a ValueError naming the wrong ones and what to write.
+    `available`: the Linear names the model has (lora_targets), `declared`: every name the model
+    class may have (its lora_target_modules; default `available`). `target_linear` (Axolotl's
+    lora_target_linear) means every Linear the model has, as PEFT's all-linear adapts the nn.Linear
+    modules it finds: on a model whose layers are all mixtures of experts the attention's only, the
+    experts (stacked weights, as transformers 5 stores them) and routers staying frozen."""
     requested = list(requested or [])
-    unknown = [t for t in requested if t not in available]
+    declared = list(available if declared is None else declared)
+    unknown = [t for t in requested if t not in declared]
     if unknown:
         raise ValueError(f"lora_target_modules {unknown} are not Linear layers of this model; choose "
                          f"from {list(available)} (or lora_target_linear: true for all of them)")
+    absent = [t for t in requested if t not in available]
+    if absent:
+        raise ValueError(f"lora_target_modules {absent}: no layer of this model has them (every layer's "
+                         f"feed-forward is a mixture of experts, whose experts are stacked weights, no "
+                         f"Linear); write lora_target_modules: [{', '.join(available)}] (or "
+                         f"lora_target_linear: true, which adapts those and leaves the experts frozen)")
     targets = list(available) if target_linear else requested
     if not targets:
         raise ValueError(f"adapter: lora needs lora_target_modules (some of {list(available)}) or "

@@ -26,8 +26,7 @@ import sys
 
 from minipar.cli import fail, memory_bytes, positive_ints, within
 from minipar.gpus import PRESETS
-from minipar.trainer.config.train_config import load_config
-from minipar.trainer.prediction import from_train_config
+from minipar.trainer.prediction import from_train_config, read_train_config
 from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
 from models.hf_config import FAMILIES
@@ -125,7 +124,11 @@ def load(args):
     model = batch = cfg = None
     opts = Options()
     if args.config:
-        cfg = load_config(args.config)
+        notes = []          # train.py's reading: the file, then its tokenizer's vocabulary
+        cfg = read_train_config(args.config, notes=notes)
+        for note in notes:
+            if "vocab" in note or "tokenizer" in note:
+                print(f"[minipar.plan] {note}", file=sys.stderr)
         model, base, batch, opts = from_train_config(cfg)
         world = (cfg.dp_replicate_size * (cfg.dp_shard_size or 1) * cfg.cp_size
                  * cfg.tp_size * (cfg.pp_size or 1))

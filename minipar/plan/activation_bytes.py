@@ -11,6 +11,14 @@ storage by storage (what `torch.autograd.graph.saved_tensors_hooks` sees), param
                                   the KV repeat: ring_attention saves the head-split q, k, v, out (u s
                                   tokens of H / u heads: the local elements, f times for k and v) and
                                   its lse; the all-to-alls and repeat_interleave save nothing
+                                  a layer with a dense mask (`attention_bytes`: a sliding window W
+                                  that binds, W < S the whole sequence, or Gemma 2's capped logits),
+                                  measured: q and out e n H D each; K/V of the whole sequence with
+                                  their KV heads, 2 e b S K D (cp all-gathers them: the gathered
+                                  copy is what SDPA keeps); the lse; SDPA's additive mask, e s S
+                                  (broadcast over b and heads). Capped: K/V repeated to the query
+                                  heads, 2 e b S H D; tanh's output (e), the fp32 softmax and its
+                                  cast (e, none in fp32) over b H s S; the bool mask s S; no lse
                        MLP        4 e n f / T                gate, silu(gate), up, product
     under SP the norms see n / T tokens and save their input's gathered copy (e n d) instead
     of their output; with activation checkpointing a layer keeps only its input, and one layer's
@@ -23,6 +31,10 @@ storage by storage (what `torch.autograd.graph.saved_tensors_hooks` sees), param
     and selective every n-th layer fully checkpoints layers n-1, 2n-1, ... (`as_configured`: the
     peak of the mode the options name, `kept_per_layer`: what each layer keeps).
     root: ids, cos/sin (2 e n D), final norm, and the vocab-parallel loss's fp32 softmax 4 n V / T.
+    Gemma's norms multiply the fp32 x_hat by (1 + weight), a (d,) fp32 tensor each call makes: both
+    kept (x_hat in 4 bytes whatever e); its sandwich norms' outputs go to a residual add, which keeps
+    nothing; its embedding scale is a 0-d tensor in the root. The layers' counts differ where their
+    attention does (`layers`, one per layer; `per_layer` the largest, what a recompute brings back).
 bf16 without ZeRO-3 runs under autocast: the weights and the residual stream stay fp32 (so the
 layer input, cos/sin and the norms' x_hat are 4 bytes an element) and every matmul saves bf16
 casts of its input and its weight, the input cast once per reader (autocast caches only the
@@ -56,24 +68,29 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     H, K = m.num_attention_heads // T, m.num_key_value_heads // T
     ns = n // T if layout.sp else n                     # tokens the norms and residuals see
 
-    def norm(readers: int) -> int:     # x, rsqrt, x_hat; the output (or its gathered copy) its
-        # readers save: one tensor, or under autocast each reader's own bf16 cast of it
-        return 4 * ns * d + 4 * ns + pe * ns * d + e * n * d * (readers if autocast else 1)
+    x_hat = 4 if m.sandwich_norms else pe   # Gemma's norm multiplies the fp32 x_hat by (1 + weight)
+    x_hat_qk = 4 if m.sandwich_norms else e  # (q and k are in the compute dtype, under autocast too)
 
-    kv_heads = K * kv_repeat(model, layout) if (C > 1 or H == K) else H
-    attention = e * n * (2 * H + 2 * kv_heads) * D + 4 * b * H * s + (e * n * H * D if C > 1 else 0)
+    def norm(readers: int) -> int:     # x, rsqrt, x_hat; the output (or its gathered copy) its
+        # readers save: one tensor, or under autocast each reader's own bf16 cast of it; Gemma's
+        # (1 + weight), made in fp32 by each call
+        return 4 * ns * d + 4 * ns + x_hat * ns * d + e * n * d * (readers if autocast else min(readers, 1)) \
+            + 4 * d * m.sandwich_norms
+
     mlp = mlp_activations(model, layout, batch, e) if model.is_moe else 4 * e * n * f // T
     # autocast's bf16 weight casts: q, k, v, o (and gate, up, down), saved by their matmuls
     weights = e * (d * (2 * H + 2 * K) * D + (0 if model.is_moe else 3 * d * f // T)) if autocast else 0
-    if m.capped_attention:    # Gemma 2's explicit scores (masked_attention.py): tanh's output and the
-        # probabilities' cast in e, the fp32 softmax, over every key of the sequence (all-gathered
-        # under cp), instead of the kernels' lse; and the gathered, repeated K/V under cp (not measured)
-        S = s * C
-        attention += b * H * s * S * (2 * e + 4) - 4 * b * H * s + (2 * e * b * H * S * D if C > 1 else 0)
-    layer = norm(3) + norm(1 if model.is_moe else 2) + attention + mlp + weights
-    if m.sandwich_norms:      # Gemma's norms of the attention's and the MLP's outputs (their reader,
-        layer += 2 * norm(0)  # the residual add, saves nothing; counted as a norm's own, not measured)
-    root = 8 * n + 2 * pe * n * D                       # ids (int64; under tp the local ids), cos, sin
+    norms = norm(3) + norm(1 if model.is_moe else 2) + (2 * norm(0) if m.sandwich_norms else 0)
+    if m.qk_norm:   # Qwen3's and Gemma 3's norms of each q and k head: the fp32 x, rsqrt, x_hat (fp32
+        # for Gemma's (1 + weight), else in e) and Gemma's (1 + weight); RoPE keeps neither output
+        norms += (4 + x_hat_qk) * n * (H + K) * D + 4 * b * (H + K) * s + 2 * 4 * D * m.sandwich_norms
+    # (Gemma's norms of the attention's and the MLP's outputs: their reader, the residual add, saves
+    # nothing; counted as a norm's own)
+    attention = [attention_bytes(model, layout, batch, opts, i) for i in range(m.num_hidden_layers)]
+    layers = [norms + a + mlp + weights for a in attention]
+    layer = max(layers)                                 # the largest: what one layer's recompute brings back
+    root = 8 * n + 2 * pe * n * D * rope_tables(m)     # ids (int64; under tp the local ids), cos, sin
+    root += pe * m.sandwich_norms                       # Gemma's embedding scale, a 0-d tensor
     if T > 1:
         root += n                                       # the mask of ids outside the vocab shard
     root += norm(1) + 4 * n * m.vocab_size // T + 8 * n + 2 * n   # softmax fp32, target, 2 masks
@@ -84,15 +101,21 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     if opts.sac_every_other_matmul:           # torchtitan's policy recomputes k, o and up (time_model.py)
         selective -= e * n * (K * D + d + f // T)
     L = m.num_hidden_layers
-    out = dict(per_layer=layer, root=root, full=L * layer + root, layer_input=layer_input,
+    out = dict(per_layer=layer, layers=layers, root=root, full=sum(layers) + root, layer_input=layer_input,
                selective_layer=selective, checkpointed=L * layer_input + root,
                checkpointed_peak=L * layer_input + root + layer,
-               # per_layer by part: what a reader of the plan can hold against another trainer's
-               per_layer_parts=dict(norms=layer - attention - mlp - weights, attention=attention,
-                                    mlp=mlp, weight_casts=weights))
+               # per_layer by part (the largest layer): what a reader of the plan can hold against
+               # another trainer's
+               per_layer_parts=dict(norms=norms, attention=max(attention), mlp=mlp, weight_casts=weights))
     kept = sum(kept_per_layer(out, opts, i) for i in range(L))
     out.update(as_configured_kept=kept + root, as_configured=kept + root + recompute_peak(out, opts))
     return out
+
+
+def rope_tables(model: ModelShape) -> int:
+    """The RoPE tables a forward builds and every layer's RoPE keeps (cos and sin each): Gemma 3's
+    global and local ones stacked (models/llama.py's rotary), else one."""
+    return 2 if model.sandwich_norms and model.qk_norm else 1
 
 
 def stream_bytes(layout: Layout, opts: Options) -> int:
@@ -109,11 +132,11 @@ def kept_per_layer(act: Dict[str, int], opts: Options, i: int) -> int:
     checkpointing, from activations()' per-layer counts."""
     ac = opts.gradient_checkpointing
     if not ac:
-        return act["per_layer"]
+        return act["layers"][i]
     if ac == "selective" and opts.selective_ac_option == "op":
         return act["selective_layer"]
     if ac == "selective" and (i + 1) % opts.selective_ac_option:
-        return act["per_layer"]                          # not an n-th layer: keeps everything
+        return act["layers"][i]                          # not an n-th layer: keeps everything
     return act["layer_input"]
 
 
@@ -125,6 +148,32 @@ def recompute_peak(act: Dict[str, int], opts: Options) -> int:
     if opts.gradient_checkpointing == "selective" and opts.selective_ac_option == "op":
         return act["per_layer"] - act["selective_layer"] + act["layer_input"]
     return act["per_layer"]
+
+
+def attention_bytes(model: ModelShape, layout: Layout, batch: Batch, opts: Options, i: int) -> int:
+    """What decoder layer i's attention saves for backward (the module docstring): its kernel's
+    path, models/llama_layer.py's choice. Causal (no window that binds, no cap): q, K/V (repeated
+    to the query heads at cp 1 without Ulysses), the output (a copy of it under the ring) and the
+    fp32 log-sum-exp. A dense mask (a binding window, window_attention.py / causal_attention's
+    band): q, K/V with their KV heads, whole over the sequence (all-gathered under cp), the output,
+    the log-sum-exp and the mask SDPA makes of the boolean one, in q's dtype, (s, S) over the batch.
+    Capped logits (Gemma 2, masked_attention.py): the explicit scores, (b, H, s, S) three times."""
+    m, T, C = model, layout.tp, layout.cp
+    e = DTYPE_BYTES[opts.dtype]
+    b, s = batch.micro(layout), batch.sequence_len // C
+    n, D, S = b * s, m.head_dim, batch.sequence_len
+    H, K = m.num_attention_heads // T, m.num_key_value_heads // T
+    lse = 4 * b * H * s
+    if not m.masked(i, S):
+        kv_heads = K * kv_repeat(model, layout) if (C > 1 or H == K) else H
+        return e * n * (2 * H + 2 * kv_heads) * D + lse + (e * n * H * D if C > 1 else 0)
+    if m.capped_attention:    # Gemma 2's explicit scores (masked_attention.py): q and the output;
+        # K/V repeated to the query heads over every key of the sequence (all-gathered under cp: the
+        # matmuls save the repeated copies, not the gathered ones); tanh's output in e, the fp32
+        # softmax and its cast to e (the same tensor in fp32); the boolean mask; no lse
+        scores = b * H * s * S * (e + 4 + (e if e != 4 else 0))
+        return e * n * 2 * H * D + 2 * e * b * H * S * D + scores + s * S
+    return e * n * 2 * H * D + e * b * S * 2 * K * D + lse + e * s * S
 
 
 def recompute_shares(model: ModelShape, opts: Options) -> Tuple[float, float]:
@@ -147,6 +196,15 @@ def recomputed_layers(model: ModelShape, opts: Options, layers: int) -> int:
     if ac == "selective" and opts.selective_ac_option != "op":
         return layers // opts.selective_ac_option
     return layers if ac else 0
+
+
+def recomputes(opts: Options, i: int) -> bool:
+    """Whether decoder layer i (its index in the model) runs (part of) its forward again in
+    backward, and so repeats its collectives: recomputed_layers' rule, layer by layer."""
+    ac = opts.gradient_checkpointing
+    if ac == "selective" and opts.selective_ac_option != "op":
+        return (i + 1) % opts.selective_ac_option == 0
+    return bool(ac)
 
 
 def kv_repeat(model: ModelShape, layout: Layout) -> int:

@@ -12,14 +12,21 @@ kv = 2 b f (K / T) s D and f the KV repeat (1 under ring):
                                        forward four when recomputed): b (H / T) s D e for q-sized,
                                        kv e / 2 for k- and v-sized buffers
     usp   both: the all-to-alls over u, and the ring over "cp_ring" with R - 1 = C / u - 1 hops
+    a layer with a dense mask (a sliding window that binds, Gemma 2's capped logits; ModelShape.masked),
+          whatever cp_impl, none of those: window_attention.py all-gathers K and V of the whole
+          sequence over "cp", 2 b S (K / T) D e (+ again when recomputed), and reduce-scatters dK/dV
+          of that size in e backward
+Row-parallel biases (attention_bias's o_proj, mlp_bias's down_proj) are (d,) and replicated over tp:
+under SP their gradients are summed over tp like a norm's; Qwen2's q/k/v biases are column-parallel
+and need no collective.
 Packed documents (document ids) are not modelled: the planner has no packing option, so it leaves
 out the ids' all-gather over cp_ulysses and their ring hops (b u s and b s int64 per call).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from .activation_bytes import kv_repeat, recomputed_layers
+from .activation_bytes import kv_repeat, recomputed_layers, recomputes
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options, param_bytes
 from .model import _padded, gathers, shard_size, units
 from .moe import collectives as moe_collectives
@@ -73,7 +80,7 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
             add("reduce_scatter", "tp", rows + ac, act)
             if not lora:
                 # the norm weights' grads (they saw n / tp tokens)
-                add("all_reduce", "tp", m.norms_per_layer * L + 1, d * pe)
+                add("all_reduce", "tp", m.replicated_per_layer * L + 1, d * pe)
         else:           # fwd: embedding, o_proj, down_proj; bwd: the f before qkv, gate/up, lm_head
             add("all_reduce", "tp", 1 + fg - skipped, stream)   # embedding's g, the f's backward
             add("all_reduce", "tp", rows + ac, act)             # the rows' g, forward and recompute
@@ -110,14 +117,23 @@ def collectives(model: ModelShape, layout: Layout, batch: Batch,
 
 
 def cp_attention(add, model: ModelShape, layout: Layout, batch: Batch, opts: Options, layers: int,
-                 recomputed: int) -> None:
+                 recomputed: int, indices: Optional[Sequence[int]] = None) -> None:
     """add(op, group, calls, bytes) the cp collectives of one micro-batch through `layers` decoder
-    layers, `recomputed` of which run their forward again in backward (the module docstring)."""
+    layers, `recomputed` of which run their forward again in backward (the module docstring); their
+    indices in the model (default the first `layers`) say which attend through a dense mask (a
+    window that binds, capped logits: ModelShape.masked), whose K/V are all-gathered over cp."""
     T, C = layout.tp, layout.cp
     if C == 1:
         return
     e, u = DTYPE_BYTES[opts.dtype], layout.ulysses_size()
     b, s, D = batch.micro(layout), batch.sequence_len // C, model.head_dim
+    masked = [i for i in (range(layers) if indices is None else indices) if model.masked(i, s * C)]
+    if masked:   # window_attention.py: K and V of the whole sequence gathered over cp, in e, forward
+        again = sum(recomputes(opts, i) for i in masked)         # (and recompute); dK/dV reduce-scattered
+        gathered = 2 * b * s * C * (model.num_key_value_heads // T) * D * e
+        add("all_gather", "cp", len(masked) + again, gathered)
+        add("reduce_scatter", "cp", len(masked), gathered)
+        layers, recomputed = layers - len(masked), recomputed - again
     kv = 2 * b * kv_repeat(model, layout) * (model.num_key_value_heads // T) * s * D
     hops = C // u - 1                    # the ring: all of cp (ring), C / u groups (usp), none (ulysses)
     ring = "cp" if layout.cp_impl == "ring" else "cp_ring"

@@ -4,8 +4,11 @@ model.py's, activation_bytes.py's and collective_counts.py's.
 
     ModelShape  from a Hugging Face config.json or minipar's LlamaConfig: d, f, L, H, K, D, V, and
                 tensors(tp): the TP-local element counts of every parameter, in the model's order
-                (root-before-layers [embedding], one layer [9 tensors], root-after-layers [norm,
-                lm_head]), the list every memory and ledger count is summed from
+                (root-before-layers [embedding], one layer [9 tensors, + Qwen2's q/k/v biases,
+                q/k norms, Gemma's two norms...], root-after-layers [norm, lm_head]), the list
+                every memory and ledger count is summed from; and what the families change in
+                a layer's attention: each layer's sliding window, Gemma 2's capped logits
+                (masked(i, S): the layer attends through a dense mask, models/llama_layer.py)
     Layout      dp_replicate R x dp_shard S x cp C x tp T (+ sequence_parallel), and how attention
                 crosses cp: cp_impl ring | ulysses | usp with cp_ulysses_size u (resolved by the
                 trainer's own rule, ParallelismConfig.ulysses_size: 1 under ring, C under ulysses);
@@ -18,7 +21,8 @@ model.py's, activation_bytes.py's and collective_counts.py's.
                 activation checkpointing, LoRA's rank and targets (and how another trainer runs)
 
 minipar/trainer/prediction.py's from_train_config asks the question of a train.py config (the
-product reads the planner, never the other way).
+product reads the planner, never the other way), read as the trainer reads it: the family's defaults
+through LlamaConfig.from_dict, the vocabulary the run's tokenizer sets (read_train_config).
 
 check() repeats the trainer's own divisibility checks (heads, vocab and f by tp; sequence by 2 cp,
 and by tp under SP; the batch by dp x micro; under ulysses / usp the head split, by calling the
@@ -54,6 +58,15 @@ class ModelShape:
     qk_norm: bool = False                 # Qwen3, Gemma 3: a (D,) RMSNorm weight for q, one for k per layer
     sandwich_norms: bool = False          # Gemma: two more (d,) norms per layer (the MLP's in and out)
     capped_attention: bool = False        # Gemma 2: soft-capped scores, computed explicitly (no fused kernel)
+    # biases (LlamaConfig's qkv_bias, attention_bias, mlp_bias): Qwen2's on q/k/v_proj (column-parallel,
+    # split over tp); attention_bias's on o_proj too, mlp_bias's on gate/up/down (o and down: (d,),
+    # replicated over tp, their gradients summed over tp under SP)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # each layer's sliding window W (LlamaConfig.attention_window: Mistral, Phi-3, Qwen2's and Gemma's
+    # windowed layers), None where the layer attends causally; () when no layer has one
+    windows: Tuple[Optional[int], ...] = ()
     # a mixture of experts (models/moe.py; minipar/plan/moe.py counts it): E experts of width F,
     # top-k per token, in the layers `moe_layers` (Mixtral: all); 0 experts is dense
     num_local_experts: int = 0
@@ -66,6 +79,23 @@ class ModelShape:
     def norms_per_layer(self) -> int:
         """The (d,) RMSNorms of a decoder layer: input and post-attention, and Gemma's two more."""
         return 4 if self.sandwich_norms else 2
+
+    @property
+    def replicated_per_layer(self) -> int:
+        """The (d,) tensors of a dense decoder layer replicated over tp whose gradients SP sums over tp
+        (tensor_parallel's sequence_parallel_weight): the norms, and o_proj's and down_proj's biases."""
+        return self.norms_per_layer + self.o_bias + self.mlp_bias
+
+    def attention_window(self, i: int) -> Optional[int]:
+        """Layer i's sliding window (None: causal): models/flops.py asks this of a shape."""
+        return self.windows[i] if self.windows else None
+
+    def masked(self, i: int, sequence_len: int) -> bool:
+        """Whether layer i attends through a dense mask (models/llama_layer.py's masked path): a window
+        that binds (W < the whole sequence) or capped logits. Then cp all-gathers K/V over the whole
+        cp group (context_parallel/window_attention.py) instead of its ring or all-to-alls."""
+        w = self.attention_window(i)
+        return self.capped_attention or (w is not None and w < sequence_len)
 
     @property
     def is_moe(self) -> bool:
@@ -85,16 +115,18 @@ class ModelShape:
                              f"config.json has them (configs/models/llama-3.1-8b.json)")
         heads = d["num_attention_heads"]
         kind = d.get("model_type") or "llama"
+        c = LlamaConfig.from_dict(d)        # the trainer's own reading: each family's defaults and windows
         moe, extra = {}, {}
-        if kind in ("mixtral", "qwen3_moe"):     # the trainer's own reading: E, k, F and which layers
-            c = LlamaConfig.from_dict(d)
+        if kind in ("mixtral", "qwen3_moe"):     # E, k, F and which layers
             moe = dict(num_local_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
                        moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
                        moe_layers=tuple(i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)))
-        elif kind in ("gemma2", "gemma3_text"):  # the trainer's reading: Gemma's defaults (head_dim, tied)
-            c = LlamaConfig.from_dict(d)
+        elif kind in ("gemma2", "gemma3_text"):  # Gemma's defaults (head_dim, tied)
             d = dict(d, head_dim=c.head_dim, tie_word_embeddings=c.tie_word_embeddings)
             extra = dict(sandwich_norms=True, capped_attention=c.attention_softcap is not None)
+        windows = tuple(c.attention_window(i) for i in range(c.num_hidden_layers))
+        extra.update(qkv_bias=c.qkv_bias, o_bias=c.attention_bias, mlp_bias=c.mlp_bias,
+                     windows=windows if any(w is not None for w in windows) else ())
         return cls(d["vocab_size"], d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], heads,
                    d.get("num_key_value_heads") or heads, d.get("head_dim") or d["hidden_size"] // heads,
                    bool(d.get("tie_word_embeddings", False)), kind in ("qwen3", "qwen3_moe", "gemma3_text"),
@@ -106,12 +138,15 @@ class ModelShape:
         stacked experts, 3 x (E/ep, F, d), not split over tp (minipar/plan/moe.py)."""
         d, f, D, V = self.hidden_size, self.intermediate_size, self.head_dim, self.vocab_size
         q, kv = self.num_attention_heads * D // tp, self.num_key_value_heads * D // tp
-        layer = [d, d * q, d * kv, d * kv, q * d] + [D, D] * self.qk_norm + [d] + [d, d] * self.sandwich_norms
+        qb, ob, mb = self.qkv_bias, self.o_bias, self.mlp_bias      # each weight, then its bias
+        layer = [d, d * q] + [q] * qb + [d * kv] + [kv] * qb + [d * kv] + [kv] * qb + [q * d] + [d] * ob \
+            + [D, D] * self.qk_norm + [d] + [d, d] * self.sandwich_norms
         if self.is_moe:
             E, F = self.num_local_experts, self.moe_intermediate_size
             layer += [E * d] + [E // ep * F * d] * 3
         else:
-            layer += [d * f // tp, d * f // tp, f // tp * d]
+            fl = f // tp
+            layer += [d * fl] + [fl] * mb + [d * fl] + [fl] * mb + [fl * d] + [d] * mb
         head = [d] + ([] if self.tie_word_embeddings else [V // tp * d])
         return [V // tp * d], layer, head
 

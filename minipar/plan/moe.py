@@ -94,8 +94,10 @@ def collectives(add, model, layout, batch, opts, recomputed: int) -> None:
     if layout.sp:                    # the router and experts saw n / T tokens: their gradients summed
         add("all_reduce", "tp", 1, aux)
         pe = param_bytes(layout, opts)                    # (in the gathered dtype under ZeRO-3)
-        add("all_reduce", "tp", L, E * model.hidden_size * pe)
-        add("all_reduce", "tp", 3 * L, E // layout.ep * model.moe_intermediate_size * model.hidden_size * pe)
+        trained = 0 if opts.lora_r else 1                 # LoRA: frozen, no gradient to sum
+        add("all_reduce", "tp", L * trained, E * model.hidden_size * pe)
+        add("all_reduce", "tp", 3 * L * trained,
+            E // layout.ep * model.moe_intermediate_size * model.hidden_size * pe)
     add("all_reduce", "cp", 1, aux)
 
 

@@ -35,6 +35,10 @@ seconds of each piece):
     ring attention (cp under ring, cp_ring under usp: R ranks), per layer and pass: R - 1 hops, each
         behind one block (1 / R) of the layer's attention: (R - 1) max(0, hop - block); the
         backward's hop carries K/V and the fp32 dK/dV accumulators, beside a block twice as long.
+    a masked layer (a sliding window that binds, Gemma 2's capped logits: ModelShape.masked) under
+        cp, whatever cp_impl: minipar's window_attention.py all-gathers the whole sequence's K/V
+        before its attention and reduce-scatters dK/dV after its backward: exposed whole, per layer
+        and pass; it runs no ring hops and no all-to-alls.
     all-gather CP (Options.cp_all_gather_kv; the Llama 3 paper, section 3.3.2: K and V are
         all-gathered, then each rank attends its query chunk, "the all-gather communication latency
         is exposed in the critical path"): per layer and pass, the K/V all-gather (forward and
@@ -49,9 +53,9 @@ links), the host and kernel-launch gaps.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
-from .activation_bytes import kv_repeat, recomputed_layers
+from .activation_bytes import kv_repeat, recomputed_layers, recomputes
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 from .model import Unit, _padded
 from .time_model import collective_seconds
@@ -60,13 +64,26 @@ DP_GROUPS = ("dp_shard_cp", "dp_replicate", "dp_cp")
 
 
 def exposed_ring_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster,
-                         cross: Dict[str, bool], layers: int, parts: Dict[str, float]) -> float:
-    """The ring hops' time that one block of attention each cannot hide (the docstring)."""
+                         cross: Dict[str, bool], layers: int, parts: Dict[str, float],
+                         indices: Optional[Sequence[int]] = None) -> float:
+    """The ring hops' time that one block of attention each cannot hide (the docstring), and the
+    masked layers' K/V all-gather and dK/dV reduce-scatter over cp, exposed whole (`indices`: the
+    layers' places in the model, default the first `layers`)."""
+    C, e, T = layout.cp, DTYPE_BYTES[opts.dtype], layout.tp
+    S = batch.sequence_len
+    masked = [i for i in (range(layers) if indices is None else indices) if model.masked(i, S)]
+    gather_s = 0.0
+    if masked and C > 1:       # window_attention.py: the whole sequence's K/V, before attention can start
+        full = 2 * batch.micro(layout) * (model.num_key_value_heads // T) * S * model.head_dim * e
+        again = sum(recomputes(opts, i) for i in masked)
+        gather_s = batch.micro_steps(layout) * (
+            (len(masked) + again) * collective_seconds("all_gather", C, full, cross["cp"], cluster)
+            + len(masked) * collective_seconds("reduce_scatter", C, full, cross["cp"], cluster))
+        layers -= len(masked)
     R = layout.cp // layout.ulysses_size()
-    if R == 1:
-        return 0.0
+    if R == 1 or layers == 0:
+        return gather_s
     crosses = cross["cp" if layout.cp_impl == "ring" else "cp_ring"]
-    e, T = DTYPE_BYTES[opts.dtype], layout.tp
     s = batch.sequence_len // layout.cp
     kv = 2 * batch.micro(layout) * kv_repeat(model, layout) * (model.num_key_value_heads // T) * s \
         * model.head_dim
@@ -77,9 +94,9 @@ def exposed_ring_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: 
     if opts.cp_all_gather_kv:            # the Llama 3 paper's CP: gather K/V, then attend; exposed
         ag = collective_seconds("all_gather", R, R * kv * e, crosses, cluster)
         rs = collective_seconds("reduce_scatter", R, R * kv * e, crosses, cluster)
-        return batch.micro_steps(layout) * (forwards * ag + layers * rs)
-    return batch.micro_steps(layout) * (R - 1) * (forwards * max(0.0, hop_f - block)
-                                                 + layers * max(0.0, hop_b - 2 * block))
+        return gather_s + batch.micro_steps(layout) * (forwards * ag + layers * rs)
+    return gather_s + batch.micro_steps(layout) * (R - 1) * (forwards * max(0.0, hop_f - block)
+                                                            + layers * max(0.0, hop_b - 2 * block))
 
 
 def exposed_dp_seconds(groups: Dict[str, dict], layout: Layout, opts: Options, cluster,
@@ -129,14 +146,15 @@ def exposed_dp_seconds(groups: Dict[str, dict], layout: Layout, opts: Options, c
 def step_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster,
                  groups: Dict[str, dict], cross: Dict[str, bool], parts: Dict[str, float],
                  layer_units: List[Unit], layers: int, reducing: int,
-                 other_units: List[Unit] = ()) -> Dict[str, float]:
-    """One rank's step: compute + tp + all-to-all + the exposed ring hops and dp traffic."""
+                 other_units: List[Unit] = (), indices: Optional[Sequence[int]] = None) -> Dict[str, float]:
+    """One rank's step: compute + tp + all-to-all + the exposed ring hops, masked layers' K/V
+    gathers and dp traffic."""
     tp = groups.get("tp", {}).get("seconds", 0.0)
     tp_exposed = max(0.0, tp - parts["gemm_s"]) if opts.tp_comm_overlap else tp
     a2a = groups.get("cp_ulysses", {}).get("seconds", 0.0)
     ring = sum(groups.get(k, {}).get("seconds", 0.0) for k in ("cp", "cp_ring"))
     dp = sum(groups.get(k, {}).get("seconds", 0.0) for k in DP_GROUPS)
-    ring_exposed = exposed_ring_seconds(model, layout, batch, opts, cluster, cross, layers, parts)
+    ring_exposed = exposed_ring_seconds(model, layout, batch, opts, cluster, cross, layers, parts, indices)
     dp_exposed = exposed_dp_seconds(groups, layout, opts, cluster, parts, layer_units,
                                     batch.micro_steps(layout), reducing, other_units)
     return dict(tp_s=tp, tp_exposed_s=tp_exposed, all_to_all_s=a2a, cp_s=ring, dp_s=dp,

@@ -89,8 +89,9 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
             gr["ops"][op] = dict(calls=calls, bytes=nbytes, wire_bytes=wire)
             gr["wire_bytes"] += wire
         group_seconds(groups, cluster)
+        indices = [i for c in st.chunks for i in c]          # the stage's layers (masked ones priced apart)
         parts = tm.compute_seconds(model, layout, batch, opts, cluster, st.num_layers, st.last,
-                                   p["memory"]["param_elements"])
+                                   p["memory"]["param_elements"], indices)
         if p["memory"]["kept"]:            # post-validation copies the state each step (read + write);
             extra = 2 * p["memory"]["kept"] / (cluster.hbm_gbps * 1e9)    # its redone steps are not counted
             parts["optimizer_s"] += extra
@@ -100,7 +101,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         us = stage_units(model, layout, st)
         t = step_seconds(model, layout, batch, opts, cluster, groups, cross, parts,
                          [u for u in us if u.kind == "layer"], st.num_layers, 1,
-                         [u for u in us if u.kind != "layer"])
+                         [u for u in us if u.kind != "layer"], indices)
         mem, acts = distributed_optimizer_memory(p["memory"], layout, opts), p["activations"]
         mem = with_reference(mem, layout, opts)      # rl: dpo's frozen copy of this stage
         if opts.gather_once_per_step and layout.sharded:      # every unit of the stage stays gathered

@@ -198,7 +198,7 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
     act = pa.activations(model, layout, batch, opts)
     n, D = b * (batch.sequence_len // C), model.head_dim
     ids = 8 * n + (n if T > 1 else 0)
-    rope = 2 * pa.stream_bytes(layout, opts) * n * D
+    rope = 2 * pa.stream_bytes(layout, opts) * n * D * pa.rope_tables(model)
     head = act["root"] - ids - rope                         # final norm, softmax, targets, masks
     full_ac = dataclasses.replace(opts, gradient_checkpointing=True)
 
@@ -210,7 +210,7 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
     def chunk_bytes(c: int, checkpointed, how: Options = full_ac) -> int:
         extra = (rope + (ids if st.first and c == 0 else upcast)
                  + (head if st.last and c == len(st.chunks) - 1 else 0))
-        return extra + sum(pa.kept_per_layer(act, how, i) if checkpointed else act["per_layer"]
+        return extra + sum(pa.kept_per_layer(act, how, i) if checkpointed else act["layers"][i]
                            for i in st.chunks[c])
 
     # zb_h1 / zbv: what each Linear keeps from B to W, its input x and output gradient dy, per
@@ -263,13 +263,17 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
             add("all_gather", "tp", 2 * L, h)                               # backward
             add("reduce_scatter", "tp", 2 * L + fst + lst, stream)   # the embedding's g, the f's backward
             add("reduce_scatter", "tp", 2 * L + acL, h)
-            add("all_reduce", "tp", 2 * L + lst, model.hidden_size * pe)
+            # the replicated (d,) weights' gradients (norms, row-parallel biases: collective_counts.py)
+            add("all_reduce", "tp", model.replicated_per_layer * L + lst, model.hidden_size * pe)
         else:   # the embedding's g, the f's backward (stream); the rows' g, forward and recompute
             add("all_reduce", "tp", 2 * L + fst + lst, stream)
             add("all_reduce", "tp", 2 * L + acL, h)
         add("all_reduce", "tp", lst, 4 * n)
         add("all_reduce", "tp", lst, 8 * n)
-        pc.cp_attention(add, model, layout, batch, opts, L, acL)     # ring hops and/or all-to-alls
+        if model.qk_norm:     # Qwen3's q / k norms: a tp rank saw its heads only (collective_counts.py)
+            add("all_reduce", "tp", 2 * L, model.head_dim * pe)
+        pc.cp_attention(add, model, layout, batch, opts, L, acL,     # ring hops and/or all-to-alls;
+                        [i for c in st.chunks for i in c])           # a masked layer's K/V all-gather
 
     # ---- the pipeline's own messages, and the step's small reductions
     msg = message_bytes(model, layout, batch, opts)

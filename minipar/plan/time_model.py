@@ -24,6 +24,17 @@ Attention (FlashAttention-style, causal): per layer and micro-batch the forward 
 all at `--attention-efficiency` of peak (the backward's own recompute of the scores is in that
 fraction, as it is in FlashAttention's published throughput).
 
+A layer whose attention takes a dense mask (a sliding window that binds, Gemma 2's capped logits:
+ModelShape.masked; models/llama_layer.py) runs as minipar runs it, not as a window-aware kernel would:
+SDPA with the mask computes every score of its (s / cp, s) block, 4 b (s / cp) s (Hq / tp) hd
+FLOPs forward (twice a causal layer's: the window's saving is not taken, context_parallel/
+window_attention.py says why), at `--attention-efficiency`, and reads the (s / cp, s) mask it makes
+(e bytes a score). Gemma 2's capped scores are explicit (masked_attention.py): QK^T and PV as batched
+GEMMs per row and head on the roofline, and the elementwise passes over the (b, Hq / tp, s / cp, s)
+scores at HBM speed: the scale, / cap, tanh, * cap and masked_fill (2 e each), the fp32 softmax
+(e + 4) and its cast back (4 + e, none in fp32), and K/V repeated to the query heads. MFU's model
+FLOPs count what a window needs instead (models/flops.py: at most W keys a query).
+
 Memory-bound work: the bytes read + written by the eager kernels of minipar's decoder
 (models/llama.py, models/rope.py, tensor_parallel/vocab_parallel_loss.py), per element, activation
 dtype e; under SP the norms and residual adds see m / tp tokens, without SP every tp rank repeats them:
@@ -77,7 +88,7 @@ compute is overlap.py's. Nothing here communicates or touches a tensor.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional, Sequence, Tuple
 
 from .activation_bytes import recompute_shares
 from .collective_counts import wire_bytes
@@ -120,12 +131,35 @@ def layer_gemms(model: ModelShape, layout: Layout, rows: float):
     return [(rows, d, (q + 2 * kv) / tp), (rows, q / tp, d), (rows, d, 2 * f / tp), (rows, f / tp, d)]
 
 
+def masked_attention_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Options,
+                             cluster) -> Tuple[float, float]:
+    """(attention's seconds, memory-bound bytes) of one forward of a layer whose attention takes a
+    dense mask (ModelShape.masked; the module docstring): every score of the (s / cp, s) block."""
+    e, tp = DTYPE_BYTES[opts.dtype], layout.tp
+    b, S, D = batch.micro(layout), batch.sequence_len, model.head_dim
+    s = S / layout.cp
+    H, K = model.num_attention_heads / tp, model.num_key_value_heads / tp
+    if not model.capped_attention:        # SDPA with the mask: no block skipped, 4 b s S H D FLOPs
+        return 4 * b * s * S * H * D / (cluster.peak_tflops * 1e12 * cluster.attention_efficiency), \
+            e * s * S                     # the mask made from the boolean one
+    # Gemma 2's explicit scores: two batched GEMMs per (row, head), and the elementwise passes over
+    # the (b, H, s, S) scores: scale, / cap, tanh, * cap, masked_fill (2 e each), the fp32 softmax
+    # (e + 4) and its cast back (4 + e, none in fp32); K/V repeated to the query heads
+    gemms = b * H * (gemm_seconds(s, D, S, e, cluster) + gemm_seconds(s, S, D, e, cluster))
+    per_score = 11 * e + 4 + (4 + e if e != 4 else 0)
+    return gemms, b * H * s * S * per_score + 2 * e * b * (H + K) * S * D
+
+
 def compute_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster, layers: int,
-                    last: bool, local_elements: float) -> Dict[str, float]:
+                    last: bool, local_elements: float,
+                    indices: Optional[Sequence[int]] = None) -> Dict[str, float]:
     """The compute of one rank's step through `layers` decoder layers (+ lm_head and the loss when
     `last`) and its optimizer step over `local_elements` parameters, by kind (seconds), and one
     layer's forward, backward and forward attention for one micro-batch (what overlap.py hides
-    communication behind)."""
+    communication behind). `indices`, the layers' places in the model (default the first `layers`),
+    say which attend through a dense mask (a window that binds, capped logits), priced as it runs:
+    the averages over the layers make the per-layer figures; `layer_attention_s` is a causal
+    layer's, beside which the ring's hops run."""
     e = DTYPE_BYTES[opts.dtype]
     M = batch.micro_steps(layout)
     b, s, tp = batch.micro(layout), batch.sequence_len, layout.tp
@@ -133,13 +167,19 @@ def compute_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Optio
     hbm, peak = cluster.hbm_gbps * 1e9, cluster.peak_tflops * 1e12
     gemm_f = sum(gemm_seconds(m, k, n, e, cluster) for m, k, n in layer_gemms(model, layout, rows))
     attn_flops = 2 * rows * s * model.num_attention_heads / tp * model.head_dim    # causal: half of 4 m s H D
-    attn_f = attn_flops / (peak * cluster.attention_efficiency)
+    causal_f = attn_flops / (peak * cluster.attention_efficiency)
     d, hd, H, K = model.hidden_size, model.head_dim, model.num_attention_heads, model.num_key_value_heads
     norm_rows = rows / tp if layout.sp else rows
     per_token = 12 * e * (H + K) * hd + 5 * e * model.intermediate_size + 2 * e * H * hd
-    if layout.cp == 1 and H != K:
-        per_token += 2 * e * (H + K) * hd
-    mem_f = (norm_rows * 2 * (28 + 4 * e + 3 * e) * d + rows * per_token / tp) / hbm
+    repeat = 2 * e * (H + K) * hd * rows / tp if layout.cp == 1 and H != K else 0.0  # SDPA's GQA repeat
+    index = list(range(layers) if indices is None else indices)
+    n_masked = sum(model.masked(i, s) for i in index)
+    masked_f, masked_bytes = masked_attention_seconds(model, layout, batch, opts, cluster) if n_masked \
+        else (0.0, 0.0)
+    share = n_masked / max(1, len(index))            # a layer's average: causal and masked layers
+    attn_f = (1 - share) * causal_f + share * masked_f
+    mem_f = (norm_rows * 2 * (28 + 4 * e + 3 * e) * d + rows * per_token / tp
+             + (1 - share) * repeat + share * masked_bytes) / hbm
     loss_bytes = 48 + 2 * e                                  # per logit, eager (the docstring)
     if opts.fused_kernels:
         mem_f = (norm_rows * 2 * 4 * e * d + rows * (2 * e * (H + K) * hd + 3 * e * model.intermediate_size)
@@ -168,4 +208,4 @@ def compute_seconds(model: ModelShape, layout: Layout, batch: Batch, opts: Optio
     return dict(gemm_s=gemm, attention_s=attention, memory_bound_s=memory_bound, optimizer_s=optimizer,
                 compute_s=gemm + attention + memory_bound + optimizer, layer_forward_s=forward,
                 layer_backward_s=(heavy - 1) * (gemm_f + attn_f) + (cheap - 1) * mem_f + redo,
-                layer_attention_s=attn_f)
+                layer_attention_s=causal_f)

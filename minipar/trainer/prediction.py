@@ -1,6 +1,10 @@
 """The planner's prediction for this run: what `python -m minipar.plan` says of the trainer's own
 config, for the closing summary (run_summary.py prints it beside the measured throughput and peak).
 
+    read_train_config(path)       a config file as train.py reads it for its model: load_config, then
+                                  the tokenizer's vocabulary (run_setup.py's step 3: a base model's
+                                  embedding resized to the tokens the file adds, a model from
+                                  scratch sized to its tokenizer), so a plan of the file is the run's
     from_train_config(cfg)        a TrainConfig as the planner's question: (ModelShape, layout sizes
                                   [with the pipeline's], Batch, Options), the model, layout, batch and
                                   options the trainer runs; rl: dpo as rows (2 per pair) and its
@@ -22,7 +26,18 @@ from minipar.lora import check_targets
 from minipar.pipeline_parallel import chunks_per_rank
 from minipar.plan import Batch, Cluster, Layout, ModelShape, Options, Pipeline, plan, plan_pipeline
 from minipar.trainer.config.rl_keys import reference_of
+from minipar.trainer.config.train_config import load_config
+from minipar.trainer.run_setup import run_vocabulary
 from models.llama import LlamaForCausalLM
+
+
+def read_train_config(path, argv=None, notes=None):
+    """The TrainConfig of a config file (+ `--key value` overrides) with the model train.py builds
+    from it: its final vocabulary (run_vocabulary). `notes` collects what was derived."""
+    notes = [] if notes is None else notes
+    cfg = load_config(path, argv, notes)
+    run_vocabulary(cfg, notes)
+    return cfg
 
 
 def from_train_config(cfg):
@@ -54,7 +69,7 @@ def _lora(cfg) -> dict:
     if cfg.adapter != "lora":
         return {}
     targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
-                            LlamaForCausalLM.lora_target_modules)
+                            LlamaForCausalLM.lora_targets_of(cfg.model), LlamaForCausalLM.lora_target_modules)
     return dict(lora_r=cfg.lora_r, lora_targets=tuple(targets))
 
 

@@ -11,6 +11,7 @@ setup_run is these steps, in this order, each one function below:
     2. _check_base_model  base_model's weight headers against its config.json  models/hf_checkpoint.py
     3. _tokenizer      the tokenizer, its added tokens and chat template; a model from scratch
                        takes its vocabulary, a base model's is resized to it   data/special_tokens.py
+                       (run_vocabulary: this step alone, for the planner, which reads no weights)
     4. _layout         the sizes: the command line's, then accelerate's PARALLELISM_CONFIG_*_SIZE
                        variables for the sizes neither it nor the config file sets; without a
                        config file they replace the default layout; a world of one runs any config
@@ -58,7 +59,12 @@ from minipar.trainer.data import batches as mdata
 from minipar.trainer.data.packing import prepare as prepare_datasets
 from minipar.trainer.data.preference import prepare_pairs
 from minipar.trainer.data.prepared import load_or_prepare
-from minipar.trainer.data.special_tokens import model_token_ids, resize_base_vocab, run_tokenizer
+from minipar.trainer.data.special_tokens import (
+    changes_tokenizer,
+    model_token_ids,
+    resize_base_vocab,
+    run_tokenizer,
+)
 from minipar.trainer.data.stream import open_stream
 from minipar.trainer.data.tokenizer import (
     HFTokenizer,
@@ -150,6 +156,32 @@ def _tokenizer(cfg: TrainConfig, notes: list, base: Optional[HFCheckpoint] = Non
                          f"more than "
                          f"model.vocab_size {cfg.model.vocab_size}: use the model's own tokenizer")
     return tokenizer
+
+
+class _SizeOnly:
+    """base_model as step 3 sees it when no model is built: the resize it is asked for is kept (its
+    size), its rows never made (no weight is read)."""
+    vocab_resize = None
+
+    def resize_vocab(self, resize) -> None:
+        self.vocab_resize = resize
+
+
+def run_vocabulary(cfg: TrainConfig, notes: list) -> None:
+    """Step 3 for a reader that builds no model (the planner: minipar/trainer/prediction.py's
+    read_train_config): cfg.model's vocab_size and token ids as the run sets them, from the tokenizer
+    alone: a model from scratch takes the tokenizer's (padded), a base model's is resized to the
+    tokens added (special_tokens, tokens), by the same code as the run. A base_model directory with
+    no tokenizer to read (a config.json downloaded to plan with) keeps config.json's size, said in
+    `notes`, where the file adds no token; with tokens to add the run's own error is raised."""
+    try:
+        _tokenizer(cfg, notes, _SizeOnly() if cfg.base_model else None)
+    except (ValueError, OSError) as err:
+        if cfg.tokenizer_config or changes_tokenizer(cfg):
+            raise
+        notes.append(f"the tokenizer of base_model {cfg.base_model} was not read ({err}): planned with its "
+                     f"config.json's vocab_size {cfg.model.vocab_size}, which a run keeps unless the "
+                     f"tokenizer has more tokens")
 
 
 def _layout(cfg: TrainConfig, path: str, argv: List[str], default_config: bool,

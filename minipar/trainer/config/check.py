@@ -148,9 +148,6 @@ def _lora(cfg) -> List[str]:
     if cfg.lora_modules_to_save:
         out.append(f"lora_modules_to_save {cfg.lora_modules_to_save} is not supported (full trainable "
                    f"copies of those modules); remove it")
-    if cfg.model.num_local_experts > 0:
-        out.append(f"adapter: lora on a mixture of experts (model_type {cfg.model.model_type}) is not "
-                   f"supported yet: the experts' weights are no Column/RowParallelLinear; use a dense model")
     if cfg.tp_async_overlap:
         out.append("tp_async_overlap with adapter: lora: the overlapped column-parallel backward computes "
                    "no adapter; set tp_async_overlap: false")
@@ -159,6 +156,7 @@ def _lora(cfg) -> List[str]:
                    f"holds the adapters only, saved as SHARDED_STATE_DICT; remove the key")
     try:
         targets = check_targets(cfg.lora_target_modules, cfg.lora_target_linear,
+                                LlamaForCausalLM.lora_targets_of(cfg.model),
                                 LlamaForCausalLM.lora_target_modules)
     except ValueError as err:
         return out + [str(err)]

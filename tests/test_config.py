@@ -74,7 +74,8 @@ def test_accelerate_size_variables_fill_the_sizes_not_set(monkeypatch, tmp_path)
     """PARALLELISM_CONFIG_*_SIZE: the command line wins, then the variables, then the config file's
     unset keys; the implicit default layout gives way to them as to command-line sizes."""
     from minipar.trainer.config.train_config import load_config
-    from minipar.trainer.run_setup import DEFAULT_CONFIG, _sizes_from_env
+    from minipar.trainer.run_layout import _sizes_from_env
+    from minipar.trainer.run_setup import DEFAULT_CONFIG
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "4")
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
     cfg, notes = load_config(DEFAULT_CONFIG, ["--context_parallel_size", "1"]), []

@@ -12,11 +12,11 @@ setup_run is these steps, in this order, each one function below:
     3. _tokenizer      the tokenizer, its added tokens and chat template; a model from scratch
                        takes its vocabulary, a base model's is resized to it   data/special_tokens.py
                        (run_vocabulary: this step alone, for the planner, which reads no weights)
-    4. _layout         the sizes: the command line's, then accelerate's PARALLELISM_CONFIG_*_SIZE
+    4. layout          the sizes: the command line's, then accelerate's PARALLELISM_CONFIG_*_SIZE
                        variables for the sizes neither it nor the config file sets; without a
                        config file they replace the default layout; a world of one runs any config
                        with all sizes 1. Then cfg.parallelism() -> ParallelismConfig, resolved
-                       against the world, checked against the model and the sequence  config.py
+                       against the world, checked against the model and the sequence  run_layout.py
     5. _batch          global = micro x accumulation x dp (keys.py); the pipeline's split and
                        schedule against the micro-batches; rl: dpo's pairs whole on every rank
                        (global_batch_size counts pairs: dpo_step.check_pair_split) config/check.py
@@ -36,7 +36,6 @@ schema's alias) -> cfg.parallelism() -> ParallelismConfig.resolve -> minipar.ini
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -47,14 +46,11 @@ import torch.distributed as dist
 
 import minipar
 from minipar import ParallelismConfig
-from minipar.config_files import read_yaml
-from minipar.context_parallel import check_ulysses
 from minipar.dpo_step import check_pair_split
-from minipar.regional_compile import check_compile
 from minipar.trainer import lifecycle, run_lock
 from minipar.trainer.config import keys as config_keys
 from minipar.trainer.config.check import check_pipeline
-from minipar.trainer.config.train_config import REPO_ROOT, TrainConfig, load_config, parse_overrides
+from minipar.trainer.config.train_config import REPO_ROOT, TrainConfig, load_config
 from minipar.trainer.data import batches as mdata
 from minipar.trainer.data.packing import prepare as prepare_datasets
 from minipar.trainer.data.preference import prepare_pairs
@@ -72,11 +68,10 @@ from minipar.trainer.data.tokenizer import (
     padded_vocab_size,
     tokenizer_path,
 )
+from minipar.trainer.run_layout import layout
 from models.hf_checkpoint import HFCheckpoint
 from models.llama import LlamaForCausalLM
 
-# the grid's sizes (ParallelismConfig's names, and the training config's); ep_size adds no ranks
-SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "pp_size")
 DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "default.yaml")
 
 
@@ -92,12 +87,6 @@ class Run:
     tokenizer: Optional[object] = None
     lock: Optional[run_lock.RunLock] = None     # rank 0 holds output_dir/minipar.lock until the run ends
     base_model: Optional[object] = None   # the checked hf_checkpoint.HFCheckpoint of cfg.base_model
-
-
-def _world_size() -> int:
-    if dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
 
 
 def _rank() -> int:
@@ -118,7 +107,7 @@ def setup_run(argv: List[str]) -> Run:
     # a damaged weight file is one line
     base = _check_base_model(cfg) if cfg.base_model else None                 # 2
     tokenizer = _tokenizer(cfg, notes, base)                                  # 3
-    pconf = _layout(cfg, path, argv, default_config, notes, base)             # 4
+    pconf = layout(cfg, path, argv, default_config, notes, base)              # 4
     num_micro = _batch(cfg, pconf)                                            # 5
     datasets, train_tokens, val_tokens = _data(cfg, tokenizer, notes)         # 6
     lock = _claim_output(cfg, notes)                                          # 7
@@ -182,101 +171,6 @@ def run_vocabulary(cfg: TrainConfig, notes: list) -> None:
         notes.append(f"the tokenizer of base_model {cfg.base_model} was not read ({err}): planned with its "
                      f"config.json's vocab_size {cfg.model.vocab_size}, which a run keeps unless the "
                      f"tokenizer has more tokens")
-
-
-def _layout(cfg: TrainConfig, path: str, argv: List[str], default_config: bool,
-            notes: list, base: Optional[HFCheckpoint] = None) -> ParallelismConfig:
-    """The grid's config for this launch: the sizes given (command line, then accelerate's
-    variables), cfg.parallelism() resolved against the world, checked against the model."""
-    given = config_keys.size_keys(parse_overrides(argv)) & set(SIZE_KEYS)
-    # accelerate's variables count as sizes given for this launch
-    given |= _sizes_from_env(cfg, path, default_config, given, notes)
-    if default_config and given:
-        # The default config's layout (cp 2 x tp 2) is the 8-process showcase. Sizes given on the
-        # command line replace that layout instead of combining with it, so that
-        # `torchrun --nproc-per-node 2 train.py --tensor_parallel_size 2` is plain TP on 2 ranks.
-        unset = [k for k in SIZE_KEYS if k not in given]
-        for key in unset:
-            setattr(cfg, key, None if key == "dp_shard_size" else 1)
-        notes.append(f"parallel sizes from the command line replace the default layout ({', '.join(unset)} "
-                     f"reset: dp_shard_size takes the remainder, the others are 1)")
-    world = _world_size()
-    pconf = cfg.parallelism()
-    if world == 1 and not given and any((v or 1) > 1 for v in [*pconf.sizes.values(), pconf.ep_size]):
-        # `python train.py` on a config written for a torchrun launch: run it on one process
-        sizes = dict(pconf.sizes, **({"ep_size": pconf.ep_size} if pconf.ep_size > 1 else {}))
-        notes.append(f"one process: the config's parallel sizes ({_fmt(sizes)}) apply to torchrun "
-                     f"launches; running with all sizes 1")
-        pconf = dataclasses.replace(pconf, **dict.fromkeys([*SIZE_KEYS, "ep_size"], 1))
-    try:
-        resolved = pconf.resolve(world)
-    except ValueError as err:
-        raise ValueError(f"{err} ({_launch_hint(pconf, world, path, argv, default_config)})") from None
-    if base is not None and base.vocab_resize is not None and cfg.model.vocab_size % resolved.tp_size:
-        v = cfg.model.vocab_size
-        raise ValueError(f"the vocabulary resized for the added tokens ({v}) does not divide by tp_size "
-                         f"{resolved.tp_size} (the embedding is split in rows): set "
-                         f"resize_token_embeddings_to_32x: true (rounds it to {-(-v // 32) * 32}), add "
-                         f"tokens to reach a multiple of {resolved.tp_size}, or use a tp_size that "
-                         f"divides {v}")
-    resolved.validate_model(cfg.model, cfg.sequence_len)
-    if resolved.cp_size > 1 and resolved.cp_impl != "ring":   # Ulysses splits the heads of each tp rank
-        problems = check_ulysses(cfg.model.num_attention_heads, cfg.model.num_key_value_heads,
-                                 resolved.tp_size, resolved.cp_size, resolved.cp_ulysses_size)
-        if problems:
-            raise ValueError(f"cp_impl {resolved.cp_impl}: " + "; ".join(problems))
-    # compile: the combinations that cannot compile on the sizes this world runs (regional_compile.py)
-    problem = check_compile(cfg.compile is True, cfg.compile_backend, cfg.compile_mode,
-                            cfg.pipeline_schedule if resolved.pp_size > 1 else "1f1b",
-                            cfg.gradient_checkpointing, cfg.selective_ac_option,
-                            boundaries=resolved.tp_size > 1 or resolved.cp_size > 1
-                            or cfg.model.num_local_experts > 0)
-    if problem:
-        raise ValueError(problem)
-    if cfg.sequence_len > cfg.model.max_position_embeddings:
-        raise ValueError(f"sequence_len {cfg.sequence_len} exceeds model.max_position_embeddings "
-                         f"{cfg.model.max_position_embeddings}")
-    return resolved
-
-
-def _launch_hint(pconf: ParallelismConfig, world: int, path: str, argv: List[str],
-                 default_config: bool) -> str:
-    """A launch that fits the sizes asked for: the same arguments, a process count they resolve to."""
-    fixed = dataclasses.replace(pconf, dp_shard_size=1).total_size    # pp x dp_replicate x cp x tp
-    if pconf.dp_shard_size is not None:
-        counts = [fixed * pconf.dp_shard_size]
-    else:                                               # dp_shard takes the remainder: multiples fit
-        below = world // fixed * fixed
-        counts = [n for n in (below, below + fixed) if n > 0]
-    args = " ".join(([] if default_config else [path]) + list(argv))
-    tail = " " + args if args else ""
-    launches = " or ".join(f"`torchrun --nproc-per-node {n} train.py{tail}`" for n in counts)
-    return f"config {path}; launch {launches}, or change the sizes so that they fit {world} processes"
-
-
-def _sizes_from_env(cfg: TrainConfig, path: str, default_config: bool, from_cli: set, notes: list) -> set:
-    """Apply accelerate's PARALLELISM_CONFIG_{DP_REPLICATE,DP_SHARD,CP,TP,PP}_SIZE to the sizes that
-    the command line does not give and an explicit config file does not set; returns the keys set.
-    (The command line wins over the variables, the variables over the file's unset keys and over
-    the implicit default layout.)"""
-    env = {k: v for k, v in ParallelismConfig.from_env().sizes.items() if v is not None}
-    if not env:
-        return set()
-    in_file = set()
-    if not default_config:
-        in_file = config_keys.size_keys(read_yaml(path) or {}) & set(SIZE_KEYS)
-    applied = {k: v for k, v in env.items() if k not in from_cli and k not in in_file}
-    for key, value in applied.items():
-        setattr(cfg, key, value)
-    ignored = sorted(set(env) - set(applied))
-    notes.append(f"sizes from PARALLELISM_CONFIG_* variables: {_fmt(applied) or 'none applied'}"
-                 + (f" (ignored for {', '.join(ignored)}: set by the command line or {path})"
-                    if ignored else ""))
-    return set(applied)
-
-
-def _fmt(sizes: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sizes.items())
 
 
 def _batch(cfg: TrainConfig, pconf: ParallelismConfig) -> int:

@@ -68,7 +68,9 @@ def test_peft_all_linear_on_transformers_mixtral_is_the_attention():
     assert run_world(_peft_all_linear, 1, timeout=120)[0] == sorted(ATTENTION)
 
 
-IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+def _ids():
+    # made when a test needs them: a torch op in the test process before the ranks fork can hang them
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
 
 
 def _write_base(directory):
@@ -87,7 +89,7 @@ def _run(argv):
     trained = sorted({n.split(".")[-3] for n, p in trainer.model.named_parameters() if p.requires_grad})
     trainer.model.eval()
     with torch.no_grad():
-        logits = trainer.model(IDS)
+        logits = trainer.model(_ids())
     return dict(curve=[(r["loss"], r["grad_norm"]) for r in history], base_unchanged=same and bool(frozen),
                 trained=trained, logits=logits)
 
@@ -127,7 +129,7 @@ def test_lora_target_linear_on_moe_trains_like_one_process_and_peft_loads_it(tmp
     hf = transformers.MixtralForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
     with torch.no_grad():
         adapted = peft.PeftModel.from_pretrained(hf, str(out)).eval()
-        torch.testing.assert_close(adapted(input_ids=IDS).logits, one["logits"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(adapted(input_ids=_ids()).logits, one["logits"], atol=1e-5, rtol=1e-5)
 
 
 def test_planner_counts_lora_on_moe_exactly(tmp_path):

@@ -128,7 +128,7 @@ LAYOUTS = {
     "cp2-ring": (dict(cp_size=2, cp_impl="ring"), TINY, {}, (4, 3)),           # before and after attention
     "cp2-ulysses": (dict(cp_size=2, cp_impl="ulysses"), TINY, {}, (4, 3)),
     "pp2": (dict(pp_size=2), dict(TINY, num_hidden_layers=2), dict(micro_batches=2), (1, 0)),  # one per stage
-    "ep2-moe": (dict(dp_shard_size=2, ep_size=2), MOE, {}, (2, 2)),            # attention; the MoE a boundary
+    "ep2-moe": (dict(dp_shard_size=2, ep_size=2), MOE, {}, (3, 3)),   # the MoE a boundary; add_feed_forward
     "lora": ({}, TINY, dict(lora=LoRA(r=4, alpha=8.0)), (1, 0)),
     "selective-ac": ({}, TINY, dict(gradient_checkpointing="selective"), (1, 0)),  # the checkpoint inside
     "full-ac": ({}, TINY, dict(gradient_checkpointing=True), (1, 0)),

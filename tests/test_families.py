@@ -161,13 +161,13 @@ def test_sliding_window_under_context_parallelism(tmp_path, cp_impl, packed):
     run_world(_window_under_cp, 2, str(tmp_path), cp_impl, packed, timeout=90)
 
 
-def _on_layout(variant, tmp, sizes):
-    """Rank 0 writes the checkpoint and transformers' logits; every rank loads on the layout and
-    exports; rank 0 reloads the export in transformers."""
+def load_export_reload(make_hf, hf_class, ids, tmp, sizes):
+    """Rank 0 writes make_hf()'s checkpoint and transformers' logits; every rank loads it on the
+    layout `sizes` (logits equal) and exports; rank 0 reloads the export with hf_class (logits equal)
+    and returns its config as a dict (None on the other ranks). tests/test_gemma.py uses it too."""
     torch.set_num_threads(1)
-    ids = _ids()
     if dist.get_rank() == 0:
-        hf = _hf_model(variant)
+        hf = make_hf()
         hf.save_pretrained(f"{tmp}/hf")
         with torch.no_grad():
             torch.save(hf(input_ids=ids).logits, f"{tmp}/ref.pt")
@@ -189,9 +189,15 @@ def _on_layout(variant, tmp, sizes):
     model.save_pretrained(f"{tmp}/ours")
     dist.barrier()
     if dist.get_rank() == 0:
-        back = _hf_class(variant).from_pretrained(f"{tmp}/ours", dtype=torch.float32).eval()
+        back = hf_class.from_pretrained(f"{tmp}/ours", dtype=torch.float32).eval()
         with torch.no_grad():
             torch.testing.assert_close(back(input_ids=ids).logits, ref, atol=1e-5, rtol=1e-5)
+        return back.config.to_dict()
+    return None
+
+
+def _on_layout(variant, tmp, sizes):
+    load_export_reload(lambda: _hf_model(variant), _hf_class(variant), _ids(), tmp, sizes)
     return sorted(json.load(open(f"{tmp}/ours/config.json")))
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from harness import run_world
+from test_families import load_export_reload
 from test_hf_load import ROOT, TINY, _corpus, _tiny_tokenizer
 
 import minipar
@@ -28,7 +29,6 @@ from minipar.context_parallel import shard_sequence
 from minipar.post.generation import Generation, generate
 from minipar.trainer.run_setup import setup_run
 from minipar.trainer.trainer import Trainer
-from models.hf_checkpoint import HFCheckpoint
 from models.llama import LlamaForCausalLM
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -176,37 +176,8 @@ def test_under_context_parallelism(tmp_path, variant, cp_impl, packed):
 
 
 def _on_layout(variant, tmp, sizes):
-    """Rank 0 writes the checkpoint and transformers' logits; every rank loads on the layout and
-    exports; rank 0 reloads the export in transformers."""
-    torch.set_num_threads(1)
-    ids = _ids()
-    if dist.get_rank() == 0:
-        hf = _hf_model(variant)
-        hf.save_pretrained(f"{tmp}/hf")
-        with torch.no_grad():
-            torch.save(hf(input_ids=ids).logits, f"{tmp}/ref.pt")
-    dist.barrier()
-    pgm = minipar.init(ParallelismConfig(**sizes).resolve(dist.get_world_size()))
-    ckpt = HFCheckpoint(f"{tmp}/hf")
-    model = LlamaForCausalLM(ckpt.config, pgm, device="meta")
-    ckpt.check(model)
-    source = ckpt.source(pgm.tp)
-    if sizes.get("dp_shard_size", 1) > 1:
-        from minipar.zero3 import fully_shard
-        fully_shard(model, pgm, init=source)
-    else:
-        from models.llama_init import materialize
-        materialize(model, source)
-    ref = torch.load(f"{tmp}/ref.pt")
-    with torch.no_grad():
-        torch.testing.assert_close(model.eval()(ids), ref, atol=1e-5, rtol=1e-5)
-    model.save_pretrained(f"{tmp}/ours")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        back = CLASSES[VARIANTS[variant][0]][1].from_pretrained(f"{tmp}/ours", dtype=torch.float32).eval()
-        with torch.no_grad():
-            torch.testing.assert_close(back(input_ids=ids).logits, ref, atol=1e-5, rtol=1e-5)
-        return back.config.to_dict()
+    hf_class = CLASSES[VARIANTS[variant][0]][1]
+    return load_export_reload(lambda: _hf_model(variant), hf_class, _ids(), tmp, sizes)
 
 
 @pytest.mark.parametrize("variant,sizes", [("gemma2-window", dict(tp_size=2)),

@@ -180,7 +180,9 @@ def test_a_tp2_checkpoint_generates_the_same_on_one_process(tmp_path):
 
 
 def _cli(tmp, argv):
-    d = os.path.join(tmp, "hf")
+    """python -m minipar.generate on an HF directory (each rank writes the same seeded weights to
+    its own, so that a world of several ranks does not write one file at once)."""
+    d = os.path.join(tmp, f"hf{os.environ.get('RANK', '0')}")
     LlamaForCausalLM(LlamaConfig(**dict(TINY, vocab_size=256)), seed=2).save_pretrained(d)
     save_byte_tokenizer(d)
     buf = io.StringIO()

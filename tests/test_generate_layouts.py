@@ -6,23 +6,19 @@ refused: tests/test_generate.py.) And `python -m minipar.generate` on ZeRO-3 sha
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 
 import pytest
 import torch
 import torch._dynamo  # noqa: F401 - here once, not in every forked run (the optimizer imports it: 1 s)
 import transformers
 from harness import run_world
+from test_generate import _cli
 
 import minipar
 from minipar.api import prepare
-from minipar.generate import main
 from minipar.post.generation import Generation, generate
 from minipar.recipe import LoRA
-from minipar.trainer.data.tokenizer import save_byte_tokenizer
 from minipar.zero3 import fully_shard
 from models.llama import LlamaForCausalLM
 from models.llama_config import LlamaConfig
@@ -162,22 +158,11 @@ def test_generating_leaves_zero3_training_state_as_it_was():
         assert same and gathered == [] and training
 
 
-def _command(tmp, argv):
-    """python -m minipar.generate on an HF directory (each rank writes the same seeded weights to its own)."""
-    d = os.path.join(tmp, f"hf{os.environ['RANK']}")
-    LlamaForCausalLM(LlamaConfig(**dict(TINY, vocab_size=256)), seed=2).save_pretrained(d)
-    save_byte_tokenizer(d)
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = main([d] + argv)
-    return code, buf.getvalue()
-
-
 def test_the_command_generates_on_zero3_shards(tmp_path):
     """--tp 1 on 2 ranks: dp_shard 2, the weights ZeRO-3 sharded: the lines one process prints."""
     argv = ["--prompt", "Hello", "--prompt", "Hi there", "--max-new-tokens", "6"]
-    code, one = run_world(_command, 1, str(tmp_path), argv, timeout=120)[0]
-    (code2, two), (_, quiet) = run_world(_command, 2, str(tmp_path), argv + ["--tp", "1"], timeout=120)
+    code, one = run_world(_cli, 1, str(tmp_path), argv, timeout=120)[0]
+    (code2, two), (_, quiet) = run_world(_cli, 2, str(tmp_path), argv + ["--tp", "1"], timeout=120)
     rows = [json.loads(line) for line in two.splitlines() if line.startswith("{")]
     assert code == code2 == 0 and [r["prompt"] for r in rows] == ["Hello", "Hi there"]
     assert rows == [json.loads(line) for line in one.splitlines() if line.startswith("{")]

@@ -11,13 +11,13 @@ import importlib.util
 import json
 import os
 import random
-import signal
 from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
 from harness import RankError, run_world
+from test_train import kill_at_step
 
 from minipar.batch_split import IGNORE_INDEX
 from minipar.trainer.data.batches import ByteTokenizer
@@ -186,14 +186,7 @@ def _train(path, *argv):
 
 def _train_until_killed(path, kill_at, *argv):
     """SIGKILL every rank at step kill_at, as a dead node: no cleanup, no final save."""
-    from minipar.trainer.trainer import Trainer
-    original = Trainer.train_step
-
-    def train_step(self, step):
-        if step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, step)
-    Trainer.train_step = train_step
+    kill_at_step(kill_at)
     _train(path, *argv)
 
 

@@ -177,9 +177,10 @@ def test_world_that_does_not_fit_fails_on_every_rank(tmp_path):
 
 
 # ------------------------------------------------------------------------ kill and resume
-def _train_until_killed(argv, kill_at):
-    """Train, but every rank is SIGKILLed at step `kill_at` (after `kill_at` completed steps): no
-    cleanup, no finally blocks, as when a node dies or the job is cancelled."""
+def kill_at_step(kill_at):
+    """From now on in this (forked) rank, the Trainer SIGKILLs its process at step `kill_at` (after
+    `kill_at` completed steps): no cleanup, no finally blocks, as when a node dies or the job is
+    cancelled. tests/test_stream.py uses it too."""
     original = Trainer.train_step
 
     def train_step(self, step):
@@ -188,6 +189,10 @@ def _train_until_killed(argv, kill_at):
         return original(self, step)
 
     Trainer.train_step = train_step
+
+
+def _train_until_killed(argv, kill_at):
+    kill_at_step(kill_at)
     _train(argv)
 
 

@@ -8,6 +8,7 @@ rank computes. In reading order:
     special_tokens.py  Axolotl's special_tokens, tokens, added_tokens_overrides applied; the size
                      the base's embedding is resized to
     chat_templates.py  chat_template by name (chatml, llama3, ...), tokenizer_default, jinja
+    chat_template_table.py  the named templates' Jinja, each rendering as Axolotl's of that name
     datasets.py      Axolotl `datasets` entries -> ids and labels, several mixed
     sources.py       where the rows come from: jsonl/txt read here; JSON arrays, parquet, arrow,
                      csv, save_to_disk folders through Hugging Face `datasets`

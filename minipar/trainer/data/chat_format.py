@@ -17,7 +17,9 @@ A row's `system` field becomes a system turn first when the conversation does no
 
 How a turn is found. The conversation is rendered one message longer at a time; the text each
 message adds (the template must only append, as chat templates do, or close the conversation with
-a text it writes after the last turn only, as Phi-3's eos) is that turn, and its content is located
+a text it writes after the last turn only, as Metharme's eos or the <|im_end|> closing a run of Qwen
+tool turns; a template that reads real_last_index is told the whole conversation's last index, as
+Axolotl tells it, so Qwen3's last-turn think block stays put) is that turn, and its content is located
 in it (verbatim, or trimmed where the template trims); a turn the template writes inside the next
 one (a system turn joined to the first user turn) is located in the next turn's text. The whole
 rendering is tokenized once (a fast tokenizer's character offsets); a token is in a turn's content
@@ -88,17 +90,23 @@ def conversation(row, spec: dict, where: str) -> List[dict]:
     return turns
 
 
-def _render(tokenizer, turns, template, where: str) -> str:
+def _render(tokenizer, turns, template, where: str, last: Optional[int] = None) -> str:
+    """turns rendered; a template that reads real_last_index (Axolotl's convention, qwen3) is told
+    `last`, the index of the whole conversation's last message, so a prefix renders its turns as the
+    whole conversation does (Qwen3's think block opens the conversation's last assistant turn only)."""
+    text = template if template is not None else getattr(tokenizer, "chat_template", None)
+    extra = {"real_last_index": last} if last is not None and text and "real_last_index" in text else {}
     try:
         # (a tokenizer's own template: the one-argument call every tokenizer here answers)
-        return tokenizer.render_chat(turns) if template is None else tokenizer.render_chat(turns, template)
+        return (tokenizer.render_chat(turns, template, **extra) if template is not None or extra
+                else tokenizer.render_chat(turns))
     except ValueError as err:                    # the template's raise_exception (roles, system turns)
         raise ValueError(f"{where}: {err}") from None
 
 
 def _kept(prev: str, cur: str) -> Optional[int]:
     """How much of the last rendering the next one keeps: all of it (a template that only appends),
-    or all but a closing text that the template writes after the last turn only (Phi-3's eos when
+    or all but a closing text that the template writes after the last turn only (Metharme's eos when
     no generation prompt follows): the shortest common tail whose removal leaves a prefix of `cur`.
     None: the template rewrites an earlier turn."""
     if cur.startswith(prev):
@@ -126,7 +134,7 @@ def content_spans(turns, tokenizer, where: str, template: Optional[str] = None
     the next text added."""
     prev, spans, waiting = "", [None] * len(turns), []
     for j in range(len(turns)):
-        cur = _render(tokenizer, turns[: j + 1], template, where)
+        cur = _render(tokenizer, turns[: j + 1], template, where, len(turns) - 1)
         keep = _kept(prev, cur)
         if keep is None or any(s is not None and s[1] > keep for s in spans):
             raise ValueError(f"{where}: the chat template rewrites earlier turns when a message is added, so "
@@ -196,7 +204,8 @@ def chat_spans(messages, tokenizer, where: str) -> Tuple[str, List[Tuple[int, in
     content's start to after the turn's eos text (or the turn's end)."""
     text, spans = content_spans(messages, tokenizer, where)
     out, eos = [], getattr(tokenizer, "eos_token", None)
-    ends = [len(_render(tokenizer, messages[: j + 1], None, where)) for j in range(len(messages))]
+    ends = [len(_render(tokenizer, messages[: j + 1], None, where, len(messages) - 1))
+            for j in range(len(messages))]
     for m, (a, b), end in zip(messages, spans, ends):
         if m["role"] == "assistant":
             k = text.find(eos, b, end) if eos else -1

@@ -1,113 +1,94 @@
-"""Chat templates by name, as Axolotl's `chat_template:` key chooses them: Jinja strings written here
-from each model family's published turn markup, so a file that says `chat_template: chatml` renders
-what a ChatML model was trained on, whatever template (if any) its tokenizer ships.
+"""Chat templates by name, as Axolotl's `chat_template:` key chooses them, so that a file saying
+`chat_template: chatml` renders its rows as Axolotl renders them, whatever template (if any) the
+tokenizer ships:
 
     chat_template: tokenizer_default             the tokenizer's own template (Axolotl's default)
     chat_template: tokenizer_default_fallback_X  the tokenizer's own, else template X
     chat_template: jinja                         chat_template_jinja: a Jinja string, or a file of one
-    chat_template: chatml | llama3 | ...         one of TEMPLATES below
+    chat_template: chatml | llama3 | ...         one of TEMPLATES (their Jinja: chat_template_table.py)
 
 The named template becomes the tokenizer's (tokenizer.chat_template), so the exported tokenizer
 carries it and generation renders prompts as training did; a `datasets` entry may name its own
 (chat_template / chat_template_jinja on the entry), used for that entry's rows only.
 
-One message at a time, what each template writes (bos/eos are the tokenizer's own texts):
+Each name renders what Axolotl's template of that name renders (proven on stored renderings,
+tests/test_chat_templates.py); one message at a time (bos/eos are the tokenizer's own texts):
 
     chatml        <|im_start|>{role}\\n{content}<|im_end|>\\n
-    qwen_25       chatml, with Qwen2.5's default system turn when the conversation has none
-    llama3        bos once, then <|start_header_id|>{role}<|end_header_id|>\\n\\n{content, trimmed}<|eot_id|>
-    mistral_v1    bos, then " [INST] {user} [/INST]" and " {assistant}" eos; a system turn joins the
-                  first user turn ("{system}\\n\\n{user}"), as Mistral-7B-Instruct-v0.1's template
-    mistral_v2v3  bos, then "[INST] {user}[/INST]" and " {assistant, trimmed}" eos (v0.2 / v0.3)
-    mistral_v3_tekken  bos, then "[INST]{user}[/INST]" and "{assistant}" eos (Mistral-Nemo)
-    gemma         bos, then <start_of_turn>{user|model}\\n{content, trimmed}<end_of_turn>\\n
-    gemma3        gemma, a system turn joining the first user turn ("{system}\\n\\n{user}")
-    phi_3         <|{role}|>\\n{content}<|end|>\\n per turn, eos after the last (Phi-3 / 3.5 mini)
-    phi_35        the same (Phi-3.5 also skips an empty system turn)
-    phi_4         <|im_start|>{role}<|im_sep|>{content}<|im_end|> (microsoft/phi-4)
+    qwen_25       chatml; Qwen2.5's default system turn when there is none; tool turns as a user
+                  turn of <tool_response> blocks
+    qwen3, qwen3_5  chatml, no default system turn; the last assistant turn opens with an empty
+                  <think> block (or the reasoning its content holds); tool turns as qwen_25
+    llama3        bos once, <|start_header_id|>{role}<|end_header_id|>\\n\\n{content, trimmed}<|eot_id|>
+                  (Llama 3.0's; 3.1+'s own adds a dated system header: tokenizer_default)
+    llama4        bos, <|header_start|>{role}<|header_end|>\\n\\n{content}<|eot|> (system trimmed)
+    mistral_v1    bos, " [INST] {user} [/INST]", " {assistant}" eos; a system turn joins the first
+                  user turn ("{system}\\n\\n{user}")
+    mistral_v2v3  bos, "[INST] {user}[/INST]", " {assistant, trimmed}" eos (v0.2 / v0.3)
+    mistral_v3_tekken  bos, "[INST]{user}[/INST]", "{assistant}" eos (Mistral-Nemo)
+    mistral_v7_tekken  bos, [SYSTEM_PROMPT]{system}[/SYSTEM_PROMPT] (Mistral Small 3's default,
+                  dated today, when there is none), "[INST]{user}[/INST]", "{assistant}" eos
+    gemma         bos, <start_of_turn>{user|model}\\n{content, trimmed}<end_of_turn>\\n
+    gemma3, gemma3n  gemma, a system turn joining the first user turn ("{system}\\n\\n{user}")
+    phi_3         bos, <|system|>\\n{s}<|end|>\\n, <|user|>\\n{u}<|end|>\\n<|assistant|>\\n, {a}<|end|>\\n
+    phi_35        <|{role}|>\\n{content}<|end|>\\n, an empty system turn skipped; no eos
+    phi_4         <|im_start|>{role}<|im_sep|>{content}<|im_end|>, Phi-4-reasoning's system text by default
+    cohere, aya   bos, <|START_OF_TURN_TOKEN|><|{SYSTEM|USER|CHATBOT}_TOKEN|>{content, stripped}
+                  <|END_OF_TURN_TOKEN|>
+    deepseek_v2   bos, {system}\\n\\n, <｜User｜>{user}, <｜Assistant｜>{assistant} eos
+    deepseek_v3   bos, the system turns joined, <｜User｜>{user}, <｜Assistant｜>{assistant} eos (a
+                  think block dropped), tool outputs in one <｜tool▁outputs▁begin｜> block
+    exaone        [|system|][|endofturn|]\\n when there is no system turn, [|{role}|]{content}, then
+                  \\n after a user turn, [|endofturn|]\\n after others
+    exaone4       [|{role}|]\\n{content}[|endofturn|]\\n, an assistant turn after an empty <think> block
+    falcon_h1     bos, chatml
+    nemotron_h    chatml; an optional first system turn, then user and assistant turns only
+    metharme      bos, <|system|>{system, or the RP default}, <|user|>{u, stripped},
+                  <|model|>{a, stripped}, eos after the last turn
     alpaca        bos, system text, "### Instruction:\\n{user}", "### Response:\\n{assistant}" eos,
                   turns joined by a blank line (Axolotl's own; no model family ships it)
 
-Mistral v2/v3 and Nemo place a system turn inside the LAST user turn only when it ends the
-conversation, so an earlier turn changes as turns are added and a training row cannot be masked
-turn by turn (chat_format.py locates turns by rendering one more message at a time): those
-templates refuse a system turn, as Axolotl's do; drop it with drop_system_message: true, or use
-mistral_v1. Gemma 1/2 have no system turn either. Qwen3's template rewrites earlier assistant
-turns (their thinking is dropped once a later user turn comes), so it is not offered by name: a
-Qwen3 tokenizer's own template is what chat_template: tokenizer_default uses. Pure Python.
+Where Axolotl's template (so minipar's) differs from the family's own tokenizer template, the
+family's is chat_template: tokenizer_default: phi_3 is Phi-3-mini's first template (bos, the
+assistant header written after each user turn, no eos); Phi-3.5's own adds eos after the last turn,
+Axolotl's phi_35 does not; phi_4 is Phi-4-reasoning's (its long system text when a row has none),
+not microsoft/phi-4's; deepseek_v2 is DeepSeek-V2.5's markup, not DeepSeek-V2-Chat's "User:".
+
+Deliberate differences from Axolotl: mistral_v2v3 and mistral_v3_tekken refuse a system turn. Their
+template writes it inside the LAST user turn only, and only when that turn ends the conversation
+(a row ending with an assistant turn loses it silently), so an earlier turn changes as turns are
+added and a row cannot be masked turn by turn (chat_format.py renders one more message at a time);
+drop_system_message: true gives Axolotl's rendering of such a row. gemma's refusal of a system turn
+names the fix where Axolotl says "System role not supported". Rows a template renders but cannot be
+masked turn by turn are refused by chat_format.py, naming the row: a template that drops a role's
+turns (phi_3, phi_35, phi_4, metharme: tool turns), a tool content that exaone4 and llama4 write
+JSON-quoted (when it holds quotes), a later system turn deepseek_v3 moves to the start, a think
+block in an earlier qwen3 assistant turn (dropped once a later user turn comes).
+
+Not offered (NOT_OFFERED, each refused with why and the alternative): Axolotl's vision templates
+(llama3_2_vision, llava, qwen2_vl, pixtral), gemma4 / gemma4_unified, command_a (and its _rag and
+_tool_use forms) and jamba, whose templates render tool, document or media sections a row here
+cannot hold. Pure Python.
 """
 from __future__ import annotations
 
 import os
 from typing import List, Optional
 
+from minipar.trainer.data.chat_template_table import TEMPLATES
+
 DEFAULT, JINJA, FALLBACK = "tokenizer_default", "jinja", "tokenizer_default_fallback_"
-
-_ALTERNATE = ("{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-              "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-              "{% endif %}")
-_NO_SYSTEM = ("{% if messages and messages[0]['role'] == 'system' %}{{ raise_exception('NAME has no system "
-              "turn: drop it (drop_system_message: true) or use a template with one') }}{% endif %}")
-_SYSTEM_FIRST = ("{% if messages and messages[0]['role'] == 'system' %}"
-                 "{% set system_message = messages[0]['content'] %}{% set loop_messages = messages[1:] %}"
-                 "{% else %}{% set loop_messages = messages %}{% endif %}")
-_QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-
-_GEN = "{% if add_generation_prompt %}{{ 'TEXT' }}{% endif %}"   # the next assistant header
-_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-           "'<|im_end|>\\n' }}{% endfor %}" + _GEN.replace("TEXT", "<|im_start|>assistant\\n"))
-_GEMMA_TURN = "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-_PHI3_END = "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
-
-TEMPLATES = {
-    "chatml": _CHATML,
-    "qwen_25": ("{% if not messages or messages[0]['role'] != 'system' %}"
-                "{{ '<|im_start|>system\\n" + _QWEN_SYSTEM + "<|im_end|>\\n' }}{% endif %}" + _CHATML),
-    "llama3": ("{% for message in messages %}{% if loop.first %}{{ bos_token }}{% endif %}"
-               "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
-               "message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-               + _GEN.replace("TEXT", "<|start_header_id|>assistant<|end_header_id|>\\n\\n")),
-    "mistral_v1": (_SYSTEM_FIRST + "{{ bos_token }}{% for message in loop_messages %}" + _ALTERNATE +
-                   "{% if message['role'] == 'user' %}{% if loop.first and system_message is defined %}"
-                   "{{ ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}"
-                   "{% else %}{{ ' [INST] ' + message['content'] + ' [/INST]' }}{% endif %}"
-                   "{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"),
-    "mistral_v2v3": (_NO_SYSTEM.replace("NAME", "mistral_v2v3") + "{{ bos_token }}"
-                     "{% for message in messages %}" + _ALTERNATE +
-                     "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + '[/INST]' }}"
-                     "{% else %}{{ ' ' + message['content'] | trim + eos_token }}{% endif %}{% endfor %}"),
-    "mistral_v3_tekken": (_NO_SYSTEM.replace("NAME", "mistral_v3_tekken") + "{{ bos_token }}"
-                          "{% for message in messages %}" + _ALTERNATE +
-                          "{% if message['role'] == 'user' %}{{ '[INST]' + message['content'] + '[/INST]' }}"
-                          "{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"),
-    "gemma": (_NO_SYSTEM.replace("NAME", "gemma") + "{{ bos_token }}{% for message in messages %}"
-              + _ALTERNATE + _GEMMA_TURN +
-              "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
-              "{% endfor %}" + _GEN.replace("TEXT", "<start_of_turn>model\\n")),
-    "gemma3": (_SYSTEM_FIRST + "{{ bos_token }}{% for message in loop_messages %}" + _ALTERNATE
-               + _GEMMA_TURN +
-               "{{ '<start_of_turn>' + role + '\\n' }}{% if loop.first and system_message is defined %}"
-               "{{ system_message + '\\n\\n' }}{% endif %}"
-               "{{ message['content'] | trim + '<end_of_turn>\\n' }}"
-               "{% endfor %}" + _GEN.replace("TEXT", "<start_of_turn>model\\n")),
-    "phi_3": ("{% for message in messages %}{% if message['role'] in ['system', 'user', 'assistant'] %}"
-              "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}{% endif %}"
-              "{% endfor %}" + _PHI3_END),
-    "phi_35": ("{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
-               "{{ '<|system|>\\n' + message['content'] + '<|end|>\\n' }}"
-               "{% elif message['role'] in ['user', 'assistant'] %}"
-               "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}{% endif %}"
-               "{% endfor %}" + _PHI3_END),
-    "phi_4": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '<|im_sep|>' + "
-              "message['content'] + '<|im_end|>' }}{% endfor %}"
-              + _GEN.replace("TEXT", "<|im_start|>assistant<|im_sep|>")),
-    "alpaca": ("{{ bos_token }}{% for message in messages %}"
-               "{% if message['role'] == 'system' and loop.first %}{{ message['content'] }}"
-               "{% elif message['role'] == 'user' %}{{ '### Instruction:\\n' + message['content'] }}"
-               "{% elif message['role'] == 'assistant' %}"
-               "{{ '### Response:\\n' + message['content'] + eos_token }}{% endif %}"
-               "{% if not loop.last %}{{ '\\n\\n' }}{% endif %}{% endfor %}"
-               + _GEN.replace("TEXT", "\\n\\n### Response:\\n")),
+_INSTEAD = ("use chat_template: tokenizer_default (the model's own template, from its tokenizer_config.json) "
+            "or chat_template: jinja with chat_template_jinja (a Jinja string or file)")
+_VISION = "a vision-language template (image parts in the turns); minipar trains text decoders"
+NOT_OFFERED = {     # Axolotl's names not written here: why
+    "llama3_2_vision": _VISION, "llava": _VISION, "qwen2_vl": _VISION, "pixtral": _VISION,
+    "gemma4": "Gemma 4's template (thinking channels, tool and media parts) is not written here",
+    "gemma4_unified": "Gemma 4's template (thinking channels, tool and media parts) is not written here",
+    "command_a": "Command A's template (a preamble with tool and document sections) is not written here",
+    "command_a_rag": "Command A's RAG template (document sections) is not written here",
+    "command_a_tool_use": "Command A's tool-use template (tool sections) is not written here",
+    "jamba": "Jamba's template (documents, tool definitions, output modes) is not written here",
 }
 
 
@@ -129,11 +110,17 @@ def choice_problem(choice: Optional[str], jinja: Optional[str],
             return f"{where}: jinja needs {where}_jinja (a Jinja template, or the path of a file holding one)"
     elif jinja is not None:
         return f"{where}_jinja is set but {where} is {choice!r}: set {where}: jinja, or remove {where}_jinja"
+    elif name in NOT_OFFERED:      # a fallback to one is refused only if needed (resolve)
+        return None if choice != name else _not_offered(name, where)
     elif name != DEFAULT and name not in TEMPLATES:
         return (f"{where}: {choice} is not available here; the templates known by name: "
                 f"{', '.join(TEMPLATES)}; or tokenizer_default (the tokenizer's own), "
                 f"tokenizer_default_fallback_<name>, or jinja with {where}_jinja")
     return None
+
+
+def _not_offered(name: str, where: str = "chat_template") -> str:
+    return f"{where}: {name} is not available here: {NOT_OFFERED[name]}; {_INSTEAD}"
 
 
 def jinja_text(jinja: str) -> str:
@@ -147,7 +134,8 @@ def jinja_text(jinja: str) -> str:
 def resolve(choice: Optional[str], jinja: Optional[str], own: Optional[str], where: str) -> Optional[str]:
     """The template text a choice means for a tokenizer whose own template is `own` (None: it has
     none); None when the choice leaves the tokenizer's own (None or tokenizer_default). A
-    tokenizer_default without a template is a ValueError naming `where` and the fix."""
+    tokenizer_default without a template, or a fallback to a template not offered here that the
+    tokenizer's lack of one needs, is a ValueError naming `where` and the fix."""
     problem = choice_problem(choice, jinja)
     if problem:
         raise ValueError(f"{where}: {problem}")
@@ -156,7 +144,11 @@ def resolve(choice: Optional[str], jinja: Optional[str], own: Optional[str], whe
     if choice == JINJA:
         return jinja_text(jinja)
     if choice.startswith(FALLBACK):
-        return own if own else TEMPLATES[choice[len(FALLBACK):]]
+        name = choice[len(FALLBACK):]
+        if not own and name in NOT_OFFERED:
+            raise ValueError(f"{where}: the tokenizer has no chat template to use before {choice}'s "
+                             f"fallback, and {_not_offered(name)}")
+        return own if own else TEMPLATES[name]
     if choice == DEFAULT:
         if not own:
             raise ValueError(f"{where}: chat_template tokenizer_default, but the tokenizer has no chat "

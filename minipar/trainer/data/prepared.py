@@ -72,7 +72,8 @@ from minipar.trainer.run_lock import process_alive
 
 FORMAT_VERSION = 2
 CODE_FILES = ("datasets.py", "sources.py", "formats.py", "chat_format.py", "packing.py", "tokenizer.py",
-              "batches.py", "chat_templates.py", "special_tokens.py")   # what decides the rows
+              "batches.py", "chat_templates.py", "chat_template_table.py",
+              "special_tokens.py")                                       # what decides the rows
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
 ROW_KEYS = ("input_ids", "labels", "position_ids", "document_ids")

@@ -87,13 +87,14 @@ class HFTokenizer:
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
-    def render_chat(self, messages: list, template: Optional[str] = None) -> str:
-        """The conversation as text, by `template` (None: the tokenizer's own); a template's
-        raise_exception (roles that do not alternate, a system turn it has none for) a ValueError."""
+    def render_chat(self, messages: list, template: Optional[str] = None, **variables) -> str:
+        """The conversation as text, by `template` (None: the tokenizer's own), with the template's
+        extra `variables` (real_last_index, chat_format.py); a template's raise_exception (roles that
+        do not alternate, a system turn it has none for) a ValueError."""
         from jinja2 import TemplateError
         try:
             return self.tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                add_generation_prompt=False)
+                                                add_generation_prompt=False, **variables)
         except TemplateError as err:
             raise ValueError(f"the chat template refuses the conversation: {err}") from None
 

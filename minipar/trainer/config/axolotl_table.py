@@ -111,9 +111,11 @@ MODEL = {
                                          "default): N(0, initializer_range) (models/resize_vocab.py)"),
     "shrink_embeddings": honoured("a base vocabulary larger than the tokenizer cut to it"),
     "chat_template": honoured("tokenizer_default, tokenizer_default_fallback_<name>, jinja "
-                              "(chat_template_jinja), or a name: chatml, qwen_25, llama3, mistral_v1, "
-                              "mistral_v2v3, mistral_v3_tekken, gemma, gemma3, phi_3, phi_35, phi_4, "
-                              "alpaca (minipar/trainer/data/chat_templates.py); saved with the tokenizer"),
+                              "(chat_template_jinja), or a name of Axolotl's, rendering as Axolotl's "
+                              "template of that name (chatml, qwen_25, qwen3, llama3, llama4, mistral_*, "
+                              "gemma, gemma3, phi_3, phi_35, phi_4, cohere, deepseek_v3, ...; its vision, "
+                              "command_a, gemma4 and jamba templates refused with why: "
+                              "minipar/trainer/data/chat_templates.py); saved with the tokenizer"),
     "chat_template_jinja": honoured("the template of chat_template: jinja (a Jinja string or a file)"),
     "tokenizer_use_fast": refused("minipar loads the fast tokenizer (tokenizer.json), whose ids a slow one "
                                   "may not match; remove tokenizer_use_fast: false", accept=(True,)),

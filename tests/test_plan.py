@@ -53,7 +53,8 @@ def _saved_bytes(model, batch, n_items, h=None, autocast=contextlib.nullcontext)
     autocast (bf16 without ZeRO-3: its casts are saved too). (No backward: the graph is dropped,
     which frees what it saved; ZeRO-3 has already resharded after forward.)
     A pipeline stage runs each of its model chunks once, on a residual stream `h` of the shape and
-    dtype that p2p.py receives (the input ids on the first virtual stage): one micro-batch's bytes."""
+    dtype that p2p.py receives (the input ids on the first virtual stage): one micro-batch's bytes,
+    the received h among them (executor.py keeps it for its gradient, saved by a layer or not)."""
     seen = {}
 
     def excluded():
@@ -70,11 +71,16 @@ def _saved_bytes(model, batch, n_items, h=None, autocast=contextlib.nullcontext)
         return t
 
     outs = []          # alive until the end: a freed graph's storages could be reused, and missed
-    if h is not None:  # a stage's micro-batch is its own (not a view of the global batch's storage)
-        batch = {k: v.clone() for k, v in batch.items()}
+    # the micro-batch is its own storage, as on a GPU (local_batch copies it to the device); on the
+    # CPU it is a view of the global batch, whose whole int64 ids the embedding would seem to keep
+    batch = {k: v.clone() for k, v in batch.items()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
         for chunk in range(getattr(model, "num_chunks", 1)):
             x = batch["input_ids"] if h is None or model.is_first_virtual(chunk) else h().requires_grad_()
+            if x.requires_grad:    # the executor keeps a received h until its backward reads x.grad:
+                # in bf16 a tensor no layer saves (the norm keeps an fp32 copy, autocast's stream too)
+                outs.append(x)
+                seen.setdefault(x.untyped_storage().data_ptr(), x.untyped_storage().nbytes())
             outs.append(model(x, position_ids=batch["position_ids"], labels=batch["labels"],
                               num_items_in_batch=n_items, **(dict(chunk=chunk) if h is not None else {})))
     return sum(seen.values())

@@ -6,13 +6,18 @@ of tests/test_plan.py, Mixtral-shaped: 8 experts, top-2), compared per rank with
   - the ledger per (op, group), EXACTLY, but for the token exchange ("all_to_all_uneven", "ep"), whose
     bytes depend on the routing: its calls exactly, its bytes summed over the ranks exactly (every
     copy sent is received once, so the balanced plan is the mean) and each rank's within 25 %;
-  - activations within 15 %, as the dense configs.
+  - activations within 15 % on rank 0, as the dense configs, and their mean over the ranks EXACTLY:
+    the experts' rows and the regroup's indices are M on a rank, which moves with the routing, but
+    summed over an ep group they are the balanced plan's N each (as the exchange's bytes).
+And an MoE without ZeRO-3 in bf16 (autocast: the experts' and the router's bf16 weight casts, the
+fp32 stream), ep 1, held as tests/test_plan.py holds the dense configs.
 """
 import dataclasses
 
 import pytest
 from harness import run_world
 from test_plan import _argv, _measure_all
+from test_plan import _check as _check_dense
 
 from minipar.plan import activations, collectives, memory
 from minipar.plan.__main__ import main as plan_main
@@ -36,18 +41,21 @@ VARIANTS = [[], ["--tensor_parallel_size", "2", "--dp_shard_size", "2", "--seque
             ["--dp_replicate_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16"],
             ["--dp_shard_size", "2", "--context_parallel_size", "2"],
             ["--model.model_type", "qwen3_moe", "--tensor_parallel_size", "2", "--dp_shard_size", "2"]]
-# the plan of Qwen3-MoE's activations is about 15 % under here (its q / k norms are counted, measured
-# on dense Qwen3 in tests/test_plan_families.py; the rest is its feed-forward's): that variant checks
-# state and ledger only
-NO_ACTIVATIONS = {4}
+# without ZeRO-3 (ep 1, which needs no dp_shard): Qwen3-MoE on DDP 2 x tp 2 in bf16, under autocast
+AUTOCAST = ["--expert_parallel_size", "1", "--dp_shard_size", "1", "--dp_replicate_size", "2",
+            "--tensor_parallel_size", "2", "--dtype", "bfloat16", "--model.model_type", "qwen3_moe"]
+# every variant's activations are checked (Qwen3-MoE's too, since the plan counts index_add_'s saved
+# source and the router's own n / T tokens under SP)
+NO_ACTIVATIONS = set()
 
 
 def test_plan_moe_matches_runs(tmp_path):
     argvs = [_argv("moe.yaml", tmp_path / str(i), "--micro_batch_size", "1", *v)
-             for i, v in enumerate(VARIANTS)]
+             for i, v in enumerate(VARIANTS + [AUTOCAST])]
     per_rank = run_world(_measure_all, 4, argvs, timeout=900)
     for i in range(len(VARIANTS)):
         _check([r[i] for r in per_rank], i not in NO_ACTIVATIONS)
+    _check_dense(per_rank[0][-1], [r[-1] for r in per_rank])
 
 
 def _check(results, check_activations=True):
@@ -75,6 +83,8 @@ def _check(results, check_activations=True):
         act = activations(model, layout, dataclasses.replace(batch, sequence_len=seq), opts)
         planned = act["checkpointed" if checkpointing else "full"]
         assert abs(planned - measured) <= 0.15 * measured, (checkpointing, seq, planned, measured)
+        every = [r["acts"][(checkpointing, seq)] for r in results]      # balanced over each ep group
+        assert len(results) * planned == sum(every), (checkpointing, seq, planned, every)
 
 
 def test_mixtral_8x7b_parameters_and_placement():

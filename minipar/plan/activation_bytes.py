@@ -30,7 +30,8 @@ storage by storage (what `torch.autograd.graph.saved_tensors_hooks` sees), param
     e n (K D + d + f) / T)
     and selective every n-th layer fully checkpoints layers n-1, 2n-1, ... (`as_configured`: the
     peak of the mode the options name, `kept_per_layer`: what each layer keeps).
-    root: ids, cos/sin (2 e n D), final norm, and the vocab-parallel loss's fp32 softmax 4 n V / T.
+    root: ids, cos/sin (2 e n D), final norm, and the vocab-parallel loss's fp32 softmax 4 n V / T;
+    an MoE's load-balancing loss, 4 E + 4 (moe.py).
     Gemma's norms multiply the fp32 x_hat by (1 + weight), a (d,) fp32 tensor each call makes: both
     kept (x_hat in 4 bytes whatever e); its sandwich norms' outputs go to a residual add, which keeps
     nothing; its embedding scale is a 0-d tensor in the root. The layers' counts differ where their
@@ -41,8 +42,8 @@ casts of its input and its weight, the input cast once per reader (autocast cach
 weights' casts). So a norm keeps 4 ns d + 4 ns + 4 ns d + r e n d for its r readers (q, k, v: 3;
 gate, up: 2; lm_head: 1), a layer also its weights e (d (2 H + 2 K) D + 3 d f / T), the root
 lm_head's e d V / T (`stream_bytes`: not under Megatron-LM's distributed optimizer, whose bf16
-parameters are counted as ZeRO-3's). An MoE feed-forward is counted as under ZeRO-3 there, with the
-router as the post-attention norm's one reader: not measured. Under checkpointing autocast's cache
+parameters are counted as ZeRO-3's). An MoE feed-forward's router is the post-attention norm's one
+reader, and its own casts are moe.py's. Under checkpointing autocast's cache
 also holds the weights' casts until the forward ends: a transient, freed before backward, not counted.
 """
 from __future__ import annotations
@@ -51,8 +52,8 @@ from typing import Dict, Tuple
 
 from minipar.context_parallel.ulysses import kv_repeats
 
+from . import moe
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options, param_bytes
-from .moe import mlp_activations
 
 
 def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) -> Dict[str, int]:
@@ -71,16 +72,19 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     x_hat = 4 if m.sandwich_norms else pe   # Gemma's norm multiplies the fp32 x_hat by (1 + weight)
     x_hat_qk = 4 if m.sandwich_norms else e  # (q and k are in the compute dtype, under autocast too)
 
-    def norm(readers: int) -> int:     # x, rsqrt, x_hat; the output (or its gathered copy) its
-        # readers save: one tensor, or under autocast each reader's own bf16 cast of it; Gemma's
-        # (1 + weight), made in fp32 by each call
-        return 4 * ns * d + 4 * ns + x_hat * ns * d + e * n * d * (readers if autocast else min(readers, 1)) \
-            + 4 * d * m.sandwich_norms
+    def norm(readers: int, gathered: bool = True) -> int:     # x, rsqrt, x_hat; the output (or its
+        # gathered copy) its readers save: one tensor, or under autocast each reader's own bf16 cast
+        # of it; Gemma's (1 + weight), made in fp32 by each call. An MoE's router reads the norm's
+        # own n / T tokens under SP (no g before the experts): not gathered
+        out = e * (n if gathered else ns) * d * (readers if autocast else min(readers, 1))
+        return 4 * ns * d + 4 * ns + x_hat * ns * d + out + 4 * d * m.sandwich_norms
 
-    mlp = mlp_activations(model, layout, batch, e) if model.is_moe else 4 * e * n * f // T
-    # autocast's bf16 weight casts: q, k, v, o (and gate, up, down), saved by their matmuls
-    weights = e * (d * (2 * H + 2 * K) * D + (0 if model.is_moe else 3 * d * f // T)) if autocast else 0
-    norms = norm(3) + norm(1 if model.is_moe else 2) + (2 * norm(0) if m.sandwich_norms else 0)
+    mlp = moe.mlp_activations(model, layout, batch, e, pe) if model.is_moe else 4 * e * n * f // T
+    # autocast's bf16 weight casts: q, k, v, o, and gate, up, down (an MoE's router and experts)
+    ffn = moe.weight_casts(model, layout, e) if model.is_moe else e * (3 * d * f // T)
+    weights = e * d * (2 * H + 2 * K) * D + ffn if autocast else 0
+    norms = norm(3) + (norm(1, gathered=False) if model.is_moe else norm(2)) + \
+        (2 * norm(0) if m.sandwich_norms else 0)
     if m.qk_norm:   # Qwen3's and Gemma 3's norms of each q and k head: the fp32 x, rsqrt, x_hat (fp32
         # for Gemma's (1 + weight), else in e) and Gemma's (1 + weight); RoPE keeps neither output
         norms += (4 + x_hat_qk) * n * (H + K) * D + 4 * b * (H + K) * s + 2 * 4 * D * m.sandwich_norms
@@ -94,6 +98,7 @@ def activations(model: ModelShape, layout: Layout, batch: Batch, opts: Options) 
     if T > 1:
         root += n                                       # the mask of ids outside the vocab shard
     root += norm(1) + 4 * n * m.vocab_size // T + 8 * n + 2 * n   # softmax fp32, target, 2 masks
+    root += moe.aux_activations(m)                      # an MoE's load-balancing loss
     if autocast:
         root += e * d * m.vocab_size // T               # lm_head's bf16 weight
     layer_input = pe * ns * d

@@ -37,7 +37,19 @@ Activations of an MoE feed-forward (replacing the dense MLP's 4 e n f / T), bala
     router      fp32 probabilities 4 n E, top-k ids 8 n k, (norm_topk_prob) weights and sum 4 n k + 4 n
     sort        order and token ids 16 N; ep > 1: the regroup's order and its inverse 16 N
     experts     their input rows e N d, gate, silu(gate), up, product 4 e N F
-    combine     the outputs e N d and the router weights e N
+    combine     the outputs e N d, the router weights e N (their product's), and the weighted rows
+                in the stream's dtype again: index_add_ keeps its source for backward (torch's
+                derivative expands the gathered gradient to the source's shape)
+    autocast    (bf16 without ZeRO-3: activation_bytes.py) gate and up each save their own bf16
+                cast of the fp32 rows (2 e N d), index_add_'s source is fp32 (4 N d), and the
+                matmuls save bf16 casts of the router's weight and of every local expert's three
+                (`weight_casts`: e (E d + 3 (E/ep) F d)), an expert without rows casting none
+    aux loss    once per micro-batch (models/moe_aux.py): the counts C_e, 4 E, and the divisor
+                (L T)^2, a 0-d fp32 tensor: 4 E + 4 bytes (`aux_activations`)
+
+The experts' rows and the regroup's indices are M on a rank, N only on average: per rank they move
+with the router's imbalance, and summed over an ep group they are exact, as the token exchange's
+bytes (tests/test_plan_moe.py holds the mean over the ranks to the byte).
 
 Time: the exchanges are on the critical path (the experts wait for their tokens, the layer for the
 outputs), so the ep group's time is added to the step whole. The experts' ZeRO-3 traffic over edp is
@@ -116,8 +128,9 @@ def copies(model, layout, batch) -> int:
     return (n // layout.tp if layout.sp else n) * model.num_experts_per_tok
 
 
-def mlp_activations(model, layout, batch, e: int) -> int:
-    """Saved-for-backward bytes of one MoE feed-forward, balanced (the module docstring)."""
+def mlp_activations(model, layout, batch, e: int, pe: int) -> int:
+    """Saved-for-backward bytes of one MoE feed-forward, balanced (the module docstring), in the
+    compute dtype's e bytes and the residual stream's pe (4 under autocast, else e)."""
     n = batch.micro(layout) * batch.sequence_len // layout.cp
     n = n // layout.tp if layout.sp else n
     k, E, d, F = model.num_experts_per_tok, model.num_local_experts, model.hidden_size, \
@@ -125,7 +138,21 @@ def mlp_activations(model, layout, batch, e: int) -> int:
     N = n * k
     router = 4 * n * E + 8 * n * k + (4 * n * k + 4 * n if model.norm_topk_prob else 0)
     sort = 16 * N + (16 * N if layout.ep > 1 else 0)
-    return router + sort + e * N * d + 4 * e * N * F + e * N * d + e * N
+    rows = e * N * d * (2 if pe != e else 1)      # autocast: gate's and up's own bf16 casts of them
+    return router + sort + rows + 4 * e * N * F + e * N * d + e * N + pe * N * d
+
+
+def weight_casts(model, layout, e: int) -> int:
+    """Under autocast, the bf16 casts an MoE feed-forward's matmuls save of its weights: the router's
+    (E, d) and each local expert's three (F, d) (an expert view is no leaf: autocast caches none)."""
+    return e * model.hidden_size * (model.num_local_experts
+                                    + 3 * model.num_local_experts // layout.ep * model.moe_intermediate_size)
+
+
+def aux_activations(model) -> int:
+    """Saved-for-backward bytes of the load-balancing loss, once per micro-batch: the counts C_e
+    (E fp32) and the divisor (L T)^2 (a 0-d fp32 tensor), models/moe_aux.py."""
+    return 4 * model.num_local_experts + 4 if model.is_moe else 0
 
 
 def summary(model, layout) -> Dict[str, int]:

@@ -19,7 +19,8 @@ the same for a step of many micro-batches, from three short ones):
                  with m > 1 every unit's unsharded fp32 gradient is held (as fsdp.sync_each_batch
                  false), and each unit reduce-scatters ONCE per step
     activations  per micro-batch, the chunk's layers (activation_bytes.py's per-layer bytes) + cos/sin per
-                 chunk + ids on the first stage + norm/softmax on the last, times what is in flight:
+                 chunk + ids on the first stage + norm/softmax on the last + in bf16 the received h
+                 on the others (kept for its gradient; `received` below), times what is in flight:
                  counted from the action list (the peak of live (chunk, micro) pairs, each weighted
                  by its chunk's bytes): AFAB m, 1F1B min(m, p - stage), interleaved what it holds;
                  under zb_h1 / zbv (split_backward.py) B frees a chunk's activations but each
@@ -202,13 +203,18 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
     head = act["root"] - ids - rope                         # final norm, softmax, targets, masks
     full_ac = dataclasses.replace(opts, gradient_checkpointing=True)
 
-    # a received h in bf16 under autocast is kept for its gradient beside its fp32 copy, the stream
-    # (stage.py); otherwise the received tensor is the stream itself, counted with the layers
-    autocast = opts.dtype == "bfloat16" and not layout.sharded and not opts.distributed_optimizer
-    upcast = message_bytes(model, layout, batch, opts) if autocast else 0
+    # the executor keeps a received h for its gradient: in bf16 beside autocast's fp32 stream, or under
+    # ZeRO-3 the stream itself, which a chunk's first layer saves only as its checkpointed input (its
+    # norm keeps an fp32 copy); in fp32 the tensor that norm saves, counted with the layers
+    bf16 = opts.dtype == "bfloat16" and not opts.distributed_optimizer
+    held = message_bytes(model, layout, batch, opts) if bf16 else 0
+
+    def received(c: int, checkpointed, how: Options) -> int:
+        kept = layout.sharded and checkpointed and any(pa.recomputes(how, i) for i in st.chunks[c][:1])
+        return 0 if kept else held
 
     def chunk_bytes(c: int, checkpointed, how: Options = full_ac) -> int:
-        extra = (rope + (ids if st.first and c == 0 else upcast)
+        extra = (rope + (ids if st.first and c == 0 else received(c, checkpointed, how))
                  + (head if st.last and c == len(st.chunks) - 1 else 0))
         return extra + sum(pa.kept_per_layer(act, how, i) if checkpointed else act["layers"][i]
                            for i in st.chunks[c])

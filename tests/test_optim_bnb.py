@@ -106,7 +106,7 @@ def test_adamw_bnb_8bit_on_a_layout_matches_one_process(tmp_path, layout):
     assert loss <= 2 * loss_8bit and update <= 2 * update_8bit, (layout, loss, loss_8bit, update, update_8bit)
 
 
-@pytest.mark.parametrize("layout", ["one", "dp_shard2"])
+@pytest.mark.parametrize("layout", ["one", pytest.param("dp_shard2", marks=pytest.mark.slow)])
 def test_paged_adamw_32bit_matches_adamw_torch(tmp_path, layout):
     """fp32 states: bitsandbytes' AdamW is torch's up to the order of its float operations; on the
     CPU it runs unpaged, said once in the run's notes."""

@@ -34,7 +34,9 @@ minipar's rules around them (the class `build` makes: the mixin _MiniparDecay be
   - checkpoints hold the moments dequantised, shaped like their parameter (optim_8bit_state.py):
     resumable on any layout, and by adamw_torch.
   The HF Trainer keeps nn.Embedding states in 32-bit (GlobalOptimManager overrides); minipar keeps
-  one rule for every tensor, bitsandbytes' own (8-bit from 4096 elements).
+  one rule for every tensor, bitsandbytes' own (8-bit from 4096 elements). On a GPU bitsandbytes
+  synchronises the device after each tensor's update (Optimizer8bit.step's sync_gpu): one host
+  sync per local tensor per step that torch's AdamW does not make (few under ZeRO-3: one per unit).
 
 bitsandbytes is optional (pip install bitsandbytes, or the project's extra: pip install -e .[bnb]).
 A config naming one of its optimizers where it is not installed is refused in the config's one

@@ -256,6 +256,66 @@ def test_dequantised_moments_quantise_back_exactly_and_recut_within_a_code_step(
     assert all(n > 0 for n in signed), got                      # where the exact search matters
 
 
+def _portable_round_trips():
+    """Per name: after 3 steps, the portable state (fp32 moments, `step`) loaded into a fresh optimizer
+    on copies of the weights; both then step twice more on the same gradients. And torch's AdamW
+    state (the same names) loaded into adamw_bnb_8bit and paged_adamw_32bit."""
+    from minipar.optim import build_optimizer
+    from minipar.optim_bnb import build_named_optimizer
+    cpu, out = torch.device("cpu"), {}
+
+    def grads(params, step):
+        g = torch.Generator().manual_seed(step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+
+    def built(name, params):
+        if name == "adamw_torch":
+            return build_optimizer(params, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-8)
+        return build_named_optimizer(params, name, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-8,
+                                     device=cpu)[0]
+
+    for source, target in [(n, n) for n in BNB_OPTIMIZERS] + [("adamw_torch", "adamw_bnb_8bit"),
+                                                              ("adamw_torch", "paged_adamw_32bit")]:
+        torch.manual_seed(0)
+        a = [torch.nn.Parameter(torch.randn(80, 64)), torch.nn.Parameter(torch.randn(80))]
+        opt_a = built(source, a)
+        for step in range(3):
+            grads(a, step)
+            opt_a.step()
+        b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+        opt_b = built(target, b)
+        state = opt_a.state_dict()["state"] if source == "adamw_torch" else \
+            {i: dict(opt_a.portable_state()[p]) for i, p in enumerate(a)}
+        opt_b.load_state_dict(dict(state=state, param_groups=opt_a.state_dict()["param_groups"]))
+        if source == target:
+            ref = opt_a
+        else:                                   # the same moments, continued by the target's own kind
+            ref = built(target, a)
+            ref.load_state_dict(dict(state={i: dict(opt_a.portable_state()[p]) if hasattr(opt_a, "kind")
+                                            else opt_a.state_dict()["state"][i] for i, p in enumerate(a)},
+                                     param_groups=opt_a.state_dict()["param_groups"]))
+        for step in range(3, 5):
+            grads(a, step)
+            grads(b, step)
+            ref.step()
+            opt_b.step()
+        out[(source, target)] = dict(
+            same=all(torch.equal(p, q) for p, q in zip(a, b)),
+            dtypes=[str(opt_b.state[p]["state1"].dtype) for p in b],
+            steps=[opt_b.state[p]["step"] for p in b])
+    return out
+
+
+def test_portable_state_loads_into_the_same_optimizer_exactly_and_from_adamw_torch():
+    got = run_world(_portable_round_trips, 1)[0]
+    assert len(got) == 14
+    for (source, target), g in got.items():
+        assert g["same"], (source, target)
+        assert g["steps"] == [5, 5]                    # bitsandbytes' int counter, from the saved one
+        assert g["dtypes"] == ["torch.uint8" if "8bit" in target else "torch.float32", "torch.float32"]
+
+
 def _bytes_checks():
     from minipar.optim_bnb import build_named_optimizer, state_bytes
     sizes, out = [100, 4095, 4096, 5000, 70000], {}

@@ -14,7 +14,9 @@ values round which way, so a layout is held to the 8-bit run of one process with
 8-bit states themselves move a run from fp32 AdamW (adamw_torch), on the loss of every step and on
 each tensor's update. Measured over 8 steps of the tiny model (one process, 8-bit against
 adamw_torch: loss 9.8e-5 relative, update 5.3 % in L2 at most): dp_shard 2 2.0e-5 and 7.4 %,
-tp 2 8.3e-6 and 2.4 %, dp_replicate 2 1.6e-7 and 0.05 %.
+tp 2 8.3e-6 and 2.4 %, dp_replicate 2 1.6e-7 and 0.05 %. lion_8bit (slow; against lion_32bit 2.4e-4
+and 72 %: a sign update flips where a small momentum rounds across zero) on dp_shard 2: 6.2e-5 and
+8.5 %; ademamix_8bit (slow; 9.4e-5 and 5.3 % from ademamix): 2.0e-5 and 7.4 %.
 """
 import os
 import warnings
@@ -90,13 +92,20 @@ def _update_gap(a, b) -> float:
                for n in b["end"])
 
 
-@pytest.mark.parametrize("layout", ["dp_shard2", "tp2", "dp_replicate2"])
-def test_adamw_bnb_8bit_on_a_layout_matches_one_process(tmp_path, layout):
-    one, fp32 = _run(tmp_path, "one", "adamw_bnb_8bit")[0], _run(tmp_path, "one", "adamw_torch")[0]
+# (8-bit optimizer, its fp32 twin); Lion and AdEMAMix on dp_shard 2 are slow (the same rule, other updates)
+EIGHT_BIT = {"adamw_bnb_8bit": "adamw_torch", "lion_8bit": "lion_32bit", "ademamix_8bit": "ademamix"}
+
+
+@pytest.mark.parametrize("optimizer, layout", [
+    ("adamw_bnb_8bit", "dp_shard2"), ("adamw_bnb_8bit", "tp2"), ("adamw_bnb_8bit", "dp_replicate2"),
+    pytest.param("lion_8bit", "dp_shard2", marks=pytest.mark.slow),
+    pytest.param("ademamix_8bit", "dp_shard2", marks=pytest.mark.slow)])
+def test_8bit_optimizer_on_a_layout_matches_one_process(tmp_path, optimizer, layout):
+    one, fp32 = _run(tmp_path, "one", optimizer)[0], _run(tmp_path, "one", EIGHT_BIT[optimizer])[0]
     loss_8bit, update_8bit = _loss_gap(one, fp32), _update_gap(one, fp32)
-    assert 1e-6 < loss_8bit < 3e-4 and 1e-3 < update_8bit < 0.2, (loss_8bit, update_8bit)  # 8-bit is not fp32
+    assert 1e-6 < loss_8bit < 3e-4 and update_8bit > 1e-3, (loss_8bit, update_8bit)  # 8-bit is not fp32
     assert one["dtypes"] == ["torch.float32", "torch.uint8"]          # small tensors fp32, the rest 8-bit
-    ranks = _run(tmp_path, layout, "adamw_bnb_8bit")
+    ranks = _run(tmp_path, layout, optimizer)
     for got in ranks:
         assert "torch.uint8" in got["dtypes"], got["dtypes"]            # 8-bit states on every rank
         assert got["curve"] == ranks[0]["curve"]                        # every rank logs the same curve
@@ -137,6 +146,13 @@ def _each_built():
                                                        "minipar_weight_decay")},
                          states={tuple(p.shape): str(opt.state[p]["state1"].dtype)
                                  for p in model.parameters()})
+    # bitsandbytes installed but unable to step on the device (a missing kernel): one line, what to write
+    from bitsandbytes.optim.optimizer import Optimizer2State
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this device\n(traceback)")
+    Optimizer2State.update_step = broken
+    out["broken"] = device_problem("adamw_bnb_8bit", torch.device("cpu"))
     return out
 
 
@@ -146,6 +162,10 @@ def test_each_name_builds_its_bitsandbytes_optimizer_with_the_hf_trainers_argume
     with the betas, AdEMAMix with beta3 0.9999 and alpha 5; bitsandbytes' weight_decay 0 beside
     minipar's rate."""
     got = run_world(_each_built, 1)[0]
+    assert got.pop("broken") == (
+        "optimizer 'adamw_bnb_8bit': bitsandbytes cannot step on cpu (RuntimeError: no kernel for this "
+        "device); write optimizer: adamw_torch_fused (torch's fused AdamW; Axolotl's default) or "
+        "optimizer: adamw_torch")
     assert len(got) == 12
     for name, g in got.items():
         kind = "AdEMAMix" if "ademamix" in name else "Lion" if "lion" in name else "AdamW"

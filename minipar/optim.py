@@ -38,11 +38,12 @@ element range by element range, with torch's AdamW running at weight_decay=0, an
 parameter group on every layout (simple to checkpoint and reshard). AdamW is elementwise, so the
 parameters after N steps are the same on every layout.
 
-The learning-rate schedules are lr_schedule.py's.
+bitsandbytes' 8-bit and paged optimizers, with the same decay (decay_): optim_bnb.py. The
+learning-rate schedules are lr_schedule.py's.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -74,8 +75,30 @@ def _no_decay_ranges(p: torch.Tensor) -> Optional[List[Tuple[int, int]]]:
     return [(0, p.numel())] if p.dim() < 2 else None
 
 
+def decay_(group: dict) -> None:
+    """Decoupled weight decay of one param group, p <- p * (1 - lr * wd) on the decayed ranges, by
+    minipar's rule (matrices yes, 1-D tensors and ZeRO-3's no_decay_segments no); the rate is the
+    group's `minipar_weight_decay`. Called before the inner optimizer's update (which runs at
+    weight_decay 0), as torch's AdamW decays before its update: torch's AdamW here, bitsandbytes'
+    AdamW, Lion and AdEMAMix in optim_bnb.py (their own decay is the same p * (1 - lr * wd))."""
+    wd = group.get("minipar_weight_decay", 0.0)
+    if wd == 0.0:
+        return
+    factor = 1.0 - float(group["lr"]) * wd
+    for p in group["params"]:
+        if p.grad is None:          # the optimizers skip such params entirely; so do we
+            continue
+        skip = _no_decay_ranges(p)
+        if skip is None:
+            p.mul_(factor)
+            continue
+        flat = p.view(-1)
+        for a, b in complement(skip, flat.numel()):
+            flat[a:b].mul_(factor)
+
+
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW at weight_decay=0, plus decoupled decay applied by minipar's rule.
+    """torch's AdamW at weight_decay=0, plus decoupled decay applied by minipar's rule (decay_).
 
     Each param group holds the rate as `minipar_weight_decay`, saved in state_dict with the group
     (a name of our own: torch >= 2.6 keeps a boolean `decoupled_weight_decay` in Adam's groups)."""
@@ -87,67 +110,62 @@ class AdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            wd = group.get("minipar_weight_decay", 0.0)
-            if wd == 0.0:
-                continue
-            factor = 1.0 - float(group["lr"]) * wd
-            for p in group["params"]:
-                if p.grad is None:          # torch skips such params entirely; so do we
-                    continue
-                skip = _no_decay_ranges(p)
-                if skip is None:
-                    p.mul_(factor)
-                    continue
-                flat = p.view(-1)
-                for a, b in complement(skip, flat.numel()):
-                    flat[a:b].mul_(factor)
+            decay_(group)
         super().step()
         return loss
+
+
+def trainable(model_or_params) -> list:
+    """The parameters to optimize: a module's (or an iterable's) that require grad, each once."""
+    params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
+    params, seen = [p for p in params if p.requires_grad], set()
+    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+
+
+def decay_group(params: list, weight_decay: float) -> dict:
+    """The one param group: its parameters and minipar's decay rate, checked now (a ZeRO-3 shard
+    without no_decay_segments fails here, not at the first step)."""
+    if weight_decay > 0:
+        for p in params:
+            _no_decay_ranges(p)
+    return dict(params=params, minipar_weight_decay=float(weight_decay))
 
 
 def build_optimizer(model_or_params, lr: float, weight_decay: float = 0.0,
                     betas: Tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, **kwargs) -> AdamW:
     """AdamW over the trainable parameters of a module (or an iterable of parameters), one group.
-    Matrices are decayed, 1-D tensors are not (ZeRO-3 shards: by their no_decay_segments)."""
+    Matrices are decayed, 1-D tensors are not (ZeRO-3 shards: by their no_decay_segments).
+    bitsandbytes' 8-bit and paged optimizers: optim_bnb.py (build_named_optimizer takes any name)."""
     if lr <= 0 or weight_decay < 0:
         raise ValueError(f"learning_rate must be > 0 (got {lr}) and weight_decay >= 0 (got {weight_decay})")
-    params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
-    params, seen = [p for p in params if p.requires_grad], set()
-    params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
-    if weight_decay > 0:
-        for p in params:
-            _no_decay_ranges(p)              # fail now, not at the first step
-    group = dict(params=params, minipar_weight_decay=float(weight_decay))
+    group = decay_group(trainable(model_or_params), weight_decay)
     return AdamW([group], lr=lr, betas=betas, eps=eps, weight_decay=0.0, **kwargs)
 
 
-# the optimizers a config may name (Axolotl's / the HF Trainer's `optimizer:`), and bitsandbytes' 8-bit
-# and paged AdamW (the HF Trainer's names), which are refused with the line to write instead
+# the optimizers a config may name that torch runs (Axolotl's / the HF Trainer's `optimizer:`);
+# bitsandbytes' 8-bit and paged ones: optim_bnb.py's BNB_OPTIMIZERS
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
-BNB_ADAMW = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "paged_adamw",
-             "ademamix_8bit", "paged_ademamix_8bit", "paged_ademamix_32bit", "lion_8bit", "paged_lion_8bit",
-             "paged_lion_32bit", "adamw_torch_8bit")
 
 
-def optimizer_problem(name: str) -> Optional[str]:
-    """Why `name` cannot be this run's optimizer (None: it can). bitsandbytes' optimizers keep
-    block-quantised states (an 8-bit code per element plus one scale per block of 2048) or paged
-    ones in CUDA unified memory; minipar's checkpoints cut every optimizer state like its parameter
-    to reload it on any layout (and ZeRO-3 steps flat shards whose blocks would straddle tensors),
-    which those states are not, so they are refused even where bitsandbytes and a GPU are present."""
-    if name in OPTIMIZERS:
-        return None
-    if name in BNB_ADAMW or any(w in str(name) for w in ("8bit", "paged", "bnb")):
-        import importlib.util
-        have = importlib.util.find_spec("bitsandbytes") is not None
-        why = ("bitsandbytes is installed, but its block-quantised / paged states cannot be resharded "
-               "with minipar's checkpoints" if have else
-               "they need bitsandbytes (not installed here) and a CUDA device, and minipar's checkpoints "
-               "cannot reshard their block-quantised / paged states")
-        return (f"optimizer {name!r} is not supported: {why}; write optimizer: adamw_torch_fused (torch's "
-                f"fused AdamW; Axolotl's default) or optimizer: adamw_torch, and for less optimizer memory "
-                f"shard it over more ranks (dp_shard_size: ZeRO-3 keeps 1/N of the states per rank)")
-    return f"optimizer {name!r} is not supported; supported: {list(OPTIMIZERS)}"
+def portable_state(optimizer) -> Mapping:
+    """{param: {state name: tensor or number}}: the optimizer's state as checkpoints store it, every
+    tensor shaped like its parameter (torch's AdamW: its own state; bitsandbytes': its block-quantised
+    moments dequantised to fp32 under torch's names, optim_bnb.py)."""
+    own = getattr(optimizer, "portable_state", None)
+    return own() if own is not None else optimizer.state
+
+
+def resume_group(current: dict, saved: dict) -> dict:
+    """A param group on resume: the checkpoint's values (lr, betas, eps, the decay rate, ...) for
+    the keys this optimizer's group has, of the same length where a sequence (AdEMAMix has three
+    betas, AdamW two), and this optimizer's own for the rest; so a checkpoint of one optimizer
+    (adamw_torch) loads into another (adamw_bnb_8bit) with the hyper-parameters each reads."""
+    def fits(k):
+        a, b = saved[k], current[k]
+        return not isinstance(a, (tuple, list)) or (isinstance(b, (tuple, list)) and len(a) == len(b))
+    out = {k: v for k, v in current.items() if k != "params"}
+    out.update({k: saved[k] for k in saved if k in current and k != "params" and fits(k)})
+    return out
 
 
 # ------------------------------------------------------------------------ global-norm clipping

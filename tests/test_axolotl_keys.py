@@ -101,7 +101,7 @@ def test_noted_keys_one_note_each(tmp_path):
 def test_every_refusal_of_a_file_in_one_message(tmp_path):
     text = ("deepspeed: deepspeed_configs/zero3_bf16.json\npretraining_dataset: some/hub-name\n"
             "fsdp_config:\n  fsdp_offload_params: true\nsave_steps:\nwarmup_steps: 0.1\n"
-            "lr_scheduler: polynomial\noptimizer: paged_adamw_8bit\nchat_template: command_a_rag\n"
+            "lr_scheduler: polynomial\noptimizer: adamw_apex_fused\nchat_template: command_a_rag\n"
             "learnig_rate: 1.0e-5\nmax_steps: 10\nlearning_rate: -1\n")
     with pytest.raises(ValueError) as info:
         _load(tmp_path, text)
@@ -109,33 +109,46 @@ def test_every_refusal_of_a_file_in_one_message(tmp_path):
     assert msg.startswith("unknown config key 'learnig_rate'. Did you mean 'learning_rate'?"), msg
     for part in ["deepspeed: DeepSpeed is not used", "pretraining_dataset: streamed pretraining data",
                  "fsdp_offload_params: True (CPU offload", "lr_scheduler 'polynomial' is not supported",
-                 "optimizer 'paged_adamw_8bit' is not supported", "write optimizer: adamw_torch_fused",
+                 "optimizer 'adamw_apex_fused' is not supported", "write optimizer: adamw_torch_fused",
                  "chat_template: command_a_rag is not available", "learning_rate must be > 0"]:
         assert part in msg, (part, msg)
     assert "save_steps" not in msg.split("Valid keys")[0] and "warmup_steps:" not in msg   # both accepted
     assert "'seed'" not in msg and "Did you mean 'learning_rate'?" not in msg.split("deepspeed")[1]
 
 
-def test_8bit_and_paged_optimizers_refused_in_the_one_message(tmp_path, monkeypatch):
-    """bitsandbytes' optimizers: each named, with why (not installed here, or its block-quantised
-    states cannot be resharded) and the line to write instead, all in the file's one message."""
+def test_8bit_and_paged_optimizers_need_bitsandbytes_else_refused_in_the_one_message(tmp_path, monkeypatch):
+    """bitsandbytes' optimizers (minipar/optim_bnb.py): accepted where it is installed; where it is
+    not, each is refused in the file's one message, with what to install and the line to write
+    instead. (Hidden by find_spec here: the config is read only, nothing steps.)"""
     import importlib.util
     text, real = "optimizer: paged_adamw_32bit\nlr_scheduler: polynomial\n", importlib.util.find_spec
     for installed in (False, True):
         def find_spec(name, *args, installed=installed):
-            return object() if name == "bitsandbytes" and installed else real(name, *args)
+            if name == "bitsandbytes":
+                return object() if installed else None
+            return real(name, *args)
         monkeypatch.setattr(importlib.util, "find_spec", find_spec)
         with pytest.raises(ValueError) as info:
             _load(tmp_path, text)
         msg = str(info.value)
-        assert msg.startswith("2 config values are wrong"), msg
-        assert "optimizer 'paged_adamw_32bit' is not supported: " in msg and "optimizer: adamw_torch" in msg
-        assert ("bitsandbytes is installed, but" if installed else "bitsandbytes (not installed here)") in msg
-    for name in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit"):
-        with pytest.raises(ValueError, match=f"optimizer '{name}' is not supported: .*write optimizer: "
-                                             f"adamw_torch_fused"):
-            _load(tmp_path, f"optimizer: {name}\n")
+        assert msg.startswith("lr_scheduler 'polynomial'" if installed else "2 config values are wrong"), msg
+        said = ("optimizer 'paged_adamw_32bit' is not supported: it needs bitsandbytes (not installed "
+                "here): pip install bitsandbytes (or pip install -e .[bnb]), or write optimizer: "
+                "adamw_torch_fused")
+        assert (said in msg) != installed, msg
+        for name in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "lion_8bit", "ademamix_8bit"):
+            if installed:
+                assert _load(tmp_path, f"optimizer: {name}\n")[0].optimizer == name
+            else:
+                with pytest.raises(ValueError, match=f"optimizer '{name}' is not supported: it needs "
+                                                     f"bitsandbytes .*write optimizer: adamw_torch_fused"):
+                    _load(tmp_path, f"optimizer: {name}\n")
     assert _load(tmp_path, "optimizer: adamw_torch\n")[0].optimizer == "adamw_torch"
+    for name, says in (("paged_adamw", "Did you mean 'paged_adamw_8bit'?"),
+                       ("adamw_torch_8bit", "it is torchao's, which minipar does not use; for 8-bit states "
+                                            "write optimizer: adamw_bnb_8bit")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            _load(tmp_path, f"optimizer: {name}\n")
 
 
 def test_did_you_mean_does_not_mislead():

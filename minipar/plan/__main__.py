@@ -26,6 +26,8 @@ import sys
 
 from minipar.cli import fail, memory_bytes, positive_ints, within
 from minipar.gpus import PRESETS
+from minipar.optim import OPTIMIZERS
+from minipar.optim_bnb import BNB_OPTIMIZERS
 from minipar.trainer.prediction import from_train_config, read_train_config
 from models.activation_checkpoint import check_option
 from models.hf_checkpoint import read_hf_config
@@ -147,7 +149,8 @@ def load(args):
         gbs = _global_batch(args, base, world, cfg)
     mbs = args.micro_batch_size or (batch.micro_batch_size if batch else 1)
     batch = Batch(gbs, mbs, seq)
-    flags = dict(dtype=args.dtype, prefetch=args.prefetch, sync_each_batch=args.sync_each_batch,
+    flags = dict(dtype=args.dtype, prefetch=args.prefetch, optimizer=args.optimizer,
+                 sync_each_batch=args.sync_each_batch,
                  gradient_checkpointing=args.gradient_checkpointing,
                  reshard_after_forward=args.reshard_after_forward,
                  selective_ac_option=args.selective_ac_option,
@@ -253,6 +256,9 @@ def main(argv=None):
                     help="rows per dp rank per forward (default with --model: 1)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"))
     ap.add_argument("--prefetch", type=int)
+    ap.add_argument("--optimizer", choices=(*OPTIMIZERS, *BNB_OPTIMIZERS),
+                    help="its state bytes (default: the config's, else adamw_torch): adamw_bnb_8bit ~2 B per "
+                         "parameter, AdamW 8 (minipar/optim_bnb.py)")
     ap.add_argument("--no-sync", dest="sync_each_batch", action="store_const", const=False,
                     help="ZeRO-3: accumulate unsharded gradients, one reduce-scatter per step")
     ap.add_argument("--gradient-checkpointing", nargs="?", const=True, choices=(True, "selective"),

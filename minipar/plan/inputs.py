@@ -245,6 +245,9 @@ class Options:
     # no optimizer state), the adapters whole over dp. 0: every weight trained
     lora_r: int = 0
     lora_targets: Tuple[str, ...] = ()
+    # the config's optimizer: its state bytes per tensor (minipar/optim_bnb.py's state_bytes): AdamW's
+    # 8 B per element, bitsandbytes' 8-bit ~2 B (adamw_bnb_8bit; fp32 under 4096 elements)
+    optimizer: str = "adamw_torch"
     # gloo (a CPU run): reduce_scatter_tensor works on a copy of its input, so a unit's flat gradient
     # is held twice while it reduce-scatters (NCCL: never); peak.py's end of backward counts it
     reduce_scatter_copies_input: bool = False

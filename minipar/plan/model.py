@@ -14,6 +14,9 @@ Persistent state per rank (what lives between steps, after backward):
     parameters  fp32 masters                4 B x P_rank
     gradients   fp32                        4 B x P_rank
     AdamW       exp_avg, exp_avg_sq fp32    8 B x P_rank, + 4 B per tensor (torch's `step` counter)
+                (optimizer: adamw_bnb_8bit and bitsandbytes' other 8-bit ones: 1 B per moment and
+                element + 4 B per block of 256, fp32 moments for tensors under 4096 elements;
+                minipar/optim_bnb.py's state_bytes, per tensor: a flat shard is one under ZeRO-3)
   P_rank = the TP-local parameters; under ZeRO-3 (S > 1) the sum over units of ceil(P_unit / N),
   each unit's flat buffer padded to a multiple of N, and one tensor per unit.
   With LoRA (adapter: lora) the base keeps its 4 B x P_rank of fp32 weights only, and the adapters,
@@ -33,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List
 
+from minipar.optim_bnb import state_bytes
 from models.flops import layers_matmul_weights, matmul_weights, step_flops
 
 from .activation_bytes import recompute_shares
@@ -90,7 +94,8 @@ def memory(model: ModelShape, layout: Layout, opts: Options) -> Dict[str, int]:
     accumulated = 0
     if layout.sharded:
         padded = [_padded(u.numel, shard_size(u, layout)) for u in us]
-        elems, tensors = sum(p // shard_size(u, layout) for u, p in zip(us, padded)), len(us)
+        sizes = [p // shard_size(u, layout) for u, p in zip(us, padded)]     # a flat shard per unit
+        elems = sum(sizes)
         root, rest = padded[0], padded[1:]
         if not opts.reshard_after_forward:
             gathered = root + sum(rest)
@@ -106,16 +111,17 @@ def memory(model: ModelShape, layout: Layout, opts: Options) -> Dict[str, int]:
         if not opts.sync_each_batch:   # no_sync: unsharded fp32 gradients held between micro-batches
             accumulated = 4 * (root + sum(rest))
     else:
-        elems, tensors, gathered = sum(u.numel for u in us), sum(u.tensors for u in us), 0
+        emb, layer, head = model.tensors(layout.tp, layout.ep)
+        sizes = emb + layer * model.num_hidden_layers + head
+        elems, gathered = sum(sizes), 0
     if opts.lora_r:     # LoRA: the base (sharded or not) has no gradient or state; the adapters do
         ad = model.lora_tensors(layout.tp, opts.lora_r, opts.lora_targets) * model.num_hidden_layers
-        a = sum(ad)
-        return dict(params=4 * (elems + a), grads=4 * a, optimizer=8 * a + 4 * len(ad),
-                    persistent=4 * elems + 16 * a + 4 * len(ad), gathered=gathered, accumulated_grads=0,
-                    param_elements=elems + a)
-    return dict(params=4 * elems, grads=4 * elems, optimizer=8 * elems + 4 * tensors,
-                persistent=16 * elems + 4 * tensors, gathered=gathered, accumulated_grads=accumulated,
-                param_elements=elems)
+        a, opt = sum(ad), state_bytes(opts.optimizer, ad)
+        return dict(params=4 * (elems + a), grads=4 * a, optimizer=opt, persistent=4 * elems + 8 * a + opt,
+                    gathered=gathered, accumulated_grads=0, param_elements=elems + a)
+    opt = state_bytes(opts.optimizer, sizes)
+    return dict(params=4 * elems, grads=4 * elems, optimizer=opt, persistent=8 * elems + opt,
+                gathered=gathered, accumulated_grads=accumulated, param_elements=elems)
 
 
 # ---------------------------------------------------------------------------------------- FLOPs

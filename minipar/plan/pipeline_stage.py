@@ -44,6 +44,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from minipar.optim_bnb import state_bytes
 from minipar.pipeline_parallel.schedules import chunk_stages, schedule_order, sends_to, stage_owners
 from minipar.pipeline_parallel.simulate import peak_in_flight
 from minipar.pipeline_parallel.stage import stage_chunks
@@ -168,7 +169,8 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
     if layout.sharded:
         N = layout.dp_shard * C
         padded = {u.name: pm._padded(u.numel, N) for u in us}
-        elems, tensors = sum(padded[u.name] // N for u in us), sum(1 for u in us if u.numel)
+        numels = [padded[u.name] // N for u in us if u.numel]         # a flat shard per unit
+        elems = sum(numels)
         replay = Zero3Replay(us, {k: v * e for k, v in padded.items()}, opts.prefetch,
                               opts.reshard_after_forward)
         _replay_step(replay, order, us, st)
@@ -183,14 +185,14 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
         if M > 1:
             accumulated = 4 * sum(padded.values())
     else:
-        tens = stage_tensors(model, layout, st)
-        elems, tensors = sum(tens), len(tens)
+        tens = numels = stage_tensors(model, layout, st)
+        elems = sum(tens)
         if layout.sizes()["dp_cp"] > 1:                      # DDP once per step
             for nbytes in pc.bucket_bytes([4 * x for x in tens]):
                 add("all_reduce", "dp_cp", 1, nbytes)
-    mem = dict(params=4 * elems, grads=4 * elems, optimizer=8 * elems + 4 * tensors,
-               persistent=16 * elems + 4 * tensors, gathered=gathered, accumulated_grads=accumulated,
-               param_elements=elems)
+    opt = state_bytes(opts.optimizer, numels)
+    mem = dict(params=4 * elems, grads=4 * elems, optimizer=opt, persistent=8 * elems + opt,
+               gathered=gathered, accumulated_grads=accumulated, param_elements=elems)
     # post-validation (pipeline_parallel/post_validate.py) keeps a copy of all of it, parameters, gradients
     # and AdamW's state, from one update until it is checked in the next step
     mem["kept"] = mem["persistent"] if pipe.overlap_steps and pipe.post_validation else 0

@@ -24,6 +24,12 @@ def _unit(largest: float):
     return "B", 1.0
 
 
+def _optimizer_label(name) -> str:
+    if name in (None, "adamw_torch", "adamw_torch_fused"):
+        return "optimizer (AdamW m, v fp32 + step)"
+    return f"optimizer ({name})"
+
+
 def describe(p: dict, model: ModelShape) -> str:
     m, t, o = p["memory"], p["time"], p["options"]
     a = m["activations"]
@@ -58,7 +64,7 @@ def describe(p: dict, model: ModelShape) -> str:
     gathered = f"gathered units ({o['dtype']}: root + {1 + o['prefetch']} units)" \
         if sharded else "gathered units (no ZeRO-3)"
     rows = [("parameters (fp32 masters" + (", 1/N shards)" if sharded else ")"), m["params"]),
-            ("gradients (fp32)", m["grads"]), ("optimizer (AdamW m, v fp32 + step)", m["optimizer"]),
+            ("gradients (fp32)", m["grads"]), (_optimizer_label(o.get("optimizer")), m["optimizer"]),
             *([("DPO reference: the frozen copy", m["reference"])] if m.get("reference") else []),
             ("= persistent", m["persistent"]), (gathered, m["gathered"]),
             ("accumulated grads (no_sync: fp32, unsharded)", m["accumulated_grads"]),

@@ -59,7 +59,7 @@ def from_train_config(cfg):
                    sync_each_batch=cfg.fsdp.sync_each_batch,
                    gradient_checkpointing=cfg.gradient_checkpointing,
                    selective_ac_option=cfg.selective_ac_option, compile=cfg.compile,
-                   dpo_reference=reference_of(cfg) or "",
+                   dpo_reference=reference_of(cfg) or "", optimizer=cfg.optimizer,
                    **_lora(cfg))
     return model, sizes, batch, opts
 

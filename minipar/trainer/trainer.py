@@ -26,8 +26,7 @@ import time
 from tqdm import tqdm
 
 import minipar
-from minipar import compose, lr_schedule
-from minipar import optim as moptim
+from minipar import compose, lr_schedule, optim_bnb
 from minipar.trainer import host_memory
 from minipar.trainer.batch_source import Batches, eval_loss
 from minipar.trainer.checkpoint import save_load as ckpt
@@ -56,6 +55,9 @@ class Trainer:
             ck = run.base_model
             self.log(f"loading {ck.directory}: {len(ck.tensors)} tensors, {ck.nbytes / 2**30:.2f} GiB; each "
                      f"rank reads only its slices")
+        problem = optim_bnb.device_problem(cfg.optimizer, self.device)   # bitsandbytes here? (every rank)
+        if problem:
+            raise ValueError(problem)
         t_load = time.time()
         self.parallel = compose.build(cfg.model, pgm, cfg.recipe(), base_model=run.base_model,
                                       device=self.device, log=self.log)
@@ -64,11 +66,11 @@ class Trainer:
         self.model, self.n_params = self.parallel.model, self.parallel.n_params
         self.lora, self.lora_targets = cfg.adapter == "lora", self.parallel.lora_targets
         self.grad_sync = self.parallel.grad_sync
-        fused = dict(fused=True) if cfg.optimizer == "adamw_torch_fused" else {}   # torch's fused kernel
-        self.optimizer = moptim.build_optimizer(self.model, lr=cfg.learning_rate,
-                                                weight_decay=cfg.weight_decay,
-                                                betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                                                **fused)
+        # torch's AdamW (fused or not) or bitsandbytes' (8-bit, paged: the paging noted off CUDA)
+        self.optimizer, notes = optim_bnb.build_named_optimizer(
+            self.model, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+            betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, device=self.device)
+        run.notes.extend(notes)
         self.scheduler = lr_schedule.build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps,
                                                 cfg.min_lr_ratio, kind=cfg.lr_scheduler)
         self.step = compose.Step(self.parallel, self.optimizer, self.scheduler, cfg.max_grad_norm,

@@ -11,7 +11,8 @@ it overlaps:
     its segment        q[15:30] -> shard[0:15]            (+ tp rank, tp size, tp_split_dim, shapes)
 
 The same segments place the parameter and every optimizer state shaped like it (AdamW's exp_avg
-and exp_avg_sq; `step` is a scalar), so one mechanism moves all of them:
+and exp_avg_sq; `step` is a scalar; bitsandbytes' 8-bit states as the same fp32 moments,
+optim.portable_state), so one mechanism moves all of them:
 
     _local_records        per local tensor: its segments, CPU copies of it and of its states
     merge_records         the records of every shard file -> {kind: {name: FULL tensor}}
@@ -35,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from minipar.expert_parallel.sharding import ep_gather, ep_shard
+from minipar.optim import portable_state
 from minipar.tensor_parallel import gather_tensor, shard_tensor
 from minipar.zero3 import ShardedStateDicts
 
@@ -150,7 +152,7 @@ def _local_records(model, optimizer, pgm, to_host=host_clone) -> list:
     """Per local tensor: its segments, the CPU tensors shaped like it (param, optimizer states)
     and the scalar states. `to_host`: how a tensor reaches the host (async_save.py's into pinned
     memory without waiting for each copy)."""
-    state, records = optimizer.state if optimizer is not None else {}, []
+    state, records = portable_state(optimizer) if optimizer is not None else {}, []
     # under ZeRO-3 only dp_shard_cp rank 0 writes the plain (whole, replicated) tensors: LoRA's adapters
     whole_here = getattr(model, "zero3", None) is None or pgm.dp_shard_cp.rank == 0
     for p, segments in layout(model, pgm):
@@ -225,7 +227,7 @@ def _gather_full(model, pgm, local: dict) -> Dict[str, torch.Tensor]:
 
 def full_optimizer_state(model, optimizer, pgm) -> Tuple[Dict[str, dict], Dict[str, dict]]:
     """({state kind: {name: full tensor}}, {name: scalar states}) on every rank. Collective."""
-    params, state = [p for p, _ in layout(model, pgm)], optimizer.state
+    params, state = [p for p, _ in layout(model, pgm)], portable_state(optimizer)
     kinds = sorted({k for p in params for k, v in state.get(p, {}).items() if _elementwise(v, p)})
     full = {k: _gather_full(model, pgm, {p: state.get(p, {}).get(k, torch.zeros_like(p)) for p in params})
             for k in kinds}

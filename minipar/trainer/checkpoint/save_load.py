@@ -46,6 +46,7 @@ from safetensors.torch import load_file, save
 
 from minipar.lora import adapter_config, full_adapters, merge, save_adapter
 from minipar.lora.peft_format import OURS
+from minipar.optim import resume_group
 from minipar.pipeline_parallel.stage import gather_over_stages
 from minipar.trainer.checkpoint import atomic as cio
 from minipar.trainer.checkpoint import files as ck_files
@@ -227,8 +228,9 @@ def _load_optimizer(model, optimizer, pgm, full, scalars, groups, source):
             state[i] = {k: v[p] for k, v in local.items()}
             state[i].update({k: torch.tensor(v, dtype=torch.float32) for k, v in sc.items()})
     sd, first = dict(state=state, param_groups=[]), 0
-    for saved, g in zip(groups, optimizer.param_groups):
-        sd["param_groups"].append(dict(saved, params=list(range(first, first + len(g["params"])))))
+    for saved, g in zip(groups, optimizer.param_groups):    # (or another optimizer's: resume_group)
+        ids = list(range(first, first + len(g["params"])))
+        sd["param_groups"].append(dict(resume_group(g, saved), params=ids))
         first += len(g["params"])
     optimizer.load_state_dict(sd)
 

@@ -259,7 +259,8 @@ OPTIMIZER_AND_SCHEDULE = {
     "warmup_ratio": honoured("warmup_steps = int(warmup_ratio x max_steps), as Axolotl"),
     "warmup_steps": honoured("a float below 1 is a ratio (warmup_ratio), as Axolotl accepts"),
     "cosine_min_lr_ratio": honoured("min_lr_ratio (the cosine's floor as a fraction of learning_rate)"),
-    "adam_epsilon": honoured("AdamW's eps, as the HF Trainer's adam_epsilon"),
+    "adam_epsilon": honoured("AdamW's eps (torch's, or bitsandbytes' AdamW and AdEMAMix), as the HF "
+                             "Trainer's adam_epsilon"),
     "lr_scheduler": honoured("cosine, cosine_with_min_lr, linear, constant, constant_with_warmup "
                              "(minipar/lr_schedule.py SCHEDULES)"),
     "batch_size": honoured("micro_batch_size x gradient_accumulation_steps per data-parallel rank, as "
@@ -276,7 +277,9 @@ OPTIMIZER_AND_SCHEDULE = {
     "lr_groups": refused("one learning_rate for every weight; remove lr_groups"),
     "embedding_lr": refused("one learning_rate for every weight; remove embedding_lr"),
     "embedding_lr_scale": refused("one learning_rate for every weight; remove embedding_lr_scale"),
-    "optim_args": refused("AdamW takes adam_beta1, adam_beta2, adam_epsilon and weight_decay; use those"),
+    "optim_args": refused("AdamW takes adam_beta1, adam_beta2, adam_epsilon and weight_decay; use those "
+                          "(bitsandbytes' AdEMAMix takes the HF Trainer's defaults for its own: beta3 "
+                          "0.9999, alpha 5)"),
     "optim_target_modules": sub_option("optimizer: galore"),
     "adam_beta3": sub_option("optimizer: came_pytorch"),
     "adam_epsilon2": sub_option("optimizer: came_pytorch"),

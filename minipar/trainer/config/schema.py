@@ -28,7 +28,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from minipar.config import ATTENTION_BACKENDS, CP_IMPLS, CP_LAYOUTS
 from minipar.lr_schedule import SCHEDULES
-from minipar.optim import optimizer_problem
+from minipar.optim_bnb import optimizer_problem
 from models.llama_config import LlamaConfig
 
 STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, validate_by_name=True,
@@ -157,7 +157,8 @@ class HyperparameterKeys(Keys):
     lr_scheduler: Annotated[str, supported(SCHEDULES, " (minipar/lr_schedule.py: warmup over warmup_steps, "
                                                       "then cosine or linear down to min_lr_ratio x "
                                                       "learning_rate, or constant)")] = "cosine"
-    # adamw_torch or adamw_torch_fused; bitsandbytes' 8-bit and paged ones refused saying why (optim.py)
+    # adamw_torch, adamw_torch_fused, or bitsandbytes' 8-bit and paged ones where it is installed
+    # (minipar/optim_bnb.py; refused saying what to install or write instead where it is not)
     optimizer: Annotated[str, AfterValidator(_optimizer)] = "adamw_torch"
     dtype: Literal["float32", "bfloat16"] = "float32"   # bfloat16: compute in bf16, fp32 master weights
     bf16: Optional[Union[bool, str]] = Field(None, description="true, false or auto")   # Axolotl's (keys.py)

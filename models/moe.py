@@ -53,7 +53,6 @@ import torch.nn.functional as F
 from minipar import tensor_parallel as tpl
 from minipar.expert_parallel import combine, dispatch
 from minipar.graph_boundary import graph_boundary
-from minipar.mesh import ProcessGroupManager
 
 from .llama_config import LlamaConfig
 
@@ -110,13 +109,18 @@ class MoEFeedForward(nn.Module):
     `router_stats` = (counts (E,) float, prob_sum (E,) with grad, T) and `dropped` (copies past
     capacity, 0 when dropless) describe it."""
 
-    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, sequence_parallel: bool):
+    # whole on every tp rank: minipar/tensor_parallel/parallelize.py sets tp and sp, so that under
+    # sequence parallelism (each tp rank routes its own tokens) the router's and the experts' weight
+    # gradients are summed over tp; one process: nothing summed
+    replicated_over_tp = True
+
+    def __init__(self, config: LlamaConfig, ep=None):
+        """ep: the ep group (mesh.py) whose ranks split the experts; None or one rank: all E here."""
         super().__init__()
         E, d = config.num_local_experts, config.hidden_size
         self.num_experts, self.top_k = E, config.num_experts_per_tok
         self.norm_topk_prob, self.capacity_factor = config.norm_topk_prob, config.moe_capacity_factor
-        self.tp, self.sp = pgm.tp, sequence_parallel   # the router weight's gradient summed over tp under SP
-        ep = getattr(pgm, "ep", None)          # the ep group (mesh.py); one rank holds all E
+        self.tp, self.sp = None, False          # set by parallelize (above)
         self.ep = ep if ep is not None and ep.size > 1 else None
         self.gate = MoERouter(E, d)
         self.experts = MoEExperts(E, d, config.moe_intermediate_size, ep.size if self.ep else 1)

@@ -52,10 +52,10 @@ import torch.nn as nn
 
 from minipar import comm
 from minipar import tensor_parallel as tpl
-from minipar.tensor_parallel import parallelize
 from minipar.context_parallel import AttentionLog, Documents, sequence_positions
 from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.mesh import ProcessGroupManager
+from minipar.tensor_parallel import parallelize
 from minipar.zero3 import ShardedStateDicts
 
 from .activation_checkpoint import ActivationCheckpointing  # full, or selective (per op / every n-th)

@@ -186,8 +186,9 @@ class LlamaAttention(nn.Module):
 
     def project(self, x, cos, sin):
         """q (b, local_heads, s, d), k and v (b, local_kv_heads, s, d): the projections (one
-        input_projections call for the three), the q/k norms of a family that has them, RoPE (cos, sin: the model's tables,
-        stacked per kind for Gemma 3, of which this layer reads its own), Gemma's query scale.
+        input_projections call for the three), the q/k norms of a family that has them, RoPE (cos,
+        sin: the model's tables, stacked per kind for Gemma 3, of which this layer reads its own),
+        Gemma's query scale.
         Generation's cache reuses it."""
         q, k, v = self.input_projections(x, (self.q_proj, self.k_proj, self.v_proj))
         b, s, _ = q.shape

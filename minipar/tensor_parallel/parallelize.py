@@ -44,8 +44,13 @@ import functools
 import torch
 import torch.nn as nn
 
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_group, \
-    shard_tensor
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_group,
+    shard_tensor,
+)
 from .mappings import sequence_parallel_weight
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")   # Linear -> column-parallel
@@ -54,13 +59,15 @@ VOCAB = ("embed_tokens",)                                                     # 
 HEAD_NORMS = ("q_norm", "k_norm")     # norms over each head: a rank holds some heads only
 
 
-def parallelize(model: nn.Module, tp, sequence_parallel: bool = False, async_overlap: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, tp, sequence_parallel: bool = False,
+                async_overlap: bool = False) -> nn.Module:
     """Apply the plan of the module docstring to `model` in place (and return it). tp: the tp group
     (mesh.py MeshDim); one rank gives the same classes with nothing split and nothing sent."""
     done = [n for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
                                                                   VocabParallelEmbedding))]
     if done:
-        raise ValueError(f"parallelize: {done[0]} is tensor-parallel already (parallelize a plain model once)")
+        raise ValueError(f"parallelize: {done[0]} is tensor-parallel already "
+                         f"(parallelize a plain model, once)")
     sp = sequence_parallel and tp.size > 1
     swapped = {}                                  # id(plain weight) -> its tp Parameter (ties)
     for name, module in list(model.named_modules()):
@@ -94,7 +101,8 @@ def parallelize(model: nn.Module, tp, sequence_parallel: bool = False, async_ove
 
 def _local(what: str, n: int, tp) -> int:
     if n % tp.size:
-        raise ValueError(f"{what}={n} is not divisible by tp_size={tp.size}: choose a tp_size that divides it")
+        raise ValueError(f"{what}={n} is not divisible by tp_size={tp.size}: "
+                         f"choose a tp_size that divides it")
     return n // tp.size
 
 

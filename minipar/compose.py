@@ -75,7 +75,7 @@ from minipar.pipeline_parallel import (
 )
 from minipar.recipe import Recipe
 from minipar.regional_compile import compile_layers
-from minipar.tensor_parallel import parallelize
+from minipar.tensor_parallel.parallelize import parallelize
 from minipar.zero3 import fully_shard
 from models.activation_checkpoint import ActivationCheckpointing
 from models.llama import LlamaForCausalLM

@@ -55,7 +55,7 @@ from minipar import tensor_parallel as tpl
 from minipar.context_parallel import AttentionLog, Documents, sequence_positions
 from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.mesh import ProcessGroupManager
-from minipar.tensor_parallel import parallelize
+from minipar.tensor_parallel.parallelize import parallelize
 from minipar.zero3 import ShardedStateDicts
 
 from .activation_checkpoint import ActivationCheckpointing  # full, or selective (per op / every n-th)

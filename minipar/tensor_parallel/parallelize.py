@@ -15,8 +15,8 @@ are the conjugate functions of mappings.py, b s d the residual stream's size):
     norms         RMSNorm       the same, weight replicated; under SP its weight passes through f,
                                 so its gradient (from s/tp tokens per rank) is summed over tp
     q_norm/k_norm RMSNorm       weight through f whenever tp > 1: each rank normed some heads only
-    an MoE layer                whole on every rank; told tp and SP (its router and experts then
-                                sum their gradients over tp under SP, as the norms do)
+    an MoE layer                whole on every rank; under SP its router's and experts' weights
+                                pass through f, as the norms' do (each rank routes its own tokens)
 
 So a dense layer costs two collectives of b s d in forward (after o_proj and down_proj; under SP
 plus the two all-gathers in, which an all-reduce contains anyway: the same bytes) and two in
@@ -86,13 +86,13 @@ def parallelize(model: nn.Module, tp, sequence_parallel: bool = False,
             setattr(module, attr, new)            # the same key of _modules: the order is kept
         if hasattr(module, "input_projections"):  # attention, MLP: one input collective per region
             module.input_projections = column_parallel_group
+        # a replicated weight used on part of the tokens (a norm's, an MoE layer's router and experts
+        # under SP; q/k_norm's, on part of the heads, whenever tp > 1): its gradient summed over tp
         if hasattr(module, "weight_through") and (leaf in HEAD_NORMS and tp.size > 1 or sp):
             module.weight_through = functools.partial(sequence_parallel_weight, tp=tp, sequence_parallel=True)
         for attr in ("local_heads", "local_kv_heads"):      # the heads this rank keeps
             if hasattr(module, attr):
                 setattr(module, attr, _local(f"{name}.{attr}", getattr(module, attr), tp))
-        if getattr(module, "replicated_over_tp", False):   # an MoE layer: whole here, told tp and SP
-            module.tp, module.sp = tp, sequence_parallel
     for p in model.parameters():                  # the rest is replicated over tp
         if not hasattr(p, "tp_split_dim"):
             p.tp_split_dim, p.tp_full_shape = None, tuple(p.shape)

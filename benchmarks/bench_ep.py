@@ -58,7 +58,7 @@ def _layer_rank(args, ranks: int, ep: int, tokens: int):
         config = LlamaConfig(model_type="mixtral", hidden_size=args.hidden, intermediate_size=args.width,
                              num_attention_heads=4, num_key_value_heads=4, num_local_experts=args.experts,
                              num_experts_per_tok=args.top_k, vocab_size=256)
-        layer = MoEFeedForward(config, pgm, pgm.config.sequence_parallel)
+        layer = MoEFeedForward(config, pgm.ep)
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():                      # full tensors from one seed, this rank's experts kept
             for p in layer.parameters():

@@ -9,10 +9,13 @@ Building, in order (build()):
 
     0. the grid          pgm = minipar.init(ParallelismConfig(...)): the groups of     mesh.py
                          pp x dp_replicate x dp_shard x cp x tp (+ ep borrowed from dp_shard x cp)
-    1. the decoder       LlamaForCausalLM(config, pgm) on the meta device: shapes, no memory.
-       TP/SP, CP, EP     are how its layers are built: q/k/v/gate/up column-parallel and o/down
-                         row-parallel over pgm.tp (tensor_parallel/), attention over the sequence
-                         split of pgm.cp (context_parallel/), experts over pgm.ep (expert_parallel/)
+    1. the decoder       LlamaForCausalLM(config, pgm, tensor_parallel=False) on the meta
+                         device: plain nn.Linear layers, shapes, no memory. CP and EP are how its
+                         layers are built: attention over the sequence split of pgm.cp
+                         (context_parallel/), experts over pgm.ep (expert_parallel/)
+       TP/SP             parallelize(model, pgm.tp, ...) swaps its layers from outside: q/k/v/gate/
+                         up column-parallel, o/down row-parallel, the vocabulary split, the norms'
+                         weights summed over tp under SP                tensor_parallel/parallelize.py
     2. LoRA              the base frozen, the adapters made now (before the cut, so each goes with
                          its layer; kept out of ZeRO-3: they are small and whole)        lora/
     3. the pipeline cut  this rank keeps its stage: its layers (chunks), the embedding on the
@@ -72,6 +75,7 @@ from minipar.pipeline_parallel import (
 )
 from minipar.recipe import Recipe
 from minipar.regional_compile import compile_layers
+from minipar.tensor_parallel.parallelize import parallelize
 from minipar.zero3 import fully_shard
 from models.activation_checkpoint import ActivationCheckpointing
 from models.llama import LlamaForCausalLM
@@ -117,8 +121,10 @@ def build(config, pgm, recipe: Recipe, base_model=None, device=None, log: Callab
     if frozen and recipe.lora is not None:
         raise ValueError("build(frozen=True): a frozen copy takes no LoRA adapters (recipe.lora=None)")
     device = device or minipar.default_device()
-    # 1. the decoder on meta, with TP/SP, CP and EP in its layers
-    model = LlamaForCausalLM(config, pgm, seed=recipe.seed, device="meta")
+    # 1. the decoder on meta, plain, with CP and EP in its layers; then TP/SP applied to it
+    model = LlamaForCausalLM(config, pgm, seed=recipe.seed, device="meta", tensor_parallel=False)
+    parallelize(model, pgm.tp, pgm.config.sequence_parallel, pgm.config.tp_async_overlap)
+    model.tie_weights()                       # a tied lm_head: the embedding's rows, after the swap
     if frozen:
         model.requires_grad_(False)
         if recipe.bf16 and pgm.dp_shard_cp.size > 1:

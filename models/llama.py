@@ -1,4 +1,5 @@
-"""The reference Llama decoder, built from minipar's parallel layers, with Hugging Face's names.
+"""The reference Llama decoder, with Hugging Face's names: written for one process, then made
+tensor-parallel from outside (minipar/tensor_parallel/parallelize.py), as the table shows.
 
     input_ids (b, s)
       embed_tokens            VocabParallelEmbedding          -> h (b, s, d)   [(b, s/tp, d) under SP]
@@ -15,10 +16,15 @@
                               (+ an MoE's load-balancing loss, models/moe_aux.py)
 
 Where the parallelisms plug in (all through `pgm`, passed explicitly; pgm=None is one process):
-  tp  q/k/v and gate/up are column-parallel (each rank keeps heads/tp query heads, kv_heads/tp KV
-      heads, intermediate/tp MLP columns); o and down are row-parallel (one all-reduce each);
-      the vocabulary is split in the embedding and the lm_head. With sequence_parallel the
-      residual stream between them is split along the sequence instead of replicated.
+  tp  the decoder is built plain (nn.Embedding, nn.Linear: models/llama_layer.py knows no tp), on
+      the meta device, and then parallelize(model, pgm.tp, sequence_parallel, async_overlap)
+      swaps its layers: q/k/v and gate/up column-parallel (each rank keeps heads/tp query heads,
+      kv_heads/tp KV heads, intermediate/tp MLP columns); o and down row-parallel (one all-reduce
+      each); the vocabulary split in the embedding and the lm_head. With sequence_parallel the
+      residual stream between them is split along the sequence instead of replicated. The
+      constructor does it (tensor_parallel=False keeps the plain model: minipar/compose.py calls
+      parallelize itself); at tp 1 the same classes run with a one-rank group, sending nothing.
+      The loss, the logits' gather and the checkpoints' slicing read pgm.tp here.
   cp  attention runs as ring attention over pgm.cp (cp_impl ring), as Ulysses' two all-to-alls
       (ulysses), or as Ulysses inside pgm.cp_ulysses and the ring over pgm.cp_ring (usp); the
       sequence arrives in the zigzag layout (or contiguous, cp_layout) and
@@ -39,7 +45,6 @@ The shape and its config.json keys are models/llama_config.py; the rotary tables
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -50,6 +55,7 @@ from minipar import tensor_parallel as tpl
 from minipar.context_parallel import AttentionLog, Documents, sequence_positions
 from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.mesh import ProcessGroupManager
+from minipar.tensor_parallel.parallelize import parallelize
 from minipar.zero3 import ShardedStateDicts
 
 from .activation_checkpoint import ActivationCheckpointing  # full, or selective (per op / every n-th)
@@ -61,6 +67,8 @@ from .moe_aux import PipelineAux, add_aux_loss
 from .resize_vocab import VocabResize  # a vocabulary grown to a tokenizer's (tokens a run added)
 from .rope import rotary_tables
 from .tied_weights import tie_weights  # lm_head sharing the embedding's weight
+
+_META = torch.device("meta")
 
 
 class LlamaModel(nn.Module):
@@ -77,12 +85,12 @@ class LlamaModel(nn.Module):
         super().__init__()
         # the parallel settings, read from the config once here: the layers are built with them
         self.settings = settings = LayerSettings.of(pgm.config)
-        sp = settings.sequence_parallel
+        self.sequence_parallel = pgm.config.sequence_parallel   # the stream split over tp (parallelize)
         self.config, self.pgm = config, pgm
-        self.embed_tokens = tpl.VocabParallelEmbedding(config.vocab_size, config.hidden_size, pgm.tp, sp)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, pgm, i, settings)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp, offset=config.norm_offset)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.norm_offset)
         # which attention kernel each path ran, printed once per run (rank 0; other ranks their fallbacks)
         self.attention_log = AttentionLog(echo=pgm.global_rank == 0)
         for layer in self.layers:
@@ -161,29 +169,43 @@ class LlamaForCausalLM(nn.Module):
         return cls.lora_target_modules if dense else cls.lora_target_modules[:4]
 
     def __init__(self, config: LlamaConfig, pgm: Optional[ProcessGroupManager] = None, seed: int = 0,
-                 device: Optional[str] = None):
+                 device: Optional[str] = None, tensor_parallel: bool = True):
         """device="meta": shapes only, no storage and no init; fill it with llama_init.materialize
-        or fully_shard(..., init=source), which keep only this rank's TP slice / ZeRO-3 shard."""
+        or fully_shard(..., init=source), which keep only this rank's TP slice / ZeRO-3 shard.
+        tensor_parallel=False: the plain model, on the meta device only, for a caller that applies
+        parallelize (minipar/tensor_parallel/parallelize.py) itself and then tie_weights()."""
         super().__init__()
         self.config = config
         self.pgm = pgm if pgm is not None else ProcessGroupManager.local()
         self.pgm.config.validate_model(config)
-        with torch.device(device) if device is not None else contextlib.nullcontext():
+        if not tensor_parallel and (device is None or torch.device(device) != _META):
+            raise ValueError(f"LlamaForCausalLM(tensor_parallel=False) builds on the meta device only "
+                             f"(device={device!r}): pass device='meta', then parallelize and materialize")
+        with torch.device("meta"):        # the plain decoder: shapes only, drawn from the seed below
             self.model = LlamaModel(config, self.pgm)
-            self.lm_head = tpl.ColumnParallelLinear(config.hidden_size, config.vocab_size, self.pgm.tp,
-                                                    sequence_parallel=self.pgm.config.sequence_parallel,
-                                                    async_overlap=self.pgm.config.tp_async_overlap)
-        if config.tie_word_embeddings:     # same (V/tp, d) rows on every layout, gradients summed in place
-            tie_weights(self.lm_head, self.model.embed_tokens)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:    # HF's tie: one Parameter (parallelize keeps it one)
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
         self.moe_metrics = None
         # what a pipeline carries between stages for the load-balancing loss (None: nothing; also when
         # every layer keeps the dense MLP, so that no stage divides by a count of zero MoE layers)
         any_moe = any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        self.pipeline_aux = PipelineAux(config, self.pgm, self.model.settings.sequence_parallel) \
+        self.pipeline_aux = PipelineAux(config, self.pgm, self.model.sequence_parallel) \
             if config.num_local_experts and config.router_aux_loss_coef > 0 and any_moe else None
-        if str(device) != "meta":
-            self.init_weights(seed)
+        if not tensor_parallel:
+            return
+        c = self.pgm.config
+        parallelize(self, self.pgm.tp, c.sequence_parallel, c.tp_async_overlap)   # the tp layers
+        self.tie_weights()
+        if device is None or torch.device(device) != _META:    # this rank's slices, from the seed
+            materialize(self, SeededInit(self, seed, device=device or torch.empty(0).device))
+
+    def tie_weights(self):
+        """A tied lm_head (tie_word_embeddings): the same (V/tp, d) rows as the embedding on every
+        layout, its gradient summed in place (models/tied_weights.py). Called after parallelize."""
+        if self.config.tie_word_embeddings:
+            tie_weights(self.lm_head, self.model.embed_tokens)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -223,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
             num_items_in_batch = num_items_in_batch.clamp(min=1)
         loss = body.head_loss(h, self.lm_head, labels, num_items_in_batch)
         loss, self.moe_metrics = add_aux_loss(loss, body.layers, self.config, pgm, aux_weight,
-                                              body.settings.sequence_parallel)
+                                              body.sequence_parallel)
         return loss
 
     # ------------------------------------------------------------------ state dicts

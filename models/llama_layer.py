@@ -1,21 +1,24 @@
-"""One Llama decoder layer, built from minipar's parallel layers: the unit that ZeRO-3 gathers,
-activation checkpointing recomputes and a pipeline stage holds a run of (models/llama.py stacks them).
+"""One Llama decoder layer, written for one process (nn.Linear, a plain RMSNorm, HF's names): the
+unit that ZeRO-3 gathers, activation checkpointing recomputes and a pipeline stage holds a run of
+(models/llama.py stacks them). Tensor parallelism is applied to it from outside, by
+minipar/tensor_parallel/parallelize.py, which swaps its Linear layers for column- and row-parallel
+ones and divides its head counts; this file imports nothing of it. The shapes below are one
+process's; under tp each rank keeps heads/tp heads and intermediate/tp columns (parallelize.py
+says what each swap costs).
 
-    h (b, s, d)                      [(b, s/tp, d) under sequence parallelism]
-      n = input_layernorm(h)         RMSNorm, in fp32, weight replicated over tp
-      q, k, v = q_proj(n), ...       ColumnParallelLinear: heads/tp query heads, kv_heads/tp KV heads
-                                     per rank; one input collective for the three (f, or SP's
-                                     all-gather; column_parallel_group)
+    h (b, s, d)
+      n = input_layernorm(h)         RMSNorm, in fp32
+      q, k, v = q_proj(n), ...       Linear: heads query heads, kv_heads KV heads; the three through
+                                     input_projections (x, layers) -> their outputs, one call, so
+                                     that tp can enter its region once for the three
       q, k = q_norm(q), k_norm(k)    Qwen3 and Gemma 3 only: an RMSNorm over each head, before RoPE
       attention                      RoPE at the true positions (Phi-3: on the first rotary_dim
                                      channels), then causal attention of the local heads: plain
                                      (cp 1), ring attention over pgm.cp, Ulysses' two all-to-alls,
-                                     or both (USP) -> (b, s, heads/tp * head_dim)
-      h = h + o_proj(attention)      RowParallelLinear: partial sums -> all-reduce over tp (g; SP:
-                                     reduce-scatter)
+                                     or both (USP) -> (b, s, local_heads * head_dim)
+      h = h + o_proj(attention)      Linear
       n = post_attention_layernorm(h)
-      h = h + down_proj(silu(gate_proj(n)) * up_proj(n))     gate/up column-, down row-parallel:
-                                     intermediate/tp columns per rank, one collective in, one out
+      h = h + down_proj(silu(gate_proj(n)) * up_proj(n))     gate and up through input_projections
           or h + moe(n), the mixture of experts (models/moe.py), in Mixtral's and Qwen3-MoE's layers
 
 Gemma's layer ("sandwich" norms: every sublayer's output normed too, before its residual add):
@@ -25,17 +28,20 @@ Gemma's layer ("sandwich" norms: every sublayer's output normed too, before its 
   its norms scale by (1 + weight) in fp32 (the weight starts at 0), its q is scaled by
   sqrt(head_dim / query_pre_attn_scalar) after RoPE (so every kernel's 1/sqrt(head_dim) gives
   Gemma's 1/sqrt(query_pre_attn_scalar), one multiply instead of a scale through every path),
-  and Gemma 3's local layers read their own RoPE table (rope_local_base_freq). Under SP the two
-  extra norms sit on sequence shards like the others: their weights' gradients summed over tp.
+  and Gemma 3's local layers read their own RoPE table (rope_local_base_freq).
 
-The layers take their parallel settings when built (LayerSettings: sequence parallelism, async TP
-overlap, the cp implementation and layout, the attention kernel), read once from the
-ParallelismConfig by the model's constructor (models/llama.py); a forward never reads the config.
+The layers take their attention settings when built (LayerSettings: the cp implementation and
+layout, the attention kernel), read once from the ParallelismConfig by the model's constructor
+(models/llama.py); a forward never reads the config. Of the process-group manager the attention
+reads the cp groups only.
 
-So a dense layer costs tp two collectives in and two out in forward (their mirror images in
-backward), each of the residual stream's size b s d. The stream has the parameters' dtype: fp32
-under autocast (bf16 matmul outputs), bf16 when ZeRO-3 gathers bf16 weights. With document_ids (b,
-s) the causal mask is block-diagonal: a packed row computes what its examples alone do.
+Two seams let parallelize.py change a layer without this file knowing tp: `input_projections`
+(attention, MLP; here a loop over the layers) and a norm's `weight_through` (how its weight enters
+the product; here the identity, under sequence parallelism f, so that the weight's gradient is
+summed over the ranks that each normed part of the tokens). The stream has the parameters' dtype:
+fp32 under autocast (bf16 matmul outputs), bf16 when ZeRO-3 gathers bf16 weights. With
+document_ids (b, s) the causal mask is block-diagonal: a packed row computes what its examples
+alone do.
 
 The families differ in small named ways, read from the config at build (models/llama_config.py):
 q/k/v biases (Qwen2's qkv_bias), q/k norms (Qwen3, Gemma 3), partial RoPE (Phi-3), a sliding
@@ -60,7 +66,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minipar import tensor_parallel as tpl
 from minipar.context_parallel import BlockKernel, Documents, choose_kernel, ring_attention, ulysses_attention
 from minipar.context_parallel.masked_attention import masked_attention
 from minipar.context_parallel.window_attention import window_attention
@@ -73,9 +78,7 @@ from .rope import apply_rotary
 
 @dataclass(frozen=True)
 class LayerSettings:
-    """How the layers run on the mesh, fixed when the model is built (defaults: one process)."""
-    sequence_parallel: bool = False     # the residual stream split along the sequence over tp
-    tp_async_overlap: bool = False      # the column-parallel input gather overlapped with its matmul
+    """How attention runs on the mesh, fixed when the model is built (defaults: one process)."""
     cp_impl: str = "ring"               # ring | ulysses | usp: how attention spans the cp ranks
     cp_layout: str = "zigzag"           # zigzag | contiguous: which tokens a cp rank holds
     attention_backend: str = "auto"     # the attention kernel asked for (kernel_choice.py)
@@ -84,25 +87,30 @@ class LayerSettings:
     def of(cls, parallel_config) -> "LayerSettings":
         """The settings of a ParallelismConfig (pgm.config), read once at build."""
         c = parallel_config
-        return cls(c.sequence_parallel, c.tp_async_overlap, c.cp_impl, c.cp_layout,
-                   getattr(c, "attention_backend", "auto"))
+        return cls(c.cp_impl, c.cp_layout, getattr(c, "attention_backend", "auto"))
+
+
+def each_linear(x, layers):
+    """The outputs of `layers` that read the same x, one call each (the seam `input_projections`)."""
+    return tuple(layer(x) for layer in layers)
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, in fp32 (as HF). The weight is replicated over tp. offset (Gemma):
-    x / rms(x) * (1 + weight), the product in fp32 before the cast back, the weight starting at 0."""
+    """x / rms(x) * weight, in fp32 (as HF). offset (Gemma): x / rms(x) * (1 + weight), the product
+    in fp32 before the cast back, the weight starting at 0."""
 
-    def __init__(self, hidden_size, eps, tp, sequence_parallel=False, offset=False):
+    weight_through = staticmethod(lambda weight: weight)   # the seam of the module docstring
+
+    def __init__(self, hidden_size, eps, offset=False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size) if offset else torch.ones(hidden_size))
-        self.weight.tp_split_dim, self.weight.tp_full_shape = None, (hidden_size,)
-        self.eps, self.tp, self.sequence_parallel, self.offset = eps, tp, sequence_parallel, offset
+        self.eps, self.offset = eps, offset
 
     def forward(self, x):
         dtype = x.dtype
         x = x.to(torch.promote_types(dtype, torch.float32))   # fp32 at least, as HF
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = tpl.sequence_parallel_weight(self.weight, self.tp, self.sequence_parallel)
+        weight = self.weight_through(self.weight)
         if self.offset:                      # Gemma: (x * (1 + w)) in fp32, then x's dtype
             return (x * (1.0 + weight.float())).to(dtype)
         return weight * x.to(dtype)
@@ -153,38 +161,36 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, settings: LayerSettings,
                  layer_idx: int = 0):
         super().__init__()
-        tp, sp, overlap = pgm.tp, settings.sequence_parallel, settings.tp_async_overlap
-        self.pgm, self.sp, self.head_dim = pgm, sp, config.head_dim
+        self.pgm, self.head_dim = pgm, config.head_dim
         # the attention across cp ranks and its kernel: fixed at build
         self.cp_impl, self.cp_layout, self.backend = settings.cp_impl, settings.cp_layout, \
             settings.attention_backend
-        self.local_heads = config.num_attention_heads // tp.size
-        self.local_kv_heads = config.num_key_value_heads // tp.size
+        # the heads this rank computes: all of them here (parallelize.py divides them by tp)
+        self.local_heads, self.local_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.input_projections = each_linear
         d, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.window = config.attention_window(layer_idx)   # this layer's sliding window (None: full causal)
         self.softcap = config.attention_softcap             # Gemma 2's logit cap (None: none)
         self.query_scale = config.query_scale               # Gemma's query_pre_attn_scalar, on q
         self.rope_table = config.rope_table(layer_idx)      # Gemma 3: the global (0) or local (1) RoPE
-        col = dict(bias=config.qkv_bias, sequence_parallel=sp, async_overlap=overlap)   # Qwen2: q/k/v only
-        self.q_proj = tpl.ColumnParallelLinear(d, config.num_attention_heads * hd, tp, **col)
-        self.k_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
-        self.v_proj = tpl.ColumnParallelLinear(d, config.num_key_value_heads * hd, tp, **col)
-        self.o_proj = tpl.RowParallelLinear(config.num_attention_heads * hd, d, tp, bias=bias,
-                                            sequence_parallel=sp)
+        qkv_bias = config.qkv_bias                           # Qwen2: q/k/v only
+        self.q_proj = nn.Linear(d, config.num_attention_heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, config.num_key_value_heads * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, config.num_key_value_heads * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, d, bias=bias)
         if config.qk_norm:          # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE
-            # a tp rank holds some heads only, so the weight's gradient is summed over tp, as under SP
-            norm = dict(sequence_parallel=True, offset=config.norm_offset)
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps, tp, **norm)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps, tp, **norm)
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, offset=config.norm_offset)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, offset=config.norm_offset)
         self.qk_norm = config.qk_norm
         self.attention_log = None          # LlamaModel's AttentionLog, shared by the layers
 
     def project(self, x, cos, sin):
-        """q (b, H/tp, s, d), k and v (b, Hkv/tp, s, d): the projections (one input collective for
-        the three), the q/k norms of a family that has them, RoPE (cos, sin: the model's tables,
-        stacked per kind for Gemma 3, of which this layer reads its own), Gemma's query scale.
+        """q (b, local_heads, s, d), k and v (b, local_kv_heads, s, d): the projections (one
+        input_projections call for the three), the q/k norms of a family that has them, RoPE (cos,
+        sin: the model's tables, stacked per kind for Gemma 3, of which this layer reads its own),
+        Gemma's query scale.
         Generation's cache reuses it."""
-        q, k, v = tpl.column_parallel_group(x, (self.q_proj, self.k_proj, self.v_proj))   # one collective
+        q, k, v = self.input_projections(x, (self.q_proj, self.k_proj, self.v_proj))
         b, s, _ = q.shape
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
@@ -229,19 +235,17 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """down_proj(act(gate_proj(x)) * up_proj(x)): SwiGLU (silu), or Gemma's GeGLU (tanh GELU)."""
 
-    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, settings: LayerSettings):
+    def __init__(self, config: LlamaConfig):
         super().__init__()
         self.tanh_gelu = config.activation == "gelu_pytorch_tanh"
-        tp, sp = pgm.tp, settings.sequence_parallel
-        self.tp, self.sp = tp, sp
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        col = dict(bias=bias, sequence_parallel=sp, async_overlap=settings.tp_async_overlap)
-        self.gate_proj = tpl.ColumnParallelLinear(d, f, tp, **col)
-        self.up_proj = tpl.ColumnParallelLinear(d, f, tp, **col)
-        self.down_proj = tpl.RowParallelLinear(f, d, tp, bias=bias, sequence_parallel=sp)
+        self.gate_proj = nn.Linear(d, f, bias=bias)
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
+        self.input_projections = each_linear
 
     def forward(self, x):
-        gate, up = tpl.column_parallel_group(x, (self.gate_proj, self.up_proj))   # one collective
+        gate, up = self.input_projections(x, (self.gate_proj, self.up_proj))
         act = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
         return self.down_proj(act * up)
 
@@ -250,11 +254,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, layer_idx: int,
                  settings: LayerSettings):
         super().__init__()
-        sp = settings.sequence_parallel
         self.layer_idx = layer_idx
 
         def norm():
-            return RMSNorm(config.hidden_size, config.rms_norm_eps, pgm.tp, sp, offset=config.norm_offset)
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, offset=config.norm_offset)
         self.input_layernorm = norm()
         self.self_attn = LlamaAttention(config, pgm, settings, layer_idx)
         self.post_attention_layernorm = norm()   # Gemma: the attention's output; else the MLP's input
@@ -263,7 +266,7 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
         self.is_moe = config.is_moe_layer(layer_idx)     # the mixture of experts, or the dense MLP
-        self.mlp = MoEFeedForward(config, pgm, sp) if self.is_moe else LlamaMLP(config, pgm, settings)
+        self.mlp = MoEFeedForward(config, getattr(pgm, "ep", None)) if self.is_moe else LlamaMLP(config)
 
     def forward(self, h, cos, sin, document_ids=None):
         h = self.add_attention(h, self.self_attn(self.input_layernorm(h), cos, sin, document_ids))

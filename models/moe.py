@@ -50,10 +50,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minipar import tensor_parallel as tpl
 from minipar.expert_parallel import combine, dispatch
 from minipar.graph_boundary import graph_boundary
-from minipar.mesh import ProcessGroupManager
 
 from .llama_config import LlamaConfig
 
@@ -78,9 +76,9 @@ class MoEExperts(nn.Module):
         self.up_proj = _stacked((num_experts, width, hidden), ep_size)
         self.down_proj = _stacked((num_experts, hidden, width), ep_size)
 
-    def forward(self, x, counts, tp, sequence_parallel: bool):
-        gate, up, down = (tpl.sequence_parallel_weight(w, tp, sequence_parallel)
-                          for w in (self.gate_proj, self.up_proj, self.down_proj))
+    def forward(self, x, counts, weight_through=lambda w: w):
+        """weight_through: the MoE layer's seam (MoEFeedForward), applied to each stacked weight."""
+        gate, up, down = (weight_through(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
         outs = []
         # the runs' lengths on the host: a list dispatch already read, else one read of E ints (a
         # sync on a GPU: the MoE layer's one, docs/design.md)
@@ -110,13 +108,18 @@ class MoEFeedForward(nn.Module):
     `router_stats` = (counts (E,) float, prob_sum (E,) with grad, T) and `dropped` (copies past
     capacity, 0 when dropless) describe it."""
 
-    def __init__(self, config: LlamaConfig, pgm: ProcessGroupManager, sequence_parallel: bool):
+    # how the router's and the experts' weights enter their products: the identity here. Whole on
+    # every tp rank, they see only a rank's tokens under sequence parallelism, so there
+    # minipar/tensor_parallel/parallelize.py sets it to f, which sums their gradients over tp (as a
+    # norm's weight_through, models/llama_layer.py)
+    weight_through = staticmethod(lambda weight: weight)
+
+    def __init__(self, config: LlamaConfig, ep=None):
+        """ep: the ep group (mesh.py) whose ranks split the experts; None or one rank: all E here."""
         super().__init__()
         E, d = config.num_local_experts, config.hidden_size
         self.num_experts, self.top_k = E, config.num_experts_per_tok
         self.norm_topk_prob, self.capacity_factor = config.norm_topk_prob, config.moe_capacity_factor
-        self.tp, self.sp = pgm.tp, sequence_parallel   # the router weight's gradient summed over tp under SP
-        ep = getattr(pgm, "ep", None)          # the ep group (mesh.py); one rank holds all E
         self.ep = ep if ep is not None and ep.size > 1 else None
         self.gate = MoERouter(E, d)
         self.experts = MoEExperts(E, d, config.moe_intermediate_size, ep.size if self.ep else 1)
@@ -124,7 +127,7 @@ class MoEFeedForward(nn.Module):
 
     def route(self, x):
         """x (T, d) -> probabilities p (T, E) and the top-k weights and expert ids (T, k)."""
-        w_g = tpl.sequence_parallel_weight(self.gate.weight, self.tp, self.sp)
+        w_g = self.weight_through(self.gate.weight)
         probs = torch.softmax(F.linear(x, w_g).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -150,7 +153,7 @@ class MoEFeedForward(nn.Module):
         token = order // self.top_k                         # the token of each sorted copy
         local, local_counts, handle = dispatch(x[token], counts, self.ep)
         splits = local_counts if handle.local_splits is None else handle.local_splits
-        out = combine(self.experts(local, splits, self.tp, self.sp), handle)
+        out = combine(self.experts(local, splits, self.weight_through), handle)
         w = weights.reshape(-1)[order].to(out.dtype)
         y = torch.zeros_like(x).index_add_(0, token, (out * w[:, None]).to(x.dtype))   # autocast: bf16 out
         return y.view(b, s, d)

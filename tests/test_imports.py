@@ -104,3 +104,21 @@ def test_the_graph_reader_sees_what_it_should(graph):
     assert "Step" in compose.defined
     assert any(t == "minipar.comm" for t, _, _ in compose.attribute_uses)
     assert layer_of("minipar.zero3.unit", design_layers()) < layer_of("models.llama", design_layers())
+
+
+TP_FREE = ("models.llama_layer", "models.moe")   # written for one process; tp applied from outside
+
+
+def test_the_decoder_layer_knows_no_tensor_parallelism(graph):
+    """models/llama_layer.py (and the MoE it builds) import nothing of minipar.tensor_parallel and read
+    no `.tp`; minipar/compose.py applies TP by calling tensor_parallel's parallelize on the plain
+    decoder (issue 38: the tp size's path does not cross the decoder's layer file). (The layer's
+    context parallelism, window_attention.py, borrows mappings.py's all-gather Function for cp.)"""
+    for name in TP_FREE:
+        tp_imports = [i.target for i in graph[name].imports if i.target.startswith("minipar.tensor_parallel")]
+        assert not tp_imports, (name, tp_imports)
+        source = open(graph[name].path).read()
+        assert not re.search(r"\.tp\b", source), f"{name} reads a tp group"
+    compose = graph["minipar.compose"]
+    assert compose.imported.get("parallelize") == "minipar.tensor_parallel.parallelize", compose.imported
+    assert re.search(r"^\s+parallelize\(model, pgm\.tp,", open(compose.path).read(), re.M)

@@ -65,3 +65,35 @@ def test_decoder_tp_equals_single_process(tp, sp, tied, kv):
     for name in ref["params"]:
         if "norm" in name:
             assert all(torch.equal(results[0]["params"][name], r["params"][name]) for r in results)
+
+
+def _parallelize_real(tp, sp):
+    """A plain decoder with real weights (the seed's full tensors) made tensor-parallel by
+    parallelize, which slices them: the same model as the constructor's at this layout."""
+    cfg = LlamaConfig(**dict(CFG, tie_word_embeddings=True))
+    full = LlamaForCausalLM(cfg, None, seed=3).full_state_dict()
+    pgm = minipar.init(ParallelismConfig(tp_size=tp, sequence_parallel=sp))
+    plain = LlamaForCausalLM(cfg, pgm, device="meta", tensor_parallel=False).to_empty(device="cpu")
+    plain.lm_head.weight = plain.model.embed_tokens.weight      # to_empty made two of the tied one
+    plain.load_state_dict(dict(full, **{"lm_head.weight": full["model.embed_tokens.weight"]}))   # tied
+    tpl.parallelize(plain, pgm.tp, sp)
+    plain.tie_weights()
+    built = LlamaForCausalLM(cfg, pgm, seed=3)
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in built.named_parameters()]
+    ids, labels = _batch()
+    out = []
+    for model in (plain, built):
+        loss = model(ids, labels=labels)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(out[0][0], out[1][0], atol=0, rtol=0)
+    for n, g in out[1][1].items():
+        torch.testing.assert_close(out[0][1][n], g, atol=0, rtol=0, msg=n)
+    return {n: torch.equal(t, full[n]) for n, t in plain.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_parallelize_slices_a_plain_models_real_weights(sp):
+    for same in run_world(_parallelize_real, 2, 2, sp, timeout=120):
+        assert all(same.values()), same

@@ -128,7 +128,7 @@ class PipelineStage(nn.Module):
             body.norm = None
         self.model = body
         # the residual stream is split along the sequence over tp (what p2p.activation_shape sends)
-        self.sequence_parallel = body.settings.sequence_parallel
+        self.sequence_parallel = body.sequence_parallel
         self.lm_head = model.lm_head if self.is_last else None
         self.gradient_checkpointing = getattr(model, "gradient_checkpointing", False)
         self.zero3_unit_classes = model.zero3_unit_classes     # the model's ZeRO-3 units, for fully_shard

@@ -97,11 +97,10 @@ def decay_(group: dict) -> None:
             flat[a:b].mul_(factor)
 
 
-class AdamW(torch.optim.AdamW):
-    """torch's AdamW at weight_decay=0, plus decoupled decay applied by minipar's rule (decay_).
-
-    Each param group holds the rate as `minipar_weight_decay`, saved in state_dict with the group
-    (a name of our own: torch >= 2.6 keeps a boolean `decoupled_weight_decay` in Adam's groups)."""
+class DecayThenStep:
+    """Put before an optimizer class: each group's decoupled decay by minipar's rule (decay_), then
+    that optimizer's own update (run at weight_decay 0). Used by AdamW below and by bitsandbytes'
+    optimizers (optim_bnb.py)."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -113,6 +112,13 @@ class AdamW(torch.optim.AdamW):
             decay_(group)
         super().step()
         return loss
+
+
+class AdamW(DecayThenStep, torch.optim.AdamW):
+    """torch's AdamW at weight_decay=0, plus decoupled decay applied by minipar's rule (decay_).
+
+    Each param group holds the rate as `minipar_weight_decay`, saved in state_dict with the group
+    (a name of our own: torch >= 2.6 keeps a boolean `decoupled_weight_decay` in Adam's groups)."""
 
 
 def trainable(model_or_params) -> list:

@@ -52,7 +52,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .optim import OPTIMIZERS, build_optimizer, decay_, decay_group, resume_group, trainable
+from .optim import OPTIMIZERS, DecayThenStep, build_optimizer, decay_group, resume_group, trainable
 from .optim_8bit_state import BLOCK, MOMENTS, PortableState, bnb_state
 
 MIN_8BIT_SIZE = 4096        # bitsandbytes' default min_8bit_size: smaller tensors keep fp32 states
@@ -128,21 +128,10 @@ def state_bytes(name: str, numels: Sequence[int]) -> int:
     return total + 4 * 256 * len(tables)
 
 
-class _MiniparDecay:
+class _MiniparDecay(DecayThenStep):
     """Put before a bitsandbytes optimizer class: minipar's decay, then its update at weight_decay 0;
     its state read and loaded in the portable form (optim_8bit_state.py)."""
     kind = "adam"
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            decay_(group)
-        super().step()
-        return loss
 
     def portable_state(self) -> PortableState:
         return PortableState(self)

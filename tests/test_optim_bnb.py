@@ -169,7 +169,8 @@ def test_each_name_builds_its_bitsandbytes_optimizer_with_the_hf_trainers_argume
     assert len(got) == 12
     for name, g in got.items():
         kind = "AdEMAMix" if "ademamix" in name else "Lion" if "lion" in name else "AdamW"
-        assert g["classes"][:3] == [f"Minipar{kind}", "_MiniparDecay", kind], (name, g["classes"])
+        assert g["classes"][:4] == [f"Minipar{kind}", "_MiniparDecay", "DecayThenStep", kind], \
+            (name, g["classes"])
         assert g["bits"] == (8 if "8bit" in name else 32) and g["paged"] is False and g["problem"] is None
         assert len(g["notes"]) == ("paged" in name) and all("runs " in n for n in g["notes"])
         betas = {"AdamW": (0.8, 0.95), "Lion": (0.8, 0.95), "AdEMAMix": (0.8, 0.95, 0.9999)}[kind]
@@ -206,7 +207,7 @@ def _decay_checks():
         ours, theirs = (torch.nn.Parameter(before[0].clone()) for _ in range(2))
         mine, _ = build_named_optimizer([ours], name, lr=lr, weight_decay=wd, betas=(0.9, 0.99), eps=1e-8,
                                         device=torch.device("cpu"))
-        base = type(mine).__mro__[2]
+        base = type(mine).__mro__[3]              # after Minipar*, _MiniparDecay and DecayThenStep
         kwargs = dict(lr=lr, betas=mine.param_groups[0]["betas"], weight_decay=wd,
                       optim_bits=mine.args.optim_bits)
         if "lion" not in name:

@@ -1,6 +1,7 @@
 """Ring, Ulysses and USP in the whole trainer: every layout's per-step loss, grad_norm and val_loss
-equal one process within 1e-4 for 20 steps (issue 24, item 4; `make test-slow`, the default suite
-10), cp-only layouts sharded by ZeRO-3 over the cp ranks; the attention itself is held to one process
+equal one process within 1e-4 for 20 steps (issue 24, item 4; `make test-slow`; the default suite
+runs `test_ulysses_and_usp_layouts_match_single_process` for 10), cp-only layouts sharded by ZeRO-3
+over the cp ranks; the attention itself is held to one process
 in fp64 by tests/test_ulysses.py.
 
 The tiny model (tests/test_train.py's TINY) has 4 query and 2 KV heads: Ulysses over 4 ranks

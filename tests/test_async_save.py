@@ -170,7 +170,9 @@ def test_failed_background_write_raises_on_every_rank_at_the_same_step(tmp_path)
             "--save_steps", "20"]
     got = run_world(_one_rank_full, 2, argv, 1, timeout=60)
     (msg0, steps0), (msg1, steps1) = got
-    assert steps0 == steps1 and 20 < steps0[-1] < 30, got      # the same step, long before the next save
+    # the same step on both ranks, before the next (final) save at 40: the stop flag's doing. How many
+    # steps pass first is the writer thread's timing (32 was seen on a loaded machine), not a contract
+    assert steps0 == steps1 and 20 < steps0[-1] < 40, got
     assert msg1.startswith(f"could not write checkpoint {out / 'step-20'}: No space left on device"), msg1
     assert msg0.startswith(f"could not write checkpoint {out / 'step-20'}: another rank could not"), msg0
     assert _names(out, "step-") == []

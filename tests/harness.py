@@ -22,12 +22,27 @@ import time
 import traceback
 
 import torch
+
+# Imported once here, before any fork, so that the ranks inherit them instead of each paying for them
+# (importing starts no thread and runs no torch op):
+# - torch._dynamo: torch.optim's constructors and steps import it, and with it torch.distributed.tensor
+#   and .fsdp, about 1 s of CPU in every rank that builds an optimizer (16 ranks on 2 cores: 8 s of a
+#   4d.yaml test);
+import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 
-# torch.autograd.backward(outputs, grad_tensors) imports torch.fx's symbolic shapes (and with it
-# sympy: 1-2 s) on its first call, which every pipeline stage but the last makes: imported once
-# here, before any fork, so that the ranks inherit it instead of each paying for it
+# - torch.fx's symbolic shapes (and with it sympy: 1-2 s): torch.autograd.backward(outputs,
+#   grad_tensors) imports it on its first call, which every pipeline stage but the last makes;
 import torch.fx.experimental.symbolic_shapes  # noqa: F401
+
+# - matplotlib's pyplot (0.5 s), for the loss-curve PNG every Trainer run writes, with the Agg backend
+#   that minipar/trainer/metrics_file.py selects.
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+except ImportError:               # the plot extra is optional: the ranks then skip the PNG
+    pass
 
 
 def _pytest_timeout() -> float:

@@ -40,7 +40,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_hidden_layers", "2",
         "--model.num_attention_heads", "4", "--model.num_key_value_heads", "2", "--sequence_len", "32",
         "--global_batch_size", "8", "--max_steps", "2", "--warmup_steps", "1", "--eval_steps", "0",
-        "--progress_bar", "false", "--save_final_checkpoint", "false", "--export_hf", "false"]
+        "--progress_bar", "false", "--save_final_checkpoint", "false", "--export_hf", "false",
+        # MFU's peak given: no rank measures its CPU's (six 1024 x 1024 matmuls, a third of
+        # test_plan_matches_runs_on_4_ranks' time); nothing here reads the MFU
+        "--peak_tflops", "1"]
 SEQS = (32, 64, 128)       # the three activation sizes
 
 
@@ -55,9 +58,10 @@ def _saved_bytes(model, batch, n_items, h=None, autocast=contextlib.nullcontext)
     A pipeline stage runs each of its model chunks once, on a residual stream `h` of the shape and
     dtype that p2p.py receives (the input ids on the first virtual stage): one micro-batch's bytes."""
     seen = {}
+    params = list(model.parameters())      # the same tensors all forward (their storages may move)
 
     def excluded():
-        ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        ptrs = {p.untyped_storage().data_ptr() for p in params}
         zero3 = getattr(model, "zero3", None)
         if zero3 is not None:
             ptrs |= {u.buffer.untyped_storage().data_ptr() for u in zero3.units if u.gathered_bytes}

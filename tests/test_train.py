@@ -26,8 +26,11 @@ def _train(argv):
     return [(r["step"], r["loss"], r.get("val_loss"), r["grad_norm"]) for r in history]
 
 
-def _argv(config, out, *extra):
-    return [os.path.join(ROOT, "configs", config), *TINY, "--output_dir", str(out),
+def _argv(config, out, *extra, measure_peak=False):
+    # MFU's peak given (measure_peak=False): no rank measures its CPU's (six 1024 x 1024 matmuls, 0.1 s
+    # of CPU a rank) for an MFU that no test here but the metrics one reads
+    peak = [] if measure_peak else ["--peak_tflops", "1"]
+    return [os.path.join(ROOT, "configs", config), *TINY, *peak, "--output_dir", str(out),
             "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"), *extra]
 
 
@@ -133,7 +136,7 @@ def test_options_match_single_process_on_4d_layouts(tmp_path, extra, config, lay
 
 
 def test_single_process_run_writes_metrics_and_plot(tmp_path):
-    hist = run_world(_train, 1, _argv("default.yaml", tmp_path / "d"), timeout=300)[0]
+    hist = run_world(_train, 1, _argv("default.yaml", tmp_path / "d", measure_peak=True), timeout=300)[0]
     lines = [json.loads(x) for x in open(tmp_path / "d" / "metrics.jsonl")]
     assert [x["step"] for x in lines] == list(range(1, 21))
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"} <= set(lines[0])

@@ -34,7 +34,8 @@ def report(loop, elapsed: float, last_val: Optional[float]) -> None:
     peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=loop.device), loop.pgm.world)
     if not loop.is_main:
         return
-    png = metrics_file.plot_loss_curve(loop.history, loop.cfg.output_dir, loop.pgm.grid_shape, loop.log)
+    png = metrics_file.plot_loss_curve(loop.history, loop.cfg.output_dir, loop.pgm.grid_shape,
+                                       loop.log) if loop.cfg.loss_curve else None
     # what THIS run did: after a resume the history also holds the steps before the checkpoint
     start_step = loop.trainer.start_step
     ran = [r for r in loop.history if r["step"] > start_step]

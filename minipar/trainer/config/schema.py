@@ -225,6 +225,7 @@ class RunKeys(Keys):
     async_save: bool = False
     resume_from_checkpoint: Optional[str] = None   # a path, or "latest"
     export_hf: bool = True                # write <output_dir>/hf at the end
+    loss_curve: bool = True               # draw <output_dir>/loss_curve.png at the end (matplotlib)
     progress_bar: bool = True
     # what a run reports besides metrics.jsonl (throughput.py, profiling.py, run_loggers.py)
     peak_tflops: Optional[Number] = Field(None, gt=0, description="dense TFLOP/s of one device")

@@ -21,6 +21,7 @@ TINY = [os.path.join(ROOT, "configs", "fsdp.yaml"), "--model.hidden_size", "64",
         "--model.num_key_value_heads", "2", "--sequence_len", "32", "--global_batch_size", "8",
         "--max_steps", "3", "--warmup_steps", "1", "--eval_steps", "0", "--progress_bar", "false",
         "--save_final_checkpoint", "false", "--export_hf", "false", "--peak_tflops", "1",
+        "--loss_curve", "false",
         "--dataset", os.path.join(ROOT, "data", "shakespeare.txt")]
 
 

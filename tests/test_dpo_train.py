@@ -45,7 +45,7 @@ def _argv(config, ex, out, steps=2, *extra):
             "--max_steps", str(steps), "--global_batch_size", "4", "--val_set_size", "4", "--eval_steps",
             str(steps), "--eval_batches", "1", "--save_steps", "0", "--export_hf", "false",
             "--logging_steps", "1", "--learning_rate", "1e-2", "--warmup_steps", "0",
-            "--progress_bar", "false",            "--sequence_len", "256", "--peak_tflops", "1",
+            "--progress_bar", "false", "--sequence_len", "256", "--peak_tflops", "1", "--loss_curve", "false",
             "--dp_shard_size", "1", "--tensor_parallel_size", "1", "--context_parallel_size", "1", *extra]
 
 

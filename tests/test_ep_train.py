@@ -19,7 +19,7 @@ MOE = ["--model.model_type", "mixtral", "--model.num_local_experts", "4", "--mod
        "64", "--model.num_hidden_layers", "2", "--model.num_attention_heads", "4",
        "--model.num_key_value_heads", "2",
        "--sequence_len", "32", "--global_batch_size", "8", "--warmup_steps", "2", "--eval_steps", "0",
-       "--peak_tflops", "1",   # MFU's peak given: no rank measures its CPU's
+       "--peak_tflops", "1", "--loss_curve", "false",   # no peak measured, no PNG: unread here
        "--logging_steps", "100", "--progress_bar", "false", "--export_hf", "false",
        "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"), "--dp_replicate_size", "1"]
 

@@ -27,11 +27,11 @@ PY = sys.executable
 LLAMA_8B = os.path.join(ROOT, "configs", "models", "llama-3.1-8b.json")
 TINY = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_hidden_layers", "2",
         "--model.num_attention_heads", "4", "--model.num_key_value_heads", "2", "--sequence_len", "32",
-        "--peak_tflops", "1",   # MFU's peak given: no rank measures its CPU's
+        "--peak_tflops", "1", "--loss_curve", "false",   # no peak measured, no PNG: unread here
         "--global_batch_size", "4", "--max_steps", "2", "--progress_bar", "false", "--export_hf", "false"]
 # configs/finetune.yaml on the byte corpus: base_model fixes the model, no `model` section
 FINETUNE = [os.path.join(ROOT, "configs", "finetune.yaml"), "--datasets", "[]", "--sample_packing", "false",
-            "--peak_tflops", "1",   # MFU's peak given: no rank measures its CPU's
+            "--peak_tflops", "1", "--loss_curve", "false",   # no peak measured, no PNG: unread here
             "--val_set_size", "0", "--max_steps", "2", "--progress_bar", "false"]
 SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

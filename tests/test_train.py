@@ -26,11 +26,11 @@ def _train(argv):
     return [(r["step"], r["loss"], r.get("val_loss"), r["grad_norm"]) for r in history]
 
 
-def _argv(config, out, *extra, measure_peak=False):
-    # MFU's peak given (measure_peak=False): no rank measures its CPU's (six 1024 x 1024 matmuls, 0.1 s
-    # of CPU a rank) for an MFU that no test here but the metrics one reads
-    peak = [] if measure_peak else ["--peak_tflops", "1"]
-    return [os.path.join(ROOT, "configs", config), *TINY, *peak, "--output_dir", str(out),
+def _argv(config, out, *extra, report=False):
+    # report=False: MFU's peak given, so that no rank measures its CPU's (six 1024 x 1024 matmuls, 0.1 s
+    # of CPU a rank), and no loss-curve PNG (0.2 s on rank 0): what no test here but the metrics one reads
+    quiet = [] if report else ["--peak_tflops", "1", "--loss_curve", "false"]
+    return [os.path.join(ROOT, "configs", config), *TINY, *quiet, "--output_dir", str(out),
             "--dataset", os.path.join(ROOT, "data", "shakespeare.txt"), *extra]
 
 
@@ -92,6 +92,7 @@ def test_config_matches_single_process(tmp_path, config):
     for got in results:                     # every rank saw the same loss
         _assert_same_curve(ref, got)
     assert ref[-1][1] < ref[0][1]           # and it learns
+    assert not os.path.exists(tmp_path / "run" / "loss_curve.png")   # loss_curve: false (metrics test: true)
 
 
 @pytest.mark.parametrize("world,extra", [
@@ -136,7 +137,7 @@ def test_options_match_single_process_on_4d_layouts(tmp_path, extra, config, lay
 
 
 def test_single_process_run_writes_metrics_and_plot(tmp_path):
-    hist = run_world(_train, 1, _argv("default.yaml", tmp_path / "d", measure_peak=True), timeout=300)[0]
+    hist = run_world(_train, 1, _argv("default.yaml", tmp_path / "d", report=True), timeout=300)[0]
     lines = [json.loads(x) for x in open(tmp_path / "d" / "metrics.jsonl")]
     assert [x["step"] for x in lines] == list(range(1, 21))
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"} <= set(lines[0])

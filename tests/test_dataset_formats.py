@@ -219,6 +219,7 @@ def test_pretraining_dataset_and_alpaca_train_two_steps(tmp_path, tok):
     alpaca = _jsonl(tmp_path / "a.jsonl", [dict(instruction="Say hi.", output="Hi there, friend.")] * 8)
     base = dict(tokenizer_config=tok.source, sample_packing=True, sequence_len=64, global_batch_size=2,
                 max_steps=2, warmup_steps=1, logging_steps=100, progress_bar=False,
+                peak_tflops=1, loss_curve=False,       # no peak measured, no PNG: unread here
                 save_final_checkpoint=False,
                 export_hf=False, dataset_prepared_path=str(tmp_path / "prepared"),
                 model=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

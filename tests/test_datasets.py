@@ -283,6 +283,7 @@ def _finetune_argv(example, out, steps, **layout):
                sample_packing=True, val_set_size=0.1, sequence_len=64, global_batch_size=8, max_steps=steps,
                warmup_steps=2, learning_rate=3e-3, eval_steps=steps, eval_batches=1, logging_steps=100,
                progress_bar=False, save_final_checkpoint=False, export_hf=False, output_dir=str(out),
+               peak_tflops=1, loss_curve=False,        # no peak measured, no PNG: unread here
                model=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2), **layout)
     path = os.path.join(str(out) + ".yaml")

@@ -168,6 +168,7 @@ def _yaml(tmp_path, name, tok, corpus, **over):
     run = dict(pretraining_dataset=[dict(path=corpus, text_column="content")], tokenizer_config=tok.source,
                sample_packing=True, sequence_len=32, global_batch_size=4, max_steps=8, warmup_steps=1,
                learning_rate=3e-3, logging_steps=100, progress_bar=False, save_final_checkpoint=False,
+               peak_tflops=1, loss_curve=False,        # no peak measured, no PNG: unread here
                export_hf=False, eval_steps=0, output_dir=str(tmp_path / name), model=MODEL,
                dataset_prepared_path=str(tmp_path / "prepared"))
     run.update(over)

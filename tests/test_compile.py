@@ -16,6 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+# what each rank's first compile imports otherwise (inductor's compile_fx, AOT autograd, the debugging
+# backends: about 1 s of CPU a rank), imported once here, before the ranks fork; no thread, no torch op
+import torch._dynamo.backends.debugging  # noqa: F401
+import torch._inductor.compile_fx  # noqa: F401
+
 import minipar
 from minipar import comm_ledger
 from minipar.api import prepare

@@ -60,8 +60,17 @@ def _single(tmp_path, *extra):
     return _REFERENCE_CURVES[extra]
 
 
-def _assert_same_curve(ref, got, rel=1e-4):
-    assert len(got) == len(ref) == 20
+# The curves' length: the default suite's twins run 10 steps (the evaluation at step 10 among them),
+# `make test-slow` the same layouts for TINY's full 20
+STEPS = [pytest.param(10, id="10-steps"), pytest.param(20, id="20-steps", marks=pytest.mark.slow)]
+
+
+def _steps(n):
+    return ["--max_steps", str(n)]
+
+
+def _assert_same_curve(ref, got, steps, rel=1e-4):
+    assert len(got) == len(ref) == steps
     for (s, a, va, ga), (_, b, vb, gb) in zip(ref, got):
         assert abs(a - b) <= rel * abs(a), f"step {s}: loss {b} vs single-process {a}"
         assert abs(ga - gb) <= rel * abs(ga), f"step {s}: grad_norm {gb} vs {ga}"
@@ -84,17 +93,19 @@ CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "conf
                  and not _pipelined(p))
 
 
+@pytest.mark.parametrize("steps", STEPS)
 @pytest.mark.parametrize("config", CONFIGS)
-def test_config_matches_single_process(tmp_path, config):
-    ref = _single(tmp_path)
+def test_config_matches_single_process(tmp_path, config, steps):
+    ref = _single(tmp_path, *_steps(steps))
     world = _world_of(config)
-    results = run_world(_train, world, _argv(config, tmp_path / "run"), timeout=600)
+    results = run_world(_train, world, _argv(config, tmp_path / "run", *_steps(steps)), timeout=600)
     for got in results:                     # every rank saw the same loss
-        _assert_same_curve(ref, got)
+        _assert_same_curve(ref, got, steps)
     assert ref[-1][1] < ref[0][1]           # and it learns
     assert not os.path.exists(tmp_path / "run" / "loss_curve.png")   # loss_curve: false (metrics test: true)
 
 
+@pytest.mark.parametrize("steps", STEPS)
 @pytest.mark.parametrize("world,extra", [
     (2, ["--tensor_parallel_size", "2"]),                                   # TP alone
     (2, ["--tensor_parallel_size", "2", "--sequence_parallel", "true"]),    # TP + sequence parallelism
@@ -103,12 +114,12 @@ def test_config_matches_single_process(tmp_path, config):
     (4, ["--context_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true"]),
     (2, ["--dp_shard_size", "2", "--micro_batch_size", "2", "--fsdp.sync_each_batch", "false"]),
 ], ids=["tp2", "tp2-sp", "cp2", "cp2-shard2", "cp2-tp2-sp", "shard2-accumulate-no-sync"])
-def test_more_layouts_match_single_process(tmp_path, world, extra):
-    ref = _single(tmp_path)
-    got = run_world(_train, world, _argv("ddp.yaml", tmp_path / "run", "--dp_replicate_size", "1", *extra),
-                    timeout=300)
+def test_more_layouts_match_single_process(tmp_path, world, extra, steps):
+    ref = _single(tmp_path, *_steps(steps))
+    got = run_world(_train, world, _argv("ddp.yaml", tmp_path / "run", "--dp_replicate_size", "1", *extra,
+                                         *_steps(steps)), timeout=300)
     for g in got:
-        _assert_same_curve(ref, g)
+        _assert_same_curve(ref, g, steps)
 
 
 CLIP, ACCUMULATE, CHECKPOINT = (["--max_grad_norm", "0.05"],         # clipping active on every step
@@ -116,24 +127,26 @@ CLIP, ACCUMULATE, CHECKPOINT = (["--max_grad_norm", "0.05"],         # clipping 
                                 ["--gradient_checkpointing", "true"])  # activation checkpointing
 
 
-# the fast twin: the three options at once (any one of them wrong changes the curve) on HSDP x TP;
-# the slow tests run each alone, so that a failure names the option, and all on dp_shard x cp x tp
-@pytest.mark.parametrize("config, layout", [
-    pytest.param("hsdp_tp.yaml", [], id="hsdp_tp"),
-    pytest.param("cp_tp.yaml", ["--dp_shard_size", "2"], id="shard_cp_tp", marks=pytest.mark.slow),
-])
-@pytest.mark.parametrize("extra", [
-    pytest.param(CLIP + ACCUMULATE + CHECKPOINT, id="all-three"),
-    pytest.param(CLIP, id="clipping", marks=pytest.mark.slow),
-    pytest.param(ACCUMULATE, id="accumulation", marks=pytest.mark.slow),
-    pytest.param(CHECKPOINT, id="checkpointing", marks=pytest.mark.slow),
-])
-def test_options_match_single_process_on_4d_layouts(tmp_path, extra, config, layout):
-    ref = _single(tmp_path, *extra)
+# the fast twin: the three options at once (any one of them wrong changes the curve) on HSDP x TP for
+# 10 steps; the slow tests run it for 20, each option alone, so that a failure names the option, and all
+# on dp_shard x cp x tp
+OPTIONS = dict(zip(["all-three", "clipping", "accumulation", "checkpointing"],
+                   [CLIP + ACCUMULATE + CHECKPOINT, CLIP, ACCUMULATE, CHECKPOINT]))
+LAYOUTS_4D = {"hsdp_tp": ("hsdp_tp.yaml", []), "shard_cp_tp": ("cp_tp.yaml", ["--dp_shard_size", "2"])}
+
+
+@pytest.mark.parametrize("option, layout, steps", [
+    pytest.param("all-three", "hsdp_tp", 10, id="all-three-hsdp_tp-10-steps"),
+    *[pytest.param(option, layout, 20, id=f"{option}-{layout}", marks=pytest.mark.slow)
+      for layout in LAYOUTS_4D for option in OPTIONS]])
+def test_options_match_single_process_on_4d_layouts(tmp_path, option, layout, steps):
+    extra, (config, sizes) = OPTIONS[option], LAYOUTS_4D[layout]
+    ref = _single(tmp_path, *extra, *_steps(steps))
     if "--max_grad_norm" in extra:
         assert all(g > 0.05 for _, _, _, g in ref)       # the clip really engages
-    for g in run_world(_train, 8, _argv(config, tmp_path / "run", *layout, *extra), timeout=600):
-        _assert_same_curve(ref, g)          # every rank
+    argv = _argv(config, tmp_path / "run", *sizes, *extra, *_steps(steps))
+    for g in run_world(_train, 8, argv, timeout=600):
+        _assert_same_curve(ref, g, steps)   # every rank
 
 
 def test_single_process_run_writes_metrics_and_plot(tmp_path):
@@ -342,7 +355,7 @@ def test_cp_only_layout_shards_the_model_over_the_cp_ranks(tmp_path):
     """Issue 24, item 1: with dp_shard_size 1 and cp 2 the two cp ranks hold the same parameters;
     ZeRO-3 over dp_shard_cp shares them out, so each rank keeps half (its padded shard), as
     accelerate's FSDP mesh does, instead of the whole model twice. (The curve of this layout is
-    test_more_layouts_match_single_process[cp2].)"""
+    test_more_layouts_match_single_process[cp2-10-steps] and [cp2-20-steps].)"""
     got = run_world(_state_per_rank, 2, _argv("ddp.yaml", tmp_path / "run", "--dp_replicate_size", "1",
                                               "--dp_shard_size", "1", "--context_parallel_size", "2"),
                     timeout=300)

@@ -84,7 +84,7 @@ def _saved_bytes(model, batch, n_items, h=None, autocast=contextlib.nullcontext)
     return sum(seen.values())
 
 
-def _measure(argv):
+def _measure(argv, activations=True):
     torch.set_num_threads(1)
     tr = Trainer(setup_run(argv))
     state = {}
@@ -109,7 +109,7 @@ def _measure(argv):
     zero3 = getattr(tr.model, "zero3", None)
     state["gathered"] = zero3.peak_gathered_bytes if zero3 is not None else 0
     M, pgm, acts = tr.run.num_micro_steps, tr.pgm, {}
-    for checkpointing in (False, True):
+    for checkpointing in (False, True) if activations else ():
         tr.model.gradient_checkpointing = checkpointing
         for seq in SEQS:
             g = torch.Generator().manual_seed(seq)
@@ -123,9 +123,10 @@ def _measure(argv):
     return dict(state=state, ledger=ledger, acts=acts, cfg=tr.cfg, layout=pgm.config)
 
 
-def _measure_all(argvs):
-    """Several runs one after another in the same world (each builds its own groups)."""
-    return [_measure(argv) for argv in argvs]
+def _measure_all(argvs, activations=True):
+    """Several runs one after another in the same world (each builds its own groups); activations=False:
+    no activation bytes measured (acts {}), for a check that does not read them."""
+    return [_measure(argv, activations) for argv in argvs]
 
 
 def _argv(config, tmp, *extra):

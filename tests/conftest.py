@@ -1,4 +1,5 @@
-"""pytest set-up: the worktree's own minipar first on the path, and CUDA hidden from the gloo worlds."""
+"""pytest set-up: the worktree's own minipar first on the path, CUDA hidden from the gloo worlds, and pyplot
+imported once before the ranks fork."""
 
 import os
 import sys
@@ -20,3 +21,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "MINIPAR_CACHE" not in os.environ:
     import tempfile
     os.environ["MINIPAR_CACHE"] = tempfile.mkdtemp(prefix="minipar-test-cache-")
+# matplotlib's pyplot (0.5 s), imported once here with the Agg backend minipar/trainer/metrics_file.py
+# selects, so that the forked ranks of a run that draws its loss-curve PNG inherit it
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+except ImportError:               # the plot extra is optional: the runs then skip the PNG
+    pass

@@ -32,17 +32,10 @@ import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 
 # - torch.fx's symbolic shapes (and with it sympy: 1-2 s): torch.autograd.backward(outputs,
-#   grad_tensors) imports it on its first call, which every pipeline stage but the last makes;
+#   grad_tensors) imports it on its first call, which every pipeline stage but the last makes.
+# (matplotlib's pyplot, for the Trainer's loss-curve PNG, is tests/conftest.py's: a benchmark program
+# that imports this file for run_world need not pay for it)
 import torch.fx.experimental.symbolic_shapes  # noqa: F401
-
-# - matplotlib's pyplot (0.5 s), for the loss-curve PNG every Trainer run writes, with the Agg backend
-#   that minipar/trainer/metrics_file.py selects.
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: F401
-except ImportError:               # the plot extra is optional: the ranks then skip the PNG
-    pass
 
 
 def _pytest_timeout() -> float:

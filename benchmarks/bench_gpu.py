@@ -30,9 +30,10 @@ benchmarks/results/bench_gpu.json on CUDA; a CPU run writes only where --out say
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,20 +71,25 @@ def planner_estimate(cfg, mb: int, seq: int, checkpointing: bool, device_name: s
              "--micro-batch-size", str(mb), "--dtype", "bfloat16"] \
         + (["--gradient-checkpointing"] if checkpointing else []) + (["--gpu", gpu] if gpu else []) \
         + ["--json"]
+    from minipar.plan.__main__ import main as plan_main
+    out, err = io.StringIO(), io.StringIO()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "config.json")
         with open(path, "w") as f:
             json.dump(cfg.to_hf_dict(), f)
-        cmd = [sys.executable, "-m", "minipar.plan", "--model", path] + flags
-        res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                             env=dict(os.environ, PYTHONPATH=ROOT))
+        # the command's own main, in this process (a second interpreter would import torch again)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = plan_main(["--model", path] + flags)
+            except SystemExit as e:           # argparse's refusal of a flag
+                code = e.code
     shown = "python -m minipar.plan --model config.json " + " ".join(flags)
-    if res.returncode != 0:
-        return None, f"minipar.plan failed ({shown}): {res.stderr.strip()[-300:]}"
+    if code != 0:
+        return None, f"minipar.plan failed ({shown}): {err.getvalue().strip()[-300:]}"
     try:
-        return json.loads(res.stdout), shown
+        return json.loads(out.getvalue()), shown
     except json.JSONDecodeError:
-        return None, f"minipar.plan printed no JSON: {res.stdout[:200]!r}"
+        return None, f"minipar.plan printed no JSON: {out.getvalue()[:200]!r}"
 
 
 def _sync(device):

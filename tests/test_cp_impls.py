@@ -1,7 +1,8 @@
 """Ring, Ulysses and USP in the whole trainer: every layout's per-step loss, grad_norm and val_loss
-equal one process within 1e-4 for 20 steps (issue 24, item 4; `make test-slow`, the default suite
-10), cp-only layouts sharded by ZeRO-3 over the cp ranks; the attention itself is held to one process
-in fp64 by tests/test_ulysses.py.
+equal one process within 1e-4 for 20 steps (issue 24, item 4; slow-marked) and for 10 (the default
+suite: `test_ulysses_and_usp_layouts_match_single_process[cp4-ring-10-steps]` and the other 10-step
+cases), cp-only layouts sharded by ZeRO-3 over the cp ranks; the attention itself is held to one
+process in fp64 by tests/test_ulysses.py.
 
 The tiny model (tests/test_train.py's TINY) has 4 query and 2 KV heads: Ulysses over 4 ranks
 repeats each KV head twice, over 2 ranks of a tp 2 group it repeats the one KV head twice."""

@@ -3,7 +3,8 @@ from where in the file, and what each module defines. tests/test_imports.py hold
 order of docs/design.md.
 
     modules()        {dotted name: Module} for every Python file of minipar/, models/, train.py,
-                     benchmarks/ and tests/
+                     benchmarks/ and tests/; read once per process (tests/test_imports.py and
+                     tests/test_docs.py share it: 2-3 s each), so its callers only read it
     Module.imports   [Import(target, names, line, top_level)]: `from a.b import c` is an edge to the
                      module a.b.c when that is a module, else to a.b (its names: c)
     Module.defined   names a module binds itself (def, class, assignment), not by importing
@@ -13,6 +14,7 @@ order of docs/design.md.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
@@ -95,6 +97,7 @@ def _top_level_bindings(tree: ast.Module) -> Set[str]:
     return names
 
 
+@functools.lru_cache(maxsize=None)
 def modules() -> Dict[str, Module]:
     mods = {}
     for path in _files():

@@ -297,11 +297,13 @@ def test_damaged_checkpoint_is_refused_on_every_rank(tmp_path):
     assert all(victim.name in e for e in errors), errors[0]
 
 
+@pytest.mark.parametrize("steps", STEPS)
 @pytest.mark.parametrize("config", ["fsdp_tp.yaml", "cp_tp.yaml"])
-def test_bf16_stays_within_bf16_tolerance_of_fp32(tmp_path, config):
-    ref = _single(tmp_path)
-    for got in run_world(_train, 4, _argv(config, tmp_path / "bf16", "--dtype", "bfloat16"), timeout=300):
-        assert len(got) == len(ref)
+def test_bf16_stays_within_bf16_tolerance_of_fp32(tmp_path, config, steps):
+    ref = _single(tmp_path, *_steps(steps))
+    argv = _argv(config, tmp_path / "bf16", "--dtype", "bfloat16", *_steps(steps))
+    for got in run_world(_train, 4, argv, timeout=300):
+        assert len(got) == len(ref) == steps
         for (s, a, _, _), (_, b, _, _) in zip(ref, got):
             assert abs(a - b) <= 2e-2 * abs(a), f"step {s}: bf16 loss {b} vs fp32 {a}"
         assert got[-1][1] < got[0][1] - 1.0

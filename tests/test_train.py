@@ -93,8 +93,14 @@ CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "conf
                  and not _pipelined(p))
 
 
-@pytest.mark.parametrize("steps", STEPS)
-@pytest.mark.parametrize("config", CONFIGS)
+# configs/cp_ulysses.yaml and cp_usp.yaml: 20 steps here (slow); their 10 steps are tests/test_cp_impls.py's
+# cases cp4-ulysses and cp4-usp2 (the same files, and the count of their all-to-alls)
+IN_CP_IMPLS = ("cp_ulysses.yaml", "cp_usp.yaml")
+
+
+@pytest.mark.parametrize("config, steps", [
+    pytest.param(c, n, id=f"{c}-{n}-steps", marks=pytest.mark.slow if n == 20 else ())
+    for c in CONFIGS for n in ((20,) if c in IN_CP_IMPLS else (10, 20))])
 def test_config_matches_single_process(tmp_path, config, steps):
     ref = _single(tmp_path, *_steps(steps))
     world = _world_of(config)

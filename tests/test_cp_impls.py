@@ -8,23 +8,27 @@ The tiny model (tests/test_train.py's TINY) has 4 query and 2 KV heads: Ulysses 
 repeats each KV head twice, over 2 ranks of a tp 2 group it repeats the one KV head twice."""
 import pytest
 from harness import run_world
-from test_train import STEPS, _argv, _assert_same_curve, _single, _steps, _train
+from test_train import _argv, _assert_same_curve, _single, _steps, _train
 
 from minipar import comm_ledger
 
+# (world, config, sizes): configs/ddp.yaml with one replica, one shard and these sizes, or a config
+# of cp 4 as written (cp4-ulysses and cp4-usp2: tests/test_train.py's test_config_matches_single_process
+# runs these two files for 20 steps only; here they also count their all-to-alls)
 LAYOUTS = [
-    (4, ["--context_parallel_size", "4", "--cp_impl", "ring"]),
-    (4, ["--context_parallel_size", "4", "--cp_impl", "ulysses"]),
-    (4, ["--context_parallel_size", "4", "--cp_impl", "usp", "--cp_ulysses_size", "2"]),
-    (4, ["--context_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel", "true",
-         "--cp_impl", "ulysses"]),
-    pytest.param(8, ["--dp_shard_size", "2", "--context_parallel_size", "2", "--tensor_parallel_size", "2",
-                     "--cp_impl", "ulysses"], marks=pytest.mark.slow),    # fast twin: cp2-tp2-sp
-    (4, ["--pipeline_parallel_size", "2", "--context_parallel_size", "2", "--cp_impl", "ulysses",
-         "--micro_batch_size", "2"]),
+    (4, "ddp.yaml", ["--context_parallel_size", "4", "--cp_impl", "ring"]),
+    (4, "cp_ulysses.yaml", []),
+    (4, "cp_usp.yaml", []),                     # ulysses 2 x ring 2
+    (4, "ddp.yaml", ["--context_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel",
+                     "true", "--cp_impl", "ulysses"]),
+    pytest.param(8, "ddp.yaml", ["--dp_shard_size", "2", "--context_parallel_size", "2",
+                                 "--tensor_parallel_size", "2", "--cp_impl", "ulysses"],
+                 marks=pytest.mark.slow),                                 # fast twin: cp2-tp2-sp
+    (4, "ddp.yaml", ["--pipeline_parallel_size", "2", "--context_parallel_size", "2", "--cp_impl", "ulysses",
+                     "--micro_batch_size", "2"]),
     # fast twins: cp4-usp2, and tests/test_train.py's cp-only layout sharded over cp
-    pytest.param(8, ["--dp_shard_size", "1", "--context_parallel_size", "8", "--cp_impl", "usp",
-                     "--cp_ulysses_size", "4"], marks=pytest.mark.slow),
+    pytest.param(8, "ddp.yaml", ["--dp_shard_size", "1", "--context_parallel_size", "8", "--cp_impl", "usp",
+                                 "--cp_ulysses_size", "4"], marks=pytest.mark.slow),
 ]
 IDS = ["cp4-ring", "cp4-ulysses", "cp4-usp2", "cp2-tp2-sp-ulysses", "shard2-cp2-tp2-ulysses",
        "pp2-cp2-ulysses", "cp8-usp4-zero3-over-cp"]
@@ -37,13 +41,19 @@ def _train_counting(argv):
     return curve, led.count("all_to_all")
 
 
-@pytest.mark.parametrize("steps", STEPS)
-@pytest.mark.parametrize("world, extra", LAYOUTS, ids=IDS)
-def test_ulysses_and_usp_layouts_match_single_process(tmp_path, world, extra, steps):
+# every layout for 20 steps (slow), the default suite's for 10 too
+CASES = [pytest.param(*(case.values if slow else case), n, id=f"{name}-{n}-steps",
+                      marks=pytest.mark.slow if slow or n == 20 else ())
+         for case, name in zip(LAYOUTS, IDS) for slow in [hasattr(case, "marks")]
+         for n in ((20,) if slow else (10, 20))]
+
+
+@pytest.mark.parametrize("world, config, extra, steps", CASES)
+def test_ulysses_and_usp_layouts_match_single_process(tmp_path, world, config, extra, steps):
     ref = _single(tmp_path, *_steps(steps))
-    argv = _argv("ddp.yaml", tmp_path / "run", "--dp_replicate_size", "1", "--dp_shard_size", "1", *extra,
-                 *_steps(steps))
-    got = run_world(_train_counting, world, argv, timeout=300)
+    one = ["--dp_replicate_size", "1", "--dp_shard_size", "1"] if config == "ddp.yaml" else []
+    got = run_world(_train_counting, world, _argv(config, tmp_path / "run", *one, *extra, *_steps(steps)),
+                    timeout=300)
     for curve, exchanges in got:                  # every rank logs the one curve
         _assert_same_curve(ref, curve, steps)
         ring = "ring" in extra

@@ -15,6 +15,7 @@ minipar.plan's prediction for the same model, layout, batch and dtype:
 """
 import contextlib
 import dataclasses
+import functools
 import glob
 import math
 import os
@@ -309,11 +310,16 @@ def test_crosses_nodes_follows_the_grid():
     assert not any(crosses_nodes(Layout(2, 2, 2, 2), gpus_per_node=16).values())
 
 
+@functools.lru_cache(maxsize=None)
+def _search_8b(world):
+    """The search for Llama 3.1 8B, 64 x 8192 tokens, on `world` GPUs (two tests read world 8's)."""
+    return search(_llama("llama-3.1-8b"), Batch(64, 1, 8192), Options(), Cluster(), world)
+
+
 def test_search_follows_its_rules():
     """The estimate ranks; the placement rules only choose among the layouts within 5 % of the fastest."""
-    model, cluster = _llama("llama-3.1-8b"), Cluster()
     for world in (8, 16):
-        s = search(model, Batch(64, 1, 8192), Options(), cluster, world)
+        s = _search_8b(world)
         rec, ranked = s["recommended"], s["ranked"]
         assert rec in ranked and all(p["memory"]["fits"] for p in ranked)
         assert [p["time"]["step_s"] for p in ranked] == sorted(p["time"]["step_s"] for p in ranked)
@@ -453,7 +459,7 @@ def test_results_file_is_current():
     """benchmarks/results/plan.md holds what the planner says now (one cell, regenerated)."""
     with open(os.path.join(ROOT, "benchmarks", "results", "plan.md")) as f:
         text = f.read()
-    rec = search(_llama("llama-3.1-8b"), Batch(64, 1, 8192), Options(), Cluster(), 8)["recommended"]
+    rec = _search_8b(8)["recommended"]
     assert f"| llama-3.1-8b | 8 | 64 x 8192 | {rec['layout_str']}" in text, \
         "benchmarks/results/plan.md is stale: run python benchmarks/plan_llama.py"
 

@@ -93,8 +93,14 @@ CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "conf
                  and not _pipelined(p))
 
 
-@pytest.mark.parametrize("steps", STEPS)
-@pytest.mark.parametrize("config", CONFIGS)
+# configs/cp_ulysses.yaml and cp_usp.yaml: 20 steps here (slow); their 10 steps are tests/test_cp_impls.py's
+# cases cp4-ulysses and cp4-usp2 (the same files, and the count of their all-to-alls)
+IN_CP_IMPLS = ("cp_ulysses.yaml", "cp_usp.yaml")
+
+
+@pytest.mark.parametrize("config, steps", [
+    pytest.param(c, n, id=f"{c}-{n}-steps", marks=pytest.mark.slow if n == 20 else ())
+    for c in CONFIGS for n in ((20,) if c in IN_CP_IMPLS else (10, 20))])
 def test_config_matches_single_process(tmp_path, config, steps):
     ref = _single(tmp_path, *_steps(steps))
     world = _world_of(config)
@@ -297,11 +303,13 @@ def test_damaged_checkpoint_is_refused_on_every_rank(tmp_path):
     assert all(victim.name in e for e in errors), errors[0]
 
 
+@pytest.mark.parametrize("steps", STEPS)
 @pytest.mark.parametrize("config", ["fsdp_tp.yaml", "cp_tp.yaml"])
-def test_bf16_stays_within_bf16_tolerance_of_fp32(tmp_path, config):
-    ref = _single(tmp_path)
-    for got in run_world(_train, 4, _argv(config, tmp_path / "bf16", "--dtype", "bfloat16"), timeout=300):
-        assert len(got) == len(ref)
+def test_bf16_stays_within_bf16_tolerance_of_fp32(tmp_path, config, steps):
+    ref = _single(tmp_path, *_steps(steps))
+    argv = _argv(config, tmp_path / "bf16", "--dtype", "bfloat16", *_steps(steps))
+    for got in run_world(_train, 4, argv, timeout=300):
+        assert len(got) == len(ref) == steps
         for (s, a, _, _), (_, b, _, _) in zip(ref, got):
             assert abs(a - b) <= 2e-2 * abs(a), f"step {s}: bf16 loss {b} vs fp32 {a}"
         assert got[-1][1] < got[0][1] - 1.0

@@ -44,11 +44,18 @@ TOKENS_WITHIN, MEMORY_WITHIN = 0.25, 0.20
 GiB = 2 ** 30
 
 
+# repr(run) -> its plan: planned once (implied() and one_value() re-plan the rows and the bisection
+# steps that row() already planned; the plans are only read)
+_PLANNED = {}
+
+
 def predict(run: Run) -> dict:
-    cluster = dataclasses.replace(Cluster(), **run.cluster)
-    if run.pipe is None:
-        return plan(run.model, run.layout, run.batch, run.opts, cluster)
-    return plan_pipeline(run.model, run.layout, run.pipe, run.batch, run.opts, cluster)
+    key = repr(run)
+    if key not in _PLANNED:
+        cluster = dataclasses.replace(Cluster(), **run.cluster)
+        _PLANNED[key] = plan(run.model, run.layout, run.batch, run.opts, cluster) if run.pipe is None else \
+            plan_pipeline(run.model, run.layout, run.pipe, run.batch, run.opts, cluster)
+    return _PLANNED[key]
 
 
 WHAT = {"efficiency": "GEMMs at {x:.2f} of peak (the planner: {now})",

@@ -740,3 +740,34 @@ def test_each_technique_reads_top_to_bottom_in_the_files_listed():
 def test_compose_is_the_first_file_of_the_reading_order():
     text = open(os.path.join(ROOT, "docs", "README.md")).read()
     assert re.findall(r"`([\w/]+\.py)`", text)[0] == "minipar/compose.py"
+
+
+def test_the_path_of_one_size_is_the_code():
+    """docs/README.md's stops of tensor_parallel_size, from the YAML to the collective: each stop's
+    code is in its file; each step to another file is a call down an import (or through a
+    package's __init__) or a return to a file already on the path; the stated counts are the table's."""
+    from tests.import_graph import modules
+    graph = modules()
+    text = open(os.path.join(ROOT, "docs", "README.md")).read()
+    section = text.split("### One size from the YAML to the collective", 1)[1].split("\n#", 1)[0]
+    stops = re.findall(r"^\| (\d+) \| `([^`]+)` \| `(.+?)` \| [^|]+ \|$", section, re.M)
+    assert [int(n) for n, _, _ in stops] == list(range(1, len(stops) + 1)) and len(stops) >= 10
+    for _, path, code in stops:
+        assert code in open(os.path.join(ROOT, path)).read(), (path, code)
+    edges = {(name, i.target) for name, m in graph.items() for i in m.imports}
+    packages = {name for name, m in graph.items() if m.is_package}
+
+    def calls(a, b):
+        return (a, b) in edges or any((a, p) in edges and (p, b) in edges for p in packages)
+    returns, seen = 0, [stops[0][1]]
+    for (_, a, _), (_, b, _) in zip(stops, stops[1:]):
+        if a == b:
+            continue
+        if b in seen:
+            returns += 1
+        else:
+            assert calls(_module(a), _module(b)), f"{a} -> {b}: no import between them"
+        seen.append(b)
+    files = set(seen)
+    claim = rf"\b{len(stops)} stops in {len(files)} files, {returns} of them returns\."
+    assert re.search(claim, section), (len(stops), len(files), returns)

@@ -31,11 +31,11 @@ setup_run is these steps, in this order, each one function below:
     8. _groups         minipar.init(layout): the groups (mesh.py); the same resolved config on
                        every rank? (one all-gather)                               lifecycle.py
 
-The tp size's path: the YAML's tensor_parallel_size (or tp_size) -> TrainConfig.tp_size (the
-schema's alias) -> cfg.parallelism() -> ParallelismConfig.resolve -> minipar.init -> pgm.tp; then
-compose.build -> parallelize(model, pgm.tp, ...) (tensor_parallel/parallelize.py) -> the tp layers
-(layers.py) -> f and g (mappings.py) -> comm.py. The decoder's layer file (models/llama_layer.py)
-is not on it: the group reaches the layers when parallelize swaps them in.
+The tp size's path, stop by stop and file by file, is docs/README.md's "One size from the YAML to
+the collective": cfg.tp_size (the schema's alias of tensor_parallel_size) -> cfg.parallelism() ->
+ParallelismConfig.resolve -> minipar.init -> pgm.tp -> compose.build -> parallelize -> the tp
+layers -> f and g -> comm.py. The decoder's layer file (models/llama_layer.py) is not on it: the
+group reaches the layers when parallelize swaps them in.
 """
 from __future__ import annotations
 

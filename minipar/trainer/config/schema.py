@@ -26,7 +26,7 @@ from typing import Annotated, List, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
-from minipar.config import ATTENTION_BACKENDS, CP_IMPLS, CP_LAYOUTS
+from minipar.config import ATTENTION_BACKENDS, CP_IMPLS, CP_LAYOUTS, ParallelismConfig
 from minipar.lr_schedule import SCHEDULES
 from minipar.optim_bnb import optimizer_problem
 from models.llama_config import LlamaConfig
@@ -206,6 +206,17 @@ class ParallelKeys(Keys):
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)   # also Axolotl's fsdp_config (keys.py)
     fsdp_version: Annotated[Optional[int], supported((1, 2), " (both mean minipar's ZeRO-3 over "
                                                              "dp_shard_size)")] = None
+
+    def parallelism(self) -> ParallelismConfig:
+        """The grid's config (minipar/config.py), where the sizes leave the file's names: one name per
+        size from here on. Unresolved: dp_shard_size None takes the remainder in resolve(world)
+        (trainer/run_layout.py)."""
+        return ParallelismConfig(dp_replicate_size=self.dp_replicate_size, dp_shard_size=self.dp_shard_size,
+                                 cp_size=self.cp_size, tp_size=self.tp_size, pp_size=self.pp_size,
+                                 ep_size=self.ep_size, sequence_parallel=self.sequence_parallel,
+                                 tp_async_overlap=self.tp_async_overlap, cp_layout=self.cp_layout,
+                                 cp_impl=self.cp_impl, cp_ulysses_size=self.cp_ulysses_size,
+                                 attention_backend=self.attention_backend)
 
 
 class RunKeys(Keys):

@@ -28,7 +28,6 @@ from typing import Annotated, List, Optional
 import yaml
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
-from minipar.config import ParallelismConfig
 from minipar.config_files import read_yaml, yaml_value
 from minipar.recipe import LoRA, Recipe
 from minipar.trainer.config import keys as config_keys
@@ -72,15 +71,6 @@ class TrainConfig(schema.AdapterKeys, schema.RunKeys, schema.ParallelKeys, schem
                       sync_each_batch=self.fsdp.sync_each_batch, ddp=self.ddp, compile=self.compile,
                       compile_backend=self.compile_backend, compile_mode=self.compile_mode)
 
-    def parallelism(self) -> ParallelismConfig:
-        """The grid's config (minipar/config.py): the sizes and the options of the parallel dimensions,
-        unresolved (dp_shard_size None takes the remainder when resolve(world) is called)."""
-        return ParallelismConfig(dp_replicate_size=self.dp_replicate_size, dp_shard_size=self.dp_shard_size,
-                                 cp_size=self.cp_size, tp_size=self.tp_size, pp_size=self.pp_size,
-                                 ep_size=self.ep_size, sequence_parallel=self.sequence_parallel,
-                                 tp_async_overlap=self.tp_async_overlap, cp_layout=self.cp_layout,
-                                 cp_impl=self.cp_impl, cp_ulysses_size=self.cp_ulysses_size,
-                                 attention_backend=self.attention_backend)
 
 
 # the model of each mapping a config holds, for errors.py; Axolotl's keys that fold() and

@@ -2,7 +2,7 @@
 host memory at once, into safetensors shards of at most max_shard_bytes, with the Hub's index.
 
 An export gathers the model tensor by tensor (the ZeRO-3 units one at a time, the pipeline stages
-in turn: models/llama.py full_state_items) and hands each to ShardWriter.add, which copies it to
+in turn: models/full_state.py full_state_items) and hands each to ShardWriter.add, which copies it to
 the host and drops nothing else: the device holds one full tensor (plus the unit being gathered)
 beyond training, the host one open shard. When the next tensor would push the open shard past
 max_shard_bytes it is written out (safetensors.torch.save_file of that shard's dict) and emptied;

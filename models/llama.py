@@ -24,7 +24,8 @@ Where the parallelisms plug in (all through `pgm`, passed explicitly; pgm=None i
       residual stream between them is split along the sequence instead of replicated. The
       constructor does it (tensor_parallel=False keeps the plain model: minipar/compose.py calls
       parallelize itself); at tp 1 the same classes run with a one-rank group, sending nothing.
-      The loss, the logits' gather and the checkpoints' slicing read pgm.tp here.
+      The loss and the logits' gather read pgm.tp here; the full tensors' gather and slicing
+      for checkpoints (full_state_dict, load_full_state_dict), models/full_state.py.
   cp  attention runs as ring attention over pgm.cp (cp_impl ring), as Ulysses' two all-to-alls
       (ulysses), or as Ulysses inside pgm.cp_ulysses and the ring over pgm.cp_ring (usp); the
       sequence arrives in the zigzag layout (or contiguous, cp_layout) and
@@ -53,18 +54,16 @@ import torch.nn as nn
 from minipar import comm
 from minipar import tensor_parallel as tpl
 from minipar.context_parallel import AttentionLog, Documents, sequence_positions
-from minipar.expert_parallel.sharding import ep_gather, ep_shard
 from minipar.mesh import ProcessGroupManager
 from minipar.tensor_parallel.parallelize import parallelize
-from minipar.zero3 import ShardedStateDicts
 
+from . import full_state  # the whole model's tensors out (gathered) and in (sliced)
 from .activation_checkpoint import ActivationCheckpointing  # full, or selective (per op / every n-th)
-from .hf_checkpoint import HFCheckpoint, save_pretrained  # HF's files: the reader and the writer
+from .hf_checkpoint import save_pretrained  # HF's files: the writer
 from .llama_config import LlamaConfig  # the shape, HF's config.json keys
 from .llama_init import SeededInit, local_from_source, materialize
 from .llama_layer import LayerSettings, LlamaDecoderLayer, RMSNorm  # one decoder layer: attention, MLP or MoE
 from .moe_aux import PipelineAux, add_aux_loss
-from .resize_vocab import VocabResize  # a vocabulary grown to a tokenizer's (tokens a run added)
 from .rope import rotary_tables
 from .tied_weights import tie_weights  # lm_head sharing the embedding's weight
 
@@ -249,69 +248,27 @@ class LlamaForCausalLM(nn.Module):
         return loss
 
     # ------------------------------------------------------------------ state dicts
+    # The full tensors out and in (gathered over tp, ep, the ZeRO-3 shards; sliced back): models/full_state.py
     def full_state_dict(self) -> dict:
-        """{HF name: full tensor}, gathered over tp (and over the ZeRO-3 shards if sharded).
-        Collective: every rank must call it."""
-        if getattr(self, "zero3", None) is not None:
-            return ShardedStateDicts(self.zero3).full_state_dict()
-        return dict(self.full_state_items())
+        """{HF name: full tensor} (full_state.full_state_dict). Collective: every rank must call it."""
+        return full_state.full_state_dict(self)
 
     def full_state_items(self, meter=None):
-        """The full state dict one (HF name, full tensor) at a time, on the model's device, each
-        gathered when asked for (a ZeRO-3 unit at a time, in unit order): what an export streams to
-        the host. Collective: every rank must take every item. `meter`: an accounting hook
-        (models/hf_shards.py HeldBytes) shown every tensor made."""
-        if getattr(self, "zero3", None) is not None:
-            yield from ShardedStateDicts(self.zero3).iter_full([s.detach() for s in self.zero3.shards], meter)
-            return
-        for n, p in self.named_parameters():
-            yield n, owned_full(p, self.pgm, meter)
+        """(HF name, full tensor) one at a time (full_state.full_state_items). Collective."""
+        return full_state.full_state_items(self, meter)
 
-    @torch.no_grad()
     def load_full_state_dict(self, full: dict, source: str = "state dict"):
-        """Slice full HF tensors into this rank's shards. Refuses missing keys and wrong shapes."""
-        if getattr(self, "zero3", None) is not None:
-            return ShardedStateDicts(self.zero3).load_full_state_dict(full)
-        params = dict(self.named_parameters())
-        missing = sorted(set(params) - set(full))
-        if missing:
-            raise ValueError(f"{source} lacks {len(missing)} parameters of this model, e.g. {missing[:3]}")
-        for name, p in params.items():
-            t = full[name]
-            if tuple(t.shape) != tuple(p.tp_full_shape):
-                raise ValueError(f"{source}: {name} has shape {tuple(t.shape)}, this model expects "
-                                 f"{tuple(p.tp_full_shape)}: the checkpoint is of another model shape")
-            p.copy_(ep_shard(tpl.shard_tensor(t.to(p.dtype), p.tp_split_dim, self.pgm.tp),
-                             getattr(p, "ep_split_dim", None), self.pgm.ep))
+        """Slice full HF tensors into this rank's shards (full_state.load_full_state_dict)."""
+        return full_state.load_full_state_dict(self, full, source)
 
     @classmethod
     def from_pretrained(cls, directory: str, pgm: Optional[ProcessGroupManager] = None,
                         device=None, vocab_size: Optional[int] = None, mean_resizing: bool = False,
                         seed: int = 0) -> "LlamaForCausalLM":
-        """Load a Hugging Face directory (config.json + model.safetensors, or its sharded form):
-        built on the meta device, then each tensor read as this rank's TP slice only. `vocab_size`:
-        the vocabulary resized as a run that added tokens had it (models/resize_vocab.py: new rows
-        the mean, or N(0, initializer_range) drawn from `seed`)."""
-        ckpt = HFCheckpoint(directory)
-        c = ckpt.config
-        if vocab_size is not None and vocab_size != c.vocab_size:
-            ckpt.resize_vocab(VocabResize(c.vocab_size, vocab_size, mean_resizing, c.initializer_range, seed))
-        model = cls(ckpt.config, pgm, device="meta")
-        ckpt.check(model)
-        materialize(model, ckpt.source(model.pgm.tp, device or torch.device("cpu")))
-        return model
+        """Load a Hugging Face directory, each tensor read as this rank's slice only
+        (full_state.from_pretrained; `vocab_size`: resized as a run that added tokens had it)."""
+        return full_state.from_pretrained(cls, directory, pgm, device, vocab_size, mean_resizing, seed)
 
     def save_pretrained(self, directory: str):
         """Write config.json + model.safetensors (global rank 0 writes; every rank must call)."""
         save_pretrained(self, directory)
-
-
-def owned_full(p, pgm, meter=None) -> torch.Tensor:
-    """A parameter's full tensor (gathered over tp, and ep for an expert weight), never sharing
-    the parameter's memory (copied when nothing was gathered)."""
-    t = ep_gather(tpl.gather_tensor(p.detach(), p.tp_split_dim, pgm.tp), getattr(p, "ep_split_dim", None),
-                  pgm.ep)
-    t = t.clone() if t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() else t
-    if meter is not None:
-        meter.track(t)
-    return t

@@ -15,7 +15,7 @@ import torch
 
 from minipar import lr_schedule
 from minipar.plan.__main__ import main as plan_main
-from minipar.trainer.config import axolotl_keys
+from minipar.trainer.config import axolotl_docs, axolotl_keys
 from minipar.trainer.config.rl_keys import translate_rl
 from minipar.trainer.config.train_config import load_config
 from minipar.trainer.data.make_example import next_command
@@ -162,7 +162,7 @@ def test_did_you_mean_does_not_mislead():
 
 
 def test_table_lists_every_key_once():
-    rows = axolotl_keys.table()
+    rows = axolotl_docs.table()
     keys = [k for k, _, _ in rows]
     assert len(keys) == len(set(keys)) and {"tf32", "deepspeed", "warmup_ratio"} <= set(keys)
     assert {s for _, s, _ in rows} == {"honoured", "noted", "refused"}
@@ -261,7 +261,7 @@ def test_the_schema_agrees_with_the_table():
     from minipar.trainer.config.errors import names
     from minipar.trainer.config.train_config import TrainConfig
     fields = set(names(TrainConfig))
-    for key, status, _ in axolotl_keys.table():
+    for key, status, _ in axolotl_docs.table():
         folded = axolotl_keys.fold({key: None}, [], []) == {}
         if status == "honoured":
             assert key in fields or folded, key
@@ -298,7 +298,7 @@ def test_every_key_of_axolotls_schema_has_a_status():
 
 
 def test_every_refusal_names_an_alternative_and_every_row_a_reason():
-    for key, status, why in axolotl_keys.table():
+    for key, status, why in axolotl_docs.table():
         assert len(why) > 15, key
         if status == "refused":
             assert any(verb in why for verb in ALTERNATIVE), (key, why)
@@ -425,11 +425,11 @@ def test_did_you_mean_draws_from_the_schema_then_the_table():
 
 def test_docs_list_the_table_as_generated():
     page = open(os.path.join(ROOT, "docs", "finetuning.md")).read()
-    block = page.split("<!-- generated: axolotl_keys.doc_table() -->\n", 1)[1].split(
+    block = page.split("<!-- generated: axolotl_docs.doc_table() -->\n", 1)[1].split(
         "\n<!-- end of generated table -->", 1)[0]
-    assert block == axolotl_keys.doc_table(), (
+    assert block == axolotl_docs.doc_table(), (
         "docs/finetuning.md's keys table is stale: paste the output of python -c 'from "
-        "minipar.trainer.config.axolotl_keys import doc_table; print(doc_table())' between its markers")
+        "minipar.trainer.config.axolotl_docs import doc_table; print(doc_table())' between its markers")
 
 
 @pytest.mark.slow

@@ -21,7 +21,8 @@ from minipar.mesh import all_groups
 from minipar.plan import Layout, Pipeline, collectives, plan, search
 from minipar.plan.__main__ import main as plan_main
 from minipar.plan.estimate import AXES, Cluster, crosses_nodes
-from minipar.plan.inputs import Batch, ModelShape, Options, check
+from minipar.plan.feasible import check
+from minipar.plan.inputs import Batch, ModelShape, Options
 from minipar.plan.layout_search import candidates
 from minipar.trainer.prediction import from_train_config
 

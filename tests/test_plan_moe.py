@@ -22,7 +22,8 @@ from test_plan import _check as _check_dense
 from minipar.plan import activations, collectives, memory
 from minipar.plan.__main__ import main as plan_main
 from minipar.plan.estimate import Cluster, plan
-from minipar.plan.inputs import Batch, Layout, ModelShape, Options, check
+from minipar.plan.feasible import check
+from minipar.plan.inputs import Batch, Layout, ModelShape, Options
 from minipar.plan.moe import crosses_nodes
 from minipar.trainer.prediction import from_train_config
 

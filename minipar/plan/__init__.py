@@ -3,7 +3,8 @@
     from minipar.plan import ModelShape, Layout, Batch, Options, Cluster, plan, search
     python -m minipar.plan --help
 
-inputs.py holds the question (model shape, layout, batch, options), model.py, activation_bytes.py and
+inputs.py holds the question (model shape, layout, batch, options), feasible.py whether a layout
+runs the model at all (the trainer's checks), model.py, activation_bytes.py and
 collective_counts.py the counts (memory and FLOPs, what a micro-batch keeps for backward, the collectives:
 what the tests hold exactly against the ledger and the measured state), estimate.py the placement on
 nodes and the stated time model, pipeline.py the same under pipeline parallelism

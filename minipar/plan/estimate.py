@@ -44,9 +44,9 @@ import numpy as np
 
 from . import activation_bytes as pa
 from . import collective_counts as pc
+from . import feasible, peak
 from . import inputs as inputs_mod
 from . import model as pm
-from . import peak
 from . import time_model as tm
 from .inputs import Batch, Layout, ModelShape, Options
 from .moe import crosses_nodes as moe_crosses_nodes
@@ -121,7 +121,7 @@ def crosses_nodes(layout: Layout, gpus_per_node: int) -> Dict[str, bool]:
 
 def plan(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster: Cluster) -> dict:
     """Everything the planner knows about one layout, as plain values (what --json prints)."""
-    problems = inputs_mod.check(model, layout, batch)
+    problems = feasible.check(model, layout, batch)
     if problems:
         raise ValueError(f"layout {layout} cannot run this model and batch: " + "; ".join(problems))
     mem = distributed_optimizer_memory(pm.memory(model, layout, opts), layout, opts)

@@ -1,6 +1,6 @@
-"""The planner's question: a model shape, a layout, a batch and the run's options, and whether
-that layout can run the model at all. The counts that answer it are
-model.py's, activation_bytes.py's and collective_counts.py's.
+"""The planner's question: a model shape, a layout, a batch and the run's options. Whether that
+layout can run the model at all is feasible.py's; the counts that answer it are model.py's,
+activation_bytes.py's and collective_counts.py's.
 
     ModelShape  from a Hugging Face config.json or minipar's LlamaConfig: d, f, L, H, K, D, V, and
                 tensors(tp): the TP-local element counts of every parameter, in the model's order
@@ -24,9 +24,6 @@ minipar/trainer/prediction.py's from_train_config asks the question of a train.p
 product reads the planner, never the other way), read as the trainer reads it: the family's defaults
 through LlamaConfig.from_dict, the vocabulary the run's tokenizer sets (read_train_config).
 
-check() repeats the trainer's own divisibility checks (heads, vocab and f by tp; sequence by 2 cp,
-and by tp under SP; the batch by dp x micro; under ulysses / usp the head split, by calling the
-trainer's check_ulysses itself, not a copy of it) so that a plan is only made for a layout that runs.
 Pure data: no process group, no tensor, no communication.
 """
 from __future__ import annotations
@@ -35,7 +32,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
 from minipar.config import ParallelismConfig
-from minipar.context_parallel.ulysses import check_ulysses
 from models.llama_config import LlamaConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -274,45 +270,3 @@ def param_bytes(layout: Layout, opts: Options) -> int:
     stream: ZeRO-3 gathers the weights in the compute dtype; without it they stay fp32 masters and
     bf16 runs under autocast, which casts a matmul's inputs and output but keeps the stream fp32."""
     return DTYPE_BYTES[opts.dtype] if layout.sharded else 4
-
-
-def check(model: ModelShape, layout: Layout, batch: Batch) -> List[str]:
-    """Why this layout cannot run (empty when it can): the trainer's own checks."""
-    T, C, m = layout.tp, layout.cp, model
-    out = [f"tp {T} does not divide {what} {v}" for what, v in
-           (("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", m.num_key_value_heads),
-            ("vocab_size", m.vocab_size), ("intermediate_size", m.intermediate_size)) if v % T]
-    if batch.sequence_len % (2 * C):
-        out.append(f"sequence_len {batch.sequence_len} is not divisible by 2 x cp = {2 * C}")
-    elif layout.sp and (batch.sequence_len // C) % T:
-        out.append(f"sequence parallelism needs sequence_len / cp = {batch.sequence_len // C} divisible "
-                   f"by tp {T}")
-    heads_by_tp = m.num_attention_heads % T == 0 and m.num_key_value_heads % T == 0   # said above if not
-    if C > 1 and layout.cp_impl != "ring" and heads_by_tp:
-        try:
-            out += check_ulysses(m.num_attention_heads, m.num_key_value_heads, T, C, layout.ulysses_size())
-        except ValueError as err:         # u that ParallelismConfig refuses (not a divisor of cp)
-            out.append(str(err))
-    out += expert_problems(model, layout)
-    dp = layout.dp_replicate * layout.dp_shard
-    if batch.global_batch_size % (dp * batch.micro(layout)):
-        out.append(f"global_batch_size {batch.global_batch_size} is not a multiple of dp {dp} x "
-                   f"micro_batch_size {batch.micro(layout)}")
-    return out
-
-
-def expert_problems(model: ModelShape, layout: Layout) -> List[str]:
-    """The trainer's expert-parallel checks (ep divides dp_shard x cp and E), and what the planner
-    does not count yet: a model with dense layers between its MoE layers."""
-    ep = layout.ep
-    out = ParallelismConfig(dp_shard_size=layout.dp_shard, cp_size=layout.cp, ep_size=ep).expert_problems()
-    if not model.is_moe:
-        return out + ([f"ep {ep} needs a mixture-of-experts model (num_local_experts > 0)"] if ep > 1 else [])
-    if model.num_local_experts % ep:
-        out.append(f"ep {ep} does not divide the {model.num_local_experts} experts of each MoE layer")
-    if len(model.moe_layers) != model.num_hidden_layers:
-        out.append(f"the planner counts MoE models whose every layer is MoE; this one has dense layers "
-                   f"{sorted(set(range(model.num_hidden_layers)) - set(model.moe_layers))} "
-                   f"(mlp_only_layers / decoder_sparse_step): not planned yet")
-    return out
-

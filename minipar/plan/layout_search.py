@@ -7,7 +7,7 @@ MAX_PP and at least two layers a stage, every pp x layout under each schedule th
 count that is not a multiple of pp where the interleaved schedule needs one): the estimate weighs each
 one's bubble against its sends and the memory of what it keeps in flight. Every layout with cp > 1 comes
 once per cp_impl: ring, ulysses (u = cp), and usp for each u dividing cp with 1 < u < cp (`cp_impls`). A
-candidate must pass the trainer's checks (inputs.py's `check`: under ulysses / usp u must divide the
+candidate must pass the trainer's checks (feasible.py's `check`: under ulysses / usp u must divide the
 query heads of a tp rank, check_ulysses; pipeline.py's for pp: enough micro-batches, a multiple of pp)
 and fit: activation checkpointing is switched on only where the activations would not fit without it,
 and then the lightest that fits (AC_LEVELS: none, selective per op, which keeps the matmul and attention
@@ -45,9 +45,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
-from . import inputs as inputs_mod
+from . import feasible, pipeline_stage
 from . import pipeline as pl
-from . import pipeline_stage
 from .estimate import Cluster, plan
 from .inputs import Batch, Layout, ModelShape, Options
 
@@ -81,7 +80,7 @@ def candidates(model: ModelShape, batch: Batch, world: int, pipeline: bool = Tru
     for pp in pps:
         pipes = [pipeline_stage.Pipeline(pp, name, v) for name, v in PIPELINES] if pp > 1 else [None]
         for lay in (v for grid in layouts(world // pp) for v in cp_impls(grid)):
-            if inputs_mod.check(model, lay, batch):
+            if feasible.check(model, lay, batch):
                 continue
             for pipe in pipes:
                 if pipe and pl.check(model, lay, pipe, batch):

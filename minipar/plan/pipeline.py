@@ -29,9 +29,8 @@ from minipar.pipeline_parallel.simulate import theory_bubble
 
 from . import activation_bytes as pa
 from . import collective_counts as pc
-from . import inputs as inputs_mod
+from . import feasible, peak
 from . import model as pm
-from . import peak
 from . import time_model as tm
 from .estimate import crosses_nodes, distributed_optimizer_memory, group_seconds, mfu
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
@@ -65,7 +64,7 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
                   cluster) -> dict:
     """estimate.plan's answer for pp x layout: one entry per stage under "stages", and the worst
     stage's (the most memory) at the top level, so that what prints for 4D prints for it too."""
-    problems = inputs_mod.check(model, layout, batch) + check(model, layout, pipe, batch)
+    problems = feasible.check(model, layout, batch) + check(model, layout, pipe, batch)
     if problems:
         raise ValueError(f"layout {pipe} x {layout} cannot run this model and batch: " + "; ".join(problems))
     W, g, e = layout.world, cluster.gpus_per_node, DTYPE_BYTES[opts.dtype]

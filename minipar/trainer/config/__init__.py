@@ -14,6 +14,7 @@ values, all checked before anything is written or any process group exists. In r
     axolotl_table.py, axolotl_table_run.py
                       the table: one row per key, by topic (the model, precision and kernels,
                       LoRA, the optimizer; the data, evaluation, checkpoints and logging, the launch)
+    axolotl_docs.py   that table as the docs list it (docs/finetuning.md's generated block)
     rl_keys.py        preference training's keys (rl: dpo) and the reference each run takes
     check.py          the checks across keys (cudnn without CP, LoRA, the data files, ...)
 """

@@ -1,6 +1,6 @@
 """Axolotl's keys that are not TrainConfig fields: each honoured, noted (accepted, no effect here,
 said once) or refused (with what to write instead), by one table that the docs list
-(docs/finetuning.md).
+(docs/finetuning.md, rendered by axolotl_docs.py).
 
 An Axolotl YAML carries keys that mean nothing on a CPU, or that minipar does its own way. Refusing
 them as unknown makes a user edit the file 2-4 times before it runs; ignoring them silently hides
@@ -304,23 +304,3 @@ def fold(data: dict, notes: List[str], problems: List[str]) -> dict:
         else:
             problems.append(f"{key}: {row.why}")
     return data
-
-
-def table() -> List[tuple]:
-    """(key, status, what minipar does) rows, in the topics' order: for the docs and the tests."""
-    return [(k, row.status, row.why) for k, row in KEYS.items()]
-
-
-def doc_table() -> str:
-    """docs/finetuning.md's tables: one per topic, keys of the same status and reason in one row."""
-    out = []
-    for topic, rows in TOPICS.items():
-        merged = {}
-        for key, row in rows.items():
-            merged.setdefault((row.status, row.why), []).append(f"`{key}`")
-        out += [f"**{topic[0].upper() + topic[1:]}**", "", "| key | status | what minipar does |",
-                "| --- | --- | --- |"]
-        out += [f"| {', '.join(keys)} | {status} | {why.replace('|', '/')} |"
-                for (status, why), keys in merged.items()]
-        out.append("")
-    return "\n".join(out).rstrip("\n")

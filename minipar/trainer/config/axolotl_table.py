@@ -1,7 +1,7 @@
 """What each of Axolotl's keys does in minipar (1 of 2): the model and its tokenizer, precision,
 attention and kernels, LoRA, the optimizer and its schedule. axolotl_table_run.py has the data,
 preference training, evaluation, checkpoints, logging and the launch; axolotl_keys.py applies both
-(fold) and lists them (table, doc_table).
+(fold), and axolotl_docs.py lists them (table, doc_table).
 
 Every top-level key of Axolotl's config schema (tests/data/axolotl_schema_keys.txt, read from
 Axolotl's pydantic models) is a field of TrainConfig (schema.py, with Axolotl's name or as an

@@ -433,9 +433,9 @@ def test_docs_list_the_table_as_generated():
 @pytest.mark.slow
 def test_a_file_of_noted_and_honoured_keys_trains_two_steps(tmp_path):
     """Item 1 end to end: Axolotl's spellings and no-op keys written as an Axolotl user has them
-    train 2 steps on one process, each no-op said once in the log. Slow (a fresh interpreter, ~14 s
-    here); its fast twins load the same keys: test_noted_keys_validate_with_one_note_each,
-    test_honoured_spellings_fold_onto_minipars_keys."""
+    train 2 steps on one process, each no-op said once in the log. Slow (a whole run of train.py,
+    forked: tests/harness.py run_program); its fast twins load the same keys:
+    test_noted_keys_validate_with_one_note_each, test_honoured_spellings_fold_onto_minipars_keys."""
     cfg = tmp_path / "axolotl.yaml"
     cfg.write_text("max_steps: 2\nmicro_batch_size: 2\nbatch_size: 4\nxformers_attention: true\n"
                    "eval_strategy: 'no'\nsave_strategy: 'no'\nplugins:\n"

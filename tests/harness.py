@@ -10,6 +10,11 @@ world with that rank's traceback (`RankError`); a world still running at `timeou
 raises `WorldTimeout` naming the ranks that had not finished, so a deadlock fails a test instead
 of hanging the suite. Ranks leave with os._exit so that the forked copy of pytest never runs its
 own exit handlers.
+
+    done = run_program("train.py", argv, cwd=ROOT)      # `python train.py *argv`, forked the same way
+    done.returncode, done.stdout, done.stderr
+
+runs a program's __main__ block in a forked child instead of a fresh interpreter (no 2 s of imports).
 """
 from __future__ import annotations
 
@@ -123,4 +128,112 @@ def run_world(fn, world_size: int, *args, timeout: float = 120, init: bool = Tru
                 p.kill()
         for p in procs:
             p.join(timeout=5)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Finished:
+    """What run_program returns: subprocess.CompletedProcess's three fields."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def _python_warnings():
+    """A fresh interpreter's warning filters and display (pytest records warnings in its own list and
+    shows DeprecationWarnings always): a program's warnings reach its stderr as they would alone."""
+    import sys
+    import warnings
+    warnings.resetwarnings()
+    for category, module in ((DeprecationWarning, "__main__"),):
+        warnings.filterwarnings("default", category=category, module=module, append=True)
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.filterwarnings("ignore", category=category, append=True)
+
+    def show(msg):
+        (msg.file or sys.stderr).write(warnings._formatwarnmsg(msg))
+    warnings._showwarnmsg_impl = show
+    warnings.showwarning = warnings._showwarning_orig
+
+
+def run_program(program: str, argv, *, module: bool = False, cwd=None, env=None, timeout: float = 120):
+    """`python program *argv` (or `python -m program` with module=True) in a child forked from this
+    process: the program's own __main__ block runs (its exit status, its stdout and stderr, its atexit
+    handlers and non-daemon threads at the end), but the imports the test process already holds are
+    not paid again (about 2 s of torch per fresh interpreter). For a test of what a program does; a
+    test of the command line itself (the interpreter, the launcher) keeps a real subprocess."""
+    import atexit
+    import runpy
+    import sys
+    import threading
+    tmp = tempfile.mkdtemp(prefix="minipar-program-")
+    out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            out_f, err_f = open(out_path, "w"), open(err_path, "w")
+            os.dup2(out_f.fileno(), 1)
+            os.dup2(err_f.fileno(), 2)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            sys.stdin = open(os.devnull)
+            atexit._clear()                       # the test process's handlers are not the program's
+            _python_warnings()
+            torch.set_num_threads(1)
+            if dist.is_initialized():             # a group inherited from the test process: not ours
+                dist.destroy_process_group()
+            if env is not None:
+                os.environ.clear()
+                os.environ.update(env)
+            if cwd is not None:
+                os.chdir(cwd)
+            sys.argv = [program, *argv]
+            try:
+                if module:                        # as `python -m` finds it: not yet imported
+                    sys.modules.pop(program + ".__main__", None)
+                    sys.modules.pop(program, None)
+                    runpy.run_module(program, run_name="__main__", alter_sys=True)
+                else:
+                    sys.path.insert(0, os.path.dirname(os.path.abspath(program)))
+                    runpy.run_path(program, run_name="__main__")
+                code = 0
+            except SystemExit as e:               # as the interpreter reads sys.exit's argument
+                if e.code is None:
+                    code = 0
+                elif isinstance(e.code, int):
+                    code = e.code
+                else:
+                    print(e.code, file=sys.stderr)
+                    code = 1
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            for t in threading.enumerate():       # the interpreter waits for non-daemon threads
+                if t is not threading.current_thread() and not t.daemon:
+                    t.join()
+            atexit._run_exitfuncs()
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise WorldTimeout(f"{program} {' '.join(map(str, argv))} still running after "
+                                   f"{timeout:.0f} s")
+            time.sleep(0.01)
+        code = os.waitstatus_to_exitcode(status)
+        return Finished(code, open(out_path).read(), open(err_path).read())
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)

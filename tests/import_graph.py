@@ -4,7 +4,7 @@ order of docs/design.md.
 
     modules()        {dotted name: Module} for every Python file of minipar/, models/, train.py,
                      benchmarks/ and tests/; read once per process (tests/test_imports.py and
-                     tests/test_docs.py share it: 2-3 s each), so its callers only read it
+                     tests/test_docs.py share it: 1-2 s, one pass over each tree), so its callers only read it
     Module.imports   [Import(target, names, line, top_level)]: `from a.b import c` is an edge to the
                      module a.b.c when that is a module, else to a.b (its names: c)
     Module.defined   names a module binds itself (def, class, assignment), not by importing
@@ -70,31 +70,34 @@ def _resolve(node: ast.ImportFrom, mod: Module) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _in_function(tree: ast.AST) -> Dict[int, bool]:
-    """id(node) -> whether the node sits inside a function body."""
-    inside: Dict[int, bool] = {}
+def _walk(tree: ast.AST):
+    """(node, inside a function body) for every node, in ast.walk's breadth-first order: one pass
+    over the tree (this one pass replaced four: about 1 s less for the project)."""
+    fields, queue, i = ast.AST._fields, [(tree, False)], 0
+    function = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    while i < len(queue):
+        node, flag = queue[i]
+        i += 1
+        yield node, flag
+        child_flag = flag or isinstance(node, function)
+        for name in node._fields if node._fields is not fields else ():
+            value = getattr(node, name, None)
+            if isinstance(value, ast.AST):
+                queue.append((value, child_flag))
+            elif isinstance(value, list):
+                queue.extend((v, child_flag) for v in value if isinstance(v, ast.AST))
 
-    def walk(node, flag):
-        inside[id(node)] = flag
-        child_flag = flag or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-        for child in ast.iter_child_nodes(node):
-            walk(child, child_flag)
-    walk(tree, False)
-    return inside
 
-
-def _top_level_bindings(tree: ast.Module) -> Set[str]:
-    names: Set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for t in targets:
-                for n in ast.walk(t):
-                    if isinstance(n, ast.Name):
-                        names.add(n.id)
-    return names
+def _bind(node: ast.AST, names: Set[str]) -> None:
+    """The names a module binds itself (def, class, assignment, anywhere in it), not by importing."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        names.add(node.name)
+    elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in targets:
+            for n in ast.walk(t):
+                if isinstance(n, ast.Name):
+                    names.add(n.id)
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,11 +108,13 @@ def modules() -> Dict[str, Module]:
     project = set(mods)
     for mod in mods.values():
         tree = ast.parse(open(mod.path).read(), mod.path)
-        inside = _in_function(tree)
-        mod.defined = _top_level_bindings(tree)
-        for node in ast.walk(tree):
-            top = not inside[id(node)]
-            if isinstance(node, ast.Import):
+        attributes = []                            # `alias.name` uses, read once the aliases are known
+        for node, inside in _walk(tree):
+            top = not inside
+            _bind(node, mod.defined)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                attributes.append(node)
+            elif isinstance(node, ast.Import):
                 for a in node.names:
                     if a.name in project or a.name.split(".")[0] in PACKAGES:
                         mod.imports.append(Import(a.name, [], node.lineno, top))
@@ -131,9 +136,8 @@ def modules() -> Dict[str, Module]:
                             mod.imported[a.asname or a.name] = src
                 if plain:
                     mod.imports.append(Import(src, plain, node.lineno, top))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                    and node.value.id in mod.module_aliases:
+        for node in attributes:
+            if node.value.id in mod.module_aliases:
                 mod.attribute_uses.append((mod.module_aliases[node.value.id], node.attr, node.lineno))
     return mods
 

@@ -193,13 +193,13 @@ def test_train_py_exits_1_with_one_line_when_the_background_write_fails(tmp_path
 
 # ------------------------------------------------------------------------ SIGTERM waits for it
 def _signalled_slow_writes(argv):
-    """Rank 1 gets SIGTERM during step 3; every file of a save takes 0.2 s more to write."""
+    """Rank 1 gets SIGTERM during step 3; every file of a save takes 0.1 s more to write."""
     from minipar.trainer import lifecycle
     torch.set_num_threads(1)
     real, real_step = cio.write_file, Trainer.train_step
 
     def write_file(root, rel, data):
-        time.sleep(0.2)
+        time.sleep(0.1)
         return real(root, rel, data)
 
     def train_step(self, step):

@@ -7,8 +7,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from minipar.trainer.config import axolotl_docs, axolotl_keys
 from minipar.trainer.config.rl_keys import translate_rl
 from minipar.trainer.config.train_config import load_config
 from minipar.trainer.data.make_example import next_command
+from tests.harness import run_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_hidden_layers", "2",
@@ -243,9 +242,8 @@ def test_axolotl_boilerplate_trains_two_steps(tmp_path):
                    "gradient_checkpointing: true\ngradient_checkpointing_kwargs:\n  use_reentrant: false\n"
                    "logging_steps: 1\n")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "train.py", str(cfg), *TINY, "--output_dir", str(out),
-                           "--save_final_checkpoint", "false"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = run_program("train.py", [str(cfg), *TINY, "--output_dir", str(out), "--save_final_checkpoint",
+                                     "false"], cwd=ROOT, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in open(out / "metrics.jsonl") if '"loss"' in x]
     steps = [r for r in rows if "lr" in r]
@@ -435,9 +433,9 @@ def test_docs_list_the_table_as_generated():
 @pytest.mark.slow
 def test_a_file_of_noted_and_honoured_keys_trains_two_steps(tmp_path):
     """Item 1 end to end: Axolotl's spellings and no-op keys written as an Axolotl user has them
-    train 2 steps on one process, each no-op said once in the log. Slow (a fresh interpreter, ~14 s
-    here); its fast twins load the same keys: test_noted_keys_validate_with_one_note_each,
-    test_honoured_spellings_fold_onto_minipars_keys."""
+    train 2 steps on one process, each no-op said once in the log. Slow (a whole run of train.py,
+    forked: tests/harness.py run_program); its fast twins load the same keys:
+    test_noted_keys_validate_with_one_note_each, test_honoured_spellings_fold_onto_minipars_keys."""
     cfg = tmp_path / "axolotl.yaml"
     cfg.write_text("max_steps: 2\nmicro_batch_size: 2\nbatch_size: 4\nxformers_attention: true\n"
                    "eval_strategy: 'no'\nsave_strategy: 'no'\nplugins:\n"
@@ -449,9 +447,8 @@ def test_a_file_of_noted_and_honoured_keys_trains_two_steps(tmp_path):
     out = tmp_path / "out"
     i = TINY.index("--global_batch_size")
     argv = TINY[:i] + TINY[i + 2:]           # the batch comes from batch_size and micro_batch_size
-    proc = subprocess.run([sys.executable, "train.py", str(cfg), *argv, "--output_dir", str(out),
-                           "--save_final_checkpoint", "false"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = run_program("train.py", [str(cfg), *argv, "--output_dir", str(out), "--save_final_checkpoint",
+                                     "false"], cwd=ROOT, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in open(out / "metrics.jsonl") if '"loss"' in x and '"lr"' in x]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows), rows

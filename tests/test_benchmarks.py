@@ -11,6 +11,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import run_all  # noqa: E402
 
+from tests.harness import run_program  # noqa: E402
+
 
 def _check_rows(data, rounds):
     rows = {(r["comparison"], r["variant"]): r for r in data["rows"]}
@@ -115,9 +117,9 @@ def test_quick_runs_every_comparison(tmp_path):
 
 def test_bench_gpu_cpu_tiny_path(tmp_path):
     out = tmp_path / "gpu.json"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--device", "cpu",
-                          "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+    res = run_program(os.path.join(ROOT, "benchmarks", "bench_gpu.py"), ["--device", "cpu", "--tiny", "--out",
+                                                                         str(out)],
+                      timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.load(open(out))["result"]
     assert r["backend"] == "gloo" and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
@@ -163,7 +165,7 @@ def test_device_check_launches_its_programs_small_on_the_cpu(tmp_path):
 def test_device_check_kills_a_step_over_its_limit(tmp_path):
     import device_check
     log = str(tmp_path / "log")
-    code, secs = device_check._run([sys.executable, "-c", "import time; time.sleep(60)"], 1, log)
+    code, secs = device_check._run([sys.executable, "-c", "import time; time.sleep(60)"], 0.3, log)
     assert code == 124 and secs < 30
 
 

@@ -6,11 +6,10 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from harness import run_world
+from harness import run_program, run_world
 
 import minipar
 from minipar.trainer import lifecycle, run_lock
@@ -242,27 +241,33 @@ def test_dead_holder_is_taken_over_with_a_note_and_released_at_the_end(tmp_path)
 
 
 RACE = """
-import importlib.util, sys, time
+import importlib.util, os, sys, time
 spec = importlib.util.spec_from_file_location("run_lock", sys.argv[3])   # the file alone: no torch import
 run_lock = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(run_lock)
-while time.time() < float(sys.argv[2]):
-    pass
+me, gate, n = sys.argv[4], sys.argv[2], int(sys.argv[5])
+open(os.path.join(gate, "ready-" + me), "w").close()
+deadline = time.time() + 50
+while len([f for f in os.listdir(gate) if f.startswith("ready-")]) < n and time.time() < deadline:
+    pass                        # every launch spins here until all have started: then all go at once
 try:
     run_lock.acquire(sys.argv[1], 0)
     print("took", flush=True)
-    time.sleep(3)               # held while the others look
+    while len([f for f in os.listdir(gate) if f.startswith("looked-")]) < n - 1 and time.time() < deadline:
+        time.sleep(0.01)        # held until every other launch has looked
 except ValueError as e:
     print("refused" if "is in use by another run" in str(e) else e, flush=True)
+    open(os.path.join(gate, "looked-" + me), "w").close()
 """
 
 
 def test_rank_0s_starting_at_one_moment_one_takes_the_lock(tmp_path):
     """The read-decide-write of the lock under filelock's guard: of 4 launches starting into one
     output_dir at the same moment, one takes it and 3 refuse; nothing is left behind at the end."""
-    out, start = tmp_path / "run", time.time() + 1.5
-    procs = [subprocess.Popen([PY, "-c", RACE, str(out), str(start), run_lock.__file__], text=True,
-                              stdout=subprocess.PIPE, env=dict(os.environ, MASTER_ADDR="127.0.0.1",
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    gate.mkdir()
+    procs = [subprocess.Popen([PY, "-c", RACE, str(out), str(gate), run_lock.__file__, str(i), "4"],
+                              text=True, stdout=subprocess.PIPE, env=dict(os.environ, MASTER_ADDR="127.0.0.1",
                                                                 MASTER_PORT=str(29100 + i)))
              for i in range(4)]
     said = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
@@ -305,8 +310,8 @@ def test_output_dir_under_a_regular_file_is_refused_before_step_one(tmp_path):
             assert e.startswith(f"{name} '{value.parent if name == 'metrics_file' else value}' cannot be "
                                 f"written: {blocker} is a regular file"), e
     # train.py: one line, exit 2
-    proc = subprocess.run([PY, os.path.join(ROOT, "train.py"), *TINY, "--output_dir", str(blocker / "out")],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    proc = run_program(os.path.join(ROOT, "train.py"), [*TINY, "--output_dir", str(blocker / "out")],
+                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "is a regular file" in proc.stderr
 

@@ -38,7 +38,7 @@ def _deadlock():
 def test_deadlock_fails_by_timeout():
     start = time.monotonic()
     with pytest.raises(WorldTimeout) as info:
-        run_world(_deadlock, 2, timeout=2)
+        run_world(_deadlock, 2, timeout=1)
     assert "[0, 1]" in str(info.value)
     assert time.monotonic() - start < 20
 

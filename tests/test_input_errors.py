@@ -7,7 +7,8 @@ truncated .safetensors in base_model; a dataset path that is a directory or an e
 `python -m minipar.mesh --tp 0`, `minipar.plan --world -4 / 0` and a gpt2 config.json.
 
 Most checks call setup_run / load_config / the tools' main(argv) in this process (fast); four
-subprocesses hold the end-to-end promise: exit 2, one line on stderr, no traceback.
+programs run whole (their __main__ blocks, forked: tests/harness.py run_program) for the end-to-end
+promise: exit 2, one line on stderr, no traceback.
 """
 import json
 import os
@@ -21,6 +22,7 @@ from minipar.mesh import main as mesh_main
 from minipar.plan.__main__ import main as plan_main
 from minipar.trainer.config.train_config import load_config
 from minipar.trainer.run_setup import setup_run
+from tests.harness import run_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -47,10 +49,14 @@ def _refused(argv, out):
 
 
 def _run(args, out=None):
-    """A subprocess: (exit status, stderr); asserts one line, no traceback, output_dir untouched."""
+    """`python *args` (train.py or -m a tool) with its __main__ in a forked child (tests/harness.py
+    run_program: the program's own exit status and stderr, without a fresh interpreter's imports):
+    (exit status, stderr); asserts one line, no traceback, output_dir untouched."""
     before = sorted(os.listdir(out)) if out is not None else None
-    proc = subprocess.run([PY, *args], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+    module = args[0] == "-m"
+    program, argv = (args[1], args[2:]) if module else (args[0], args[1:])
+    proc = run_program(program, argv, module=module, cwd=ROOT, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
     err = proc.stderr.strip()
     assert "Traceback" not in err and err.count("\n") == 0, err
     if out is not None:

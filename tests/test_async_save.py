@@ -225,3 +225,40 @@ def test_sigterm_waits_for_the_background_write(tmp_path):
     assert got[0] == got[1] and got[0][0] == 4, got             # signalled in step 3, stopped after 4
     assert _names(out, "step-") == ["step-3", "step-4"]
     assert cv.find_latest_verified(str(out)) == (str(out / "step-4"), [])
+
+
+def _signalled_then_full(argv):
+    """SIGTERM during step 3; the write of step-4, the save the stop makes, fails as on a full disk."""
+    from minipar.trainer import lifecycle
+    torch.set_num_threads(1)
+    real, real_step = cio.write_file, Trainer.train_step
+
+    def write_file(root, rel, data):
+        if os.path.basename(root).startswith("step-4."):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(root, rel, data)
+
+    def train_step(self, step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self, step)
+
+    cio.write_file, Trainer.train_step = write_file, train_step
+    try:
+        Trainer(setup_run(argv)).train()
+    except cio.CheckpointWriteError as e:
+        return "write error", str(e)
+    except lifecycle.Preempted as stop:
+        return "preempted", str(stop)
+    return "finished", ""
+
+
+def test_sigterm_whose_save_fails_says_so_and_does_not_claim_it_saved(tmp_path):
+    """The stop waits for its save's write and raises its error: a run whose last checkpoint was not
+    written exits 1 with the write's error, never 143 ('saved, resume from latest')."""
+    out = tmp_path / "run"
+    argv = [*TINY, *ASYNC, "--output_dir", str(out), "--max_steps", "8", "--save_steps", "3"]
+    kind, msg = run_world(_signalled_then_full, 1, argv, timeout=60)[0]
+    assert kind == "write error" and msg.startswith(f"could not write checkpoint {out / 'step-4'}"), msg
+    assert f"the previous checkpoint {out / 'step-3'} is intact" in msg, msg
+    assert _names(out, "step-") == ["step-3"]

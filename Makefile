@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# make test's pytest workers (pytest-xdist): each test's forked ranks wait on each other, the
+# interpreters' imports and the subprocess launches leave a core idle; two keep both busy
+WORKERS ?= 2
 
 .PHONY: train test test-slow lint install clean
 
@@ -17,7 +20,7 @@ train: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) train.py $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) $(ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(ARGS)

@@ -272,8 +272,9 @@ class _Stop(Exception):
     pass
 
 
-def _check_train(args, world, monkeypatch, page=None, line=""):
-    """run_setup.setup_run on these arguments, for `world` processes, stopped at minipar.init. A
+def _check_train(args, world, monkeypatch, page=None, line="", out_dir=None):
+    """run_setup.setup_run on these arguments, for `world` processes, stopped at minipar.init (its
+    output_dir, which step 7 creates and locks, moved to `out_dir`: never the checkout's out/). A
     command that reads what an earlier command of its page writes under out/ (an example dataset,
     say) is checked up to its keys and their types (the files do not exist yet), and the page must
     show the command that writes them before it."""
@@ -308,6 +309,8 @@ def _check_train(args, world, monkeypatch, page=None, line=""):
         monkeypatch.delenv(var)
     if args and not args[0].startswith("--"):
         args = [os.path.join(ROOT, args[0])] + args[1:]
+    if out_dir is not None:                       # the last --output_dir wins
+        args = list(args) + ["--output_dir", str(out_dir)]
     with pytest.raises(_Stop):
         setup_run(args)
     assert seen["config"].total_size == world
@@ -369,7 +372,7 @@ def _check_python(argv):
 
 
 @pytest.mark.parametrize("page,line", _commands(), ids=lambda v: v if len(str(v)) < 60 else str(v)[:60])
-def test_commands_in_code_blocks_parse(page, line, monkeypatch):
+def test_commands_in_code_blocks_parse(page, line, monkeypatch, tmp_path):
     argv = shlex.split(line.replace("$ ", "", 1))
     argv = [a for a in argv if not re.match(r"^\w+=", a)] if argv[0] != "make" else argv   # VAR=1 prefixes
     prog = os.path.basename(argv[0])
@@ -391,7 +394,7 @@ def test_commands_in_code_blocks_parse(page, line, monkeypatch):
         argv = argv[1:]
     world *= nodes                    # torchrun --nnodes N: the world spans N launchers
     if argv[0] == "train.py":
-        return _check_train(argv[1:], world, monkeypatch, page, line)
+        return _check_train(argv[1:], world, monkeypatch, page, line, out_dir=tmp_path / "out")
     assert world == 1, f"{line}: only train.py is launched with torchrun here"
     _check_python(argv)
 

@@ -14,6 +14,7 @@ order of docs/design.md.
 from __future__ import annotations
 
 import ast
+import collections
 import functools
 import os
 from dataclasses import dataclass, field
@@ -71,21 +72,15 @@ def _resolve(node: ast.ImportFrom, mod: Module) -> str:
 
 
 def _walk(tree: ast.AST):
-    """(node, inside a function body) for every node, in ast.walk's breadth-first order: one pass
-    over the tree (this one pass replaced four: about 1 s less for the project)."""
-    fields, queue, i = ast.AST._fields, [(tree, False)], 0
+    """(node, inside a function body) for every node, breadth-first as ast.walk: the one pass over
+    the tree that every field of a Module is read in."""
     function = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-    while i < len(queue):
-        node, flag = queue[i]
-        i += 1
+    queue = collections.deque([(tree, False)])
+    while queue:
+        node, flag = queue.popleft()
         yield node, flag
         child_flag = flag or isinstance(node, function)
-        for name in node._fields if node._fields is not fields else ():
-            value = getattr(node, name, None)
-            if isinstance(value, ast.AST):
-                queue.append((value, child_flag))
-            elif isinstance(value, list):
-                queue.extend((v, child_flag) for v in value if isinstance(v, ast.AST))
+        queue.extend((child, child_flag) for child in ast.iter_child_nodes(node))
 
 
 def _bind(node: ast.AST, names: Set[str]) -> None:

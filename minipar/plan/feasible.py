@@ -68,4 +68,3 @@ def expert_problems(model: ModelShape, layout: Layout) -> List[str]:
                    f"{sorted(set(range(model.num_hidden_layers)) - set(model.moe_layers))} "
                    f"(mlp_only_layers / decoder_sparse_step): not planned yet")
     return out
-

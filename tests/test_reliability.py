@@ -233,7 +233,10 @@ def _wait_for_steps(path, n, proc, deadline):
 @pytest.mark.slow
 def test_sigterm_to_torchrun_saves_and_resumes(tmp_path):
     out = tmp_path / "run"
-    argv = _argv(out, "--dp_shard_size", "2", "--max_steps", "40")
+    # 400 steps of about 20 ms: the SIGTERM, sent once 3 steps are logged, lands seconds before the
+    # end even when this process is scheduled late (with 40 the run could finish first)
+    steps_in_run = "400"
+    argv = _argv(out, "--dp_shard_size", "2", "--max_steps", steps_in_run)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node", "2",
                              os.path.join(ROOT, "train.py"), *argv],
@@ -253,10 +256,10 @@ def test_sigterm_to_torchrun_saves_and_resumes(tmp_path):
     assert (out / f"step-{steps[-1]}").is_dir(), text
     assert "stopped on SIGTERM" in text, text
     n = steps[-1]
-    assert n < 40
-    full = run_world(_train, 2, _argv(tmp_path / "full", "--dp_shard_size", "2", "--max_steps", "40"),
+    assert n < int(steps_in_run)
+    full = run_world(_train, 2, _argv(tmp_path / "full", "--dp_shard_size", "2", "--max_steps", steps_in_run),
                      timeout=300)[0]
-    resumed = run_world(_train, 2, _argv(out, "--dp_shard_size", "2", "--max_steps", "40",
+    resumed = run_world(_train, 2, _argv(out, "--dp_shard_size", "2", "--max_steps", steps_in_run,
                                          "--resume_from_checkpoint", "latest"), timeout=300)[0]
     _same_after(full, resumed, n)
 

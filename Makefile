@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# make test's pytest workers (pytest-xdist): each test's forked ranks wait on each other, the
-# interpreters' imports and the subprocess launches leave a core idle; two keep both busy
+# the pytest workers of make test and make test-slow (pytest-xdist): a test's forked ranks wait on
+# each other, and imports and subprocess launches leave a core idle; two keep both cores busy
 WORKERS ?= 2
 
 .PHONY: train test test-slow lint install clean
@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(WORKERS) $(ARGS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow $(ARGS)
+	$(PY) -m pytest -q -m slow -n $(WORKERS) $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

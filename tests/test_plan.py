@@ -6,7 +6,8 @@ minipar.plan's prediction for the same model, layout, batch and dtype:
     parameters), their .grad, and every tensor of the optimizer state, taken just before zero_grad;
   - the peak of gathered ZeRO-3 buffers over two steps (zero3.peak_gathered_bytes), EXACTLY;
   - communication, EXACTLY: comm.ledger()'s (op, group) -> calls and buffer bytes of the step;
-  - activations, within 15 %, at three sequence lengths. "Measured activation memory" here is the
+  - activations, EXACTLY, at three sequence lengths (bf16 TP without ZeRO-3 within 15 %: see its
+    test). "Measured activation memory" here is the
     bytes of the distinct storages that autograd saves for backward during one micro-batch's
     forward (torch.autograd.graph.saved_tensors_hooks), parameters and gathered ZeRO-3 buffers
     excluded: what the forward leaves alive for backward, its peak. Transient buffers that no
@@ -155,7 +156,9 @@ def _plan_rank(model, layout, pipe, batch, opts, rank):
     return p["memory"], p["collectives"], act
 
 
-def _check(r0, results):
+def _check(r0, results, act_tolerance: float = 0.0):
+    """State, gathered peak and ledger exactly on every rank; the activations of each stage's first
+    rank exactly too, or within `act_tolerance` of the measured bytes where a test says why."""
     model, sizes, batch, opts = from_train_config(r0["cfg"])
     lc = r0["layout"]
     layout = Layout(lc.dp_replicate_size, lc.dp_shard_size, lc.cp_size, lc.tp_size, lc.sequence_parallel,
@@ -175,16 +178,16 @@ def _check(r0, results):
             continue
         for (checkpointing, seq), measured in r["acts"].items():
             planned = act(dataclasses.replace(batch, sequence_len=seq), checkpointing)
-            assert abs(planned - measured) <= 0.15 * measured, \
+            assert abs(planned - measured) <= act_tolerance * measured, \
                 f"{where}, seq {seq}, checkpointing {checkpointing}: " \
                 f"planned {planned} B, measured {measured} B"
 
 
-def _check_world(world, runs, tmp_path):
+def _check_world(world, runs, tmp_path, act_tolerance: float = 0.0):
     argvs = [_argv(config, tmp_path / str(i), *extra) for i, (config, extra) in enumerate(runs)]
     per_rank = run_world(_measure_all, world, argvs, timeout=900)
     for i in range(len(runs)):
-        _check(per_rank[0][i], [r[i] for r in per_rank])
+        _check(per_rank[0][i], [r[i] for r in per_rank], act_tolerance)
 
 
 def _sizes(config):
@@ -277,7 +280,7 @@ BF16_TP_UNSHARDED = [("ddp.yaml", ["--dp_replicate_size", "2", "--tensor_paralle
 def test_plan_matches_bf16_tp_runs_without_zero3(tmp_path):
     """State and ledger exactly, activations within 15 % (measured under the run's autocast: its
     bf16 casts of every matmul's input and weight, the fp32 stream), with and without SP."""
-    _check_world(4, BF16_TP_UNSHARDED, tmp_path)
+    _check_world(4, BF16_TP_UNSHARDED, tmp_path, act_tolerance=0.15)
 
 
 @pytest.mark.slow

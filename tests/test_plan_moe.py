@@ -6,11 +6,12 @@ of tests/test_plan.py, Mixtral-shaped: 8 experts, top-2), compared per rank with
   - the ledger per (op, group), EXACTLY, but for the token exchange ("all_to_all_uneven", "ep"), whose
     bytes depend on the routing: its calls exactly, its bytes summed over the ranks exactly (every
     copy sent is received once, so the balanced plan is the mean) and each rank's within 25 %;
-  - activations within 15 % on rank 0, as the dense configs, and their mean over the ranks EXACTLY:
+  - activations within 15 % on rank 0 (the dense configs' are exact), and their mean over the ranks EXACTLY:
     the experts' rows and the regroup's indices are M on a rank, which moves with the routing, but
     summed over an ep group they are the balanced plan's N each (as the exchange's bytes).
 And an MoE without ZeRO-3 in bf16 (autocast: the experts' and the router's bf16 weight casts, the
-fp32 stream), ep 1, held as tests/test_plan.py holds the dense configs.
+fp32 stream), ep 1, held as tests/test_plan.py holds the dense configs, its activations within 15 %
+(exact at 64 and 128 tokens, 8.7 % over at 32).
 """
 import dataclasses
 

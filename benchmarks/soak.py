@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--extra", default="", help="more train.py flags for every run")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per run")
     ap.add_argument("--cores", action="store_true", help="allow core dumps; keep a failed run's directory")
-    ap.add_argument("--name", default="soak", help="results file: benchmarks/results/<name>.md and .json")
+    ap.add_argument("--name", default="soak", help="results file: <results>/<name>.md and .json")
+    ap.add_argument("--results", default=RESULTS, help="its folder (default benchmarks/results)")
     args = ap.parse_args(argv)
 
     work = tempfile.mkdtemp(prefix="minipar-soak-")
@@ -112,10 +113,10 @@ def write_results(args, runs) -> str:
     for i, r in failures:
         lines += ["", f"## run {i + 1}: exit {r['code']}", "", "```", r["tail"], "```"]
     text = "\n".join(lines) + "\n"
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
+    os.makedirs(args.results, exist_ok=True)
+    with open(os.path.join(args.results, f"{args.name}.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
+    with open(os.path.join(args.results, f"{args.name}.json"), "w") as f:
         json.dump(dict(args=vars(args), runs=runs), f, indent=1)
     return text
 

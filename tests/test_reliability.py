@@ -88,11 +88,13 @@ def test_teardown_leaves_no_distributed_thread(tmp_path):
 
 
 @pytest.mark.slow
-def test_soak_short():
-    # benchmarks/soak.py, shortened: real torchrun launches of 8 ranks, every one must exit 0
+def test_soak_short(tmp_path):
+    # benchmarks/soak.py, shortened: real torchrun launches of 8 ranks, every one must exit 0 (its
+    # table written under tmp_path: a test leaves the checkout's results as they are)
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import soak
-    assert soak.main(["--runs", "5", "--name", "soak-test"]) == 0
+    assert soak.main(["--runs", "5", "--name", "soak-test", "--results", str(tmp_path)]) == 0
+    assert "| 5 | 5 | 0 |" in (tmp_path / "soak-test.md").read_text()
 
 
 # --------------------------------------------------------------- 6. ranks started with other flags

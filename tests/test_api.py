@@ -7,12 +7,12 @@ import runpy
 
 import pytest
 import torch
+from harness import run_world
 
 from minipar.api import prepare
 from minipar.config import ParallelismConfig
 from minipar.tensor_parallel.layers import gather_tensor
 from minipar.zero3 import ShardedStateDicts
-from tests.harness import run_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "own_loop.py")

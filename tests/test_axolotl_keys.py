@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from harness import run_program
 
 from minipar import lr_schedule
 from minipar.plan.__main__ import main as plan_main
@@ -17,7 +18,6 @@ from minipar.trainer.config import axolotl_docs, axolotl_keys
 from minipar.trainer.config.rl_keys import translate_rl
 from minipar.trainer.config.train_config import load_config
 from minipar.trainer.data.make_example import next_command
-from tests.harness import run_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_hidden_layers", "2",

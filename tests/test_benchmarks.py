@@ -10,8 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import run_all  # noqa: E402
-
-from tests.harness import run_program  # noqa: E402
+from harness import run_program  # noqa: E402
 
 
 def _check_rows(data, rounds):

@@ -20,6 +20,7 @@ import torch
 # backends: about 1 s of CPU a rank), imported once here, before the ranks fork; no thread, no torch op
 import torch._dynamo.backends.debugging  # noqa: F401
 import torch._inductor.compile_fx  # noqa: F401
+from harness import run_world
 
 import minipar
 from minipar import comm_ledger
@@ -28,7 +29,6 @@ from minipar.compose import Step
 from minipar.config import ParallelismConfig
 from minipar.recipe import LoRA
 from models.llama_config import LlamaConfig
-from tests.harness import run_world
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2)

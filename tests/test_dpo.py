@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from harness import run_world
 
 import minipar
 from minipar.config import ParallelismConfig
 from minipar.recipe import LoRA
-from tests.harness import run_world
 
 CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2)

@@ -17,12 +17,12 @@ import sys
 
 import pytest
 import torch
+from harness import run_program
 
 from minipar.mesh import main as mesh_main
 from minipar.plan.__main__ import main as plan_main
 from minipar.trainer.config.train_config import load_config
 from minipar.trainer.run_setup import setup_run
-from tests.harness import run_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable

@@ -6,6 +6,7 @@ from contextlib import redirect_stdout
 
 import pytest
 import torch
+from harness import run_world
 
 import minipar
 from minipar import ParallelismConfig
@@ -22,7 +23,6 @@ from minipar.context_parallel.block_attention import reference_backward, referen
 from minipar.context_parallel.documents import classify_block, cumulative_lengths, runs
 from minipar.context_parallel.kernel_choice import AttentionLog, is_unsupported, may_fall_back
 from minipar.mesh import ProcessGroupManager
-from tests.harness import run_world
 
 F64 = torch.float64
 

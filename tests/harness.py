@@ -149,10 +149,11 @@ def _python_warnings():
     for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
         warnings.filterwarnings("ignore", category=category, append=True)
 
-    def show(msg):
-        (msg.file or sys.stderr).write(warnings._formatwarnmsg(msg))
-    warnings._showwarnmsg_impl = show
-    warnings.showwarning = warnings._showwarning_orig
+    def show(message, category, filename, lineno, file=None, line=None):
+        # set on showwarning itself (the public hook), which warnings calls in place of the display
+        # pytest's recorder has installed
+        (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
+    warnings.showwarning = show
 
 
 def run_program(program: str, argv, *, module: bool = False, cwd=None, env=None, timeout: float = 120):

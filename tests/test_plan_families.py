@@ -6,9 +6,9 @@ Each run is one optimizer step of train.py's Trainer on forked gloo ranks, held 
 tests/test_plan.py holds every config (`_check`): persistent state, gathered ZeRO-3 bytes and the comm
 ledger EXACTLY (a bias is a parameter, its gradient and its AdamW moments, inside its layer's ZeRO-3
 unit or DDP's buckets; a masked layer under cp all-gathers K/V over the whole cp group and
-reduce-scatters dK/dV instead of its ring hops or all-to-alls), activations within 15 % at three
-sequence lengths (in practice exact: a masked layer keeps the whole sequence's K/V and the mask SDPA
-makes of the boolean one; a capped one its explicit scores). The resized vocabulary is read from the
+reduce-scatters dK/dV instead of its ring hops or all-to-alls), activations EXACTLY at three
+sequence lengths (a masked layer keeps the whole sequence's K/V and the mask SDPA makes of the
+boolean one; a capped one its explicit scores). The resized vocabulary is read from the
 config FILE as the planner program reads it (minipar/trainer/prediction.py's read_train_config), and
 must be the trainer's own. The time model and MFU of a window, and the parameter counts, are held
 without ranks below.
@@ -66,7 +66,7 @@ ATTENTION_RUNS = [
 
 @pytest.mark.parametrize("runs", [PARAMETER_RUNS, ATTENTION_RUNS], ids=["parameters", "attention"])
 def test_plan_matches_family_runs_on_4_ranks(tmp_path, runs):
-    """State and ledger exactly, activations within 15 % (in practice exact)."""
+    """State, ledger and activations exactly."""
     _check_world(4, runs, tmp_path)
 
 

@@ -2,8 +2,7 @@
 
 A pure function of (model shape, layout, batch, dtype; the four inputs are inputs.py's): no
 process group, no tensor. Every count follows minipar's code path by path, so tests/test_plan.py
-holds it EXACTLY against real forked runs (persistent state, the comm ledger) and within 15 % for
-activations.
+holds it EXACTLY against real forked runs (persistent state, the comm ledger, activations).
 
 Notation: d hidden, f intermediate, L layers, H / K query / KV heads, D head_dim, V vocab,
 T = tp, C = cp, S = dp_shard, R = dp_replicate, N = S * C (the ZeRO-3 shard group dp_shard_cp),

@@ -43,13 +43,16 @@ Activations of an MoE feed-forward (replacing the dense MLP's 4 e n f / T), bala
     autocast    (bf16 without ZeRO-3: activation_bytes.py) gate and up each save their own bf16
                 cast of the fp32 rows (2 e N d), index_add_'s source is fp32 (4 N d), and the
                 matmuls save bf16 casts of the router's weight and of every local expert's three
-                (`weight_casts`: e (E d + 3 (E/ep) F d)), an expert without rows casting none
+                (`weight_casts`: e (E d + 3 (E/ep) F d)); an expert no row reaches runs no matmul
+                and casts none, 3 e F d less (`expert_cast_bytes`): the plan, balanced, reaches all
     aux loss    once per micro-batch (models/moe_aux.py): the counts C_e, 4 E, and the divisor
                 (L T)^2, a 0-d fp32 tensor: 4 E + 4 bytes (`aux_activations`)
 
 The experts' rows and the regroup's indices are M on a rank, N only on average: per rank they move
-with the router's imbalance, and summed over an ep group they are exact, as the token exchange's
-bytes (tests/test_plan_moe.py holds the mean over the ranks to the byte).
+with the router's imbalance, (M - N) `received_row_bytes` a layer, and summed over an ep group they
+are exact, as the token exchange's bytes. tests/test_plan_moe.py holds each rank to the byte, the
+plan corrected by these two terms for the routing the rank observed, and the mean over the ranks to
+the balanced plan itself.
 
 Time: the exchanges are on the critical path (the experts wait for their tokens, the layer for the
 outputs), so the ep group's time is added to the step whole. The experts' ZeRO-3 traffic over edp is
@@ -133,20 +136,37 @@ def mlp_activations(model, layout, batch, e: int, pe: int) -> int:
     compute dtype's e bytes and the residual stream's pe (4 under autocast, else e)."""
     n = batch.micro(layout) * batch.sequence_len // layout.cp
     n = n // layout.tp if layout.sp else n
-    k, E, d, F = model.num_experts_per_tok, model.num_local_experts, model.hidden_size, \
-        model.moe_intermediate_size
+    k, E, d = model.num_experts_per_tok, model.num_local_experts, model.hidden_size
     N = n * k
     router = 4 * n * E + 8 * n * k + (4 * n * k + 4 * n if model.norm_topk_prob else 0)
-    sort = 16 * N + (16 * N if layout.ep > 1 else 0)
-    rows = e * N * d * (2 if pe != e else 1)      # autocast: gate's and up's own bf16 casts of them
-    return router + sort + rows + 4 * e * N * F + e * N * d + e * N + pe * N * d
+    sort = 16 * N                                 # order and token ids of this rank's own N copies
+    # the M rows the local experts receive, balanced M = N; then the combined outputs, the router
+    # weights and the weighted rows, N each
+    return router + sort + N * received_row_bytes(model, layout, e, pe) + e * N * d + e * N + pe * N * d
+
+
+def received_row_bytes(model, layout, e: int, pe: int) -> int:
+    """Saved bytes per row a rank's local experts receive (M rows, N only on average): the row (e d,
+    or under autocast gate's and up's own bf16 casts of it, 2 e d), gate, silu(gate), up and their
+    product (4 e F), and with ep > 1 the regroup's order and its inverse (int64 each). A test that
+    sees the routing plans a rank exactly with it: balanced + (M - N) x this, per MoE layer."""
+    rows = e * model.hidden_size * (2 if pe != e else 1)
+    return rows + 4 * e * model.moe_intermediate_size + (16 if layout.ep > 1 else 0)
+
+
+def expert_cast_bytes(model, e: int) -> int:
+    """Under autocast, the bf16 casts one local expert's three matmuls save of its (F, d) weights. An
+    expert that receives no row runs no matmul and casts none (models/moe.py skips it), so a rank
+    keeps this much less per unreached expert than the balanced plan (tests/test_plan_moe.py)."""
+    return e * 3 * model.moe_intermediate_size * model.hidden_size
 
 
 def weight_casts(model, layout, e: int) -> int:
     """Under autocast, the bf16 casts an MoE feed-forward's matmuls save of its weights: the router's
-    (E, d) and each local expert's three (F, d) (an expert view is no leaf: autocast caches none)."""
-    return e * model.hidden_size * (model.num_local_experts
-                                    + 3 * model.num_local_experts // layout.ep * model.moe_intermediate_size)
+    (E, d) and each local expert's three (F, d) (an expert view is no leaf: autocast caches none),
+    every local expert reached (as balanced routing does)."""
+    E = model.num_local_experts
+    return e * model.hidden_size * E + E // layout.ep * expert_cast_bytes(model, e)
 
 
 def aux_activations(model) -> int:

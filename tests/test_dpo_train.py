@@ -2,7 +2,7 @@
 precomputed reference) and configs/dpo_lora.yaml (LoRA, the adapters-off reference) on a tiny
 checkpoint with make_example's generated pairs; one process equals 2 ranks (dp_shard 2, tp 2)
 within 1e-4, the metrics carry TRL's names, a resumed run equals the uninterrupted one, and bad
-input is one line before any step."""
+input is one line before any step; and a Qwen3-MoE on dp_shard 2 x ep 2 equals one process."""
 import json
 import os
 
@@ -268,3 +268,35 @@ def test_planner_counts_the_reference(tmp_path, example):
     assert mem["reference"] == 4 * mem["param_elements"] == mem0["params"]   # dp_shard 2: its shard
     assert mem["total"] == mem0["total"] + mem["reference"]
     assert all(st["reference"] == 4 * st["param_elements"] > 0 for st in stages)
+
+
+# Qwen3-MoE shaped (4 experts, top 2, every layer sparse): the tokenizer of the dense example
+MOE = dict(TINY, model_type="qwen3_moe", num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           router_aux_loss_coef=0.05)
+
+
+def _make_moe(directory, tokenizer_from):
+    from minipar.trainer.checkpoint.save_load import copy_tokenizer
+    from minipar.trainer.data.make_example import write_checkpoint
+    from models.llama_config import LlamaConfig
+    write_checkpoint(directory, LlamaConfig(**MOE), seed=0, dtype=torch.float32)
+    copy_tokenizer(tokenizer_from, directory)
+
+
+def test_moe_on_ep2_equals_one_process(tmp_path, example):
+    """rl: dpo on a mixture of experts through train.py: dp_shard 2 with the experts split over ep 2
+    (each rank holds 2 of the 4) equals one process running the same two micro-batches one after the
+    other (the router's aux loss is per micro-batch, added as TRL adds it: coef x aux), within 1e-4,
+    training and evaluation; at step 0 the loss is ln 2 plus that aux term, not ln 2 alone."""
+    moe = str(tmp_path / "moe")
+    run_world(_make_moe, 1, moe, example["model"], timeout=120)
+    ex = dict(example, model=moe)
+    micro = ["--micro_batch_size", "2", "--global_batch_size", "4"]
+    one = run_world(_train, 1, _argv("dpo.yaml", ex, tmp_path / "one", 2, *micro,
+                                     "--gradient_accumulation_steps", "2"), timeout=180)[0]
+    two = run_world(_train, 2, _argv("dpo.yaml", ex, tmp_path / "two", 2, *micro, "--dp_shard_size", "2",
+                                     "--expert_parallel_size", "2"), timeout=180)
+    assert one[0]["loss"] > 0.6931471805599453 + 1e-6                  # ln 2 + coef x aux
+    assert set(KEYS) <= set(one[-1]) and "eval_rewards/accuracies" in one[-1]
+    _close(two[0], one)
+    _close(two[1], one)

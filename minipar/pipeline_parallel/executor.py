@@ -72,7 +72,6 @@ import torch
 from .. import comm
 from .p2p import StageLink, activation_shape
 from .schedules import Action, forward_order
-from .side_vectors import NoSide
 
 
 class ScheduleHooks:
@@ -180,7 +179,8 @@ def _forward(stage, link, hooks, side, a: Action, mb: dict, num_items_in_batch, 
     with autocast():
         out = stage(x, mb["position_ids"], labels=mb["labels"], num_items_in_batch=num_items_in_batch,
                     chunk=a.chunk, document_ids=mb.get("document_ids"))
-    out = side.after_forward(a.chunk, a.micro, out)
+    if side is not None:                        # forward_only carries no side vector (no aux loss)
+        out = side.after_forward(a.chunk, a.micro, out)
     hooks.computed(a, t, time.perf_counter())
     if not stage.is_last_virtual(a.chunk):
         link.send_forward(out, vs + 1, a.micro)
@@ -208,12 +208,12 @@ def forward_only(stage, pgm, micro_batches, num_items_in_batch, *, act_dtype: to
     device = micro[0]["input_ids"].device
     link = StageLink(pgm, shapes, act_dtype, device, m, stage.owner, stage.forward_plan(m),
                      transport=transport)
-    hooks, side = ScheduleHooks(), NoSide()
+    hooks = ScheduleHooks()
     losses = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(m)]
     order = forward_order(stage.schedule, p, m, pgm.pp.rank, v)
     for i, a in enumerate(order):
         link.post(i)
-        _, out = _forward(stage, link, hooks, side, a, micro[a.micro], items[a.micro], autocast, grad=False)
+        _, out = _forward(stage, link, hooks, None, a, micro[a.micro], items[a.micro], autocast, grad=False)
         if stage.is_last_virtual(a.chunk):
             losses[a.micro] += out.double()
         del out                                 # h is in the link's outbox (detached) until posted

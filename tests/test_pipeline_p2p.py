@@ -263,11 +263,15 @@ def _check_recorded(tmp_path, p, runs):
 
 def test_recorded_pp2_runs_replay_under_nccls_rules(tmp_path):
     # global batch 8: micro-batches of 4 are m = 2 = p, of 2 m = 4 = 2p; the evaluation (forward
-    # only) and, for zbv and 1f1b, two steps run back to back (pipeline_overlap_steps) are recorded too
+    # only, pipelined) and, for zbv and 1f1b, two steps run back to back (pipeline_overlap_steps)
+    # are recorded too
     alone = ("--pipeline_overlap_steps", "true", "--max_grad_norm", "0")
     runs = [_run(tmp_path, 2, name, 4) for name in SCHEDULES]
     runs += [_run(tmp_path, 2, "1f1b", 2, *alone, steps=2), _run(tmp_path, 2, "zbv", 2, *alone, steps=2)]
     runs += [_run(tmp_path, 2, "1f1b", 2, *MOE)]
+    # 3 eval batches down the pipeline together (executor.forward_only over a list; 3: not a multiple
+    # of p, the interleaved forward order's last group is short)
+    runs += [_run(tmp_path, 2, "interleaved_1f1b", 4, "--eval_batches", "3")]
     _check_recorded(tmp_path, 2, runs)
 
 

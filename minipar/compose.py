@@ -70,6 +70,7 @@ from minipar.pipeline_parallel import (
     build_stage,
     exchange_plan,
     forward_only,
+    forward_window,
     run_schedule,
     schedule_order,
 )
@@ -272,9 +273,14 @@ class Step:
         comm.all_reduce(loss, self.pgm.dp_cp)
         return loss
 
-    def eval_loss(self, batch: dict, n_items) -> torch.Tensor:
-        """One evaluation batch, forward only (forward_loss below)."""
+    def eval_loss(self, batch, n_items) -> torch.Tensor:
+        """An evaluation batch forward only, or a list of them pipelined (forward_loss below)."""
         return forward_loss(self.pm, batch, n_items, self.transport)
+
+    @property
+    def eval_window(self) -> int:
+        """How many evaluation batches to hand eval_loss at once: under pp forward_window(pp), else 1."""
+        return forward_window(self.pgm.pp.size) if self.pipelined else 1
 
     @property
     def loss_groups(self):
@@ -283,11 +289,15 @@ class Step:
 
 
 @torch.no_grad()
-def forward_loss(pm: ParallelModel, batch: dict, n_items, transport=comm) -> torch.Tensor:
-    """One batch forward only, no aux loss: this rank's share of its loss (a float64 device tensor;
-    zero off the last stage); summed over dp_cp (and pp) it is the batch's loss. Under pp the
-    micro-batch goes through every stage in turn (pipeline_parallel's forward_only)."""
+def forward_loss(pm: ParallelModel, batch, n_items, transport=comm) -> torch.Tensor:
+    """A batch forward only, no aux loss: this rank's share of its loss (a float64 device tensor;
+    zero off the last stage); summed over dp_cp (and pp) it is the batch's loss. A list of batches
+    (n_items one for all, or one each) gives their (M,) shares: under pp pipelined, the forward half
+    of AFAB (pipeline_parallel's forward_only: stage s on batch m while stage s + 1 is on m - 1)."""
     if pm.pgm.pp.size > 1:
         return forward_only(pm.model, pm.pgm, batch, n_items, autocast=pm.autocast, transport=transport,
                             act_dtype=torch.bfloat16 if pm.recipe.bf16 else torch.float32)
-    return pm.loss(batch, n_items).double()
+    if isinstance(batch, dict):
+        return pm.loss(batch, n_items).double()
+    items = n_items if isinstance(n_items, (list, tuple)) else [n_items] * len(batch)
+    return torch.stack([pm.loss(b, n).double() for b, n in zip(batch, items)])

@@ -27,10 +27,11 @@ masters, gradients and AdamW moments):
 
 Time per step: lora and frozen run one more forward per micro-batch (no backward: about a third of
 the step's compute); frozen's ZeRO-3 gathers its units again per micro-batch (P x e bytes over
-dp_shard_cp, hidden behind its layers' compute as the policy's are). Under pp each micro-batch goes
-through the stages one after the other (compose.forward_loss: pipeline_parallel's forward_only), so
-a stage idles while the others run it. precomputed costs one such pass per batch, once per start.
-minipar/plan/reference_cost.py prices each.
+dp_shard_cp, hidden behind its layers' compute as the policy's are). Under pp the step's M
+micro-batches go down the pipeline together (compose.forward_loss on the list: pipeline_parallel's
+forward_only, the forward half of AFAB): stage s runs micro-batch m while stage s + 1 runs m - 1,
+M + p - 1 stage forwards where one at a time took M p. precomputed costs one such pass per batch,
+once per start, its batches pipelined a window at a time. minipar/plan/reference_cost.py prices each.
 
 Which reference a model can hold (check_reference): lora needs the adapters; frozen needs no adapters
 (with LoRA the adapters-off base IS the frozen copy, at no cost) and the copy built on the policy's
@@ -92,18 +93,20 @@ def frozen_copy(policy: ParallelModel, config, base_model=None, log: Callable = 
 @torch.no_grad()
 def record_logps(pm: ParallelModel, micro: List[dict], pgm, loss_type: str,
                  forward: Optional[Callable] = None) -> None:
-    """Each micro-batch's (rows,) log-probs under `pm` into mb["ref_logps"], no gradient: a
-    recording PairLoss where the head takes num_items_in_batch (objective.py), one forward per
-    micro-batch (forward: compose.forward_loss by default; a Step passes its eval_loss). Under pp
-    the numbers are real on the last stage and zeros elsewhere, where no head reads them."""
-    forward = forward or (lambda mb, objective: forward_loss(pm, mb, objective))
+    """Each micro-batch's (rows,) log-probs under `pm` into mb["ref_logps"], no gradient: one recording
+    PairLoss over all of them where the head takes num_items_in_batch (objective.py: it finds each
+    micro-batch by its labels), one forward pass over the list (forward(micro, objective):
+    compose.forward_loss by default, a Step passes its eval_loss; under pp the micro-batches
+    pipelined). Under pp the numbers are real on the last stage and zeros elsewhere, where no head
+    reads them."""
+    forward = forward or (lambda mbs, objective: forward_loss(pm, mbs, objective))
     was_training = pm.model.training
     pm.model.eval()
     try:
-        for mb in micro:
-            rec = PairLoss([mb], 1, pgm, 1.0, loss_type, record=True)
-            forward(mb, rec)
-            got = rec.reference(0)
+        rec = PairLoss(list(micro), 1, pgm, 1.0, loss_type, record=True)
+        forward(list(micro), rec)
+        for i, mb in enumerate(micro):
+            got = rec.reference(i)
             mb["ref_logps"] = got if got is not None else torch.zeros(mb["labels"].shape[0], device=pm.device)
     finally:
         pm.model.train(was_training)

@@ -23,7 +23,8 @@ The plan, in order (Rafailov et al., 2023; TRL's DPOTrainer is the reference imp
                                layout (dpo_reference.frozen_copy: ZeRO-3 sharded like the policy,
                                no gradient, no optimizer state), one forward per micro-batch
                 each pass is a forward with a recording PairLoss (dpo_reference.record_logps): the
-                micro-batch loop, or under pp the pipeline's forward_only, whose last stage records
+                micro-batch loop, or under pp the pipeline's forward_only over the step's micro-
+                batches, pipelined (the forward half of AFAB), whose last stage records
     objective   minipar/dpo/objective.py PairLoss: passed where num_items_in_batch goes, it takes
                 the head's per-row sums of token log-probs (exact under tp, summed over cp) and
                 gives each micro-batch's share of the mean pair loss; compose.Step runs the
@@ -104,7 +105,7 @@ class DPOStep:
             record_logps(self.pm, micro, self.pgm, self.loss_type, forward=self.step.eval_loss)
         else:
             record_logps(model, micro, self.pgm, self.loss_type,
-                         forward=lambda mb, rec: forward_loss(model, mb, rec, self.step.transport))
+                         forward=lambda mbs, rec: forward_loss(model, mbs, rec, self.step.transport))
 
     def reference_logps(self, micro: List[dict]) -> None:
         """The reference's log-probs of each micro-batch by a forward: the adapters off, or the copy."""
@@ -127,13 +128,24 @@ class DPOStep:
         return out
 
     @torch.no_grad()
-    def precompute_reference(self, input_ids, labels, position_ids=None) -> torch.Tensor:
-        """(rows,) reference log-probs of a global batch of pair rows with the current weights, the
-        same on every rank (one micro-batch per rank; all-gathered over dp, summed over pp)."""
-        check_pair_split(input_ids.shape[0], self.pgm, 1)
-        mb = local_batch(input_ids, labels, self.pgm, 0, 1, device=self.pm.device, position_ids=position_ids)
-        self.record([mb])
-        mine = mb["ref_logps"].float()
+    def precompute_reference(self, input_ids, labels, position_ids=None, num_batches: int = 1
+                             ) -> torch.Tensor:
+        """(rows,) reference log-probs of global batches of pair rows with the current weights, the
+        same on every rank: num_batches global batches one after the other in the rows, each split as
+        one micro-batch per rank, all of them in one forward pass (pipelined under pp);
+        all-gathered over dp, summed over pp."""
+        rows = input_ids.shape[0] // num_batches
+        if rows * num_batches != input_ids.shape[0]:
+            raise ValueError(f"precompute_reference: {input_ids.shape[0]} rows do not split into "
+                             f"num_batches={num_batches} global batches of equal size")
+        check_pair_split(rows, self.pgm, 1)
+        part = (lambda t, k: None if t is None else t[k * rows:(k + 1) * rows])
+        micro = [local_batch(part(input_ids, k), part(labels, k), self.pgm, 0, 1, device=self.pm.device,
+                             position_ids=part(position_ids, k)) for k in range(num_batches)]
+        self.record(micro)
+        mine = torch.stack([mb["ref_logps"].float() for mb in micro])    # (batches, rows / dp)
         if self.pgm.pp.size > 1:                  # the last stage's numbers to every stage
             comm.all_reduce(mine, self.pgm.pp)
-        return comm.all_gather(mine, self.pgm.dp).cpu()
+        # (dp x batches, rows / dp) in rank order -> each batch's rows in order
+        got = comm.all_gather(mine, self.pgm.dp).view(self.pgm.dp.size, num_batches, -1)
+        return got.transpose(0, 1).reshape(-1).cpu()

@@ -228,39 +228,47 @@ def _planned(argv):
     import dataclasses
 
     from minipar.plan import Cluster, Layout, Pipeline, plan, plan_pipeline
+    from minipar.plan.reference_cost import forward_seconds
     from minipar.trainer.config.train_config import load_config
     from minipar.trainer.prediction import from_train_config
     cfg = load_config(argv[0], argv[1:], [])
     model, sizes, batch, opts = from_train_config(cfg)
     cluster, out = Cluster(peak_tflops=100.0), [batch.global_batch_size]
+    pp_batch = dataclasses.replace(batch, micro_batch_size=4)                      # 2 micro-batches
     for run in (lambda o: plan(model, Layout(1, 2, 1, 1), batch, o, cluster),
-                lambda o: plan_pipeline(model, Layout(1, 1, 1, 1), Pipeline(pp=2),     # 2 micro-batches
-                                        dataclasses.replace(batch, micro_batch_size=4), o, cluster)):
+                lambda o: plan_pipeline(model, Layout(1, 1, 1, 1), Pipeline(pp=2), pp_batch, o, cluster)):
         with_ref, without = run(opts), run(dataclasses.replace(opts, dpo_reference=""))
         out.append((with_ref["time"], without["time"], with_ref["memory"], without["memory"],
                     [s["memory"] for s in with_ref.get("stages", [])]))
+    # under pp: the whole model's forward of the step's micro-batches, one after the other
+    out.append(forward_seconds(model, Layout(1, 1, 1, 1), pp_batch, opts, cluster, out[-1][0]))
     return out
 
 
 def test_planner_counts_the_reference(tmp_path, example):
     """rows = 2 per pair; LoRA's reference and the frozen copy add one forward per micro-batch to the
-    step's time (about a third of its compute; under pp the whole model's, the stages in turn), the
-    precomputed one nothing per step and a pass before training; the frozen copy's weights (fp32,
-    sharded like the policy's) sit in the persistent memory of every phase and stage."""
+    step's time (about a third of its compute; under pp the micro-batches pipelined: at pp 2 and 2
+    micro-batches 3 half-model forwards where one after the other took 4, plus their sends), the
+    precomputed one nothing per step and a pass before training (under pp 8 batches pipelined:
+    (8 + 1) / 8 half-model forwards per batch); the frozen copy's weights (fp32, sharded like the
+    policy's) sit in the persistent memory of every phase and stage."""
     argv = _argv("dpo_lora.yaml", example, tmp_path / "l")
-    rows, (lora, plain, *_), (lora_pp, plain_pp, *_) = run_world(_planned, 1, argv, timeout=60)[0]
+    rows, (lora, plain, *_), (lora_pp, plain_pp, *_), whole = run_world(_planned, 1, argv, timeout=60)[0]
     assert rows == 8
     assert lora["step_s"] == pytest.approx(plain["step_s"] + lora["reference_s"])
     assert 0.05 * plain["compute_s"] < lora["reference_s"] < 0.5 * plain["compute_s"]
     assert lora_pp["step_s"] == pytest.approx(plain_pp["step_s"] + lora_pp["reference_s"])
-    assert lora_pp["reference_s"] > lora["reference_s"]            # no stage runs alongside another
+    # 3/4 of the forwards one after the other, + 3 sends (~7 % each here): below the former price,
+    # the whole forward + its 2 sends
+    assert 0.75 * whole < lora_pp["reference_s"] < whole
     argv = _argv("dpo.yaml", example, tmp_path / "p")
-    _, (pre, plain, *_), (pre_pp, plain_pp, *_) = run_world(_planned, 1, argv, timeout=60)[0]
+    _, (pre, plain, *_), (pre_pp, plain_pp, *_), whole = run_world(_planned, 1, argv, timeout=60)[0]
     assert pre["step_s"] == pytest.approx(plain["step_s"]) and pre["reference_pass_s_per_batch"] > 0
-    assert pre_pp["step_s"] == pytest.approx(plain_pp["step_s"]) and pre_pp["reference_pass_s_per_batch"] > 0
+    assert pre_pp["step_s"] == pytest.approx(plain_pp["step_s"])
+    assert 9 / 16 * whole < pre_pp["reference_pass_s_per_batch"] < 0.75 * whole
     argv = _argv("dpo.yaml", example, tmp_path / "f", 2, "--precompute_ref_log_probs", "false")
-    _, (frozen, plain, mem, mem0, _), (frozen_pp, plain_pp, _, _, stages) = run_world(_planned, 1, argv,
-                                                                                      timeout=60)[0]
+    _, (frozen, plain, mem, mem0, _), (frozen_pp, plain_pp, _, _, stages), _ = run_world(_planned, 1, argv,
+                                                                                         timeout=60)[0]
     assert frozen["reference_s"] == pytest.approx(lora["reference_s"])
     assert frozen["step_s"] == pytest.approx(plain["step_s"] + frozen["reference_s"])
     assert frozen_pp["step_s"] == pytest.approx(plain_pp["step_s"] + frozen_pp["reference_s"])

@@ -11,7 +11,8 @@ rest of pp 2, and the MoE under ZB-V and interleaved. Pure: the plan replayed fo
 (interleaved with 2 and 3 chunks, with and without side vectors), every exchange mirrored by its
 neighbour's, the receive buffers posted ahead a few whatever m, and the replay catching the order
 minipar posted before (each send and receive alone), which deadlocks every schedule but AFAB, and a
-pair with the wrong tag or size.
+pair with the wrong tag or size; the forwards alone (an evaluation: forward_order, forward_plan)
+replayed for p up to 4 and m from 1 to 4p.
 """
 import pytest
 import torch
@@ -19,7 +20,14 @@ from harness import run_world
 from nccl_replay import Deadlock, Mismatch, Recording, replay
 from test_pipeline import _argv
 
-from minipar.pipeline_parallel import SCHEDULES, chunk_stages, exchange_plan, forward_plan, schedule_order
+from minipar.pipeline_parallel import (
+    SCHEDULES,
+    chunk_stages,
+    exchange_plan,
+    forward_order,
+    forward_plan,
+    schedule_order,
+)
 from minipar.pipeline_parallel.p2p import ACTIVATION, GRADIENT, SIDE_FORWARD, message_tag
 from minipar.trainer.run_setup import setup_run
 from minipar.trainer.trainer import Trainer
@@ -31,13 +39,14 @@ def _v(name, v=2):
     return v if name in ("interleaved_1f1b", "zbv") else 1
 
 
-def _messages(name, p, m, v, rank, side=False):
+def _messages(name, p, m, v, rank, side=False, forward=False):
     """Per action of `rank`: the tags it needs (with their sender's pp rank) and the tags it makes
-    (with their receiver's); the zbv turn, inside one rank, is no message."""
+    (with their receiver's); the zbv turn, inside one rank, is no message. forward: the forwards
+    alone (forward_order: an evaluation)."""
     owner = {k: r for r in range(p) for k in chunk_stages(name, p, r, v)}
     stages, last = chunk_stages(name, p, rank, v), p * v - 1
     need, make = [], []
-    for a in schedule_order(name, p, m, rank, v):
+    for a in (forward_order if forward else schedule_order)(name, p, m, rank, v):
         vs = stages[a.chunk]
         frm, to = (vs - 1, vs + 1) if a.kind == "F" else (vs + 1, vs - 1)
         kind = ACTIVATION if a.kind == "F" else GRADIENT
@@ -83,13 +92,14 @@ def _old_posting(name, p, m, v):
     return traces
 
 
-def _planned_posting(name, p, m, v, side=False, steps=1):
+def _planned_posting(name, p, m, v, side=False, steps=1, forward=False):
     """The events the executor makes from p2p_plan.exchange_plan (post a slot's exchanges, wait on one
-    when the next action needs a tag it receives, wait on the rest at the end), `steps` steps."""
+    when the next action needs a tag it receives, wait on the rest at the end), `steps` steps.
+    forward: forward_only's, from p2p_plan.forward_plan."""
     traces = {}
     for r in range(p):
-        plan = exchange_plan(name, p, m, v, r, side)
-        need, _ = _messages(name, p, m, v, r, side)
+        plan = forward_plan(name, p, v, r, m) if forward else exchange_plan(name, p, m, v, r, side)
+        need, _ = _messages(name, p, m, v, r, side, forward)
         events, count = [], 0
         for _ in range(steps):
             open_ = {}                             # tag -> batch not yet waited on
@@ -159,6 +169,17 @@ def test_the_plan_replays_without_deadlock(name):
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
+def test_the_forward_only_plan_replays_without_deadlock(name):
+    # an evaluation's forwards alone, pipelined (executor.forward_only): any m, the chunks placed for
+    # `name` (interleaved: m need not be a multiple of p; its last group is shorter)
+    for p in (2, 3, 4):
+        for m in sorted({1, p - 1, p, p + 1, 2 * p, 4 * p}):
+            for v in ((2, 3) if name == "interleaved_1f1b" else (_v(name),)):
+                for streams in STREAMS:
+                    assert replay(_planned_posting(name, p, m, v, forward=True), streams) > 0
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_every_exchange_is_its_neighbours_mirror(name):
     # the k-th exchange of r with q holds what the k-th of q with r receives and sends; each
     # rank sends a message after the action making it and receives it before the one needing it
@@ -180,10 +201,11 @@ def test_every_exchange_is_its_neighbours_mirror(name):
                 assert not made
             for (r, q), mine in lists.items():
                 assert [(ex.sends, ex.recvs) for ex in mine] == [(ex.recvs, ex.sends) for ex in lists[(q, r)]]
-    # an evaluation: one micro-batch down every chunk
-    plans = [forward_plan(name, 2, _v(name), r) for r in range(2)]
-    assert sum(len(ex.sends) for plan in plans for slot in plan for ex in slot) == \
-        (2 * _v(name) - 1 - (name == "zbv"))
+    # an evaluation: one micro-batch down every chunk, and m = 5 pipelined: m times its sends
+    for m in (1, 5):
+        plans = [forward_plan(name, 2, _v(name), r, m) for r in range(2)]
+        assert sum(len(ex.sends) for plan in plans for slot in plan for ex in slot) == \
+            m * (2 * _v(name) - 1 - (name == "zbv"))
 
 
 def _held_receives(name, p, m, v, rank):
@@ -241,11 +263,15 @@ def _check_recorded(tmp_path, p, runs):
 
 def test_recorded_pp2_runs_replay_under_nccls_rules(tmp_path):
     # global batch 8: micro-batches of 4 are m = 2 = p, of 2 m = 4 = 2p; the evaluation (forward
-    # only) and, for zbv and 1f1b, two steps run back to back (pipeline_overlap_steps) are recorded too
+    # only, pipelined) and, for zbv and 1f1b, two steps run back to back (pipeline_overlap_steps)
+    # are recorded too
     alone = ("--pipeline_overlap_steps", "true", "--max_grad_norm", "0")
     runs = [_run(tmp_path, 2, name, 4) for name in SCHEDULES]
     runs += [_run(tmp_path, 2, "1f1b", 2, *alone, steps=2), _run(tmp_path, 2, "zbv", 2, *alone, steps=2)]
     runs += [_run(tmp_path, 2, "1f1b", 2, *MOE)]
+    # 3 eval batches down the pipeline together (executor.forward_only over a list; 3: not a multiple
+    # of p, the interleaved forward order's last group is short)
+    runs += [_run(tmp_path, 2, "interleaved_1f1b", 4, "--eval_batches", "3")]
     _check_recorded(tmp_path, 2, runs)
 
 

@@ -2,7 +2,8 @@
 through them forward and their gradients flowing back.
 
     executor.py   runs an action list: receive, compute, send, one step, calling the caller's hooks
-                  (ScheduleHooks); reads with schedules.py and p2p.py, and is handed the rest
+                  (ScheduleHooks); reads with schedules.py and p2p.py, and is handed the rest;
+                  forward_only: an evaluation's forwards alone, pipelined
     schedules.py  AFAB, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V as per-rank action lists, their
                   minimum micro-batch counts, which rank holds which virtual stage, which action sends
     p2p.py        the sends and receives between neighbours (StageLink), as the plan says
@@ -32,18 +33,21 @@ from .schedules import (
     check_schedule,
     chunk_stages,
     chunks_per_rank,
+    forward_order,
+    forward_window,
     schedule_order,
     sends_to,
     stage_owners,
 )
-from .simulate import peak_in_flight, simulate, theory_bubble
+from .simulate import forward_span, peak_in_flight, simulate, theory_bubble
 from .split_backward import WeightGradStore, split_weight_gradients
 from .stage import PipelineStage, build_stage, split_layers, stage_chunks
 
 __all__ = ["OverlapSteps", "Recorder", "ScheduleHooks", "forward_only", "run_schedule", "Exchange",
            "exchange_plan", "forward_plan", "plan_exchanges", "SCHEDULES", "SPLIT_BACKWARD",
-           "Action", "check_schedule", "chunk_stages", "chunks_per_rank", "schedule_order", "sends_to",
-           "stage_owners", "peak_in_flight",
+           "Action", "check_schedule", "chunk_stages", "chunks_per_rank", "forward_order", "forward_window",
+           "schedule_order", "sends_to",
+           "stage_owners", "forward_span", "peak_in_flight",
            "simulate",
            "theory_bubble",
            "WeightGradStore", "split_weight_gradients", "PipelineStage", "build_stage", "split_layers",

@@ -26,6 +26,12 @@ What the executor is handed, rather than knowing (so it reads alone, with p2p.py
                   of what they hold
     hooks         what a caller adds to a step, below
 
+Forward only (forward_only: an evaluation, DPO's reference log-probs): the F actions alone, in
+schedules.forward_order (the forward half of AFAB), the same F(c, m) under torch.no_grad with its
+exchanges planned by p2p_plan.forward_plan, so rank s runs micro-batch m while rank s + 1 runs
+m - 1: M micro-batches take (M v + p - 1) / v stage forwards, not M p one after the other. Nothing
+is kept for a backward; each micro-batch's loss share comes back apart.
+
 A stage keeps (x, out) and everything autograd saved between F(c, m) and B(c, m), and the
 linears' inputs and output gradients until W(c, m): that is the activation memory the schedules
 differ in (schedules.py). Only receives block, so a rank waits
@@ -65,7 +71,7 @@ import torch
 
 from .. import comm
 from .p2p import StageLink, activation_shape
-from .schedules import Action
+from .schedules import Action, forward_order
 
 
 class ScheduleHooks:
@@ -128,18 +134,9 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
         mb, vs, key = micro_batches[a.micro], stage.virtual[a.chunk], (a.chunk, a.micro)
         if a.kind == "F":
             # receive h (the ids on the first virtual stage), compute, send h on (or keep the loss)
-            x = mb["input_ids"] if stage.is_first_virtual(a.chunk) else \
-                hooks.wait(link.recv_forward, vs, a.micro).requires_grad_()
-            t = time.perf_counter()
-            with autocast():
-                out = stage(x, mb["position_ids"], labels=mb["labels"], num_items_in_batch=num_items_in_batch,
-                            chunk=a.chunk, document_ids=mb.get("document_ids"))
-            out = side.after_forward(a.chunk, a.micro, out)
-            hooks.computed(a, t, time.perf_counter())
+            x, out = _forward(stage, link, hooks, side, a, mb, num_items_in_batch, autocast, grad=True)
             if stage.is_last_virtual(a.chunk):
                 loss += out.detach().double()
-            else:
-                link.send_forward(out, vs + 1, a.micro)
             saved[key] = (x, out)
         elif a.kind == "B":
             # receive dL/dh (none on the last virtual stage), backward, send dL/dx back
@@ -171,29 +168,55 @@ def run_schedule(stage, order: List[Action], pgm, micro_batches: List[Dict[str, 
     return loss
 
 
+def _forward(stage, link, hooks, side, a: Action, mb: dict, num_items_in_batch, autocast, grad: bool):
+    """F(c, m): h received (the ids on the first virtual stage), the chunk run, h sent on unless the
+    chunk is the last virtual stage; returns (x, out), out the loss there."""
+    vs = stage.virtual[a.chunk]
+    x = mb["input_ids"] if stage.is_first_virtual(a.chunk) else hooks.wait(link.recv_forward, vs, a.micro)
+    if grad and not stage.is_first_virtual(a.chunk):
+        x.requires_grad_()
+    t = time.perf_counter()
+    with autocast():
+        out = stage(x, mb["position_ids"], labels=mb["labels"], num_items_in_batch=num_items_in_batch,
+                    chunk=a.chunk, document_ids=mb.get("document_ids"))
+    if side is not None:                        # forward_only carries no side vector (no aux loss)
+        out = side.after_forward(a.chunk, a.micro, out)
+    hooks.computed(a, t, time.perf_counter())
+    if not stage.is_last_virtual(a.chunk):
+        link.send_forward(out, vs + 1, a.micro)
+    return x, out
+
+
 @torch.no_grad()
-def forward_only(stage, pgm, micro_batch: Dict[str, torch.Tensor], num_items_in_batch, *,
-                 act_dtype: torch.dtype = torch.float32, autocast=contextlib.nullcontext,
-                 transport=comm) -> torch.Tensor:
-    """Evaluation: one micro-batch through every virtual stage, no backward; returns this rank's
-    loss share (float64; zero off the last stage). The exchanges: the stage's (stage.forward_plan)."""
-    plan = stage.forward_plan()
-    shape = activation_shape(micro_batch, pgm, stage.config.hidden_size, stage.sequence_parallel)
-    link = StageLink(pgm, shape, act_dtype, micro_batch["input_ids"].device, 1, stage.owner, plan,
+def forward_only(stage, pgm, micro_batches, num_items_in_batch, *, act_dtype: torch.dtype = torch.float32,
+                 autocast=contextlib.nullcontext, transport=comm) -> torch.Tensor:
+    """Evaluation: the forwards alone of micro_batches (a list of M; one dict is M = 1), pipelined in
+    schedules.forward_order (the forward half of AFAB: rank s runs micro-batch i while rank s + 1
+    runs i - 1), the exchanges the stage's (stage.forward_plan(M)). num_items_in_batch: one value
+    for all, or a list of one per micro-batch (batches of different token counts), each handed to
+    the head unchanged. Returns each micro-batch's loss share, float64 (M,) (0-d for one dict); zero
+    off the last stage. No backward state: nothing is kept past its send, no aux side vector."""
+    one = isinstance(micro_batches, dict)
+    micro = [micro_batches] if one else list(micro_batches)
+    m, p, v = len(micro), pgm.pp.size, stage.num_chunks
+    many = isinstance(num_items_in_batch, (list, tuple))
+    items = list(num_items_in_batch) if many else [num_items_in_batch] * m
+    if not m or len(items) != m:
+        raise ValueError(f"forward_only: {m} micro-batches and {len(items)} num_items_in_batch values: pass "
+                         f"at least one micro-batch, and one value for all or one per micro-batch")
+    shapes = [activation_shape(mb, pgm, stage.config.hidden_size, stage.sequence_parallel) for mb in micro]
+    device = micro[0]["input_ids"].device
+    link = StageLink(pgm, shapes, act_dtype, device, m, stage.owner, stage.forward_plan(m),
                      transport=transport)
-    loss = torch.zeros((), dtype=torch.float64, device=micro_batch["input_ids"].device)
-    for chunk in range(stage.num_chunks):     # in order of virtual stage on every placement
-        link.post(chunk)
-        vs = stage.virtual[chunk]
-        x = micro_batch["input_ids"] if stage.is_first_virtual(chunk) else link.recv_forward(vs, 0)
-        with autocast():
-            out = stage(x, micro_batch["position_ids"], labels=micro_batch["labels"],
-                        num_items_in_batch=num_items_in_batch, chunk=chunk,
-                        document_ids=micro_batch.get("document_ids"))
-        if stage.is_last_virtual(chunk):
-            loss += out.double()
-        else:
-            link.send_forward(out, vs + 1, 0)
-    link.post(stage.num_chunks)
+    hooks = ScheduleHooks()
+    losses = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(m)]
+    order = forward_order(stage.schedule, p, m, pgm.pp.rank, v)
+    for i, a in enumerate(order):
+        link.post(i)
+        _, out = _forward(stage, link, hooks, None, a, micro[a.micro], items[a.micro], autocast, grad=False)
+        if stage.is_last_virtual(a.chunk):
+            losses[a.micro] += out.double()
+        del out                                 # h is in the link's outbox (detached) until posted
+    link.post(len(order))
     link.finish()
-    return loss
+    return losses[0] if one else torch.stack(losses)

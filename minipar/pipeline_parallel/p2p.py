@@ -71,15 +71,17 @@ class Exchange(NamedTuple):
 
 class StageLink:
     """The sends and receives of one rank of pgm.pp for one step: m micro-batches, shape and dtype
-    of h known in advance (no shape message travels). The executor hands each tensor it makes to
+    of h known in advance (no shape message travels; `shape` one for all, or a list of one per
+    micro-batch: an evaluation's batches may differ in length). The executor hands each tensor it makes to
     send_*(), calls post(slot) before every action and once after the last, and takes what it
     needs with recv_*(); `virtual` is always the RECEIVING virtual stage. `transport` posts and
     waits (comm's send_recv and wait_all; a test may pass a recording wrapper)."""
 
-    def __init__(self, pgm, shape: Tuple[int, ...], dtype: torch.dtype, device, num_micro: int,
+    def __init__(self, pgm, shape, dtype: torch.dtype, device, num_micro: int,
                  owner: List[int], plan: List[List[Exchange]], side_sizes: Tuple[int, int] = (0, 0),
                  transport=comm):
-        self.pp, self.shape, self.dtype = pgm.pp, tuple(shape), dtype
+        self.pp, self.dtype = pgm.pp, dtype
+        self.shapes = [tuple(s) for s in shape] if isinstance(shape, list) else [tuple(shape)] * num_micro
         self.side_sizes = side_sizes              # the side vectors' lengths (fp32), forward and back
         self.device, self.num_micro, self.owner = device, num_micro, owner
         self.plan, self.transport = plan, transport
@@ -130,7 +132,7 @@ class StageLink:
     def _buffer(self, tag: int) -> torch.Tensor:
         kind = tag % 4
         if kind < SIDE_FORWARD:
-            return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            return torch.empty(self.shapes[(tag // 4) % self.num_micro], dtype=self.dtype, device=self.device)
         return torch.empty(self.side_sizes[kind - SIDE_FORWARD], dtype=torch.float32, device=self.device)
 
     def _reap(self):

@@ -5,7 +5,8 @@ rules, and StageLink there follows the plan).
     plan_exchanges(orders, name, v, m, side)  every rank's plan[rank][slot]: the exchanges to post
                                               before action `slot` (slot len(order): after the last)
     exchange_plan(name, p, m, v, rank, side)  this rank's, for schedule `name`'s own action lists
-    forward_plan(name, p, v, rank)            one micro-batch forward through every chunk (evaluation)
+    forward_plan(name, p, v, rank, m)         m micro-batches forward only, pipelined (an evaluation:
+                                              schedules.forward_order)
 
 The posting order. plan_exchanges() runs every rank's action list on the ideal machine of
 simulate.py with every action one time unit long. Each message then has a time t: the end of
@@ -39,7 +40,7 @@ from bisect import bisect_right
 from typing import Dict, List
 
 from .p2p import ACTIVATION, GRADIENT, SIDE_FORWARD, Exchange, message_tag
-from .schedules import Action, chunk_stages, schedule_order, sends_to, stage_owners
+from .schedules import Action, chunk_stages, forward_order, schedule_order, sends_to, stage_owners
 from .simulate import simulate
 
 
@@ -81,7 +82,8 @@ def exchange_plan(name: str, p: int, m: int, v: int, rank: int, side: bool = Fal
     return plan_exchanges(orders, name, v, m, side)[rank]
 
 
-def forward_plan(name: str, p: int, v: int, rank: int) -> List[List[Exchange]]:
-    """The slots of one micro-batch's forward through every chunk (an evaluation: no backward)."""
-    orders = [[Action("F", c, 0) for c in range(v)] for _ in range(p)]
-    return plan_exchanges(orders, name, v, 1)[rank]
+def forward_plan(name: str, p: int, v: int, rank: int, m: int = 1) -> List[List[Exchange]]:
+    """The slots of m micro-batches' forwards alone (an evaluation: no backward), in
+    schedules.forward_order, the forward half of AFAB."""
+    orders = [forward_order(name, p, m, r, v) for r in range(p)]
+    return plan_exchanges(orders, name, v, m)[rank]

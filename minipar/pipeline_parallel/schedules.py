@@ -235,17 +235,28 @@ def zbv(p: int, m: int, rank: int) -> List[Action]:
 
 def schedule_order(name: str, p: int, m: int, rank: int, v: int = 1) -> List[Action]:
     """The action list of `rank` for schedule `name` (one of SCHEDULES)."""
-    if name == "afab":
-        return afab(p, m, rank)
-    if name == "1f1b":
-        return one_f_one_b(p, m, rank)
+    if name not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule={name!r}: use one of {', '.join(SCHEDULES)}")
     if name == "interleaved_1f1b":
         return interleaved_1f1b(p, m, rank, v)
-    if name == "zb_h1":
-        return zb_h1(p, m, rank)
+    return {"afab": afab, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}[name](p, m, rank)
+
+
+def forward_order(name: str, p: int, m: int, rank: int, v: int = 1) -> List[Action]:
+    """The forwards alone (an evaluation, a reference's log-probs: no backward), the forward half of
+    AFAB on the chunks placed for `name`: micro-batches in groups of p, each group through chunk 0,
+    then chunk 1, ... (interleaved_1f1b's forward order where p divides m; v = 1: F0 F1 .. F(m-1));
+    zbv: the F's of its own order. Rank s runs micro-batch i while rank s + 1 runs i - 1, so m
+    micro-batches take (m v + p - 1) / v stage forwards where one at a time took m p."""
     if name == "zbv":
-        return zbv(p, m, rank)
-    raise ValueError(f"pipeline_schedule={name!r}: use one of {', '.join(SCHEDULES)}")
+        return [a for a in zbv(p, m, rank) if a.kind == "F"]
+    return [Action("F", c, i) for g in range(0, m, p) for c in range(v) for i in range(g, min(g + p, m))]
+
+
+def forward_window(p: int) -> int:
+    """How many batches an evaluation sends down the pipeline at once: 4 p, a forward bubble of
+    (p - 1) / (5 p - 1) (under a fifth), with at most that many h's in flight on a rank."""
+    return 4 * p
 
 
 def chunks_per_rank(name: str, configured: int = None) -> int:

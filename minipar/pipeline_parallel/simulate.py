@@ -6,6 +6,7 @@ itself makes, with nothing of the machine in it.
     back_to_back(orders, m, steps)             several steps' lists with nothing between them
     steady_state(events, m)                    their step time once the steps overlap, idle per rank
     theory_bubble(name, p, m, v, steady)       the closed forms (schedules.py's docstring)
+    forward_span(name, p, m, v)                the forwards alone (an evaluation), in stage forwards
     peak_in_flight(order)                      the most chunks one rank holds for backward
 
 How simulate runs: each rank walks its action list (schedules.py) in order; an action starts when
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .schedules import Action, chunk_stages
+from .schedules import Action, chunk_stages, forward_order
 
 
 def simulate(orders: List[List[Action]], v: int = 1, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
@@ -131,3 +132,11 @@ def theory_bubble(name: str, p: int, m: int, v: int = 1, steady: bool = False) -
         idle = max(0 if steady else p - 1, 4 * p - 2 - 2 * m)   # back to back the fill hides in the drain
         return idle / (6 * m + idle)
     return (p - 1) / ((v if name == "interleaved_1f1b" else 1) * m + p - 1)
+
+
+def forward_span(name: str, p: int, m: int, v: int = 1) -> float:
+    """The time of m micro-batches' forwards alone (schedules.forward_order, executor.forward_only), in
+    units of one stage's forward of one micro-batch: m + p - 1 for v = 1, (m v + p - 1) / v
+    interleaved with p dividing m; one after the other it was m p."""
+    orders = [forward_order(name, p, m, r, v) for r in range(p)]
+    return simulate(orders, v, t_f=1.0, t_b=0.0, name=name)[1]

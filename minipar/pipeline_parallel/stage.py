@@ -172,9 +172,9 @@ class PipelineStage(nn.Module):
                              f"pass plan=p2p_plan.plan_exchanges(<every rank's order>, ...)[rank]")
         return exchange_plan(self.schedule, p, num_micro, v, rank, side=self.pipeline_aux is not None)
 
-    def forward_plan(self) -> list:
-        """This rank's exchanges of one micro-batch forward through every chunk (an evaluation)."""
-        return forward_plan(self.schedule, self.pgm.pp.size, self.num_chunks, self.pgm.pp.rank)
+    def forward_plan(self, num_micro: int = 1) -> list:
+        """This rank's exchanges of num_micro micro-batches forward only, pipelined (an evaluation)."""
+        return forward_plan(self.schedule, self.pgm.pp.size, self.num_chunks, self.pgm.pp.rank, num_micro)
 
     def side_vectors(self, link, wait, weight: float, device):
         """The mover of this step's side vectors over `link` (side_vectors.py), or NoSide when the

@@ -9,8 +9,8 @@ flight and ledger), and the worst stage is what must fit.
 
 Time: the stage with the most work sets the pace, and the schedule adds the bubble
     step = (compute + tp + all-to-all + exposed cp/dp of the slowest stage) / (1 - bubble) + sends
-           (+ rl: dpo's reference forwards, each micro-batch through the stages in turn, and under
-           its frozen copy that copy's stage in each stage's memory: reference_cost.py)
+           (+ rl: dpo's reference forwards, the micro-batches pipelined: M + p - 1 stage forwards,
+           and under its frozen copy that copy's stage in each stage's memory: reference_cost.py)
     bubble = (p - 1) / (m + p - 1)  (afab, 1f1b)     (p - 1) / (v m + p - 1)  (interleaved)
              (p - 1) / (3 m + p - 1)  (zb_h1)        (p - 1) / (6 m + p - 1)  (zbv, m >= 2p - 1)
              (simulate.theory_bubble: t_F = t_B (= t_W), the split backward's B and W even;
@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List
 
-from minipar.pipeline_parallel.schedules import check_schedule
-from minipar.pipeline_parallel.simulate import theory_bubble
+from minipar.pipeline_parallel.schedules import check_schedule, forward_window
+from minipar.pipeline_parallel.simulate import forward_span, theory_bubble
 
 from . import activation_bytes as pa
 from . import collective_counts as pc
@@ -122,14 +122,19 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     pp_s = critical_sends(pipe, M) * message_bytes(model, layout, batch, opts) / bw \
         + tm.latency_seconds("send", pipe.pp, critical_sends(pipe, M), cross["pp"], cluster)
     slowest = max(out, key=lambda p: p["time"]["work_s"])
-    # rl: dpo's reference forward of each micro-batch runs the stages in turn (reference_cost.py):
-    # the whole model's forward and p - 1 sends, after the slowest stage's layer counts
+    # rl: dpo's reference forwards go down the pipeline together (reference_cost.py): n items of
+    # one_s whole-model seconds (the slowest stage's layer times) take forward_span stage forwards
+    # of one_s / p each, and the forward half of the critical sends
     hop_s = message_bytes(model, layout, batch, opts) / bw \
         + tm.latency_seconds("send", pipe.pp, 1, cross["pp"], cluster)
+
+    def pipelined(one_s: float, n: int) -> float:
+        span = forward_span(pipe.schedule, pipe.pp, n, pipe.virtual_stages)
+        return one_s / pipe.pp * span + (n * pipe.virtual_stages + pipe.pp - 1) * hop_s
     ep_s = sum(p["comm"].get("ep", {}).get("seconds", 0.0) for p in out)     # every stage's MoE layers
     first = stage_units(model, layout, stages(model, pipe)[0])               # gathers: the first stage's
     ref = reference_cost(model, layout, batch, opts, cluster, slowest["time"], {"ep": dict(seconds=ep_s)},
-                         M * (pipe.pp - 1) * hop_s, first)
+                         first, pipelined, forward_window(pipe.pp))
     step = slowest["time"]["work_s"] / (1 - bub) + pp_s + ref.get("reference_s", 0.0)
     worst = max(out, key=lambda p: p["memory"]["total"])
     t = dict(slowest["time"], **ref, step_s=step, bubble=bub, pp_s=pp_s, slowest_stage=slowest["rank"],

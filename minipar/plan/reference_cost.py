@@ -22,15 +22,20 @@ shards, or its tp / pp slice):
                   nothing during training; 2 floats per pair kept on the host of every rank
                   (reference_host_bytes_per_pair, 8)
 
-Under pipeline parallelism (pipeline.py) the reference's forward of a micro-batch runs the stages one
-after the other (the pipeline's forward_only, no overlap between micro-batches): reference_s is the
-WHOLE model's forward per micro-batch plus its p - 1 sends (sends_s), not a stage's share.
+Under pipeline parallelism (pipeline.py) the reference's forwards of the step's M micro-batches go
+down the pipeline together (the pipeline's forward_only over the list, the forward half of AFAB):
+stage s runs micro-batch m while stage s + 1 runs m - 1, so they take simulate.forward_span(M)
+stage forwards (M + p - 1; (M v + p - 1) / v interleaved), each a stage's share of the model's
+forward (1/p of it), plus the forward half of the step's critical sends (M v + p - 1 messages):
+`pipelined(one_s, n)`, the time of n items of one_s whole-model seconds each. One micro-batch at a
+time it was M p stage forwards (M whole-model forwards) plus M (p - 1) sends. The precomputed pass
+sends pipeline_parallel's forward_window(p) batches down together: each batch pipelined(fwd, W) / W.
 
 Pure arithmetic: no process group, no tensor.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from minipar.plan.activation_bytes import recompute_shares
 from minipar.plan.inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
@@ -89,16 +94,19 @@ def gather_bytes(model: ModelShape, layout: Layout, batch: Batch, opts: Options,
 
 
 def reference_cost(model: ModelShape, layout: Layout, batch: Batch, opts: Options, cluster,
-                   parts: dict, groups: Optional[Dict[str, dict]] = None, sends_s: float = 0.0,
-                   us=None) -> dict:
+                   parts: dict, groups: Optional[Dict[str, dict]] = None, us=None,
+                   pipelined: Optional[Callable[[float, int], float]] = None, window: int = 1) -> dict:
     """{reference_s: seconds added to each step, ...} (lora, frozen) or the precomputed pass's
-    figures; {} without rl. sends_s: under pp, the p - 1 sends of each micro-batch's forward; us:
-    the stage's units (the gathers)."""
+    figures; {} without rl. us: a pipeline stage's units (the gathers); pipelined(one_s, n): under pp,
+    the seconds of n items of one_s whole-model forward seconds each down the pipeline (the module
+    docstring; None: one process, n one_s); window: the precomputed pass's batches sent together."""
     if not opts.dpo_reference:
         return {}
     if opts.dpo_reference not in REFERENCES:
         raise ValueError(f"dpo_reference {opts.dpo_reference!r} is not one of {list(REFERENCES)}")
-    fwd = forward_seconds(model, layout, batch, opts, cluster, parts, groups) + sends_s
+    fwd, M = forward_seconds(model, layout, batch, opts, cluster, parts, groups), batch.micro_steps(layout)
     if opts.dpo_reference == "precomputed":
-        return dict(reference_s=0.0, reference_pass_s_per_batch=fwd, reference_host_bytes_per_pair=8)
-    return dict(reference_s=fwd, reference_gather_bytes=gather_bytes(model, layout, batch, opts, us))
+        per_batch = fwd if pipelined is None else pipelined(fwd, window) / window
+        return dict(reference_s=0.0, reference_pass_s_per_batch=per_batch, reference_host_bytes_per_pair=8)
+    step = fwd if pipelined is None else pipelined(fwd / M, M)
+    return dict(reference_s=step, reference_gather_bytes=gather_bytes(model, layout, batch, opts, us))

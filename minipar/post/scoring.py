@@ -8,9 +8,11 @@ runs on every layout the trainer runs on (dp, ZeRO-3, tp + SP, cp, pp, ep):
     labels[t] = ids[t + 1] where t + 1 is a continuation token, else -100
     eval_loss(batch, n_items=1) = this rank's share of - sum log p(continuation | context)
 
-One row per dp rank per call (B = dp): each rank's share is its own row's (summed over cp and pp),
+One row per dp rank per batch (B = dp): each rank's share is its own row's (summed over cp and pp),
 so a vector with the share in slot dp_rank, summed over Step.loss_groups (dp_cp, pp), gives every
-row's value on every rank: one small all-reduce per call beside the forward's own collectives.
+row's value on every rank: one small all-reduce per call beside the forward's own collectives. A
+call scores Step.eval_window such batches (each padded to its own length), under pp pipelined: the
+stages work on consecutive batches at once.
 
 lm-evaluation-harness's loglikelihood form (its `loglikelihood` request):
   split   trailing spaces of the context move to the continuation; continuation ids =
@@ -41,27 +43,29 @@ class Scorer:
         c = self.pgm.config
         self.multiple = 2 * self.pgm.cp.size * (self.pgm.tp.size if c.sequence_parallel else 1)
 
-    def _call(self, rows: List[Tuple[List[int], int]], pad_id: int) -> List[float]:
-        """rows: (ids, first scored position) for each dp rank (fewer: dummy rows); each row's sum."""
-        dp = self.pgm.dp.size
-        longest = max(len(ids) for ids, _ in rows)
-        L = -(-longest // self.multiple) * self.multiple
-        input_ids = torch.full((dp, L), pad_id, dtype=torch.long)
-        labels = torch.full((dp, L), -100, dtype=torch.long)
-        for i, (ids, first) in enumerate(rows):
-            t = torch.tensor(ids, dtype=torch.long)
-            input_ids[i, :len(ids)] = t
-            labels[i, first - 1:len(ids) - 1] = t[first:]      # label[t] is the token at t + 1
-        batch = local_batch(input_ids, labels, self.pgm, device=self.pm.device)
+    def _call(self, batches: List[List[Tuple[List[int], int]]], pad_id: int) -> List[float]:
+        """batches: each (ids, first scored position) for each dp rank (fewer: dummy rows); every
+        row's sum, batch after batch, from one forward pass over the batches."""
+        dp, micro = self.pgm.dp.size, []
+        for rows in batches:
+            longest = max(len(ids) for ids, _ in rows)
+            L = -(-longest // self.multiple) * self.multiple
+            input_ids = torch.full((dp, L), pad_id, dtype=torch.long)
+            labels = torch.full((dp, L), -100, dtype=torch.long)
+            for i, (ids, first) in enumerate(rows):
+                t = torch.tensor(ids, dtype=torch.long)
+                input_ids[i, :len(ids)] = t
+                labels[i, first - 1:len(ids) - 1] = t[first:]      # label[t] is the token at t + 1
+            micro.append(local_batch(input_ids, labels, self.pgm, device=self.pm.device))
         was_training = self.pm.model.training
         self.pm.model.eval()
-        share = self.step.eval_loss(batch, 1)               # - sum log p of this rank's row (its share)
+        shares = self.step.eval_loss(micro, 1)           # - sum log p of this rank's row in each batch
         self.pm.model.train(was_training)
-        vec = torch.zeros(dp, dtype=torch.float64, device=share.device)
-        vec[self.pgm.dp.rank] = share
+        vec = torch.zeros(len(batches), dp, dtype=torch.float64, device=shares.device)
+        vec[:, self.pgm.dp.rank] = shares
         for group in self.step.loss_groups:
             comm.all_reduce(vec, group)
-        return [-float(v) for v in vec[:len(rows)]]
+        return [-float(v) for rows, row in zip(batches, vec) for v in row[:len(rows)]]
 
     @torch.no_grad()
     def logprobs(self, rows: Sequence[Tuple[List[int], List[int]]], pad_id: int = 0) -> List[float]:
@@ -72,9 +76,10 @@ class Scorer:
                 raise ValueError(f"a scored row needs a context and a continuation of at least one token, "
                                  f"got {len(ctx)} and {len(cont)} tokens")
         dp, out = self.pgm.dp.size, []
-        for k in range(0, len(rows), dp):
-            part = [(list(c) + list(x), len(c)) for c, x in rows[k:k + dp]]
-            out += self._call(part, pad_id)
+        parts = [[(list(c) + list(x), len(c)) for c, x in rows[k:k + dp]] for k in range(0, len(rows), dp)]
+        W = self.step.eval_window
+        for k in range(0, len(parts), W):
+            out += self._call(parts[k:k + W], pad_id)
         return out
 
 

@@ -13,9 +13,10 @@ the evaluation loop over them.
         state_dict()            the sampler's position, saved in a checkpoint's extra (a stream's:
                                 where the first step not yet trained starts, not the prefetched one)
         progress(step)          a stream's tokens handed out when `step` starts ({} otherwise)
-    eval_loss(model, batches, loss_of, groups)
-        the mean over the eval batches of loss_of(local batch, num_items_in_batch), summed over
-        `groups` (dp_cp; and pp, where only the last stage adds a loss)
+    eval_loss(model, batches, loss_of, groups, window)
+        the mean over the eval batches of their losses, loss_of([local batch, ...], [num_items, ...])
+        on `window` batches at a time (under pp they go down the pipeline together: compose's
+        Step.eval_window), summed over `groups` (dp_cp; and pp, where only the last stage adds a loss)
 
 Three sources sit behind the one interface: packed `datasets` rows (packing.py) when the config
 names datasets, the same rows read as the steps need them when they stream (pretraining_dataset:
@@ -104,16 +105,28 @@ class Batches:
 
 
 @torch.no_grad()
-def eval_loss(model, batches: Batches, loss_of: Callable[[dict, int], torch.Tensor],
-              groups: Sequence) -> float:
+def eval_loss(model, batches: Batches, loss_of: Callable[[list, list], torch.Tensor],
+              groups: Sequence, window: int = 1) -> float:
     """The mean eval loss: every eval batch whole (one micro-batch), each rank's loss a share of the
-    batch mean, so the sum over `groups` is the loss of the batch on every layout."""
+    batch mean, so the sum over `groups` is the loss of the batch on every layout. loss_of takes
+    up to `window` batches and their token counts and returns their (k,) shares."""
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=batches.device)
-    count = 0
+    count, held = 0, []
+
+    def run():
+        nonlocal total
+        shares = loss_of([mb for mb, _ in held], [n for _, n in held])
+        for k in range(len(held)):                 # summed in batch order: the numbers of one at a time
+            total += shares[k]
+        held.clear()
     for gb in batches.eval_batches():
-        total += loss_of(batches.local(gb, 0, 1), batch_split.count_label_tokens(gb["labels"]))
+        held.append((batches.local(gb, 0, 1), batch_split.count_label_tokens(gb["labels"])))
         count += 1
+        if len(held) == window:
+            run()
+    if held:
+        run()
     for group in groups:
         comm.all_reduce(total, group)
     model.train()

@@ -106,21 +106,25 @@ class DPORun:
         return out
 
     def _pass(self, data, G: int) -> torch.Tensor:
-        """(P, 2) reference log-probs of a split, in batches of G pairs (the last one filled up)."""
+        """(P, 2) reference log-probs of a split, in batches of G pairs (the last one filled up), the
+        step's eval_window of them in each forward pass (under pp: pipelined)."""
         out = torch.empty(data.num_rows, 2)
-        for first in range(0, data.num_rows, G):
-            index = torch.arange(first, first + G) % data.num_rows   # the last batch filled up
-            gb = data.take(index)
-            got = self._reference_pass(gb["input_ids"], gb["labels"]).view(G, 2)
-            k = min(G, data.num_rows - first)
-            out[first:first + k] = got[:k]
+        starts = list(range(0, data.num_rows, G))
+        W = self.t.step.eval_window
+        for group in (starts[i:i + W] for i in range(0, len(starts), W)):
+            index = torch.cat([torch.arange(first, first + G) for first in group]) % data.num_rows
+            gb = data.take(index)                      # the last batch filled up
+            got = self._reference_pass(gb["input_ids"], gb["labels"], len(group)).view(len(group), G, 2)
+            for k, first in enumerate(group):
+                n = min(G, data.num_rows - first)
+                out[first:first + n] = got[k, :n]
         return out
 
-    def _reference_pass(self, ids, labels) -> torch.Tensor:
+    def _reference_pass(self, ids, labels, num_batches: int) -> torch.Tensor:
         if self.cfg.adapter == "lora":                # the reference of a LoRA run: adapters off
             with adapters_off(self.t.model):
-                return self.dpo.precompute_reference(ids, labels)
-        return self.dpo.precompute_reference(ids, labels)
+                return self.dpo.precompute_reference(ids, labels, num_batches=num_batches)
+        return self.dpo.precompute_reference(ids, labels, num_batches=num_batches)
 
     def step(self, gb: Dict[str, torch.Tensor]) -> dict:
         return self.dpo(gb["input_ids"], gb["labels"], gb.get("ref_logps"))
@@ -132,16 +136,28 @@ class DPORun:
         model = self.t.model
         total = torch.zeros((), dtype=torch.float64, device=device)
         sums = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
-        count = 0
-        for gb in self.data.val.batches(cfg.global_batch_size, cfg.eval_batches):
-            mb = self.dpo.local(gb["input_ids"], gb["labels"], gb.get("ref_logps"), num_micro=1)
+        count, held = 0, []
+
+        def run():                                 # the held batches down the pipeline together
+            nonlocal total, sums
+            micro = [mb for mb, _ in held]
             if self.reference != "precomputed":
-                self.dpo.reference_logps(mb)
+                self.dpo.reference_logps(micro)
             model.eval()
-            objective = PairLoss(mb, cfg.global_batch_size, self.pgm, cfg.dpo_beta, cfg.dpo_loss_type)
-            total += step.eval_loss(mb[0], objective)
-            sums += torch.stack(list(objective.metrics(device).values()))
+            shares = step.eval_loss(micro, [objective for _, objective in held])
+            for k, (_, objective) in enumerate(held):      # in batch order: one at a time's numbers
+                total += shares[k]
+                sums += torch.stack(list(objective.metrics(device).values()))
+            held.clear()
+        for gb in self.data.val.batches(cfg.global_batch_size, cfg.eval_batches):
+            mb = self.dpo.local(gb["input_ids"], gb["labels"], gb.get("ref_logps"), num_micro=1)[0]
+            objective = PairLoss([mb], cfg.global_batch_size, self.pgm, cfg.dpo_beta, cfg.dpo_loss_type)
+            held.append((mb, objective))
             count += 1
+            if len(held) == step.eval_window:
+                run()
+        if held:
+            run()
         for group in step.loss_groups:
             comm.all_reduce(total, group)
         model.train()

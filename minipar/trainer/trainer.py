@@ -127,7 +127,8 @@ class Trainer:
         if self.dpo is not None:                  # held-out pairs: the DPO loss, TRL's eval metrics
             loss, self.eval_metrics = self.dpo.evaluate()
             return loss
-        return eval_loss(self.model, self.batches, self.step.eval_loss, self.step.loss_groups)
+        return eval_loss(self.model, self.batches, self.step.eval_loss, self.step.loss_groups,
+                         self.step.eval_window)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int):

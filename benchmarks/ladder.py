@@ -42,9 +42,7 @@ jobs, read the bytes, the call counts and the memory as exact and the times as i
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -52,8 +50,9 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
 
+from common import Measurement  # noqa: E402
 from harness import run_world  # noqa: E402
 
 import minipar  # noqa: E402
@@ -305,26 +304,16 @@ def main(argv=None):
     if unknown or args.rounds < 1 or args.steps < 1:
         ap.error(f"--only takes {', '.join(LADDER)} (got {unknown}); --rounds and --steps must be >= 1")
     torch.set_num_threads(1)
-    load = os.getloadavg()[0]
+    run = Measurement("ladder.py", argv)
     best = measure(names, args.rounds, args.steps)
-    command = "python benchmarks/ladder.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    run.done()
     head = ["# The ladder (benchmarks/ladder.py)", "",
-            f"`{command.strip()}`: {args.rounds} interleaved round(s), median of {args.steps} step(s) each, "
-            f"best round kept; CPU, gloo, 1 torch thread per forked rank, torch {torch.__version__}, "
-            f"{os.cpu_count()} cores, load average {load:.1f} at the start ({platform.machine()}). "
-            f"Bytes and calls are exact (comm ledger); peak MiB is resident memory above the rank's "
-            f"baseline; times on a shared machine are indicative "
-            f"(CPU ms is the slowest rank's process time).", ""]
+            f"`{run.command}`: {args.rounds} interleaved round(s), median of {args.steps} step(s) each, "
+            f"best round kept; CPU, gloo, 1 torch thread per forked rank. Bytes and calls are exact "
+            f"(comm ledger); peak MiB is resident memory above the rank's baseline; times on a 2-core CPU "
+            f"are indicative (CPU ms is the slowest rank's process time). {run.machine()}", ""]
     md = "\n".join(head + [table(n, best[n]) + "\n" for n in names])
-    print("\n" + md)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    with open(args.out + ".json", "w") as f:
-        json.dump(dict(command=command.strip(), load_average=load, torch=torch.__version__,
-                       results={n: best[n] for n in names}), f, indent=1)
-    print(f"saved {args.out}.md and {args.out}.json")
-
+    return run.save(args.out, md, quick=False, results={n: best[n] for n in names})
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

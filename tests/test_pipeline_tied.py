@@ -6,7 +6,8 @@ Fast: 1f1b (3 steps, the copies compared, saved sharded and exported: resumed on
 export equal to one process's and reloaded by transformers with a tied lm_head) and
 interleaved_1f1b; pp 2 x dp_shard 2 (ZeRO-3: the shards of the two copies summed element for
 element) for 2 steps, its FULL_STATE_DICT resumed on one process; pp 2 x tp 2 with sp under zb_h1
-for 2 steps; a one-process checkpoint resumed on pp 2; the group and what the norm counts.
+for 2 steps; a one-process checkpoint resumed on pp 2; stages stepping alone
+(pipeline_overlap_steps) as the synchronous run; the ends group.
 Slow: afab, zb_h1 and zbv (the V: both ends on rank 0, one Parameter) for 3 steps; pp 2 x
 dp_shard 2 and pp 2 x tp 2 for 3 steps; pp 4 x dp_shard 2 (the middle stages hold no copy).
 A tied Gemma 2 on pp 2: tests/test_gemma.py (pp2-tied).
@@ -164,3 +165,16 @@ def test_tied_pp4_zero3_middle_stages_hold_no_copy(tmp_path_factory, tmp_path):
                                             "--dp_shard_size", "2", "--micro_batch_size", "1"), timeout=600)
     _check(ref, got, 3)
     assert all((t is None) == (coords["pp"] in (1, 2)) for _, t, coords, _ in got)
+
+
+def test_tied_stages_stepping_alone_train_as_the_synchronous_run(tmp_path):
+    # pipeline_overlap_steps with clipping (post-validated): the sum is part of each stage's
+    # schedule, so a stage stepping alone updates its copy as the synchronous run does
+    pp = [*TIE, "--pipeline_parallel_size", "2", "--pipeline_schedule", "1f1b"]
+    sync = run_world(_train_copies, 2, _argv(tmp_path / "sync", *pp, steps=4), timeout=300)
+    alone = run_world(_train_copies, 2, _argv(tmp_path / "alone", *pp, "--pipeline_overlap_steps", "true",
+                                              steps=4), timeout=300)
+    for a, b in zip(sync, alone):
+        _same(a[0], b[0], rel=1e-6)
+        assert torch.equal(a[1], b[1])
+    assert torch.equal(alone[0][1], alone[1][1])

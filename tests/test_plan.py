@@ -240,6 +240,7 @@ VARIANTS = [("fsdp_tp.yaml", ["--sequence_parallel", "true", "--gradient_checkpo
 # inside the stages under AFAB with checkpointing, DDP and ZeRO-3 per stage under the interleaved schedule,
 # ZeRO-3 under ZB-V and TP + SP under ZB-H1, and bf16 TP without ZeRO-3 (autocast: fp32 messages and
 # stream, the TP collectives in two dtypes as collective_counts.py prices them)
+TIED = ["--model.tie_word_embeddings", "true"]
 PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16",
                               "--micro_batch_size", "1"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
@@ -266,12 +267,25 @@ PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size"
                             "zbv", "--micro_batch_size", "1", "--model.num_hidden_layers", "4",
                             "--pipeline_overlap_steps", "true"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--dtype",
-                            "bfloat16", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"])]
+                            "bfloat16", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"]),
+               # tied embeddings (pipeline_parallel/tied_ends.py): the last stage's copy of E (its
+               # root E alone, its norm a unit) and the all-reduce over pp_ends, ZeRO-3 in bf16 and
+               # TP + SP; under ZB-V both ends on rank 0 (one root of E + norm, no sum); interleaved
+               ("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16",
+                              "--micro_batch_size", "1", *TIED]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
+                            "--sequence_parallel", "true", *TIED]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
+                            "zbv", "--micro_batch_size", "1", "--model.num_hidden_layers", "4", *TIED]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
+                            "interleaved_1f1b", "--micro_batch_size", "1", "--model.num_hidden_layers", "8",
+                            *TIED])]
 
 
 # the default suite's share of PP_VARIANTS: ZeRO-3 per stage in bf16, ZeRO-3 under the interleaved
-# schedule, stages stepping alone with clipping under ZB-V, bf16 TP; the slow twin runs them all
-PP_FAST = [PP_VARIANTS[i] for i in (0, 3, 7, 8)]
+# schedule, stages stepping alone with clipping under ZB-V, bf16 TP, tied on ZeRO-3 in bf16; the
+# slow twin runs them all
+PP_FAST = [PP_VARIANTS[i] for i in (0, 3, 7, 8, 9)]
 
 
 @pytest.mark.parametrize("pp_runs", [PP_FAST, pytest.param(PP_VARIANTS, marks=pytest.mark.slow)],

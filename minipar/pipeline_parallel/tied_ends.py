@@ -114,7 +114,8 @@ def attach(model, pgm, schedule: str, chunks: int = 1) -> Optional[TiedEnds]:
     """The TiedEnds of a built stage (after ZeRO-3 or DDP, before the optimizer is used), or None
     where nothing is summed: an untied or frozen model, both ends on one rank, a middle stage.
     Marks the last stage's copy `tied_copy` (the global norm counts E once, on the first stage)."""
-    if pgm.pp.size == 1 or not model.config.tie_word_embeddings or not ends_apart(schedule, pgm.pp.size, chunks):
+    if pgm.pp.size == 1 or not model.config.tie_word_embeddings or \
+            not ends_apart(schedule, pgm.pp.size, chunks):
         return None
     tensor = _local_tensor(model)
     if tensor is None or not tensor.requires_grad:

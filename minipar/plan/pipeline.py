@@ -72,7 +72,8 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     cross = crosses_nodes(layout, g)
     cross["pp"] = any(len({(w + k * W) // g for k in range(pipe.pp)}) > 1 for w in range(W))
     cross["world"] = world > g                            # pipeline_overlap_steps' background sums
-    sizes = dict(layout.sizes(), pp=pipe.pp, world=world)
+    cross["pp_ends"] = cross["pp"]                        # a tied embedding's sum: first and last stage
+    sizes = dict(layout.sizes(), pp=pipe.pp, world=world, pp_ends=2)
     tokens = batch.global_batch_size * batch.sequence_len
     fl = pm.flops(model, layout, batch, opts)
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)

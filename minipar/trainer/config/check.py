@@ -179,8 +179,9 @@ def _lora(cfg) -> List[str]:
 
 def check_pipeline(cfg, pp: int, num_micro: int) -> None:
     """Every pipeline setting that can fail on this world (the schedule against the micro-batch
-    count, the layer split; tied embeddings are summed across stages, tied_ends.py), as ONE ValueError naming all that do; run_setup's,
-    once the world size and the micro-batch count are known. No communication."""
+    count, the layer split; tied embeddings are summed across stages, tied_ends.py), as ONE
+    ValueError naming all that do; run_setup's, once the world size and the micro-batch count are
+    known. No communication."""
     v = chunks_per_rank(cfg.pipeline_schedule, cfg.pipeline_virtual_stages)
     problems = []
     for one in (lambda: check_schedule(cfg.pipeline_schedule, pp, num_micro, v),

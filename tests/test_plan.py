@@ -33,7 +33,8 @@ from minipar.plan.__main__ import main as plan_main
 from minipar.plan.estimate import Cluster, crosses_nodes
 from minipar.plan.inputs import Batch, ModelShape, Options
 from minipar.plan.long_step import plan_stage
-from minipar.plan.pipeline_stage import Pipeline, stages
+from minipar.plan.pipeline_stage import Pipeline
+from minipar.plan.stage_units import stages
 from minipar.trainer.prediction import from_train_config
 from minipar.trainer.run_setup import setup_run
 from minipar.trainer.trainer import Trainer
@@ -394,7 +395,8 @@ def test_long_steps_extend_the_replay_exactly():
     answer is the full replay's, under AFAB, 1F1B, interleaved, ZB-H1 and ZB-V, ZeRO-3 and DDP,
     prefetch 1 and 2."""
     from minipar.plan import Pipeline, plan_stage
-    from minipar.plan.pipeline_stage import replay_stage, stages
+    from minipar.plan.pipeline_stage import replay_stage
+    from minipar.plan.stage_units import stages
     m8, m70 = _llama("llama-3.1-8b"), _llama("llama-3.1-70b")
     cases = [(m8, Layout(1, 2, 1, 2, True), Pipeline(4, "1f1b"), Batch(64, 1, 4096),
               Options(dtype="bfloat16")),
@@ -423,7 +425,7 @@ def test_pipeline_stage_peak_is_its_largest_phase():
     gradients never meet. Each phase is held to its formula; the old sum is above all of them."""
     from minipar.plan.model import _padded
     from minipar.plan.pipeline import plan_pipeline
-    from minipar.plan.pipeline_stage import stage_units
+    from minipar.plan.stage_units import stage_units
     model, lay, batch = _llama("llama-3.1-8b"), Layout(1, 4, 1, 1), Batch(32, 1, 4096)
     pipe, opts = Pipeline(2, "1f1b"), Options(dtype="bfloat16")
     p = plan_pipeline(model, lay, pipe, batch, opts, Cluster())

@@ -36,8 +36,9 @@ from .estimate import crosses_nodes, distributed_optimizer_memory, group_seconds
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 from .long_step import plan_stage
 from .overlap import step_seconds
-from .pipeline_stage import Pipeline, message_bytes, stage_units, stages
+from .pipeline_stage import Pipeline, message_bytes
 from .reference_cost import reference_cost, with_reference
+from .stage_units import stage_units, stages
 
 
 def check(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batch) -> List[str]:

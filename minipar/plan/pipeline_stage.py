@@ -56,10 +56,8 @@ from . import collective_counts as pc
 from . import model as pm
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options, param_bytes
 from .model import Unit
-from .stage_units import Stage, chunk_units, stage_tensors, stage_units, stages, tied_sum
+from .stage_units import Stage, chunk_units, stage_tensors, stage_units, tied_sum
 from .zero3_replay import Zero3Replay
-
-__all__ = ["Pipeline", "Stage", "message_bytes", "replay_stage", "stage_tensors", "stage_units", "stages"]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ has none.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Tuple
+from typing import List, Tuple
 
 from minipar.pipeline_parallel.schedules import chunk_stages
 from minipar.pipeline_parallel.stage import stage_chunks
@@ -27,8 +27,6 @@ from . import model as pm
 from .inputs import Layout, ModelShape, Options
 from .model import Unit
 
-if TYPE_CHECKING:                                   # (pipeline_stage.py imports this file)
-    from .pipeline_stage import Pipeline
 
 @dataclass
 class Stage:
@@ -44,7 +42,8 @@ class Stage:
         return sum(len(c) for c in self.chunks)
 
 
-def stages(model: ModelShape, pipe: Pipeline) -> List[Stage]:
+def stages(model: ModelShape, pipe) -> List[Stage]:
+    """Every stage of `pipe` (pipeline_stage.py's Pipeline), in pp rank order."""
     layers = list(pipe.layers) if pipe.layers is not None else None
     last = pipe.pp * pipe.virtual_stages - 1
     placed = [chunk_stages(pipe.schedule, pipe.pp, r, pipe.virtual_stages) for r in range(pipe.pp)]

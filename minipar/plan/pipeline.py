@@ -112,7 +112,10 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         # schedule keeps in flight at their worst
         first_back = next((c[-1] for c in reversed(st.chunks) if c), 0)     # its first layer of backward
         holds = peak.Holds(us, acts["as_configured"], acts["after_backward"], first_back, st.last)
-        by_phase = peak.phases(model, layout, batch, opts, mem, per_micro, holds)
+        # tied with the ends apart, each end is an untied one's: an embedding unit on the first, an
+        # lm_head whose gradient nothing adds to on the last (its copy of E: tied_ends.py)
+        ends = model if st.first and st.last else dataclasses.replace(model, tie_word_embeddings=False)
+        by_phase = peak.phases(ends, layout, batch, opts, mem, per_micro, holds)
         total = max(by_phase.values())
         p.update(memory=dict(mem, activations=acts, phases=by_phase,
                              peak_phase=max(by_phase, key=by_phase.get), total=total, budget=budget,

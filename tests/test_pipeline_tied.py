@@ -9,7 +9,8 @@ element) for 2 steps, its FULL_STATE_DICT resumed on one process; pp 2 x tp 2 wi
 for 2 steps; a one-process checkpoint resumed on pp 2; stages stepping alone
 (pipeline_overlap_steps) as the synchronous run; the ends group.
 Slow: afab, zb_h1 and zbv (the V: both ends on rank 0, one Parameter) for 3 steps; pp 2 x
-dp_shard 2 and pp 2 x tp 2 for 3 steps; pp 4 x dp_shard 2 (the middle stages hold no copy).
+dp_shard 2 (also interleaved, clipped at 0.5), tp 2, DDP 2, cp 2 and HSDP 2 x 2 for 3 steps; pp 4 x
+dp_shard 2 (the middle stages hold no copy).
 A tied Gemma 2 on pp 2: tests/test_gemma.py (pp2-tied).
 """
 import pytest
@@ -145,7 +146,10 @@ def test_tied_pp2_layouts_match_one_process_fast(tmp_path_factory, tmp_path, lay
     (4, ["--dp_shard_size", "2"]),
     (4, ["--tensor_parallel_size", "2"]),
     (4, ["--dp_shard_size", "2", "--pipeline_schedule", "interleaved_1f1b", "--max_grad_norm", "0.5"]),
-], ids=["afab", "zb_h1", "zbv", "zero3", "tp2", "zero3-interleaved"])
+    (4, ["--dp_replicate_size", "2", "--dp_shard_size", "1"]),
+    (4, ["--context_parallel_size", "2"]),
+    (8, ["--dp_replicate_size", "2", "--dp_shard_size", "2", "--micro_batch_size", "1"]),
+], ids=["afab", "zb_h1", "zbv", "zero3", "tp2", "zero3-interleaved", "ddp2", "cp2", "hsdp2x2"])
 def test_tied_pp2_slow(tmp_path_factory, tmp_path, world, extra):
     ref = _ref(tmp_path_factory) if "--max_grad_norm" not in extra else \
         _reference(tmp_path_factory, 4, 5, *TIE, "--max_grad_norm", "0.5")

@@ -29,11 +29,13 @@ unit holds what no unit takes (the tied lm_head and embedding, the final norm), 
 is made a unit of its own there (zero3_units): its root is then [E | pad] too, the same length
 over the same dp_shard_cp size, shard r holding the same elements on both ends. attach() checks it.
 
-Communication: one all-reduce of V/tp x d fp32 elements per step over the two end ranks
-(wire 2 x (V/tp) x d x 4 x (2-1)/2 bytes per rank, on the first and last stage only); under
-ZeRO-3 of (V/tp) x d / dp_shard_cp elements (the shards). Memory: the last stage holds E, its
+Communication: one all-reduce of V/tp x d fp32 elements per step over the two end ranks (wire
+2 (n-1)/n = 1 x those 4 V/tp d bytes per end rank, n = 2; middle stages take no part); under ZeRO-3
+of its padded shard, (V/tp) x d / dp_shard_cp elements. Memory: the last stage holds E, its
 gradient and its AdamW states (V/tp x d x 16 bytes fp32; / dp_shard_cp under ZeRO-3), which an
-untied model's lm_head would hold too. Nothing else: the copies never travel.
+untied model's lm_head would hold too. Nothing else: the copies never travel. Under zb_h1 / zbv
+the lm_head's matmul is split like every Linear (untie_matmul). Stages stepping alone
+(pipeline_overlap_steps) sum inside their schedule (Step.schedule), before each steps.
 """
 from __future__ import annotations
 

@@ -42,6 +42,8 @@ One optimizer step (Step), B samples of T tokens, M micro-batches per rank:
                all-reduces; gradients are SUMMED over ranks, which with the /N above gives one
                process's gradient of the global mean loss (FSDP2 averages instead, over a per-rank
                mean: the same gradient when every rank holds as many tokens)
+    tied       pp > 1, a tied embedding on two stages: the copies' gradients all-reduced over the
+               first and last stage (pipeline_parallel/tied_ends.py)
     loss       all-reduce over dp_cp (and over pp: only the last stage holds a loss)
     norm       the global gradient norm: squares summed over tp, dp_shard_cp and pp, each element
                counted once (optim.py); clip by max_grad_norm
@@ -74,6 +76,7 @@ from minipar.pipeline_parallel import (
     run_schedule,
     schedule_order,
 )
+from minipar.pipeline_parallel.tied_ends import attach as attach_tied
 from minipar.recipe import Recipe
 from minipar.regional_compile import compile_layers
 from minipar.tensor_parallel.parallelize import parallelize
@@ -95,6 +98,7 @@ class ParallelModel:
         self.grad_sync = None                     # DDP's wrapper, when gradients are all-reduced
         self.no_sync_owner = None                 # whose no_sync() the micro-batches before the last use
         self.compiled = None                      # regional_compile.CompileStats when compile is on
+        self.tied = None                          # a pipeline's tied ends (pipeline_parallel/tied_ends.py)
 
     def autocast(self):
         """bf16 compute: autocast, unless ZeRO-3 already casts the gathered weights itself."""
@@ -171,6 +175,8 @@ def build(config, pgm, recipe: Recipe, base_model=None, device=None, log: Callab
         pm.grad_sync = (replicate_naive if recipe.ddp == "naive" else replicate)(model, pgm.dp_cp)
     pm.no_sync_owner = pm.grad_sync if not pm.sharded or recipe.lora is not None else \
         (None if recipe.sync_each_batch else model.zero3)
+    # a tied embedding whose two ends sit on different stages: a copy on each, summed each step
+    pm.tied = attach_tied(model, pgm, recipe.pipeline_schedule, recipe.chunks) if pgm.pp.size > 1 else None
     # 5. activation checkpointing: read by each layer's forward (the stage's, under pp)
     if recipe.gradient_checkpointing:
         mode = "full" if recipe.gradient_checkpointing is True else recipe.gradient_checkpointing
@@ -270,6 +276,8 @@ class Step:
             loss = run_schedule(self.pm.model, self.order, self.pgm, micro, n_items, act_dtype=self.act_dtype,
                                 hooks=ScheduleHooks(before_backward), autocast=self.pm.autocast,
                                 plan=self.plan, transport=self.transport)
+        if self.pm.tied is not None:              # the two copies of a tied embedding: dE summed
+            self.pm.tied.sum_grads()
         comm.all_reduce(loss, self.pgm.dp_cp)
         return loss
 

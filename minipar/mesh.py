@@ -89,7 +89,9 @@ CP_PARTS: Dict[str, str] = {"cp_ulysses": "u consecutive cp ranks", "cp_ring": "
 # index i = a * ep + j sits in ep group a at index j (it holds expert block j), and in edp group j
 EP_PARTS: Dict[str, str] = {"ep": "ep consecutive dp_shard_cp ranks",
                             "edp": "every ep-th dp_shard_cp rank: the same experts"}
-PARTS: Dict[str, str] = {**CP_PARTS, **EP_PARTS}
+# the first and last stage of each pipeline (Megatron's embedding group): a tied embedding's two
+# copies sum their gradients over it (pipeline_parallel/tied_ends.py); one rank when pp = 1
+PARTS: Dict[str, str] = {**CP_PARTS, **EP_PARTS, "pp_ends": "the first and last pp rank"}
 
 
 def _shape(config: ParallelismConfig) -> Tuple[int, int, int, int, int]:
@@ -144,6 +146,7 @@ def all_groups(config: ParallelismConfig) -> Dict[str, List[List[int]]]:
     ep = config.ep_size or 1
     out["ep"] = [g[a * ep:(a + 1) * ep] for g in out["dp_shard_cp"] for a in range(len(g) // ep)]
     out["edp"] = [g[j::ep] for g in out["dp_shard_cp"] for j in range(ep)]
+    out["pp_ends"] = [sorted({g[0], g[-1]}) for g in out["pp"]]
     return out
 
 

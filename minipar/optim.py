@@ -15,7 +15,8 @@ once, so a rank sorts the squares of what it holds into four sums:
 
     ||g||^2 = plain_repl + sum_tp plain_split + sum_dp_shard_cp (shard_repl + sum_tp shard_split)
 
-and with pipeline parallelism that sum of one stage is summed over pp (the stages hold disjoint layers).
+and with pipeline parallelism that sum of one stage is summed over pp (the stages hold disjoint layers;
+a tied embedding's copy on the last stage, marked `tied_copy`, is left out: pipeline_parallel/tied_ends.py).
 
 A ZeRO-3 flat shard (attribute zero3_shard=True) is this rank's 1/N slice of a flat buffer that
 concatenates a unit's local (already TP-sliced) parameters plus zero padding; its attribute
@@ -195,7 +196,10 @@ def stage_grad_sq(params: Iterable[torch.Tensor], pgm) -> torch.Tensor:
     """The squared L2 norm of this pipeline stage's gradient (the whole model's without pp), each
     distinct element counted once; a 0-d float64 tensor, the same on every rank of the stage.
     Every rank of the stage must call it (it all-reduces over tp and dp_shard x cp)."""
-    params = list({id(p): p for p in params if p.grad is not None}.values())
+    # (a tied embedding's copy on the last stage, `tied_copy`: counted on the first stage only,
+    # pipeline_parallel/tied_ends.py)
+    params = list({id(p): p for p in params if p.grad is not None and not getattr(p, "tied_copy", False)}
+                  .values())
     if params:
         device = params[0].grad.device
     else:   # a rank holding no gradient still joins the all-reduces, on the backend's device

@@ -15,9 +15,13 @@ added into it: the same additions in the same order (bitwise equal), one vocabul
 (tests/test_llama.py counts the add_; the planner's peak, minipar/plan/peak.py, assumes it).
 
 How: the lm_head's matmul seam (`local_linear`, minipar/tensor_parallel/layers.py's _TPLinear) is
-set to summable_linear on that one instance; the layer itself knows nothing of tying. A pipeline
-cannot hold a tied pair (the two ends sit on different stages: minipar/pipeline_parallel/stage.py
-refuses).
+set to summable_linear on that one instance; the layer itself knows nothing of tying.
+
+Under pipeline parallelism the two ends usually sit on different ranks: each then holds a copy of E
+(the last stage keeps the embedding module for its lm_head, never calling it, so it has no embedding
+gradient to add), and the copies' gradients are summed once per step over the first and last stage
+(minipar/pipeline_parallel/tied_ends.py). Where both ends share a rank (zbv's rank 0) the pair stays
+one Parameter, as here; a zero-bubble schedule splits the lm_head's matmul instead of summing in place.
 """
 from __future__ import annotations
 

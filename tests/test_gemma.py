@@ -10,7 +10,8 @@ directories load on tp 2 and under ZeRO-3 (dp_shard 2: tied embeddings) with the
 export back to transformers; the capped layers under cp 2 (ring and Ulysses with packing: both the
 all-gather path) and packed at cp 1 equal one process; generation with the KV cache equals
 transformers' generate; train.py on a Gemma 2 base model under tp 2 with sequence parallelism
-follows one process. Everything torch runs inside forked ranks (tests/harness.py). The configs
+follows one process, as do the tied Gemma 2 on pp 2 and the tied Gemma 3 with LoRA on pp 2 x
+dp_shard 2. Everything torch runs inside forked ranks (tests/harness.py). The configs
 (defaults, refusals, wrap classes, the planner): tests/test_gemma_configs.py.
 """
 import os
@@ -235,14 +236,20 @@ def _train(argv):
 # (the base, its config overrides, the layout's flags and ranks):
 #   tp2-sp      Gemma 2, window 8 on sequences of 32, capped logits: the sandwich norms' weights on
 #               sequence shards, their gradients summed over tp
-#   pp2         an untied Gemma 3 (a tied embedding cannot be cut between stages) under 1F1B: the
-#               scaled embedding on the first stage, the capped logits on the last
+#   pp2         an untied Gemma 3 under 1F1B: the scaled embedding on the first stage, the capped
+#               logits on the last
+#   pp2-tied    Gemma 2 tied as transformers builds it, under 1F1B: the embedding on the first stage,
+#               a copy for the lm_head on the last, their gradients summed (pipeline_parallel/tied_ends.py)
+#   pp2-tied-zero3-lora  the tied Gemma 3 on pp 2 x dp_shard 2 with LoRA (the copies frozen: no sum)
 #   lora-shard2 LoRA on a Gemma 2 base sharded by ZeRO-3 over 2 ranks
 LORA = ["--adapter", "lora", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_linear", "true"]
 TRAIN_LAYOUTS = {    # name: (the base, its overrides, settings of both runs, the layout's sizes, ranks)
     "tp2-sp": ("gemma2-window", {}, ["--sequence_parallel", "true"], ["--tensor_parallel_size", "2"], 2),
     "pp2": ("gemma3-window", dict(tie_word_embeddings=False), ["--micro_batch_size", "1"],
             ["--pipeline_parallel_size", "2"], 2),
+    "pp2-tied": ("gemma2-window", {}, ["--micro_batch_size", "1"], ["--pipeline_parallel_size", "2"], 2),
+    "pp2-tied-zero3-lora": ("gemma3-window", {}, LORA + ["--micro_batch_size", "1"],
+                            ["--pipeline_parallel_size", "2", "--dp_shard_size", "2"], 4),
     "lora-shard2": ("gemma2-window", {}, LORA, ["--dp_shard_size", "2"], 2),
 }
 

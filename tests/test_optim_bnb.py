@@ -367,7 +367,8 @@ def _planned_and_measured(argvs):
     planned by minipar.plan for this rank)."""
     from minipar.plan import Layout, memory
     from minipar.plan.long_step import plan_stage
-    from minipar.plan.pipeline_stage import Pipeline, stages
+    from minipar.plan.pipeline_stage import Pipeline
+    from minipar.plan.stage_units import stages
     from minipar.trainer.prediction import from_train_config
     from minipar.trainer.run_setup import setup_run
     from minipar.trainer.trainer import Trainer

@@ -33,7 +33,8 @@ from minipar.plan.__main__ import main as plan_main
 from minipar.plan.estimate import Cluster, crosses_nodes
 from minipar.plan.inputs import Batch, ModelShape, Options
 from minipar.plan.long_step import plan_stage
-from minipar.plan.pipeline_stage import Pipeline, stages
+from minipar.plan.pipeline_stage import Pipeline
+from minipar.plan.stage_units import stages
 from minipar.trainer.prediction import from_train_config
 from minipar.trainer.run_setup import setup_run
 from minipar.trainer.trainer import Trainer
@@ -240,6 +241,7 @@ VARIANTS = [("fsdp_tp.yaml", ["--sequence_parallel", "true", "--gradient_checkpo
 # inside the stages under AFAB with checkpointing, DDP and ZeRO-3 per stage under the interleaved schedule,
 # ZeRO-3 under ZB-V and TP + SP under ZB-H1, and bf16 TP without ZeRO-3 (autocast: fp32 messages and
 # stream, the TP collectives in two dtypes as collective_counts.py prices them)
+TIED = ["--model.tie_word_embeddings", "true"]
 PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16",
                               "--micro_batch_size", "1"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
@@ -266,12 +268,25 @@ PP_VARIANTS = [("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size"
                             "zbv", "--micro_batch_size", "1", "--model.num_hidden_layers", "4",
                             "--pipeline_overlap_steps", "true"]),
                ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--dtype",
-                            "bfloat16", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"])]
+                            "bfloat16", "--micro_batch_size", "1", "--model.num_hidden_layers", "4"]),
+               # tied embeddings (pipeline_parallel/tied_ends.py): the last stage's copy of E (its
+               # root E alone, its norm a unit) and the all-reduce over pp_ends, ZeRO-3 in bf16 and
+               # TP + SP; under ZB-V both ends on rank 0 (one root of E + norm, no sum); interleaved
+               ("fsdp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--dtype", "bfloat16",
+                              "--micro_batch_size", "1", *TIED]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2",
+                            "--sequence_parallel", "true", *TIED]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
+                            "zbv", "--micro_batch_size", "1", "--model.num_hidden_layers", "4", *TIED]),
+               ("pp.yaml", ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule",
+                            "interleaved_1f1b", "--micro_batch_size", "1", "--model.num_hidden_layers", "8",
+                            *TIED])]
 
 
 # the default suite's share of PP_VARIANTS: ZeRO-3 per stage in bf16, ZeRO-3 under the interleaved
-# schedule, stages stepping alone with clipping under ZB-V, bf16 TP; the slow twin runs them all
-PP_FAST = [PP_VARIANTS[i] for i in (0, 3, 7, 8)]
+# schedule, stages stepping alone with clipping under ZB-V, bf16 TP, tied on ZeRO-3 in bf16; the
+# slow twin runs them all
+PP_FAST = [PP_VARIANTS[i] for i in (0, 3, 7, 8, 9)]
 
 
 @pytest.mark.parametrize("pp_runs", [PP_FAST, pytest.param(PP_VARIANTS, marks=pytest.mark.slow)],
@@ -380,7 +395,8 @@ def test_long_steps_extend_the_replay_exactly():
     answer is the full replay's, under AFAB, 1F1B, interleaved, ZB-H1 and ZB-V, ZeRO-3 and DDP,
     prefetch 1 and 2."""
     from minipar.plan import Pipeline, plan_stage
-    from minipar.plan.pipeline_stage import replay_stage, stages
+    from minipar.plan.pipeline_stage import replay_stage
+    from minipar.plan.stage_units import stages
     m8, m70 = _llama("llama-3.1-8b"), _llama("llama-3.1-70b")
     cases = [(m8, Layout(1, 2, 1, 2, True), Pipeline(4, "1f1b"), Batch(64, 1, 4096),
               Options(dtype="bfloat16")),
@@ -409,7 +425,7 @@ def test_pipeline_stage_peak_is_its_largest_phase():
     gradients never meet. Each phase is held to its formula; the old sum is above all of them."""
     from minipar.plan.model import _padded
     from minipar.plan.pipeline import plan_pipeline
-    from minipar.plan.pipeline_stage import stage_units
+    from minipar.plan.stage_units import stage_units
     model, lay, batch = _llama("llama-3.1-8b"), Layout(1, 4, 1, 1), Batch(32, 1, 4096)
     pipe, opts = Pipeline(2, "1f1b"), Options(dtype="bfloat16")
     p = plan_pipeline(model, lay, pipe, batch, opts, Cluster())

@@ -16,6 +16,7 @@ through them forward and their gradients flowing back.
     recorder.py   the benchmark's Recorder: what a step really did (a ScheduleHooks)
     overlap_steps.py  stages that step without waiting for each other (pipeline_overlap_steps),
                   post_validate.py their clipping, checked a step late
+    tied_ends.py  a tied embedding on two stages: a copy on each, gradients summed each step
 
     from minipar.pipeline_parallel import build_stage, schedule_order, run_schedule
     stage = build_stage(LlamaForCausalLM(config, pgm), pgm)          # before fully_shard/replicate

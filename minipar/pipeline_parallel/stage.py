@@ -48,6 +48,7 @@ from .p2p_plan import exchange_plan, forward_plan
 from .schedules import SPLIT_BACKWARD, chunk_stages, schedule_order, stage_owners
 from .side_vectors import NoSide, SideVectors
 from .split_backward import split_weight_gradients
+from .tied_ends import TIED, holds_copy, untie_matmul, zero3_units
 
 
 def split_layers(num_layers: int, num_stages: int,
@@ -122,8 +123,8 @@ class PipelineStage(nn.Module):
         body = model.model
         kept = [i for c in chunks for i in c]
         body.layers = nn.ModuleDict({str(i): body.layers[i] for i in kept})
-        if not self.is_first:
-            body.embed_tokens = None
+        if not self.is_first and not holds_copy(self.config, self.is_first, self.is_last):
+            body.embed_tokens = None             # (a tied last stage keeps it: tied_ends.py)
         if not self.is_last:
             body.norm = None
         self.model = body
@@ -131,7 +132,8 @@ class PipelineStage(nn.Module):
         self.sequence_parallel = body.sequence_parallel
         self.lm_head = model.lm_head if self.is_last else None
         self.gradient_checkpointing = getattr(model, "gradient_checkpointing", False)
-        self.zero3_unit_classes = model.zero3_unit_classes     # the model's ZeRO-3 units, for fully_shard
+        # the model's ZeRO-3 units, for fully_shard (+ a tied last stage's final norm: tied_ends.py)
+        self.zero3_unit_classes = zero3_units(self, model.zero3_unit_classes)
         # what the model's loss needs carried between stages besides h (an MoE's aux loss; None:
         # nothing): the executor passes its vectors on, the model computes them
         self.pipeline_aux = model.pipeline_aux
@@ -196,10 +198,12 @@ class PipelineStage(nn.Module):
         return stream_over_stages(self._own_full_items(meter), self.pgm, meter)
 
     def _own_full_items(self, meter):
+        skip = TIED if holds_copy(self.config, self.is_first, self.is_last) else None   # (the first's)
         if getattr(self, "zero3", None) is not None:
-            yield from ShardedStateDicts(self.zero3).iter_full([s.detach() for s in self.zero3.shards], meter)
+            items = ShardedStateDicts(self.zero3).iter_full([s.detach() for s in self.zero3.shards], meter)
+            yield from ((n, t) for n, t in items if n != skip)
             return
-        for n, p in self.named_parameters():
+        for n, p in ((n, p) for n, p in self.named_parameters() if n != skip):
             t = gather_tensor(p.detach(), p.tp_split_dim, self.pgm.tp)
             t = t.clone() if t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() else t
             if meter is not None:
@@ -294,13 +298,9 @@ def build_stage(model: nn.Module, pgm, virtual_stages: int = 1,
     """This rank's PipelineStage of a freshly built LlamaForCausalLM (call before fully_shard /
     replicate and before the optimizer, which must only see the stage's parameters), its chunks
     placed as `schedule` runs them, its Linears' backward split when the schedule has W actions."""
-    if model.config.tie_word_embeddings:
-        raise ValueError("tie_word_embeddings with pipeline parallelism is not supported: the embedding "
-                         "(first stage) and the lm_head (last stage) would share one weight across stages; "
-                         "set model.tie_word_embeddings false or pipeline_parallel_size 1")
     chunks = stage_chunks(model.config.num_hidden_layers, pgm.pp.size, pgm.pp.rank, virtual_stages,
                           pipeline_layers, schedule)
     stage = PipelineStage(model, pgm, chunks, schedule)
-    if schedule in SPLIT_BACKWARD:
-        stage.weight_grads = split_weight_gradients(stage)
+    if schedule in SPLIT_BACKWARD:                 # (a tied lm_head's matmul split too: tied_ends.py)
+        stage.weight_grads = split_weight_gradients(untie_matmul(stage))
     return stage

@@ -8,8 +8,8 @@ runs the model at all (the trainer's checks), model.py, activation_bytes.py and
 collective_counts.py the counts (memory and FLOPs, what a micro-batch keeps for backward, the collectives:
 what the tests hold exactly against the ledger and the measured state), estimate.py the placement on
 nodes and the stated time model, pipeline.py the same under pipeline parallelism
-(pipeline_stage.py: one stage; long_step.py: a long step from three short ones; zero3_replay.py:
-ZeRO-3's gathers over a schedule), layout_search.py the
+(pipeline_stage.py: one stage, stage_units.py: what it holds; long_step.py: a long step from
+three short ones; zero3_replay.py: ZeRO-3's gathers over a schedule), layout_search.py the
 ranking of every layout of a world, pp and cp_impl included, and the recommendation by stated
 rules; moe.py a mixture of experts' share (the experts over ep and edp, the token exchanges);
 report.py the text `python -m minipar.plan` prints. The library knows no TrainConfig: the trainer

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 
 from .inputs import Batch, Layout, ModelShape, Options
-from .pipeline_stage import Pipeline, Stage, replay_stage
+from .pipeline_stage import Pipeline, replay_stage
+from .stage_units import Stage
 
 
 def plan_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, batch: Batch,

@@ -36,8 +36,9 @@ from .estimate import crosses_nodes, distributed_optimizer_memory, group_seconds
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options
 from .long_step import plan_stage
 from .overlap import step_seconds
-from .pipeline_stage import Pipeline, message_bytes, stage_units, stages
+from .pipeline_stage import Pipeline, message_bytes
 from .reference_cost import reference_cost, with_reference
+from .stage_units import stage_units, stages
 
 
 def check(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batch) -> List[str]:
@@ -72,7 +73,8 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
     cross = crosses_nodes(layout, g)
     cross["pp"] = any(len({(w + k * W) // g for k in range(pipe.pp)}) > 1 for w in range(W))
     cross["world"] = world > g                            # pipeline_overlap_steps' background sums
-    sizes = dict(layout.sizes(), pp=pipe.pp, world=world)
+    cross["pp_ends"] = cross["pp"]                        # a tied embedding's sum: first and last stage
+    sizes = dict(layout.sizes(), pp=pipe.pp, world=world, pp_ends=2)
     tokens = batch.global_batch_size * batch.sequence_len
     fl = pm.flops(model, layout, batch, opts)
     budget = cluster.gpu_memory_bytes * (1 - cluster.reserve)
@@ -110,7 +112,10 @@ def plan_pipeline(model: ModelShape, layout: Layout, pipe: Pipeline, batch: Batc
         # schedule keeps in flight at their worst
         first_back = next((c[-1] for c in reversed(st.chunks) if c), 0)     # its first layer of backward
         holds = peak.Holds(us, acts["as_configured"], acts["after_backward"], first_back, st.last)
-        by_phase = peak.phases(model, layout, batch, opts, mem, per_micro, holds)
+        # tied with the ends apart, each end is an untied one's: an embedding unit on the first, an
+        # lm_head whose gradient nothing adds to on the last (its copy of E: tied_ends.py)
+        ends = model if st.first and st.last else dataclasses.replace(model, tie_word_embeddings=False)
+        by_phase = peak.phases(ends, layout, batch, opts, mem, per_micro, holds)
         total = max(by_phase.values())
         p.update(memory=dict(mem, activations=acts, phases=by_phase,
                              peak_phase=max(by_phase, key=by_phase.get), total=total, budget=budget,

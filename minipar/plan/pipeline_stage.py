@@ -11,7 +11,8 @@ the same for a step of many micro-batches, from three short ones):
     persistent   16 B x the stage's parameters (+ 4 B per tensor / unit): as model.py, over the
                  stage's tensors; under ZeRO-3 its units: <root> = norm + lm_head on the last stage
                  (EMPTY elsewhere: an empty unit never gathers), the embedding on the first, then
-                 one per layer of the stage in chunk order
+                 one per layer of the stage in chunk order. Tied with the ends apart, the last stage
+                 holds a copy of E (tied_ends.py): its root is E alone, its norm a unit after the layers
     gathered     ZeRO-3's buffers, from a replay of zero3's hooks (zero3_replay.py) over the
                  schedule's action list: the root is re-gathered at every chunk forward, prefetch
                  follows the learned order, which alternates between chunks under interleaving
@@ -32,7 +33,9 @@ neighbouring virtual stage is on another rank (zbv's turn at rank p - 1 is not: 
 b x s/cp (/tp under SP) x d in the compute dtype (bf16 in a bf16 run, autocast's too: trainer.py's
 act_dtype, which p2p.py sends); ("all_reduce", "pp") 8 B
 for the loss and 8 B for the global grad norm (pipeline_overlap_steps: both in one 16 B all-reduce
-over the world); TP/CP per layer of the stage, the embedding's
+over the world); tied embeddings with the ends on two ranks: ("all_reduce", "pp_ends") of E's
+fp32 gradient (its shard under ZeRO-3) on the first and last stage (stage_units.py's tied_sum);
+TP/CP per layer of the stage, the embedding's
 collective on the first stage, lm_head's and the loss's on the last, each in the dtype
 collective_counts.py gives it (under autocast the stream's f / g fp32, o_proj's and down_proj's g bf16).
 
@@ -47,13 +50,13 @@ from typing import Dict, List, Optional, Tuple
 from minipar.optim_bnb import state_bytes
 from minipar.pipeline_parallel.schedules import chunk_stages, schedule_order, sends_to, stage_owners
 from minipar.pipeline_parallel.simulate import peak_in_flight
-from minipar.pipeline_parallel.stage import stage_chunks
 
 from . import activation_bytes as pa
 from . import collective_counts as pc
 from . import model as pm
 from .inputs import DTYPE_BYTES, Batch, Layout, ModelShape, Options, param_bytes
 from .model import Unit
+from .stage_units import Stage, chunk_units, stage_tensors, stage_units, tied_sum
 from .zero3_replay import Zero3Replay
 
 
@@ -82,54 +85,9 @@ class Pipeline:
         return f"pp {self.pp} ({self.schedule}{v}{alone})"
 
 
-@dataclass
-class Stage:
-    """Stage `rank` of the pipeline: the global layer indices of each of its model chunks."""
-    rank: int
-    chunks: List[List[int]]
-    first: bool
-    last: bool
-
-    @property
-    def num_layers(self) -> int:
-        return sum(len(c) for c in self.chunks)
-
-
-def stages(model: ModelShape, pipe: Pipeline) -> List[Stage]:
-    if model.tie_word_embeddings:
-        raise ValueError("tie_word_embeddings with pipeline parallelism is not supported (the embedding and "
-                         "lm_head would share one weight across stages): untie them or use pp 1")
-    layers = list(pipe.layers) if pipe.layers is not None else None
-    last = pipe.pp * pipe.virtual_stages - 1
-    placed = [chunk_stages(pipe.schedule, pipe.pp, r, pipe.virtual_stages) for r in range(pipe.pp)]
-    return [Stage(r, stage_chunks(model.num_hidden_layers, pipe.pp, r, pipe.virtual_stages, layers,
-                                  pipe.schedule), 0 in placed[r], last in placed[r]) for r in range(pipe.pp)]
-
-
-def stage_tensors(model: ModelShape, layout: Layout, st: Stage) -> List[int]:
-    """TP-local element counts of the stage's parameters, in its parameter order."""
-    emb, layer, head = model.tensors(layout.tp)
-    return (emb if st.first else []) + layer * st.num_layers + (head if st.last else [])
-
-
-def stage_units(model: ModelShape, layout: Layout, st: Stage) -> List[Unit]:
-    """ZeRO-3 units as fully_shard builds them on the stage: the root first (empty off the last)."""
-    emb, layer, head = model.tensors(layout.tp)
-    out = [Unit("<root>", sum(head) if st.last else 0, len(head) if st.last else 0, "root")]
-    if st.first:
-        out.append(Unit("model.embed_tokens", sum(emb), len(emb), "embedding"))
-    return out + [Unit(f"model.layers.{i}", sum(layer), len(layer)) for c in st.chunks for i in c]
-
-
-def _chunk_units(us: List[Unit], st: Stage, c: int) -> List[Unit]:
-    by = {u.name: u for u in us}
-    seq = [us[0]] + ([by["model.embed_tokens"]] if st.first and c == 0 else [])
-    return seq + [by[f"model.layers.{i}"] for i in st.chunks[c]]
-
-
 def _replay_step(replay: Zero3Replay, order, us: List[Unit], st: Stage):
     """One step of the schedule's actions through ZeRO-3's hooks."""
-    chunks = [_chunk_units(us, st, c) for c in range(len(st.chunks))]
+    chunks = [chunk_units(us, st, c) for c in range(len(st.chunks))]
     for a in order:
         if a.kind == "W":          # a W pass reaches the flat buffers only: it gathers nothing
             continue
@@ -155,7 +113,7 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
     M, b = batch.micro_steps(layout), batch.micro(layout)
     order = schedule_order(pipe.schedule, pipe.pp, M, st.rank, pipe.virtual_stages)
     coll: Dict[Tuple[str, str], List[int]] = {}
-    sizes = dict(layout.sizes(), pp=pipe.pp, world=layout.world * pipe.pp)
+    sizes = dict(layout.sizes(), pp=pipe.pp, world=layout.world * pipe.pp, pp_ends=2)
 
     def add(op, group, calls, nbytes):
         if calls and sizes[group] > 1:
@@ -190,6 +148,7 @@ def replay_stage(model: ModelShape, layout: Layout, pipe: Pipeline, st: Stage, b
         if layout.sizes()["dp_cp"] > 1:                      # DDP once per step
             for nbytes in pc.bucket_bytes([4 * x for x in tens]):
                 add("all_reduce", "dp_cp", 1, nbytes)
+    add("all_reduce", "pp_ends", *tied_sum(model, layout, st, opts))     # a tied embedding's two copies
     opt = state_bytes(opts.optimizer, numels)
     mem = dict(params=4 * elems, grads=4 * elems, optimizer=opt, persistent=8 * elems + opt,
                gathered=gathered, accumulated_grads=accumulated, param_elements=elems)

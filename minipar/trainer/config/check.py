@@ -179,17 +179,12 @@ def _lora(cfg) -> List[str]:
 
 def check_pipeline(cfg, pp: int, num_micro: int) -> None:
     """Every pipeline setting that can fail on this world (the schedule against the micro-batch
-    count, tied embeddings, the layer split), as ONE ValueError naming all that do; run_setup's,
-    once the world size and the micro-batch count are known. No communication."""
+    count, the layer split; tied embeddings are summed across stages, tied_ends.py), as ONE
+    ValueError naming all that do; run_setup's, once the world size and the micro-batch count are
+    known. No communication."""
     v = chunks_per_rank(cfg.pipeline_schedule, cfg.pipeline_virtual_stages)
-
-    def tied():
-        if cfg.model.tie_word_embeddings:
-            raise ValueError("model.tie_word_embeddings with pipeline_parallel_size > 1 is not supported: "
-                             "the embedding (first stage) and lm_head (last stage) would share one weight "
-                             "across stages; untie them or use pipeline_parallel_size 1")
     problems = []
-    for one in (lambda: check_schedule(cfg.pipeline_schedule, pp, num_micro, v), tied,
+    for one in (lambda: check_schedule(cfg.pipeline_schedule, pp, num_micro, v),
                 lambda: split_layers(cfg.model.num_hidden_layers, pp * v, cfg.pipeline_layers)):
         try:
             one()

@@ -64,7 +64,7 @@ import torch
 import minipar
 from minipar import comm
 from minipar.data_parallel import replicate, replicate_naive
-from minipar.lora import add_lora, check_targets, load_adapters, lora_parameters, lora_targets
+from minipar.lora import add_lora, check_targets, load_adapters, lora_parameters, lora_summary, lora_targets
 from minipar.optim import OptimizerStep
 from minipar.pipeline_parallel import (
     OverlapSteps,
@@ -147,14 +147,7 @@ def build(config, pgm, recipe: Recipe, base_model=None, device=None, log: Callab
         add_lora(model, targets, lo.r, lo.alpha, lo.dropout, seed=recipe.seed, device=device)
         if lo.model_dir:
             load_adapters(model, lo.model_dir, pgm.tp)
-        n_lora = sum(math.prod(p.tp_full_shape) for p in lora_parameters(model))
-        moe = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        log(f"LoRA r={lo.r}, alpha={lo.alpha:g} on {', '.join(targets)}: {n_lora / 1e6:.2f} M trainable "
-            f"parameters ({100 * n_lora / n_params:.2f} % of {n_params / 1e6:.1f} M), the base frozen"
-            + (f"; adapters from {lo.model_dir}" if lo.model_dir else "")
-            + (f"; the experts and routers of the {moe} mixture-of-experts layers frozen too (stacked "
-               f"weights, no Linear: as PEFT's all-linear leaves transformers' stacked experts)"
-               if moe else ""))
+        log(lora_summary(model, targets, lo.r, lo.alpha, n_params, lo.model_dir))
     # 3. the pipeline cut: this rank's stage only (before ZeRO-3, DDP and the optimizer)
     if pgm.pp.size > 1:
         model = build_stage(model, pgm, recipe.chunks, recipe.pipeline_layers, recipe.pipeline_schedule)
@@ -176,7 +169,7 @@ def build(config, pgm, recipe: Recipe, base_model=None, device=None, log: Callab
     pm.no_sync_owner = pm.grad_sync if not pm.sharded or recipe.lora is not None else \
         (None if recipe.sync_each_batch else model.zero3)
     # a tied embedding whose two ends sit on different stages: a copy on each, summed each step
-    pm.tied = attach_tied(model, pgm, recipe.pipeline_schedule, recipe.chunks) if pgm.pp.size > 1 else None
+    pm.tied = attach_tied(model, pgm, recipe.pipeline_schedule, recipe.chunks)
     # 5. activation checkpointing: read by each layer's forward (the stage's, under pp)
     if recipe.gradient_checkpointing:
         mode = "full" if recipe.gradient_checkpointing is True else recipe.gradient_checkpointing

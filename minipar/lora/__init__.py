@@ -8,7 +8,7 @@
     from minipar.lora import add_lora
     add_lora(model, ["q_proj", "v_proj"], r=8, alpha=16)   # base frozen; adapters trainable
 """
-from .adapter import LoRA, adapters_off, add_lora, check_targets, lora_parameters, lora_targets
+from .adapter import LoRA, adapters_off, add_lora, check_targets, lora_parameters, lora_summary, lora_targets
 from .peft_format import (
     adapter_config,
     adapter_shapes,
@@ -22,6 +22,6 @@ from .peft_format import (
     save_adapter,
 )
 
-__all__ = ["LoRA", "adapters_off", "add_lora", "check_targets", "lora_parameters", "lora_targets",
-           "adapter_config", "adapter_shapes", "check_adapter", "full_adapters", "load_adapters", "merge",
-           "minipar_name", "peft_key", "read_adapter_config", "save_adapter"]
+__all__ = ["LoRA", "adapters_off", "add_lora", "check_targets", "lora_parameters", "lora_summary",
+           "lora_targets", "adapter_config", "adapter_shapes", "check_adapter", "full_adapters",
+           "load_adapters", "merge", "minipar_name", "peft_key", "read_adapter_config", "save_adapter"]

@@ -239,3 +239,18 @@ def adapters_off(model: nn.Module):
 def lora_parameters(model: nn.Module) -> List[nn.Parameter]:
     """The trainable adapter parameters, in model order."""
     return [p for n, p in model.named_parameters() if ".lora.lora_" in n]
+
+
+def lora_summary(model: nn.Module, targets: Sequence[str], r: int, alpha: float, n_params: int,
+             model_dir: Optional[str] = None) -> str:
+    """The line a run logs once adapters are added: where, how many trainable parameters, and that
+    the base (with an MoE's stacked experts and routers) stays frozen."""
+    n_lora = sum(math.prod(p.tp_full_shape) for p in lora_parameters(model))
+    c = model.config
+    moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    return (f"LoRA r={r}, alpha={alpha:g} on {', '.join(targets)}: {n_lora / 1e6:.2f} M trainable "
+            f"parameters ({100 * n_lora / n_params:.2f} % of {n_params / 1e6:.1f} M), the base frozen"
+            + (f"; adapters from {model_dir}" if model_dir else "")
+            + (f"; the experts and routers of the {moe} mixture-of-experts layers frozen too (stacked "
+               f"weights, no Linear: as PEFT's all-linear leaves transformers' stacked experts)"
+               if moe else ""))

@@ -138,6 +138,16 @@ def test_tied_pp2_layouts_match_one_process_fast(tmp_path_factory, tmp_path, lay
         _same(ref[2:], resumed)
 
 
+def test_tied_zero3_under_a_split_backward_matches_one_process(tmp_path_factory, tmp_path):
+    # pp 2 x dp_shard 2 under ZB-H1: the last stage's ZeRO-3 root holds its copy of E alone, whose
+    # gradient comes only in W (the lm_head's matmul split), so each B hands the root's flat buffer
+    # an undefined gradient: its post-accumulate-grad hook must take that as nothing to add
+    ref = _ref(tmp_path_factory)
+    layout = ["--pipeline_parallel_size", "2", "--dp_shard_size", "2", "--pipeline_schedule", "zb_h1"]
+    got = run_world(_train_copies, 4, _argv(tmp_path, *TIE, *layout, steps=2), timeout=300)
+    _check(ref, got, 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,extra", [
     (2, ["--pipeline_schedule", "afab"]),

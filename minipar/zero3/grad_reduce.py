@@ -90,7 +90,12 @@ class GradientReduction:
     # ------------------------------------------------------------------ the hooks' work
     def post_backward(self, u: Unit):
         """All of u's gradient is in u.flat.grad (its post-accumulate-grad hook): add it to what
-        no_sync accumulated, then hold the sum (no sync) or reduce-scatter it."""
+        no_sync accumulated, then hold the sum (no sync) or reduce-scatter it. A backward can reach
+        the buffer with no gradient for it (autograd still runs the hook): the B of a split backward
+        for a unit whose every weight gets its gradient in W (the tied copy of E alone in a last
+        stage's root, pipeline_parallel/tied_ends.py); nothing is added then, W brings it."""
+        if u.flat.grad is None:
+            return
         grad, u.flat.grad = u.flat.grad, None    # the next backward must start from no .grad
         if u.accumulated_grad is not None:                 # earlier micro-batches under no_sync
             u.accumulated_grad.add_(grad)

@@ -6,7 +6,8 @@ Fast: 1f1b (3 steps, the copies compared, saved sharded and exported: resumed on
 export equal to one process's and reloaded by transformers with a tied lm_head) and
 interleaved_1f1b; pp 2 x dp_shard 2 (ZeRO-3: the shards of the two copies summed element for
 element) for 2 steps, its FULL_STATE_DICT resumed on one process; pp 2 x tp 2 with sp under zb_h1
-for 2 steps; a one-process checkpoint resumed on pp 2; stages stepping alone
+for 2 steps; pp 2 x dp_shard 2 under zb_h1 (the copy's root gets
+its gradient in W only) for 2 steps; a one-process checkpoint resumed on pp 2; stages stepping alone
 (pipeline_overlap_steps) as the synchronous run; the ends group.
 Slow: afab, zb_h1 and zbv (the V: both ends on rank 0, one Parameter) for 3 steps; pp 2 x
 dp_shard 2 (also interleaved, clipped at 0.5), tp 2, DDP 2, cp 2 and HSDP 2 x 2 for 3 steps; pp 4 x

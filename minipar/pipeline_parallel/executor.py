@@ -29,7 +29,8 @@ What the executor is handed, rather than knowing (so it reads alone, with p2p.py
 Forward only (forward_only: an evaluation, DPO's reference log-probs): the F actions alone, in
 schedules.forward_order (the forward half of AFAB), the same F(c, m) under torch.no_grad with its
 exchanges planned by p2p_plan.forward_plan, so rank s runs micro-batch m while rank s + 1 runs
-m - 1: M micro-batches take (M v + p - 1) / v stage forwards, not M p one after the other. Nothing
+m - 1: M micro-batches take M + p - 1 stage forwards ((M v + p - 1) / v interleaved; zbv's V, whose
+chunks a micro-batch crosses in turn, M + p - 1), not M p one after the other. Nothing
 is kept for a backward; each micro-batch's loss share comes back apart.
 
 A stage keeps (x, out) and everything autograd saved between F(c, m) and B(c, m), and the

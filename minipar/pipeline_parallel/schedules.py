@@ -247,7 +247,8 @@ def forward_order(name: str, p: int, m: int, rank: int, v: int = 1) -> List[Acti
     AFAB on the chunks placed for `name`: micro-batches in groups of p, each group through chunk 0,
     then chunk 1, ... (interleaved_1f1b's forward order where p divides m; v = 1: F0 F1 .. F(m-1));
     zbv: the F's of its own order. Rank s runs micro-batch i while rank s + 1 runs i - 1, so m
-    micro-batches take (m v + p - 1) / v stage forwards where one at a time took m p."""
+    micro-batches take m + p - 1 stage forwards ((m v + p - 1) / v interleaved; m + p - 1 on zbv's V)
+    where one at a time took m p."""
     if name == "zbv":
         return [a for a in zbv(p, m, rank) if a.kind == "F"]
     return [Action("F", c, i) for g in range(0, m, p) for c in range(v) for i in range(g, min(g + p, m))]

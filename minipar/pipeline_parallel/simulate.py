@@ -137,6 +137,6 @@ def theory_bubble(name: str, p: int, m: int, v: int = 1, steady: bool = False) -
 def forward_span(name: str, p: int, m: int, v: int = 1) -> float:
     """The time of m micro-batches' forwards alone (schedules.forward_order, executor.forward_only), in
     units of one stage's forward of one micro-batch: m + p - 1 for v = 1, (m v + p - 1) / v
-    interleaved with p dividing m; one after the other it was m p."""
+    interleaved with p dividing m, m + p - 1 on zbv's V; one after the other it was m p."""
     orders = [forward_order(name, p, m, r, v) for r in range(p)]
     return simulate(orders, v, t_f=1.0, t_b=0.0, name=name)[1]

@@ -84,7 +84,8 @@ def untie_matmul(stage):
 
 def _local_tensor(model) -> Optional[torch.Tensor]:
     """What the optimizer steps of E on this rank: its ZeRO-3 shard (a unit holding E alone), or
-    the Parameter itself; None when this stage holds no copy."""
+    the Parameter itself; None when this stage holds no copy. A unit holding more than E is a bug of
+    zero3_units (no input can cause it), hence a RuntimeError, not a refusal of a config."""
     manager = getattr(model, "zero3", None)
     if manager is None:
         return dict(model.named_parameters()).get(TIED)
@@ -92,7 +93,7 @@ def _local_tensor(model) -> Optional[torch.Tensor]:
         names = [s.name for s in unit.layout.slots]
         if TIED in names:
             if names != [TIED]:
-                raise ValueError(f"tied embeddings under pp x ZeRO-3: the unit holding {TIED} also holds "
+                raise RuntimeError(f"tied embeddings under pp x ZeRO-3: the unit holding {TIED} also holds "
                                  f"{[n for n in names if n != TIED]}, so the two ends' shards would cover "
                                  f"different elements; the unit must hold the tied weight alone")
             return unit.shard

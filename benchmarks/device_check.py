@@ -20,7 +20,9 @@ one runs. The steps:
                   reports them (torch.cuda.set_sync_debug_mode "warn"; on the CPU the counter of
                   tests/test_host_syncs.py), against docs/design.md's allowance (sync_check.py)
     p2p           the pipeline's p2p under NCCL, two processes on the GPU, 16 MiB activations,
-                  each schedule (device_p2p.py): a posting order NCCL could deadlock on hangs here
+                  each schedule (device_p2p.py), tied embeddings (their gradients all-reduced over
+                  the pp group the sends use) and a pipelined evaluation: a posting order NCCL could
+                  deadlock on hangs here
     bench_gpu     a ~1 B Llama in bf16: tokens/s, MFU and peak memory beside the planner's
                   estimate for the same run (bench_gpu.py)
 
@@ -142,7 +144,7 @@ def run_step(name, device, small, out, limit, schedules=P2P_SCHEDULES):
             secs += s
             code = code or c
             rows.append(dict(name=f"p2p pp 2 {schedule}, m 4", ok=c == 0, seconds=round(s, 1),
-                             detail="2 steps, no hang" if c == 0 else
+                             detail="2 steps and an evaluation, no hang" if c == 0 else
                              ("timed out: a hang" if c == 124 else f"exit {c}: {_tail(log, 1)}")))
     elif name == "syncs":
         rows, secs, code = [], 0.0, 0

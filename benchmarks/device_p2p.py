@@ -10,8 +10,11 @@ NCCL matches a pair's messages in the order they are posted and a send larger th
 (NCCL_BUFFSIZE, 4 MiB by default) completes only when the receive runs, so a posting order with a
 wait cycle hangs there and nowhere else (docs/pipeline_parallel.md; tests/test_pipeline.py replays
 the posted order under those rules on the CPU). This runs the trainer under each schedule with
-pp 2 and activations of 16 MiB (bf16, 1 x 2048 tokens x 4096), 4 micro-batches, 2 steps; a hang
-fails after --timeout seconds (ddp_timeout) instead of blocking the device check.
+pp 2 and activations of 16 MiB (bf16, 1 x 2048 tokens x 4096), 4 micro-batches, 2 steps, then an
+evaluation of 3 batches pipelined forward-only (schedules.forward_order); the model's embeddings tied,
+so each step also all-reduces the two copies' gradients over pp_ends, which at pp 2 is the pp group
+the sends use (pipeline_parallel/tied_ends.py; zbv holds both ends on one rank); a hang fails after
+--timeout seconds (ddp_timeout) instead of blocking the device check.
 
 Two processes on one GPU: NCCL refuses two ranks on one device of one host ("Duplicate GPU
 detected"), so each rank claims a host of its own (NCCL_HOSTID) and they talk over sockets
@@ -47,7 +50,8 @@ def _argv(schedule: str, layers: int, small: bool, timeout: int, out_dir: str, d
     argv = ["configs/default.yaml", "--pipeline_parallel_size", "2", "--pipeline_schedule", schedule,
             "--context_parallel_size", "1", "--tensor_parallel_size", "1", "--dp_shard_size", "1",
             "--sequence_len", str(seq), "--global_batch_size", "4", "--micro_batch_size", "1",
-            "--max_steps", "2", "--warmup_steps", "0", "--eval_steps", "0", "--save_steps", "0",
+            "--max_steps", "2", "--warmup_steps", "0", "--eval_steps", "2",
+            "--eval_batches", "3", "--save_steps", "0", "--model.tie_word_embeddings", "true",
             "--logging_steps", "1", "--progress_bar", "false", "--save_final_checkpoint", "false",
             "--export_hf", "false", "--ddp_timeout", str(timeout), "--output_dir", out_dir,
             "--model.hidden_size", str(hidden), "--model.intermediate_size", str(hidden),

@@ -122,11 +122,22 @@ def _forward_bytes(model, batch, n_items, collectives):
         loss = model(mine["input_ids"], position_ids=mine["position_ids"], labels=mine["labels"],
                      num_items_in_batch=n_items)
         del mine                        # the clones no op kept die here
-    if collectives:                     # gloo's worker threads drop their references to the last
-        time.sleep(0.3)                 # collectives' buffers (one process: it made none)
     fixed = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), loss)}
-    alive = [(nbytes, ptr) for ref, nbytes, ptr in made.storages.values() if not ref.expired()]
-    return sum(nbytes for nbytes, ptr in alive if ptr not in fixed)
+
+    def alive() -> int:
+        return sum(nbytes for ref, nbytes, ptr in list(made.storages.values())
+                   if not ref.expired() and ptr not in fixed)
+    if not collectives:                 # one process: no other thread holds anything
+        return alive()
+    # gloo's worker threads drop their references to the last collectives' buffers when they get
+    # to it: the count only falls, so it is read until it has held still for 0.3 s (at most 10 s)
+    now, still_since, deadline = alive(), time.monotonic(), time.monotonic() + 10
+    while time.monotonic() - still_since < 0.3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        was, now = now, alive()
+        if now != was:
+            still_since = time.monotonic()
+    return now
 
 
 def _measure(argv):

@@ -46,7 +46,7 @@ import torch
 from minipar import comm
 from minipar.batch_split import local_batch
 from minipar.compose import ParallelModel, Step, forward_loss
-from minipar.dpo import PairLoss
+from minipar.dpo import PairLoss, check_loss
 from minipar.dpo_reference import REFERENCES, check_reference, record_logps
 from minipar.lora import adapters_off
 
@@ -73,15 +73,22 @@ def pair_rows(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
 class DPOStep:
     """One DPO optimizer step of a compose.Step: `step(input_ids, labels, ref_logps=None)` on the
     GLOBAL batch of pair rows (the same on every rank) -> dict(loss, grad_norm, lr, moe, metrics).
-    ref_model: the frozen copy of reference 'frozen' (dpo_reference.frozen_copy), else None."""
+    ref_model: the frozen copy of reference 'frozen' (dpo_reference.frozen_copy), else None;
+    label_smoothing: TRL's eps of the sigmoid (cDPO) and robust losses (objective.py)."""
 
     def __init__(self, step: Step, beta: float = 0.1, loss_type: str = "sigmoid", reference: str = "lora",
-                 ref_model: Optional[ParallelModel] = None):
+                 ref_model: Optional[ParallelModel] = None, label_smoothing: float = 0.0):
+        check_loss(loss_type, label_smoothing)              # on every rank, before any collective
         check_reference(reference, step.pm.recipe.lora is not None, ref_model, step.pgm)
         self.step, self.pm, self.pgm = step, step.pm, step.pgm
         self.beta, self.loss_type, self.reference = float(beta), loss_type, reference
+        self.label_smoothing = float(label_smoothing)
         self.ref_model = ref_model
-        PairLoss([], 1, self.pgm, beta, loss_type)          # the loss type checked now, on every rank
+
+    def objective(self, micro: List[dict], n_pairs: int) -> PairLoss:
+        """The step's PairLoss of `micro` (n_pairs: the global batch's), with this step's loss."""
+        return PairLoss(micro, n_pairs, self.pgm, self.beta, self.loss_type,
+                        label_smoothing=self.label_smoothing)
 
     def local(self, input_ids, labels, ref_logps=None, position_ids=None, num_micro: Optional[int] = None
               ) -> List[dict]:
@@ -122,7 +129,7 @@ class DPOStep:
         micro = self.local(input_ids, labels, ref_logps, position_ids)
         if self.reference != "precomputed" or ref_logps is None:
             self.reference_logps(micro)
-        objective = PairLoss(micro, input_ids.shape[0] // 2, self.pgm, self.beta, self.loss_type)
+        objective = self.objective(micro, input_ids.shape[0] // 2)
         out = self.step(objective, micro)
         out["metrics"] = objective.metrics(self.pm.device)
         return out

@@ -1,6 +1,7 @@
-"""DPO (minipar/dpo/objective.py, minipar/dpo_step.py): ln 2 at step 0, the loss and every gradient
-equal to the formula computed by a plain fp64 model, and every layout equal to one process, an MoE
-with ep 2 (its load-balancing loss in the objective) among them."""
+"""DPO (minipar/dpo/objective.py, minipar/dpo_step.py): ln 2 at step 0 (1 for hinge), the loss and
+every gradient of sigmoid (with and without label smoothing), robust, hinge and ipo equal to the
+formula computed by a plain fp64 model, and every layout equal to one process, an MoE with ep 2 (its
+load-balancing loss in the objective) and robust DPO with label smoothing among them."""
 from __future__ import annotations
 
 import math
@@ -47,12 +48,13 @@ def _prepare(sizes, lora: bool, micro: int = 1, config=None, **kw):
     return model, step.step
 
 
-def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None, config=None):
+def _run(sizes, lora, steps, loss_type="sigmoid", micro=1, settings=None, config=None, label_smoothing=0.0):
     """Per step (loss, margins, accuracy, logps/chosen, rewards/chosen, an MoE's aux loss) of a few
     DPO steps on `sizes`."""
     from minipar.dpo_step import DPOStep
     model, step = _prepare(sizes, lora, micro, config, **(settings or {}))
-    dpo = DPOStep(step, beta=0.5, loss_type=loss_type, reference="lora" if lora else "precomputed")
+    dpo = DPOStep(step, beta=0.5, loss_type=loss_type, reference="lora" if lora else "precomputed",
+                  label_smoothing=label_smoothing)
     # two batches in turn: a pair seen again must have gained (random tokens do not generalise)
     refs = None if lora else [dpo.precompute_reference(*pairs(s)) for s in range(2)]
     out = []
@@ -102,23 +104,51 @@ def test_moe_loss_at_step0_is_ln2_plus_the_aux_loss():
         assert margin == 0.0 and reward_c == 0.0
 
 
+# ------------------------------------------------------------------ the other losses at step 0
+def _variants_step0():
+    """Step 0 (reference = policy, z = 0) of cDPO (sigmoid, eps 0.3), robust (eps 0.2) and hinge."""
+    return [_run({}, True, 1, loss_type=t, label_smoothing=eps)[0]
+            for t, eps in (("sigmoid", 0.3), ("robust", 0.2), ("hinge", 0.0))]
+
+
+def test_smoothed_and_hinge_losses_at_step0():
+    """z = 0: (1 - eps) ln 2 + eps ln 2 = ln 2 (cDPO), ((1 - eps) - eps) ln 2 / (1 - 2 eps) = ln 2
+    (robust), relu(1 - 0) = 1 (hinge)."""
+    got = run_world(_variants_step0, 1, timeout=60)[0]
+    for (loss, margin, *_), want in zip(got, (math.log(2), math.log(2), 1.0)):
+        assert loss == pytest.approx(want, abs=1e-7) and margin == 0.0
+
+
 # ------------------------------------------------------------------ the formula in fp64
-def _formula(loss_type):
+def _plain_loss(pi_c, pi_r, ref_c, ref_r, beta, loss_type, eps):
+    """The per-pair losses written out again here (TRL's dpo_loss), in fp64."""
+    import torch.nn.functional as F
+    z = beta * ((pi_c - ref_c) - (pi_r - ref_r))
+    if loss_type == "sigmoid":
+        return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    if loss_type == "robust":
+        return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    if loss_type == "hinge":
+        return torch.relu(1 - z)
+    return (z / beta - 1 / (2 * beta)) ** 2
+
+
+def _formula(loss_type, eps=0.0):
     """minipar's one-process loss and full gradients vs the DPO formula on the same weights in fp64,
     with a reference whose log-probs differ from the policy's (so every term counts)."""
     import torch.nn.functional as F
 
-    from minipar.dpo import PairLoss, dpo_losses
+    from minipar.dpo import PairLoss
     from minipar.dpo_step import DPOStep
     from models.llama import LlamaForCausalLM
     from models.llama_config import LlamaConfig
     model, step = _prepare({}, False)
-    dpo = DPOStep(step, beta=0.5, loss_type=loss_type, reference="precomputed")
+    dpo = DPOStep(step, beta=0.5, loss_type=loss_type, reference="precomputed", label_smoothing=eps)
     ids, labels = pairs(0)
-    ref = torch.linspace(-60.0, -40.0, 2 * P) if loss_type == "sigmoid" else torch.linspace(-5.0, -3.0, 2 * P)
+    ref = torch.linspace(-5.0, -3.0, 2 * P) if loss_type == "ipo" else torch.linspace(-60.0, -40.0, 2 * P)
     weights = {n: p.detach().clone() for n, p in model.model.named_parameters()}
     micro = dpo.local(ids, labels, ref)
-    objective = PairLoss(micro, P, model.pgm, 0.5, loss_type)
+    objective = PairLoss(micro, P, model.pgm, 0.5, loss_type, label_smoothing=eps)
     loss = step.backward(objective, micro)[0]
     grads = {n: p.grad.detach().clone() for n, p in model.model.named_parameters()}
     # the plain reference: the same decoder in fp64, one process, log_softmax and the formula
@@ -131,19 +161,24 @@ def _formula(loss_type):
     if loss_type == "ipo":
         logps = logps / mask.sum(-1)
     r64 = ref.double()
-    want = dpo_losses(logps[0::2], logps[1::2], r64[0::2], r64[1::2], 0.5, loss_type).mean()
+    losses = _plain_loss(logps[0::2], logps[1::2], r64[0::2], r64[1::2], 0.5, loss_type, eps)
+    want = losses.mean()
     want.backward()
     return float(loss), float(want), grads, {n: p.grad for n, p in plain.named_parameters()}
 
 
+FORMULAS = (("sigmoid", 0.0), ("sigmoid", 0.1), ("robust", 0.2), ("hinge", 0.0), ("ipo", 0.0))
+
+
 def test_loss_and_gradients_equal_the_formula_in_fp64():
-    """sigmoid and ipo (log-probs averaged over each response's tokens, as TRL's ipo)."""
+    """sigmoid (eps 0: DPO, 0.1: cDPO), robust (eps 0.2), hinge, and ipo (log-probs averaged over
+    each response's tokens, as TRL's ipo)."""
     for got in run_world(_formulas, 1, timeout=60)[0]:
         _check_formula(*got)
 
 
 def _formulas():
-    return [_formula(t) for t in ("sigmoid", "ipo")]
+    return [_formula(t, eps) for t, eps in FORMULAS]
 
 
 def _check_formula(loss, want, grads, want_grads):
@@ -189,6 +224,19 @@ def _check_layout(name, steps):
 @pytest.mark.parametrize("name", ["dp_shard2_tp2_sp", "pp2_cp2", "moe_dp_shard2_ep2"])
 def test_layouts_equal_one_process(name):
     _check_layout(name, 3)
+
+
+def _robust(sizes, steps):
+    return _run(sizes, True, steps, loss_type="robust", label_smoothing=0.2)
+
+
+def test_robust_smoothed_layout_equals_one_process():
+    """The robust loss with eps 0.2 (LoRA's reference) on dp_shard 2 x tp 2 + SP equals one process."""
+    one = run_world(_robust, 1, {}, 3, timeout=120)[0]
+    many = run_world(_robust, 4, LAYOUTS["dp_shard2_tp2_sp"][0], 3, timeout=240)
+    assert all(r == many[0] for r in many)
+    assert one[0][0] == pytest.approx(math.log(2), abs=1e-7) and one[-1][0] < one[0][0]
+    assert torch.tensor(many[0]).double() == pytest.approx(torch.tensor(one).double(), abs=1e-4, rel=1e-4)
 
 
 @pytest.mark.slow
@@ -267,7 +315,9 @@ def _refusals():
     for make in (lambda: DPOStep(full_step, reference="frozen"),
                  lambda: DPOStep(lora_step, reference="frozen", ref_model=copy),
                  lambda: DPOStep(full_step, reference="precomputed", ref_model=copy),
-                 lambda: build(config, full_model.pgm, Recipe(lora=LoRA()), frozen=True)):
+                 lambda: build(config, full_model.pgm, Recipe(lora=LoRA()), frozen=True),
+                 lambda: DPOStep(full_step, loss_type="robust", reference="precomputed", label_smoothing=0.5),
+                 lambda: DPOStep(full_step, loss_type="ipo", reference="precomputed", label_smoothing=0.1)):
         try:
             make()
             out.append(None)
@@ -276,12 +326,14 @@ def _refusals():
     return out
 
 
-def test_a_reference_the_model_cannot_hold_is_refused():
+def test_a_reference_the_model_cannot_hold_or_a_bad_smoothing_is_refused():
     got = run_world(_refusals, 1, timeout=60)[0]
     assert "'frozen' needs ref_model=frozen_copy(policy" in got[0]
     assert "'frozen' with LoRA: the base with the adapters off is that copy" in got[1]
     assert "'precomputed' takes no ref_model" in got[2]
     assert "a frozen copy takes no LoRA adapters" in got[3]
+    assert "dpo_label_smoothing must be in [0, 0.5)" in got[4] and "got 0.5" in got[4]
+    assert "dpo_label_smoothing 0.1 with dpo_loss_type ipo: the ipo loss takes no label smoothing" in got[5]
 
 
 # ------------------------------------------------------------------ preference rows

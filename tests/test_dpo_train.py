@@ -213,6 +213,11 @@ def test_bad_input_is_one_line_before_any_step(tmp_path, example):
         "no rejected": (["--datasets", plain], "needs `rejected`"),
         "long prompt": (["--datasets", f"[{{path: {long_prompt}}}]"], "leaves no room for a response"),
         "beta": (["--rl_beta", "0"], "dpo_beta (rl_beta) must be > 0"),
+        "smoothing": (["--dpo_loss_type", "robust", "--dpo_label_smoothing", "0.5"],
+                      "dpo_label_smoothing must lie in [0, 0.5) (a pair's label flipped with this chance), "
+                      "got 0.5"),
+        "hinge smoothed": (["--dpo_loss_type", "hinge", "--dpo_label_smoothing", "0.1"],
+                           "dpo_label_smoothing 0.1 with dpo_loss_type hinge: the hinge loss takes no label"),
     }
     argvs = {name: _argv("dpo.yaml", example, tmp_path / name.replace(" ", "_"), 3, *extra)
              for name, (extra, _) in cases.items()}

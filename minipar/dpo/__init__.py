@@ -6,6 +6,6 @@
 The step around it (the pairs' split) is minipar/dpo_step.py; the reference (the adapters off,
 precomputed, or a frozen copy) is minipar/dpo_reference.py.
 """
-from .objective import LOSS_TYPES, METRICS, PairLoss, cp_sum, dpo_losses
+from .objective import LOSS_TYPES, METRICS, SMOOTHED, PairLoss, check_loss, cp_sum, dpo_losses
 
-__all__ = ["LOSS_TYPES", "METRICS", "PairLoss", "cp_sum", "dpo_losses"]
+__all__ = ["LOSS_TYPES", "METRICS", "SMOOTHED", "PairLoss", "check_loss", "cp_sum", "dpo_losses"]

@@ -6,12 +6,24 @@ response tokens' log-probabilities (the prompt's labels are -100 and do not coun
 
     pi_c, pi_r, ref_c, ref_r          (P,) one number per pair and model
     z      = (pi_c - ref_c) - (pi_r - ref_r)                      the implicit reward margin / beta
-    sigmoid  loss_p = -log sigmoid(beta z)                         Rafailov et al., eq. 7
+    eps    = label_smoothing in [0, 0.5): the chance that a pair's label is flipped (TRL's, Axolotl's
+             dpo_label_smoothing)
+    sigmoid  loss_p = -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z)
+                                                                    Rafailov et al., eq. 7; eps > 0 is
+             conservative DPO (cDPO, Mitchell 2023): the cross-entropy against the smoothed label;
+             eps = 0 computes -log sigmoid(beta z) alone (bitwise the plain loss)
+    robust   loss_p = (-(1 - eps) log sigmoid(beta z) + eps log sigmoid(-beta z)) / (1 - 2 eps)
+             Chowdhury et al. 2024: an unbiased estimate of the clean-label loss under label noise
+             eps (eps = 0: the sigmoid loss)
+    hinge    loss_p = relu(1 - beta z)                              SLiC (Zhao et al. 2023)
     ipo      loss_p = (z - 1 / (2 beta))^2                          Azar et al. 2023, eq. 17, with
              log p the MEAN over the response's tokens, as TRL's DPOTrainer averages them for ipo
     loss   = mean over the P pairs of the GLOBAL batch
 
-With the reference equal to the policy, z = 0 and the sigmoid loss is ln 2 exactly.
+hinge and ipo take no eps (TRL ignores label_smoothing there, with a warning; minipar refuses eps >
+0 with them, SMOOTHED lists the loss types that use it). With the reference equal to the policy,
+z = 0: sigmoid and robust give ln 2 exactly for any eps ((1 - eps) ln 2 + eps ln 2, and
+((1 - eps) ln 2 - eps ln 2) / (1 - 2 eps)), hinge 1, ipo 1 / (4 beta^2).
 
 How one micro-batch is laid out: a pair is two adjacent rows, [c_0, r_0, c_1, r_1, ...] (rows,
 T), one forward for both. The row split of batch_split.py gives each rank contiguous blocks of
@@ -72,7 +84,9 @@ import torch.nn.functional as F
 
 from .. import comm
 
-LOSS_TYPES = ("sigmoid", "ipo")
+LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo")
+SMOOTHED = ("sigmoid", "robust")        # the loss types that take label_smoothing (TRL's)
+MEAN_LOGPS = ("ipo",)                   # the loss types whose log p is a mean per token, not a sum
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")
 
@@ -100,14 +114,35 @@ def cp_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x if group.size == 1 else _CPSum.apply(x, group)
 
 
-def dpo_losses(pi_c, pi_r, ref_c, ref_r, beta: float, loss_type: str = "sigmoid") -> torch.Tensor:
+def check_loss(loss_type: str, label_smoothing: float = 0.0) -> None:
+    """A ValueError unless loss_type is known and label_smoothing is in [0, 0.5) and used by it."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"dpo_loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
+    eps = label_smoothing
+    if not 0.0 <= eps < 0.5:          # (also refuses nan)
+        raise ValueError(f"dpo_label_smoothing must be in [0, 0.5) (the chance a pair's label is flipped; "
+                         f"0.5 makes the robust loss divide by zero), got {eps!r}")
+    if eps > 0 and loss_type not in SMOOTHED:
+        raise ValueError(f"dpo_label_smoothing {eps!r} with dpo_loss_type {loss_type}: the {loss_type} loss "
+                         f"takes no label smoothing (TRL ignores it); use dpo_loss_type "
+                         f"{' or '.join(SMOOTHED)}, or remove dpo_label_smoothing")
+
+
+def dpo_losses(pi_c, pi_r, ref_c, ref_r, beta: float, loss_type: str = "sigmoid",
+               label_smoothing: float = 0.0) -> torch.Tensor:
     """The per-pair loss (P,) of the module docstring (ipo: the log-probs given already averaged)."""
+    check_loss(loss_type, label_smoothing)
     z = (pi_c - ref_c) - (pi_r - ref_r)
+    eps = float(label_smoothing)
     if loss_type == "sigmoid":
-        return -F.logsigmoid(beta * z)
-    if loss_type == "ipo":
-        return (z - 1.0 / (2.0 * beta)) ** 2
-    raise ValueError(f"dpo_loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
+        if eps == 0.0:                # the plain DPO loss, bitwise
+            return -F.logsigmoid(beta * z)
+        return -(1.0 - eps) * F.logsigmoid(beta * z) - eps * F.logsigmoid(-beta * z)
+    if loss_type == "robust":
+        return (-(1.0 - eps) * F.logsigmoid(beta * z) + eps * F.logsigmoid(-beta * z)) / (1.0 - 2.0 * eps)
+    if loss_type == "hinge":
+        return torch.relu(1.0 - beta * z)
+    return (z - 1.0 / (2.0 * beta)) ** 2
 
 
 class PairLoss:
@@ -115,14 +150,15 @@ class PairLoss:
     pipeline's run_schedule and forward_only pass it through to the head unchanged).
 
     micro     this rank's micro-batches (dicts with "labels" (rows, T/cp) and, unless record,
-              "ref_logps" (rows,)); n_pairs: the pairs of the GLOBAL batch; pgm: the grid."""
+              "ref_logps" (rows,)); n_pairs: the pairs of the GLOBAL batch; pgm: the grid;
+              label_smoothing: eps of the module docstring (sigmoid and robust only)."""
 
     def __init__(self, micro: List[dict], n_pairs: int, pgm, beta: float, loss_type: str = "sigmoid",
-                 record: bool = False):
-        if loss_type not in LOSS_TYPES:
-            raise ValueError(f"dpo_loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
+                 record: bool = False, label_smoothing: float = 0.0):
+        check_loss(loss_type, label_smoothing)
         self.micro, self.n_pairs, self.pgm = micro, n_pairs, pgm
         self.beta, self.loss_type, self.record = float(beta), loss_type, record
+        self.label_smoothing = float(label_smoothing)
         self.recorded: Dict[int, torch.Tensor] = {}   # micro index -> (rows,) log-probs (record mode)
         self.sums: Dict[int, torch.Tensor] = {}       # micro index -> the metrics' sums over its pairs
 
@@ -135,7 +171,7 @@ class PairLoss:
     def sequence_logps(self, partial: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """(rows,) log p(y | x) of whole rows from this rank's partial sums (mean per token for ipo)."""
         logps = cp_sum(partial, self.pgm.cp)
-        if self.loss_type == "ipo":
+        if self.loss_type in MEAN_LOGPS:
             count = (labels != -100).sum(-1).to(logps.dtype)
             if self.pgm.cp.size > 1:
                 comm.all_reduce(count, self.pgm.cp)
@@ -152,7 +188,7 @@ class PairLoss:
             return partial.sum() * 0.0
         ref = self.micro[i]["ref_logps"].to(logps.device, logps.dtype)
         pi_c, pi_r, ref_c, ref_r = logps[0::2], logps[1::2], ref[0::2], ref[1::2]
-        losses = dpo_losses(pi_c, pi_r, ref_c, ref_r, self.beta, self.loss_type)
+        losses = dpo_losses(pi_c, pi_r, ref_c, ref_r, self.beta, self.loss_type, self.label_smoothing)
         with torch.no_grad():
             rc, rr = self.beta * (pi_c - ref_c), self.beta * (pi_r - ref_r)
             self.sums[i] = torch.stack([rc.sum(), rr.sum(), (rc > rr).float().sum(), (rc - rr).sum(),

@@ -1,8 +1,9 @@
 """rl: dpo in the trainer: the DPO step of minipar/dpo_step.py on the run's pairs, its reference,
 and the evaluation on held-out pairs. trainer.py holds one DPORun when the config has rl: dpo.
 
-    DPORun(trainer)        DPOStep(trainer.step, dpo_beta, dpo_loss_type, reference) with the
-                           reference of config/rl_keys.py's reference_of: 'lora' (the adapters
+    DPORun(trainer)        DPOStep(trainer.step, dpo_beta, dpo_loss_type, reference, label_smoothing=
+                           dpo_label_smoothing) with the reference of config/rl_keys.py's
+                           reference_of: 'lora' (the adapters
                            switched off, one more forward per micro-batch), 'precomputed', or
                            'frozen' (a frozen copy of the starting weights on the run's layout,
                            dpo_reference.frozen_copy: built here from base_model, or the seed, at
@@ -41,7 +42,7 @@ from typing import Dict, Tuple
 import torch
 
 from minipar import comm
-from minipar.dpo import METRICS, PairLoss
+from minipar.dpo import METRICS
 from minipar.dpo_reference import frozen_copy
 from minipar.dpo_step import DPOStep
 from minipar.lora import adapters_off
@@ -61,9 +62,11 @@ class DPORun:
         self.reference = reference_of(self.cfg)
         ref_model = frozen_copy(trainer.parallel, self.cfg.model, trainer.run.base_model, trainer.log) \
             if self.reference == "frozen" else None
-        self.dpo = DPOStep(trainer.step, self.cfg.dpo_beta, self.cfg.dpo_loss_type, self.reference, ref_model)
+        self.dpo = DPOStep(trainer.step, self.cfg.dpo_beta, self.cfg.dpo_loss_type, self.reference, ref_model,
+                           label_smoothing=self.cfg.dpo_label_smoothing)
         self.data = trainer.run.datasets              # data/preference.py PairRun: train, val
-        trainer.log(f"rl: dpo ({self.cfg.dpo_loss_type}, beta {self.cfg.dpo_beta:g}), reference: "
+        smooth = f", label smoothing {self.cfg.dpo_label_smoothing:g}" if self.cfg.dpo_label_smoothing else ""
+        trainer.log(f"rl: dpo ({self.cfg.dpo_loss_type}, beta {self.cfg.dpo_beta:g}{smooth}), reference: "
                     + SAYS[self.reference])
         if self.reference == "precomputed":
             self.precompute()
@@ -151,7 +154,7 @@ class DPORun:
             held.clear()
         for gb in self.data.val.batches(cfg.global_batch_size, cfg.eval_batches):
             mb = self.dpo.local(gb["input_ids"], gb["labels"], gb.get("ref_logps"), num_micro=1)[0]
-            objective = PairLoss([mb], cfg.global_batch_size, self.pgm, cfg.dpo_beta, cfg.dpo_loss_type)
+            objective = self.dpo.objective([mb], cfg.global_batch_size)
             held.append((mb, objective))
             count += 1
             if len(held) == step.eval_window:

@@ -157,10 +157,11 @@ CHECKPOINTS_AND_LOGGING = {
 PREFERENCE = {
     "trl": honoured("trl.beta: dpo_beta (rl_beta); its other keys are GRPO's (rl: grpo is refused) and "
                     "noted"),
-    "dpo_label_smoothing": refused("DPO's loss has no label smoothing here; remove it",
-                                   accept=(0, 0.0, False)),
+    "dpo_label_smoothing": honoured("TRL's label_smoothing eps in [0, 0.5): cDPO's sigmoid loss and the "
+                                    "robust loss (dpo_loss_type robust); refused with hinge and ipo"),
     "dpo_use_weighting": refused("WPO's weighting of the DPO loss is not supported; remove it"),
-    "dpo_loss_weights": refused("one DPO loss (dpo_loss_type sigmoid or ipo); remove dpo_loss_weights"),
+    "dpo_loss_weights": refused("one DPO loss (dpo_loss_type sigmoid, robust, hinge or ipo); remove "
+                                "dpo_loss_weights"),
     "dpo_padding_free": noted("each side of a pair is one padded row; padding-free is the same loss"),
     "dpo_use_liger_kernel": noted("Liger's fused kernel for the same loss; minipar computes it"),
     "dpo_norm_loss": refused("removed from Axolotl too (TRL 0.29); remove it"),

@@ -6,10 +6,14 @@
     rl: kto | orpo | simpo | grpo | ...   refused, naming the supported values
     rl_beta  or  dpo_beta                 dpo_beta (the schema's alias: one name in the code; both
                                           given and different: refused)
-    dpo_loss_type: sigmoid | ipo          TRL's loss_type (the sigmoid loss of Rafailov et al. 2023,
-                                          or IPO of Azar et al. 2023; typed in schema.py); Axolotl's
-                                          list of one, [sigmoid], is read as it; several (TRL's sum
-                                          of losses) are refused
+    dpo_loss_type: sigmoid | robust |     TRL's loss_type (the sigmoid loss of Rafailov et al. 2023,
+        hinge | ipo                       robust DPO of Chowdhury et al. 2024, SLiC's hinge, or IPO
+                                          of Azar et al. 2023; typed in schema.py, the formulas in
+                                          minipar/dpo/objective.py); Axolotl's list of one, [sigmoid],
+                                          is read as it; several (TRL's sum of losses) are refused
+    dpo_label_smoothing                   TRL's label_smoothing eps, 0 <= eps < 0.5 (schema.py): the
+                                          sigmoid loss becomes cDPO's, the robust loss uses it; with
+                                          hinge or ipo (TRL ignores it there) eps > 0 is refused
     precompute_ref_log_probs              TRL's: the reference's log-probs of every pair computed in
                                           one pass before training
 
@@ -33,6 +37,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from minipar.dpo.objective import LOSS_TYPES, SMOOTHED
+
 RL_TYPES = ("dpo",)
 RL_ALIASES = {"ipo": ("dpo", "ipo")}     # Axolotl's rl value -> (rl, dpo_loss_type)
 
@@ -47,7 +53,7 @@ def translate_rl(data: dict, problems: List[str]) -> dict:
         else:
             data.pop("dpo_loss_type")
             problems.append(f"dpo_loss_type {losses}: one loss is trained (TRL's weighted sum of several is "
-                            f"not supported); write dpo_loss_type: sigmoid or ipo")
+                            f"not supported); write one of dpo_loss_type: {', '.join(LOSS_TYPES)}")
     if data.get("rl") in RL_ALIASES:
         rl, loss = RL_ALIASES[data["rl"]]
         if data.get("dpo_loss_type", loss) != loss:
@@ -74,6 +80,7 @@ def rl_problems(cfg) -> List[str]:
     out = []
     if cfg.rl is None:
         given = [k for k, v in (("dpo_loss_type", cfg.dpo_loss_type != "sigmoid"),
+                                ("dpo_label_smoothing", cfg.dpo_label_smoothing != 0),
                                 ("precompute_ref_log_probs", cfg.precompute_ref_log_probs is not None)) if v]
         if given:
             out.append(f"{', '.join(given)} apply to preference training only: set rl: dpo, or remove them")
@@ -81,6 +88,10 @@ def rl_problems(cfg) -> List[str]:
     if cfg.rl not in RL_TYPES:
         return [f"rl: {cfg.rl!r} is not supported; supported: {list(RL_TYPES)} (and rl: ipo, DPO with "
                 f"dpo_loss_type ipo); remove `rl` for supervised fine-tuning"]
+    if cfg.dpo_label_smoothing and cfg.dpo_loss_type not in SMOOTHED:
+        out.append(f"dpo_label_smoothing {cfg.dpo_label_smoothing:g} with dpo_loss_type {cfg.dpo_loss_type}: "
+                   f"the {cfg.dpo_loss_type} loss takes no label smoothing (TRL ignores it); use "
+                   f"dpo_loss_type {' or '.join(SMOOTHED)}, or remove dpo_label_smoothing")
     if not cfg.datasets:
         out.append("rl: dpo trains on preference pairs: set `datasets` to a JSONL file of prompt / chosen / "
                    "rejected rows (Axolotl's chat_template form, or the plain form; docs/dpo.md)")

@@ -267,7 +267,11 @@ class AdapterKeys(Keys):
     # prompt / chosen / rejected; global_batch_size and micro_batch_size count pairs
     rl: Optional[str] = None              # dpo (rl: ipo is dpo with dpo_loss_type ipo)
     dpo_beta: Number = Field(0.1, gt=0, validation_alias="rl_beta")   # TRL's beta: the KL penalty's weight
-    dpo_loss_type: Literal["sigmoid", "ipo"] = "sigmoid"   # Rafailov et al. | Azar et al.
+    # Rafailov et al. (cDPO with label smoothing) | Chowdhury et al. 2024 | SLiC | Azar et al.
+    dpo_loss_type: Literal["sigmoid", "robust", "hinge", "ipo"] = "sigmoid"
+    # TRL's label_smoothing: the chance a pair's label is flipped (sigmoid and robust, rl_keys.py)
+    dpo_label_smoothing: Number = Field(0.0, ge=0, lt=0.5,
+                                        description="a pair's label flipped with this chance")
     # the reference's log-probs in one pass before training; null: true for a full fine-tune, false
     # with adapter: lora (the reference is then the base with the adapters off)
     precompute_ref_log_probs: Optional[bool] = None

@@ -20,7 +20,9 @@ The key is the sha256 of cache_inputs():
                 rank), else the seed (the seeded initialisation) with the model's config
     forward     the model config, the recipe (dtype, LoRA: its base runs with the adapters off,
                 compile), the layout (the order of the sums, an MoE's capacity per rank),
-                global_batch_size (the pass's batches) and dpo_loss_type (ipo averages per token)
+                global_batch_size (the pass's batches) and whether dpo_loss_type averages log p per
+                token (ipo) or sums it (sigmoid, robust, hinge: one cache); dpo_label_smoothing and
+                dpo_beta are not in it (the loss's, not the log-probs')
 
 learning_rate, max_steps, output_dir and the rest are not in it: a rerun that changes them loads
 the numbers. Pure file work, no communication: dpo_run.py has one rank read and write, and
@@ -38,6 +40,7 @@ from typing import List, Optional
 
 import torch
 
+from minipar.dpo.objective import MEAN_LOGPS
 from minipar.trainer.checkpoint.atomic import owner_tag
 from minipar.trainer.checkpoint.verify import sha256_file
 from minipar.trainer.data.prepared import prepared_root
@@ -71,7 +74,8 @@ def cache_inputs(cfg, pconf, base_model, splits, device_type: str) -> dict:
                        pairs=[[s.fingerprint, s.num_rows] for s in splits],
                        weights=weights_inputs(cfg, base_model), model=_plain(cfg.model),
                        recipe=_plain(cfg.recipe()), layout=_plain(pconf),
-                       global_batch_size=int(cfg.global_batch_size), dpo_loss_type=cfg.dpo_loss_type))
+                       global_batch_size=int(cfg.global_batch_size),
+                       logps="mean" if cfg.dpo_loss_type in MEAN_LOGPS else "sum"))
 
 
 def cache_path(cfg, inputs: dict) -> str:

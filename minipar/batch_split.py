@@ -23,7 +23,8 @@ Striped Attention, Brandon et al., 2023); context_parallel/layouts.py cuts the s
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+import itertools
+from typing import Dict, Iterable, Iterator, List, Optional
 
 import torch
 
@@ -87,3 +88,14 @@ def local_batch(input_ids: torch.Tensor, labels: torch.Tensor, pgm, micro_step: 
     if document_ids is not None:
         out["document_ids"] = to_device(shard_sequence(document_ids[rows], 1, pgm.cp, layout)).contiguous()
     return out
+
+
+def windows(items: Iterable, size: int) -> Iterator[List]:
+    """items in lists of `size`, the last one shorter: the batches one forward pass takes together
+    (compose.Step.eval_window; under pp they go down the pipeline at once)."""
+    it = iter(items)
+    while True:
+        chunk = list(itertools.islice(it, size))
+        if not chunk:
+            return
+        yield chunk

@@ -32,7 +32,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from minipar import comm
-from minipar.batch_split import local_batch
+from minipar.batch_split import local_batch, windows
 
 
 class Scorer:
@@ -77,9 +77,8 @@ class Scorer:
                                  f"got {len(ctx)} and {len(cont)} tokens")
         dp, out = self.pgm.dp.size, []
         parts = [[(list(c) + list(x), len(c)) for c, x in rows[k:k + dp]] for k in range(0, len(rows), dp)]
-        W = self.step.eval_window
-        for k in range(0, len(parts), W):
-            out += self._call(parts[k:k + W], pad_id)
+        for part in windows(parts, self.step.eval_window):
+            out += self._call(part, pad_id)
         return out
 
 

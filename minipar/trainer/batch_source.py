@@ -112,21 +112,13 @@ def eval_loss(model, batches: Batches, loss_of: Callable[[list, list], torch.Ten
     up to `window` batches and their token counts and returns their (k,) shares."""
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=batches.device)
-    count, held = 0, []
-
-    def run():
-        nonlocal total
-        shares = loss_of([mb for mb, _ in held], [n for _, n in held])
-        for k in range(len(held)):                 # summed in batch order: the numbers of one at a time
+    count = 0
+    for group in batch_split.windows(batches.eval_batches(), window):
+        shares = loss_of([batches.local(gb, 0, 1) for gb in group],
+                         [batch_split.count_label_tokens(gb["labels"]) for gb in group])
+        for k in range(len(group)):                # summed in batch order: the numbers of one at a time
             total += shares[k]
-        held.clear()
-    for gb in batches.eval_batches():
-        held.append((batches.local(gb, 0, 1), batch_split.count_label_tokens(gb["labels"])))
-        count += 1
-        if len(held) == window:
-            run()
-    if held:
-        run()
+        count += len(group)
     for group in groups:
         comm.all_reduce(total, group)
     model.train()

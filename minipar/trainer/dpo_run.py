@@ -42,6 +42,7 @@ from typing import Dict, Tuple
 import torch
 
 from minipar import comm
+from minipar.batch_split import windows
 from minipar.dpo import METRICS
 from minipar.dpo_reference import frozen_copy
 from minipar.dpo_step import DPOStep
@@ -112,9 +113,7 @@ class DPORun:
         """(P, 2) reference log-probs of a split, in batches of G pairs (the last one filled up), the
         step's eval_window of them in each forward pass (under pp: pipelined)."""
         out = torch.empty(data.num_rows, 2)
-        starts = list(range(0, data.num_rows, G))
-        W = self.t.step.eval_window
-        for group in (starts[i:i + W] for i in range(0, len(starts), W)):
+        for group in windows(range(0, data.num_rows, G), self.t.step.eval_window):
             index = torch.cat([torch.arange(first, first + G) for first in group]) % data.num_rows
             gb = data.take(index)                      # the last batch filled up
             got = self._reference_pass(gb["input_ids"], gb["labels"], len(group)).view(len(group), G, 2)
@@ -139,28 +138,19 @@ class DPORun:
         model = self.t.model
         total = torch.zeros((), dtype=torch.float64, device=device)
         sums = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
-        count, held = 0, []
-
-        def run():                                 # the held batches down the pipeline together
-            nonlocal total, sums
-            micro = [mb for mb, _ in held]
+        count, val = 0, self.data.val.batches(cfg.global_batch_size, cfg.eval_batches)
+        for group in windows(val, step.eval_window):      # down the pipeline together
+            micro = [self.dpo.local(gb["input_ids"], gb["labels"], gb.get("ref_logps"), num_micro=1)[0]
+                     for gb in group]
+            objectives = [self.dpo.objective([mb], cfg.global_batch_size) for mb in micro]
             if self.reference != "precomputed":
                 self.dpo.reference_logps(micro)
             model.eval()
-            shares = step.eval_loss(micro, [objective for _, objective in held])
-            for k, (_, objective) in enumerate(held):      # in batch order: one at a time's numbers
+            shares = step.eval_loss(micro, objectives)
+            for k, objective in enumerate(objectives):     # in batch order: one at a time's numbers
                 total += shares[k]
                 sums += torch.stack(list(objective.metrics(device).values()))
-            held.clear()
-        for gb in self.data.val.batches(cfg.global_batch_size, cfg.eval_batches):
-            mb = self.dpo.local(gb["input_ids"], gb["labels"], gb.get("ref_logps"), num_micro=1)[0]
-            objective = self.dpo.objective([mb], cfg.global_batch_size)
-            held.append((mb, objective))
-            count += 1
-            if len(held) == step.eval_window:
-                run()
-        if held:
-            run()
+            count += len(group)
         for group in step.loss_groups:
             comm.all_reduce(total, group)
         model.train()
